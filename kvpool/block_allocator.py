@@ -1,0 +1,138 @@
+"""Block placement policy over one model's pages (storage lives in KVCache).
+
+- Blocks are handed out only from mapped pages; page 0 is never used.
+- Best fit: a request for blocks fills the mapped page with the fewest free blocks first, so load
+  concentrates and idle models can give whole pages back.
+- A new logical page is mapped on demand when mapped pages run short.
+- A page whose blocks are all free is kept mapped as the model's cached reserve (up to
+  `max_cached_pages`, for the next burst) or unmapped and returned to the pool. Other models can
+  reclaim the cached reserve through the pool (`reclaim_pages`).
+Not thread-safe: the device's engine thread owns it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvpool.kv_layout import KVLayout
+
+if TYPE_CHECKING:
+    from kvpool.kv_cache import KVCache
+
+
+class BlockAllocator:
+    def __init__(self, storage: KVCache, layout: KVLayout, max_pages: int, max_cached_pages: int):
+        self.storage = storage
+        self.layout = layout
+        self.bpp = layout.blocks_per_page
+        self.max_pages = max_pages
+        self.max_cached_pages = max_cached_pages
+        self._free_slots: dict[int, list[int]] = {}  # mapped page -> free slots (stack)
+        self._unmapped = list(range(max_pages - 1, 0, -1))  # stack: lowest page index on top
+        self._num_used = 0
+
+    # ---- queries --------------------------------------------------------------------------------
+    @property
+    def num_mapped_pages(self) -> int:
+        return len(self._free_slots)
+
+    def mapped_pages(self) -> list[int]:
+        return sorted(self._free_slots)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self._num_used
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Free blocks on mapped pages (cached pages included)."""
+        return self.num_mapped_pages * self.bpp - self._num_used
+
+    @property
+    def num_cached_pages(self) -> int:
+        return sum(len(s) == self.bpp for s in self._free_slots.values())
+
+    @property
+    def capacity_blocks(self) -> int:
+        """Blocks this model could hold if it had every page it can address."""
+        return (self.max_pages - 1) * self.bpp
+
+    def _pages_needed(self, n: int) -> int:
+        return max(0, -(-(n - self.num_free_blocks) // self.bpp))
+
+    def can_allocate(self, n: int) -> bool:
+        pages = self._pages_needed(n)
+        if pages == 0:
+            return True
+        return pages <= len(self._unmapped) and self.storage.can_map(pages)
+
+    # ---- allocate / free ------------------------------------------------------------------------
+    def allocate(self, n: int) -> list[int] | None:
+        """n global block indices, or None (nothing taken) if the pages cannot be had."""
+        pages = self._pages_needed(n)
+        if pages:
+            if pages > len(self._unmapped):
+                return None
+            new = [self._unmapped.pop() for _ in range(pages)]
+            if not self.storage.map_pages(new):
+                self._unmapped.extend(reversed(new))
+                return None
+            for p in new:
+                self._free_slots[p] = list(range(self.bpp - 1, -1, -1))
+        out: list[int] = []
+        while len(out) < n:
+            page = min((p for p, s in self._free_slots.items() if s),
+                       key=lambda p: (len(self._free_slots[p]), p))
+            slots = self._free_slots[page]
+            take = min(len(slots), n - len(out))
+            out.extend(self.layout.block_index(page, slots.pop()) for _ in range(take))
+        self._num_used += n
+        return out
+
+    def free(self, blocks: list[int]) -> None:
+        emptied = []
+        for b in blocks:
+            page, slot = self.layout.locate(b)
+            slots = self._free_slots[page]
+            slots.append(slot)
+            if len(slots) == self.bpp:
+                emptied.append(page)
+        self._num_used -= len(blocks)
+        excess = self.num_cached_pages - self.max_cached_pages
+        if excess > 0 and emptied:
+            self._unmap(emptied[-excess:] if excess < len(emptied) else emptied)
+
+    def _unmap(self, pages: list[int]) -> None:
+        self.storage.unmap_pages(pages)
+        for p in pages:
+            del self._free_slots[p]
+        self._unmapped.extend(pages)
+        self._unmapped.sort(reverse=True)
+
+    # ---- the pool's Reclaimer -------------------------------------------------------------------
+    def reclaimable_pages(self) -> int:
+        return self.num_cached_pages
+
+    def reclaim_pages(self, n: int) -> int:
+        """Unmap up to n fully free pages (highest page index first) and give them to the pool."""
+        cached = sorted((p for p, s in self._free_slots.items() if len(s) == self.bpp),
+                        reverse=True)[:n]
+        if cached:
+            self._unmap(cached)
+        return len(cached)
+
+    def release_all(self) -> None:
+        if self._num_used:
+            raise RuntimeError(f"{self._num_used} blocks are still in use")
+        self.reclaim_pages(len(self._free_slots))
+
+    # ---- checks ---------------------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        free = sum(len(s) for s in self._free_slots.values())
+        assert free + self._num_used == self.num_mapped_pages * self.bpp, (free, self._num_used)
+        for p, slots in self._free_slots.items():
+            assert 0 < p < self.max_pages, p
+            assert len(set(slots)) == len(slots) and all(0 <= s < self.bpp for s in slots), p
+        assert not set(self._unmapped) & set(self._free_slots)
+        assert len(self._unmapped) + self.num_mapped_pages == self.max_pages - 1
+        assert self.num_cached_pages <= self.max_cached_pages, self.num_cached_pages

@@ -1,0 +1,160 @@
+"""The page pool of one device: physical pages shared by every model on it.
+
+All pages have the same size, so a page one model gives back is usable by any other at once. The
+pool creates handles ahead of need up to its budget and keeps them (creating is the expensive driver
+call); it never releases them to the driver while it lives. Accounting is exact: every created page
+is either free in the pool or owned by exactly one owner. Thread-safe (one re-entrant lock).
+
+When an owner asks for more pages than are free and the budget allows no more, the pool asks other
+owners to give back pages they hold but do not use (their cached reserve), least recently grown
+first, through the `Reclaimer` they registered.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from dataclasses import dataclass
+from typing import Protocol
+
+from kvpool.backend import MemoryBackend, PhysicalHandle
+
+
+class Reclaimer(Protocol):
+    def reclaimable_pages(self) -> int:
+        """Pages held but not in use, that reclaim_pages could give back now."""
+
+    def reclaim_pages(self, n: int) -> int:
+        """Give back up to n unused pages (through PagePool.release); return how many."""
+
+
+@dataclass
+class _Owner:
+    name: str
+    reclaim: Reclaimer | None
+    pages: int = 0
+    last_grow: int = 0
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    page_bytes: int
+    capacity: int  # pages the budget allows, null page excluded
+    created: int
+    free: int
+    owned: dict[str, int]
+
+
+class PagePool:
+    def __init__(self, backend: MemoryBackend, page_bytes: int, budget_bytes: int,
+                 precreate: int = 0):
+        self.backend = backend
+        self.page_bytes = backend.round_up(page_bytes)
+        # One page of the budget backs the shared null page (page 0 of every model).
+        self.capacity = budget_bytes // self.page_bytes - 1
+        if self.capacity < 1:
+            raise ValueError(
+                f"budget of {budget_bytes} bytes holds fewer than 2 pages of {self.page_bytes} bytes"
+            )
+        self.null_handle = backend.create(self.page_bytes)
+        self._free: list[PhysicalHandle] = []
+        self._created = 0
+        self._owners: dict[str, _Owner] = {}
+        self._clock = itertools.count(1)
+        self._lock = threading.RLock()
+        self.precreate(precreate)
+
+    # ---- owners -------------------------------------------------------------------------------
+    def register(self, owner: str, reclaim: Reclaimer | None = None) -> None:
+        with self._lock:
+            if owner in self._owners:
+                raise ValueError(f"owner {owner!r} is already registered")
+            self._owners[owner] = _Owner(owner, reclaim)
+
+    def unregister(self, owner: str) -> None:
+        with self._lock:
+            o = self._owners.pop(owner)
+            if o.pages:
+                self._owners[owner] = o
+                raise RuntimeError(f"owner {owner!r} still holds {o.pages} pages")
+
+    def pages_of(self, owner: str) -> int:
+        return self._owners[owner].pages
+
+    # ---- pages --------------------------------------------------------------------------------
+    def precreate(self, n: int) -> None:
+        """Create up to n more handles now, off the critical path."""
+        with self._lock:
+            for _ in range(min(n, self.capacity - self._created)):
+                self._free.append(self.backend.create(self.page_bytes))
+                self._created += 1
+
+    @property
+    def num_available(self) -> int:
+        """Pages obtainable without reclaiming: free handles plus those the budget still allows."""
+        return len(self._free) + self.capacity - self._created
+
+    def reclaimable(self, exclude: str | None = None) -> int:
+        """Pages other owners could give back (not counting those they use)."""
+        return sum(o.reclaim.reclaimable_pages() for o in self._owners.values()
+                   if o.name != exclude and o.reclaim is not None)
+
+    def can_acquire(self, owner: str, n: int) -> bool:
+        with self._lock:
+            if n <= self.num_available:
+                return True
+            return n <= self.num_available + self.reclaimable(exclude=owner)
+
+    def acquire(self, owner: str, n: int) -> list[PhysicalHandle] | None:
+        """n pages for `owner`, or None (and nothing taken) if they cannot be had."""
+        with self._lock:
+            o = self._owners[owner]
+            short = n - self.num_available
+            if short > 0:
+                self._reclaim_from_others(owner, short)
+                if n > self.num_available:
+                    return None
+            self.precreate(n - len(self._free))
+            handles = [self._free.pop() for _ in range(n)]
+            o.pages += n
+            o.last_grow = next(self._clock)
+            return handles
+
+    def release(self, owner: str, handles: list[PhysicalHandle]) -> None:
+        with self._lock:
+            o = self._owners[owner]
+            if len(handles) > o.pages:
+                raise RuntimeError(f"{owner!r} releases {len(handles)} pages but owns {o.pages}")
+            o.pages -= len(handles)
+            self._free.extend(handles)
+
+    def _reclaim_from_others(self, owner: str, short: int) -> None:
+        others = sorted((o for o in self._owners.values() if o.name != owner and o.reclaim),
+                        key=lambda o: o.last_grow)
+        for o in others:
+            if short <= 0:
+                break
+            short -= o.reclaim.reclaim_pages(short)
+
+    # ---- checks -------------------------------------------------------------------------------
+    def stats(self) -> PoolStats:
+        with self._lock:
+            return PoolStats(self.page_bytes, self.capacity, self._created, len(self._free),
+                             {o.name: o.pages for o in self._owners.values()})
+
+    def check_integrity(self) -> None:
+        with self._lock:
+            owned = sum(o.pages for o in self._owners.values())
+            assert owned + len(self._free) == self._created, (owned, len(self._free), self._created)
+            assert self._created <= self.capacity, (self._created, self.capacity)
+            assert len({id(h) for h in self._free}) == len(self._free), "handle freed twice"
+
+    def close(self) -> None:
+        with self._lock:
+            if any(o.pages for o in self._owners.values()):
+                raise RuntimeError("closing a pool whose pages are still owned")
+            for h in self._free:
+                self.backend.release(h)
+            self.backend.release(self.null_handle)
+            self._created -= len(self._free)
+            self._free.clear()
