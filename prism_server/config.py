@@ -1,0 +1,70 @@
+"""Engine configuration: frozen dataclasses layered by scope (engine config contains model specs)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from scheduler.batch_scheduler import SchedulerConfig
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One served model: its name, where its weights come from, and how it is batched."""
+
+    name: str
+    source: str  # HF directory, .gguf file, "dummy:<preset>", or an embedded default's name
+    dtype: str = "auto"  # auto = float32 on CPU, bfloat16 on GPU
+    max_model_len: int | None = None  # None = the model's own limit, capped at 8192
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_cached_pages: int = 1  # fully free pages kept mapped for the next burst
+    seed: int = 0  # for dummy weights
+
+    def __post_init__(self):
+        if not self.name or self.name.strip() != self.name:
+            raise ValueError(f"model name {self.name!r} is not valid")
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError("max_model_len must be positive")
+
+    def torch_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return _DTYPES[self.dtype]
+
+    def scheduler_config(self, model_limit: int) -> SchedulerConfig:
+        return SchedulerConfig(
+            block_size=self.block_size,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=min(self.max_model_len or 8192, model_limit),
+        )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    models: tuple[ModelSpec, ...] = ()
+    device: str = "auto"  # auto = cuda if available, else cpu
+    page_bytes: int = 64 << 20  # one physical page (handle) of the pool
+    kv_budget_bytes: int | None = None  # pool budget per device; None = a default per device kind
+    models_by_name: dict = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        names = [m.name for m in self.models]
+        dup = {n for n in names if names.count(n) > 1}
+        if dup:
+            raise ValueError(f"model names must be unique; repeated: {sorted(dup)}")
+        if self.page_bytes <= 0:
+            raise ValueError("page_bytes must be positive")
+        object.__setattr__(self, "models_by_name", {m.name: m for m in self.models})
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)

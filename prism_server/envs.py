@@ -1,0 +1,31 @@
+"""Every environment knob of Prism, typed, in one place (all prefixed PRISM_)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def _int(name: str, default: int | None) -> int | None:
+    v = os.environ.get(name)
+    if v is None or v == "":
+        return default
+    try:
+        return int(float(v))
+    except ValueError:
+        raise ValueError(f"{name} must be a number, got {v!r}") from None
+
+
+def cache_dir() -> Path:
+    """Where converted model files are cached (PRISM_CACHE_DIR, default ~/.cache/prism)."""
+    return Path(os.environ.get("PRISM_CACHE_DIR") or Path.home() / ".cache" / "prism")
+
+
+def kv_budget_bytes() -> int | None:
+    """Page pool budget per device in bytes (PRISM_KV_BUDGET_BYTES); unset = a per-device default."""
+    return _int("PRISM_KV_BUDGET_BYTES", None)
+
+
+def cpu_threads() -> int | None:
+    """torch intra-op threads on CPU (PRISM_CPU_THREADS); unset = torch's default."""
+    return _int("PRISM_CPU_THREADS", None)

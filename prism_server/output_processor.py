@@ -1,0 +1,81 @@
+"""Turns one step's sampled tokens into request updates and output deltas: stop conditions,
+incremental text, stop strings (held back until they cannot be the start of a stop string)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prism_server.detokenizer import IncrementalDetokenizer, find_stop
+from prism_server.request import FinishReason, Request, RequestOutput, TokenLogprob
+
+
+@dataclass
+class _Text:
+    detok: IncrementalDetokenizer
+    text: str = ""
+    emitted: int = 0  # characters of `text` already sent
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer, max_model_len: int):
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self._texts: dict[str, _Text] = {}
+
+    def _state(self, req: Request) -> _Text:
+        st = self._texts.get(req.request_id)
+        if st is None:
+            detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
+                                           req.params.skip_special_tokens)
+            st = self._texts[req.request_id] = _Text(detok)
+        return st
+
+    def _token_stop(self, req: Request, tok: int) -> tuple[FinishReason | None, bool]:
+        """(finish reason, whether the token's text is part of the output)."""
+        p = req.params
+        if req.num_output_tokens > p.min_tokens:  # sampled once min_tokens were out
+            if tok in p.stop_token_ids or (not p.ignore_eos and tok in req.eos_token_ids):
+                return FinishReason.STOP, False
+        if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH, True
+        return None, True
+
+    def process(self, req: Request, tok: int, logprob: TokenLogprob | None, now: float
+                ) -> RequestOutput:
+        """Append a sampled token; return the delta (with finish_reason set if it finished)."""
+        req.append_token(tok)
+        if req.first_token_time is None:
+            req.first_token_time = now
+        reason, visible = self._token_stop(req, tok)
+        st = self._state(req)
+        new = st.detok.step([tok]) if visible else ""
+        if reason is not None:
+            new += st.detok.flush()
+        st.text += new
+        stops = req.params.stop
+        if stops:
+            hit = find_stop(st.text, len(new), stops)
+            if hit is not None:
+                i, s = hit
+                st.text = st.text[: i + (len(s) if req.params.include_stop_str_in_output else 0)]
+                reason = FinishReason.STOP
+        hold = 0 if reason or not stops else max(len(s) for s in stops) - 1
+        upto = max(st.emitted, len(st.text) - hold)
+        delta, st.emitted = st.text[st.emitted : upto], upto
+        if reason is not None:
+            req.finish_reason = reason
+            del self._texts[req.request_id]
+        return RequestOutput(
+            request_id=req.request_id, new_token_ids=[tok], new_text=delta,
+            logprobs=[logprob] if logprob is not None else None, finished=reason is not None,
+            finish_reason=reason, num_prompt_tokens=req.num_prompt_tokens,
+            num_output_tokens=req.num_output_tokens,
+        )
+
+    def final(self, req: Request, reason: FinishReason, error: str | None = None
+              ) -> RequestOutput:
+        """The closing delta of a request finished outside sampling (abort, error)."""
+        self._texts.pop(req.request_id, None)
+        req.finish_reason = reason
+        return RequestOutput(req.request_id, [], "", None, True, reason, req.num_prompt_tokens,
+                             req.num_output_tokens, error)

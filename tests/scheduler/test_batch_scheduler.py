@@ -1,0 +1,99 @@
+"""Batch scheduling over a real (host) KV cache, without a model."""
+
+from __future__ import annotations
+
+import torch
+
+from kvpool import CpuBackend, KVCache, KVLayout, PagePool
+from prism_server.request import Request, RequestStatus
+from prism_server.sampling_params import SamplingParams
+from scheduler.batch_scheduler import BatchScheduler, SchedulerConfig
+
+BLOCK = 4
+
+
+def make(pages: int, blocks_per_page: int = 4, **cfg):
+    page = 4096  # one host page; head_dim chosen so that it holds `blocks_per_page` blocks
+    head_dim = page // (2 * BLOCK * 4 * blocks_per_page)
+    pool = PagePool(CpuBackend(), page, (pages + 1) * page)
+    layout = KVLayout(1, BLOCK, 1, head_dim, torch.float32, page, 4096)
+    assert layout.blocks_per_page == blocks_per_page
+    kv = KVCache(pool, "m", layout, max_pages=pages + 1, max_cached_pages=0)
+    return BatchScheduler(SchedulerConfig(block_size=BLOCK, **cfg), kv.allocator), kv
+
+
+def req(n: int, name: str) -> Request:
+    return Request(name, list(range(1, n + 1)), SamplingParams(max_tokens=64), frozenset())
+
+
+def run_step(s: BatchScheduler):
+    """Schedules and pretends the model ran: every sampling chunk gets one new token."""
+    batch = s.schedule()
+    for c in batch:
+        sampled = c.samples
+        c.request.num_computed_tokens += c.num_new
+        if sampled:
+            c.request.append_token(7)
+    return [(c.request.request_id, c.num_new) for c in batch]
+
+
+def test_chunked_prefill_splits_prompts_under_the_token_budget():
+    s, kv = make(pages=16, max_num_batched_tokens=10)
+    a, b = req(14, "a"), req(5, "b")
+    s.add(a)
+    s.add(b)
+    assert run_step(s) == [("a", 10)]
+    assert a.num_output_tokens == 0  # a prefill chunk that does not reach the end samples nothing
+    assert run_step(s) == [("a", 4), ("b", 5)]
+    assert run_step(s) == [("a", 1), ("b", 1)]  # both decode
+    for r in (a, b):
+        s.finish(r)
+    kv.check_integrity()
+    kv.close()
+
+
+def test_max_num_seqs_caps_the_running_set():
+    s, kv = make(pages=16, max_num_seqs=2)
+    rs = [req(3, f"r{i}") for i in range(3)]
+    for r in rs:
+        s.add(r)
+    assert [x for x, _ in run_step(s)] == ["r0", "r1"]
+    assert rs[2].status is RequestStatus.WAITING
+    s.finish(rs[0])
+    assert [x for x, _ in run_step(s)] == ["r1", "r2"]
+    for r in rs[1:]:
+        s.finish(r)
+    kv.check_integrity()
+    kv.close()
+
+
+def test_preemption_by_recompute_when_blocks_run_out():
+    s, kv = make(pages=2, blocks_per_page=2)  # 4 blocks = 16 tokens in all
+    a, b = req(7, "a"), req(7, "b")  # 2 blocks each, full after one decode step
+    s.add(a)
+    s.add(b)
+    assert run_step(s) == [("a", 7), ("b", 7)]
+    assert run_step(s) == [("a", 1), ("b", 1)]  # positions 7 fit in block 2
+    # the next token of each needs a third block: b (admitted last) is preempted for a
+    assert run_step(s) == [("a", 1)]
+    assert b.status is RequestStatus.WAITING and b.num_computed_tokens == 0 and not b.block_table
+    assert b.num_preemptions == 1 and s.waiting[0] is b
+    assert b.num_output_tokens == 2  # its outputs are kept and recomputed later
+    kv.check_integrity()
+    s.finish(a)
+    assert run_step(s) == [("b", 9)]  # prompt + 2 outputs recomputed in one chunk
+    s.finish(b)
+    kv.check_integrity()
+    kv.close()
+
+
+def test_a_request_alone_that_cannot_grow_waits_instead_of_failing():
+    s, kv = make(pages=1, blocks_per_page=2)  # 8 tokens in all
+    a = req(8, "a")
+    s.add(a)
+    assert run_step(s) == [("a", 8)]
+    assert run_step(s) == []  # needs a 3rd block: preempts itself, stays queued
+    assert a.status is RequestStatus.WAITING and s.has_work
+    s.finish(a)
+    kv.check_integrity()
+    kv.close()
