@@ -8,8 +8,9 @@ index g of layer l lives in row g of layer l's cache view.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Protocol
 
 import torch
 

@@ -1,0 +1,29 @@
+"""GatedMLP: down(act(gate(x)) * up(x)) with gate and up fused into one projection."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.layers.merged_linear import MergedLinear
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU (act="silu") or GeGLU (act="gelu_pytorch_tanh"); HF names gate_proj/up_proj/down_proj."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, act: str, bias: bool = False):
+        super().__init__()
+        if act not in ("silu", "gelu_pytorch_tanh"):
+            raise ValueError(f"unsupported activation {act!r}")
+        self.act = act
+        self.gate_up_proj = MergedLinear(
+            hidden_size, {"gate_proj": intermediate_size, "up_proj": intermediate_size}, bias=bias
+        )
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, hidden] -> [T, hidden]
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, intermediate] each
+        gate = F.silu(gate) if self.act == "silu" else F.gelu(gate, approximate="tanh")
+        return self.down_proj(gate * up)

@@ -1,0 +1,31 @@
+"""RMSNorm, in HF's two numerics: Llama's (scale after casting back) and Gemma's (1 + w)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """y = x / rms(x) * w over the last dim, statistics in fp32.
+
+    unit_offset=True is Gemma's variant: the weight is stored centred on 0 and applied as (1 + w),
+    in fp32 before the cast back; otherwise (Llama, Qwen) x is cast back first, then scaled by w.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6, unit_offset: bool = False):
+        super().__init__()
+        self.eps = eps
+        self.unit_offset = unit_offset
+        self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., dim]
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            return (xf * (1.0 + self.weight.float())).to(x.dtype)
+        return self.weight * xf.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}, unit_offset={self.unit_offset}"

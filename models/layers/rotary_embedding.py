@@ -1,0 +1,67 @@
+"""Rotary position embedding (GPT-NeoX / HF "rotate_half" layout), plain, linear or llama3-scaled.
+
+cos/sin are computed once per step from the positions and shared by every layer that uses the same
+rope (`RotaryEmbedding.forward`); each attention layer then calls `apply_rotary`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    """[head_dim // 2] fp32 inverse frequencies, as transformers' ROPE_INIT_FUNCTIONS compute them."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    kind = (scaling or {}).get("rope_type", "default")
+    if kind == "default":
+        return inv_freq
+    factor = scaling["factor"]
+    if kind == "linear":
+        return inv_freq / factor
+    if kind == "llama3":  # Llama 3.1: stretch low frequencies, keep high ones, blend in between
+        old_len = scaling["original_max_position_embeddings"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+        return torch.where(medium, smoothed, scaled)
+    raise ValueError(f"unsupported rope scaling {kind!r}")
+
+
+class RotaryEmbedding(nn.Module):
+    """positions [T] -> (cos, sin), each [T, head_dim] in fp32."""
+
+    def __init__(self, head_dim: int, theta: float, scaling: dict | None = None):
+        super().__init__()
+        self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
+        self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling), persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        # NOTE: model.to(bf16) / to_empty() would cast or wipe inv_freq; recompute it in fp32
+        # on whatever device the module now lives on.
+        super()._apply(fn, recurse)
+        device = self.inv_freq.device
+        if device.type != "meta":
+            self.inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling).to(device)
+        return self
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float().unsqueeze(-1) * self.inv_freq  # [T, head_dim // 2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [T, head_dim]
+        return emb.cos(), emb.sin()
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}, theta={self.theta}, scaling={self.scaling}"
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, H, D]; cos, sin: [T, D] -> [T, H, D] (cos/sin cast to x's dtype, as HF does)."""
+    cos = cos.to(x.dtype).unsqueeze(1)
+    sin = sin.to(x.dtype).unsqueeze(1)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin

@@ -1,0 +1,125 @@
+"""The engine end to end on CPU: batching, chunked prefill, preemption, sharing one pool."""
+
+from __future__ import annotations
+
+import pytest
+
+from prism_server.config import EngineConfig, ModelSpec
+from prism_server.engine import Engine
+from prism_server.request import FinishReason
+from prism_server.sampling_params import SamplingParams
+
+SMOL = "smollm2-135m"
+# SmolLM2 in fp32 takes 30 x 24 KiB = 720 KiB of KV per 16-token block: a 4 MiB page holds 5
+# blocks (80 tokens), so these prompts span several blocks and pages.
+PAGE = 4 << 20
+
+TOPICS = ["the sea", "a city at night", "mountains", "bread", "a small robot", "the moon",
+          "trains", "winter", "a library", "music", "bees", "an old map", "rain", "chess",
+          "a garden", "the desert"]
+
+
+def prompts() -> list[str]:
+    return [f"Write {i % 4 + 1} sentences about {t}." + " Be vivid." * (i % 5)
+            for i, t in enumerate(TOPICS)]
+
+
+def smol_engine(budget_pages: int, **spec) -> Engine:
+    spec = ModelSpec(SMOL, SMOL, **spec)
+    return Engine(EngineConfig(models=(spec,), device="cpu", page_bytes=PAGE,
+                               kv_budget_bytes=budget_pages * PAGE))
+
+
+GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def sequential() -> list[list[int]]:
+    with smol_engine(64) as e:
+        out = [e.generate(SMOL, [p], GREEDY)[0].token_ids for p in prompts()]
+        e.check_integrity()
+    return out
+
+
+def test_batched_equals_sequential(sequential):
+    with smol_engine(64) as e:
+        outs = e.generate(SMOL, prompts(), GREEDY)
+        assert [o.token_ids for o in outs] == sequential
+        assert all(o.finish_reason is FinishReason.LENGTH for o in outs)
+        assert e.models[SMOL].scheduler.num_preemptions == 0
+        e.check_integrity()
+
+
+def test_batched_equals_sequential_under_preemption_and_chunked_prefill(sequential):
+    # 5 usable pages = 400 tokens of KV for 16 requests of ~20-60 + 20 tokens each; prompts are
+    # prefilled in chunks of at most 32 tokens.
+    with smol_engine(6, max_num_batched_tokens=32) as e:
+        outs = e.generate(SMOL, prompts(), GREEDY)
+        assert [o.token_ids for o in outs] == sequential
+        assert e.models[SMOL].scheduler.num_preemptions > 0
+        e.check_integrity()
+        assert e.pool.pages_of(SMOL) <= 1  # all but the cached reserve went back to the pool
+
+
+def test_abort_mid_decode_frees_the_blocks():
+    import queue
+
+    with smol_engine(16) as e:
+        q: queue.SimpleQueue = queue.SimpleQueue()
+        req = e.add_request(SMOL, "Count to one hundred:", SamplingParams(max_tokens=200,
+                            temperature=0, ignore_eos=True), sink=q.put)
+        for _ in range(3):
+            assert not q.get(timeout=60).finished
+        e.abort(SMOL, req.request_id)
+        while not (out := q.get(timeout=60)).finished:
+            pass
+        assert out.finish_reason is FinishReason.ABORT and out.num_output_tokens < 200
+        e.check_integrity()
+        assert e.models[SMOL].kv_cache.allocator.num_used_blocks == 0
+
+
+def test_requests_that_can_never_fit_are_refused_up_front():
+    with smol_engine(4, max_model_len=64) as e:
+        with pytest.raises(ValueError, match="maximum context length is 64"):
+            e.add_request(SMOL, "hello " * 60, SamplingParams(max_tokens=16))
+        with pytest.raises(ValueError, match="prompt is empty"):
+            e.add_request(SMOL, [], SamplingParams(max_tokens=16))
+        e.check_integrity()
+
+
+def test_stop_strings_and_stop_tokens_end_the_output():
+    with smol_engine(16) as e:
+        base = e.generate(SMOL, ["The alphabet: A, B, C,"], SamplingParams(max_tokens=12,
+                          temperature=0))[0]
+        assert len(base.text) > 6
+        stop = base.text[3:6]
+        cut = e.generate(SMOL, ["The alphabet: A, B, C,"],
+                         SamplingParams(max_tokens=12, temperature=0, stop=(stop,)))[0]
+        assert cut.finish_reason is FinishReason.STOP and cut.text == base.text[:3]
+        tok = base.token_ids[2]
+        by_id = e.generate(SMOL, ["The alphabet: A, B, C,"],
+                           SamplingParams(max_tokens=12, temperature=0, stop_token_ids=(tok,)))[0]
+        assert by_id.finish_reason is FinishReason.STOP
+        assert by_id.token_ids == base.token_ids[: base.token_ids.index(tok) + 1]
+        e.check_integrity()
+
+
+def test_two_models_share_one_pool():
+    """A holds most of the pool after its burst; B's burst is then served by pages A gives back."""
+    a = ModelSpec("a", "dummy:tiny-llama", block_size=4, max_cached_pages=64, seed=1)
+    b = ModelSpec("b", "dummy:tiny-llama", block_size=4, max_cached_pages=64, seed=2)
+    page = 64 << 10
+    with Engine(EngineConfig(models=(a, b), device="cpu", page_bytes=page,
+                             kv_budget_bytes=11 * page)) as e:
+        bpp = e.models["a"].kv_cache.allocator.bpp
+        params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+        long_prompt = list(range(10, 10 + 4 * bpp - 8))  # fills 1 page once its output is in
+        outs = e.generate("a", [long_prompt] * 8, params)  # 8 of the 10 pages
+        assert all(len(o.token_ids) == 8 for o in outs)
+        e.check_integrity()
+        assert e.pool.pages_of("a") == 8 and e.pool.num_available == 2
+        alone = e.generate("b", [long_prompt], params)[0].token_ids
+        outs = e.generate("b", [long_prompt] * 9, params)
+        assert all(o.token_ids == alone for o in outs)
+        e.check_integrity()
+        assert e.pool.pages_of("a") < 8 and e.pool.pages_of("b") >= 2
