@@ -54,7 +54,8 @@ class PagePool:
         self.capacity = budget_bytes // self.page_bytes - 1
         if self.capacity < 1:
             raise ValueError(
-                f"budget of {budget_bytes} bytes holds fewer than 2 pages of {self.page_bytes} bytes"
+                f"budget of {budget_bytes} bytes holds fewer than 2 pages "
+                f"of {self.page_bytes} bytes"
             )
         self.null_handle = backend.create(self.page_bytes)
         self._free: list[PhysicalHandle] = []

@@ -1,4 +1,4 @@
-"""Engine configuration: frozen dataclasses layered by scope (engine config contains model specs)."""
+"""Engine configuration: frozen dataclasses layered by scope (engine config holds model specs)."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ class IncrementalDetokenizer:
     """Decodes a growing list of token ids into text deltas.
 
     Decodes only a short window (prefix_offset..end) per token, so a step costs O(window), and holds
-    back text ending in U+FFFD (an incomplete multi-byte character) until a later token completes it.
+    back text ending in U+FFFD (an incomplete multi-byte character) until a later token ends it.
     """
 
     def __init__(self, tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True):

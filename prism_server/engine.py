@@ -67,8 +67,8 @@ def make_backend(device: torch.device) -> MemoryBackend:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig = EngineConfig()):
-        self.config = config
+    def __init__(self, config: EngineConfig | None = None):
+        self.config = config = config or EngineConfig()
         self.device = config.torch_device()
         if self.device.type == "cpu" and envs.cpu_threads():
             torch.set_num_threads(envs.cpu_threads())
@@ -147,7 +147,8 @@ class Engine:
 
     def check_integrity(self) -> None:
         """Pool and every model's KV accounting are exact (call when the engine is idle)."""
-        self.device_engine._call(lambda: [m.kv_cache.check_integrity() for m in self.models.values()])
+        models = list(self.models.values())
+        self.device_engine._call(lambda: [m.kv_cache.check_integrity() for m in models])
         self.pool.check_integrity()
 
     def close(self) -> None:

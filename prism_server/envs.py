@@ -22,7 +22,7 @@ def cache_dir() -> Path:
 
 
 def kv_budget_bytes() -> int | None:
-    """Page pool budget per device in bytes (PRISM_KV_BUDGET_BYTES); unset = a per-device default."""
+    """Page pool budget per device in bytes (PRISM_KV_BUDGET_BYTES); unset = per-device default."""
     return _int("PRISM_KV_BUDGET_BYTES", None)
 
 

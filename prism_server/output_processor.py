@@ -33,9 +33,9 @@ class OutputProcessor:
     def _token_stop(self, req: Request, tok: int) -> tuple[FinishReason | None, bool]:
         """(finish reason, whether the token's text is part of the output)."""
         p = req.params
-        if req.num_output_tokens > p.min_tokens:  # sampled once min_tokens were out
-            if tok in p.stop_token_ids or (not p.ignore_eos and tok in req.eos_token_ids):
-                return FinishReason.STOP, False
+        stop_tok = tok in p.stop_token_ids or (not p.ignore_eos and tok in req.eos_token_ids)
+        if stop_tok and req.num_output_tokens > p.min_tokens:  # sampled after min_tokens
+            return FinishReason.STOP, False
         if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH, True
         return None, True

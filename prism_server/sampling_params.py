@@ -1,4 +1,4 @@
-"""Internal sampling parameters (the server's protocol module converts OpenAI requests into these)."""
+"""Internal sampling parameters (the protocol module converts OpenAI requests into these)."""
 
 from __future__ import annotations
 

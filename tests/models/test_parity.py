@@ -14,6 +14,7 @@ import pytest
 import torch
 import transformers as tf
 
+from kvpool import CpuBackend, KVCache, KVLayout, PagePool
 from models.attention.base import AttentionMetadata, ForwardContext, SeqChunk
 from models.attention.torch_paged import TorchPagedAttention
 from models.config import ModelConfig
@@ -67,12 +68,16 @@ HF_CASES = {
 }
 
 
-def make_kv_caches(
-    config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype
-) -> list[torch.Tensor]:
-    """Per-layer paged KV caches, each [num_blocks, 2, block_size, num_kv_heads, head_dim]."""
-    shape = (num_blocks, 2, block_size, config.num_kv_heads, config.head_dim)
-    return [torch.zeros(shape, dtype=dtype) for _ in range(config.num_layers)]
+def make_kv_cache(config: ModelConfig, num_blocks: int, block_size: int) -> KVCache:
+    """A real paged KV cache on a host page pool whose pages hold ~2 blocks per layer, so every
+    sequence spans several pages; layer views: [num_blocks, 2, block_size, kv_heads, head_dim]."""
+    block_bytes = 2 * block_size * config.num_kv_heads * config.head_dim * 4
+    backend = CpuBackend()
+    page = backend.round_up(2 * config.num_layers * block_bytes)
+    pool = PagePool(backend, page, budget_bytes=page * (num_blocks + 2))
+    layout = KVLayout(config.num_layers, block_size, config.num_kv_heads, config.head_dim,
+                      torch.float32, page, backend.granularity)
+    return KVCache(pool, "parity", layout, max_pages=num_blocks + 1, max_cached_pages=0)
 
 
 def _tiny_hf_model(name: str) -> tf.PreTrainedModel:
@@ -101,9 +106,12 @@ def _run_paged(
 ) -> list[torch.Tensor]:
     """Runs all sequences as one batch through the paged path; logits per sequence [len, vocab]."""
     needed = [math.ceil(len(s) / BLOCK_SIZE) for s in seqs]
-    perm = (torch.randperm(sum(needed)) + 1).tolist()  # block 0 is the null block
+    kv = make_kv_cache(config, sum(needed), BLOCK_SIZE)
+    blocks = kv.allocator.allocate(sum(needed))
+    assert len({kv.layout.locate(b)[0] for b in blocks}) > len(seqs)  # several pages each
+    perm = [blocks[i] for i in torch.randperm(len(blocks)).tolist()]
     tables = [perm[sum(needed[:i]) : sum(needed[: i + 1])] for i in range(len(seqs))]
-    caches = make_kv_caches(config, sum(needed) + 1, BLOCK_SIZE, torch.float32)
+    caches = kv.layer_views
     done = [0] * len(seqs)
     out: list[list[torch.Tensor]] = [[] for _ in seqs]
     while any(d < len(s) for d, s in zip(done, seqs)):
@@ -123,6 +131,9 @@ def _run_paged(
         for (i, n), lg in zip(owners, logits):
             out[i].append(lg)
             done[i] += n
+    kv.allocator.free(blocks)
+    kv.check_integrity()
+    kv.close()
     return [torch.cat(o) for o in out]
 
 

@@ -79,6 +79,7 @@ def test_logprobs_are_the_raw_distribution_with_top_alternatives():
     tokens, lps = Sampler(torch.device("cpu")).sample(x, reqs)
     ref = x[0].log_softmax(-1)
     lp = lps[0]
-    assert lp.token_id == tokens[0] and math.isclose(lp.logprob, ref[tokens[0]].item(), abs_tol=1e-5)
+    assert lp.token_id == tokens[0]
+    assert math.isclose(lp.logprob, ref[tokens[0]].item(), abs_tol=1e-5)
     assert [t for t, _ in lp.top] == torch.topk(ref, 3).indices.tolist()
     assert lps[1] is None
