@@ -70,7 +70,7 @@ def main() -> None:
     print(f"{'decode tokens/s, batch 1':<42}{ours_b1:>10.1f}{hf_b1:>14.1f}{ours_b1 / hf_b1:>8.2f}")
     print(f"{f'aggregate tokens/s, {c} concurrent (vs HF b1)':<42}{ours_agg:>10.1f}{hf_b1:>14.1f}"
           f"{ours_agg / hf_b1:>8.2f}")
-    print(f"goals: batch-1 ratio >= 1.0, aggregate ratio >= 3.0")
+    print("goals: batch-1 ratio >= 1.0, aggregate ratio >= 3.0")
 
 
 if __name__ == "__main__":

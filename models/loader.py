@@ -1,0 +1,178 @@
+"""Load a model from an HF directory, a GGUF file, or a named preset with dummy weights.
+
+    load_model(ModelSource.parse("/ckpt/Llama-3.1-8B"))           # config.json + safetensors
+    load_model(ModelSource.parse("/models/x.Q4_K_M.gguf"))       # converted once, then cached
+    load_model(ModelSource.parse("dummy:llama-3.1-8b"), dtype=torch.bfloat16, device="cuda")
+    load_model(ModelSource.parse("smollm2-135m"))                 # an embedded default
+
+The model is built on the meta device and materialized once, in the target dtype on the target
+device (an 8B model never exists in float32 or twice).
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+from transformers import PreTrainedTokenizerBase
+
+from models.config import ModelConfig
+from models.embedded import EMBEDDED_MODELS, resolve_source
+from models.layers.causal_lm import CausalLM
+from models.layers.rms_norm import RMSNorm
+from models.presets import get_preset, list_presets
+from models.registry import get_model_class
+from models.safetensors_files import iter_safetensors, safetensors_files
+from models.tokenizer import BOS, EOS, PAD, ByteTokenizer, load_tokenizer
+
+SourceKind = Literal["hf", "gguf", "dummy"]
+DUMMY_STD = 0.02
+_GGUF_MAGIC = b"GGUF"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model's weights come from: an HF directory, a GGUF file, or a preset (dummy)."""
+
+    kind: SourceKind
+    path: str  # directory, .gguf file, or preset name
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("hf", "gguf", "dummy"):
+            raise ValueError(f"model source kind must be hf, gguf or dummy, got {self.kind!r}")
+
+    @property
+    def name(self) -> str:
+        """A default served name: the preset, the file stem, or the directory name."""
+        return self.path if self.kind == "dummy" else Path(self.path).stem
+
+    @staticmethod
+    def parse(spec: str) -> ModelSource:
+        """"dummy:<preset>" | an embedded model's name | a .gguf file | an HF directory."""
+        if spec.startswith("dummy:"):
+            preset = spec.removeprefix("dummy:")
+            get_preset(preset)  # fail now, with the list of presets
+            return ModelSource("dummy", preset)
+        if spec in EMBEDDED_MODELS:
+            return ModelSource("gguf", resolve_source(spec))
+        path = Path(spec).expanduser()
+        if path.is_dir():
+            return ModelSource("hf", str(path))
+        if path.is_file():
+            with path.open("rb") as f:
+                if f.read(4) == _GGUF_MAGIC:
+                    return ModelSource("gguf", str(path))
+            raise ValueError(f"{path} is neither a GGUF file nor an HF checkpoint directory")
+        raise FileNotFoundError(
+            f"model source {spec!r}: no such file or directory; expected an HF directory, a .gguf "
+            f"file, an embedded model ({', '.join(EMBEDDED_MODELS)}) or dummy:<preset> "
+            f"({', '.join(list_presets())})"
+        )
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: CausalLM  # eval mode, no grad, on the target device and dtype
+    tokenizer: PreTrainedTokenizerBase
+    config: ModelConfig
+    name: str
+
+
+def load_model(
+    source: ModelSource | str,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+) -> LoadedModel:
+    """Build the model of `source` with its weights and tokenizer. `seed` only affects dummy."""
+    if isinstance(source, str):
+        source = ModelSource.parse(source)
+    device = torch.device(device)
+    if source.kind == "dummy":
+        return _load_dummy(source.path, dtype, device, seed)
+    path = Path(source.path)
+    if source.kind == "gguf":
+        from models.gguf_convert import convert_gguf
+
+        path = convert_gguf(path)
+    config = _read_config(path)
+    model = _empty_model(config, dtype, device)
+    files = safetensors_files(path)
+    model.load_weights(iter_safetensors(files, desc=f"loading {source.name}"))
+    return LoadedModel(_finish(model), load_tokenizer(path), config, source.name)
+
+
+def _read_config(path: Path) -> ModelConfig:
+    file = path / "config.json"
+    if not file.is_file():
+        raise FileNotFoundError(f"{path} has no config.json (not an HF checkpoint directory)")
+    try:
+        return ModelConfig.from_hf(json.loads(file.read_text()))
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{file}: {e}") from e
+
+
+def _empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> CausalLM:
+    """The model with uninitialized parameters of `dtype` on `device` (allocated once)."""
+    cls = get_model_class(config.hf_architecture)
+    with torch.device("meta"):
+        model = cls(config).to(dtype)
+    first: dict[int, str] = {}  # id(parameter) -> its first name
+    ties = []  # (name, name of the parameter it shares), e.g. lm_head.weight -> embed_tokens
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            ties.append((name, first[id(p)]))
+        first.setdefault(id(p), name)
+    model.to_empty(device=device)
+    # NOTE: to_empty gives every module a fresh Parameter, which unties shared weights.
+    for name, target in ties:
+        module, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(module), attr, model.get_parameter(target))
+    return model
+
+
+def _finish(model: CausalLM) -> CausalLM:
+    return model.eval().requires_grad_(False)
+
+
+def _load_dummy(preset: str, dtype: torch.dtype, device: torch.device, seed: int) -> LoadedModel:
+    cfg = get_preset(preset)
+    tokenizer = ByteTokenizer(cfg["vocab_size"])
+    # The preset's token ids belong to its real tokenizer; dummy models speak ByteTokenizer's.
+    cfg.update(
+        bos_token_id=tokenizer.convert_tokens_to_ids(BOS),
+        eos_token_id=tokenizer.convert_tokens_to_ids(EOS),
+        pad_token_id=tokenizer.convert_tokens_to_ids(PAD),
+    )
+    config = ModelConfig.from_hf(cfg)
+    model = _empty_model(config, dtype, device)
+    init_dummy_weights(model, seed)
+    return LoadedModel(_finish(model), tokenizer, config, preset)
+
+
+@torch.no_grad()
+def init_dummy_weights(model: nn.Module, seed: int, std: float = DUMMY_STD) -> None:
+    """Random N(0, std) weights in place, norms at identity (w = 1, or 0 for Gemma's (1 + w)).
+
+    Each parameter draws from its own generator, seeded by (seed, name), so a parameter's values
+    do not depend on the others' (same device kind and dtype -> same weights).
+    """
+    norms = {
+        id(m.weight): 0.0 if m.unit_offset else 1.0
+        for m in model.modules()
+        if isinstance(m, RMSNorm)
+    }
+    params = list(model.named_parameters())
+    for name, p in tqdm(params, desc="dummy weights", disable=len(params) < 100):
+        if id(p) in norms:
+            p.fill_(norms[id(p)])
+            continue
+        gen = torch.Generator(device=p.device)
+        gen.manual_seed(zlib.crc32(f"{seed}/{name}".encode()))  # CPU seeds use 32 bits
+        p.normal_(0.0, std, generator=gen)
