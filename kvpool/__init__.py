@@ -9,6 +9,14 @@ from kvpool.page_pool import PagePool, PoolStats
 from kvpool.virtual_buffer import VirtualBuffer
 
 __all__ = [
-    "BlockAllocator", "CpuBackend", "KVCache", "KVLayout", "MemoryBackend", "PagePool",
-    "PhysicalHandle", "PoolStats", "Reservation", "VirtualBuffer",
+    "BlockAllocator",
+    "CpuBackend",
+    "KVCache",
+    "KVLayout",
+    "MemoryBackend",
+    "PagePool",
+    "PhysicalHandle",
+    "PoolStats",
+    "Reservation",
+    "VirtualBuffer",
 ]

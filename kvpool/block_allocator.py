@@ -81,8 +81,10 @@ class BlockAllocator:
                 self._free_slots[p] = list(range(self.bpp - 1, -1, -1))
         out: list[int] = []
         while len(out) < n:
-            page = min((p for p, s in self._free_slots.items() if s),
-                       key=lambda p: (len(self._free_slots[p]), p))
+            page = min(
+                (p for p, s in self._free_slots.items() if s),
+                key=lambda p: (len(self._free_slots[p]), p),
+            )
             slots = self._free_slots[page]
             take = min(len(slots), n - len(out))
             out.extend(self.layout.block_index(page, slots.pop()) for _ in range(take))
@@ -115,8 +117,9 @@ class BlockAllocator:
 
     def reclaim_pages(self, n: int) -> int:
         """Unmap up to n fully free pages (highest page index first) and give them to the pool."""
-        cached = sorted((p for p, s in self._free_slots.items() if len(s) == self.bpp),
-                        reverse=True)[:n]
+        cached = sorted(
+            (p for p, s in self._free_slots.items() if len(s) == self.bpp), reverse=True
+        )[:n]
         if cached:
             self._unmap(cached)
         return len(cached)

@@ -22,8 +22,14 @@ _MAP_FAILED = ctypes.c_void_p(-1).value
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                       ctypes.c_long]
+_libc.mmap.argtypes = [
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
+]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 
 

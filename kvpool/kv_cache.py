@@ -16,8 +16,14 @@ class KVCache:
     never handed out, so padded slots (block 0) always read mapped memory; any other page is
     mapped exactly while the allocator counts it as mapped."""
 
-    def __init__(self, pool: PagePool, owner: str, layout: KVLayout, max_pages: int,
-                 max_cached_pages: int = 1):
+    def __init__(
+        self,
+        pool: PagePool,
+        owner: str,
+        layout: KVLayout,
+        max_pages: int,
+        max_cached_pages: int = 1,
+    ):
         if max_pages < 2:
             raise ValueError("a KV cache needs at least 2 pages (page 0 is the null page)")
         self.pool, self.owner, self.layout = pool, owner, layout
@@ -26,7 +32,8 @@ class KVCache:
         n = layout.view_blocks(max_pages)
         # [num_blocks, 2, block_size, kv_heads, head_dim] over the whole range
         flat = self.buffer.view(layout.dtype).view(
-            -1, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
+            -1, 2, layout.block_size, layout.num_kv_heads, layout.head_dim
+        )
         bpp = layout.blocks_per_page
         self.layer_views: list[torch.Tensor] = [
             flat[l * bpp : l * bpp + n] for l in range(layout.num_layers)

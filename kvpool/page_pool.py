@@ -46,8 +46,9 @@ class PoolStats:
 
 
 class PagePool:
-    def __init__(self, backend: MemoryBackend, page_bytes: int, budget_bytes: int,
-                 precreate: int = 0):
+    def __init__(
+        self, backend: MemoryBackend, page_bytes: int, budget_bytes: int, precreate: int = 0
+    ):
         self.backend = backend
         self.page_bytes = backend.round_up(page_bytes)
         # One page of the budget backs the shared null page (page 0 of every model).
@@ -97,8 +98,11 @@ class PagePool:
 
     def reclaimable(self, exclude: str | None = None) -> int:
         """Pages other owners could give back (not counting those they use)."""
-        return sum(o.reclaim.reclaimable_pages() for o in self._owners.values()
-                   if o.name != exclude and o.reclaim is not None)
+        return sum(
+            o.reclaim.reclaimable_pages()
+            for o in self._owners.values()
+            if o.name != exclude and o.reclaim is not None
+        )
 
     def can_acquire(self, owner: str, n: int) -> bool:
         with self._lock:
@@ -130,8 +134,10 @@ class PagePool:
             self._free.extend(handles)
 
     def _reclaim_from_others(self, owner: str, short: int) -> None:
-        others = sorted((o for o in self._owners.values() if o.name != owner and o.reclaim),
-                        key=lambda o: o.last_grow)
+        others = sorted(
+            (o for o in self._owners.values() if o.name != owner and o.reclaim),
+            key=lambda o: o.last_grow,
+        )
         for o in others:
             if short <= 0:
                 break
@@ -140,8 +146,13 @@ class PagePool:
     # ---- checks -------------------------------------------------------------------------------
     def stats(self) -> PoolStats:
         with self._lock:
-            return PoolStats(self.page_bytes, self.capacity, self._created, len(self._free),
-                             {o.name: o.pages for o in self._owners.values()})
+            return PoolStats(
+                self.page_bytes,
+                self.capacity,
+                self._created,
+                len(self._free),
+                {o.name: o.pages for o in self._owners.values()},
+            )
 
     def check_integrity(self) -> None:
         with self._lock:

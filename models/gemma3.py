@@ -59,7 +59,7 @@ class Gemma3Model(nn.Module):
         x = self.embed_tokens(input_ids)
         # NOTE: HF rounds sqrt(hidden) to the model dtype first (55.4256 -> 55.5 in bf16).
         x = x * torch.tensor(self.embed_scale, dtype=x.dtype).item()
-        rope_full = self.rotary_emb(positions)  # (cos, sin), each [T, head_dim]
+        rope_full = self.rotary_emb(positions)  # (cos, sin), each [T, 1, head_dim]
         rope_local = self.rotary_emb_local(positions)
         for layer in self.layers:
             x = layer(x, rope_local if layer.is_sliding else rope_full, ctx)

@@ -32,7 +32,7 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         # input_ids, positions: [T] -> [T, hidden]
         x = self.embed_tokens(input_ids)
-        rope = self.rotary_emb(positions)  # (cos, sin), each [T, head_dim]
+        rope = self.rotary_emb(positions)  # (cos, sin), each [T, 1, head_dim]
         for layer in self.layers:
             x = layer(x, rope, ctx)
         return self.norm(x)

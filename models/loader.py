@@ -54,7 +54,7 @@ class ModelSource:
 
     @staticmethod
     def parse(spec: str) -> ModelSource:
-        """"dummy:<preset>" | an embedded model's name | a .gguf file | an HF directory."""
+        """ "dummy:<preset>" | an embedded model's name | a .gguf file | an HF directory."""
         if spec.startswith("dummy:"):
             preset = spec.removeprefix("dummy:")
             get_preset(preset)  # fail now, with the list of presets

@@ -14,13 +14,17 @@ from prism_server.sampling_params import SamplingParams
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m prism_server",
-                                description="Prism: many LLMs on few GPUs.")
+    p = argparse.ArgumentParser(
+        prog="python -m prism_server", description="Prism: many LLMs on few GPUs."
+    )
     sub = p.add_subparsers(dest="command")
     g = sub.add_parser("generate", help="generate text from one prompt and print the speed")
-    g.add_argument("--model", default="smollm2-135m",
-                   help=f"an embedded model ({', '.join(EMBEDDED_MODELS)}), a .gguf file, an HF "
-                        "directory, or dummy:<preset>")
+    g.add_argument(
+        "--model",
+        default="smollm2-135m",
+        help=f"an embedded model ({', '.join(EMBEDDED_MODELS)}), a .gguf file, an HF "
+        "directory, or dummy:<preset>",
+    )
     g.add_argument("--prompt", required=True)
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0)
@@ -37,15 +41,21 @@ def _prompt_ids(engine: Engine, model: str, prompt: str, raw: bool) -> list[int]
     tok = engine.model(model).tokenizer
     if raw or not getattr(tok, "chat_template", None):
         return engine.encode(model, prompt)
-    ids = tok.apply_chat_template([{"role": "user", "content": prompt}],
-                                  add_generation_prompt=True, tokenize=True)
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+    )
     return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
 
 def generate(args: argparse.Namespace) -> int:
     try:
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                                top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+        params = SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+        )
         spec = ModelSpec(name=args.model, source=args.model, dtype=args.dtype)
         engine = Engine(EngineConfig(models=(spec,), device=args.device))
     except (ValueError, FileNotFoundError) as e:
@@ -76,10 +86,12 @@ def generate(args: argparse.Namespace) -> int:
             print(f"error: {out.error}", file=sys.stderr)
             return 1
         decode = (n - 1) / (end - first) if n > 1 and end > first else float("nan")
-        print(f"[{args.model} on {engine.device}: {len(ids)} prompt tokens, {n} generated "
-              f"({out.finish_reason.value}); first token {1000 * (first - start):.0f} ms, "
-              f"decode {decode:.1f} tokens/s, overall {n / (end - start):.1f} tokens/s]",
-              file=sys.stderr)
+        print(
+            f"[{args.model} on {engine.device}: {len(ids)} prompt tokens, {n} generated "
+            f"({out.finish_reason.value}); first token {1000 * (first - start):.0f} ms, "
+            f"decode {decode:.1f} tokens/s, overall {n / (end - start):.1f} tokens/s]",
+            file=sys.stderr,
+        )
     return 0
 
 

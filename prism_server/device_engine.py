@@ -25,8 +25,9 @@ class DeviceEngine:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = False
-        self._thread = threading.Thread(target=self._loop, name=f"prism-engine-{self.device}",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._loop, name=f"prism-engine-{self.device}", daemon=True
+        )
         self.steps = 0
 
     def add_model(self, engine: ModelEngine) -> None:

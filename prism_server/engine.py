@@ -85,12 +85,23 @@ class Engine:
         if spec.name in self.models:
             raise ValueError(f"a model named {spec.name!r} is already loaded")
         dtype = spec.torch_dtype(self.device)
-        loaded = load_model(ModelSource.parse(resolve_source(spec.source)), dtype=dtype,
-                            device=self.device, seed=spec.seed)
+        loaded = load_model(
+            ModelSource.parse(resolve_source(spec.source)),
+            dtype=dtype,
+            device=self.device,
+            seed=spec.seed,
+        )
         cfg = loaded.config
-        engine = ModelEngine(spec.name, loaded.model, loaded.tokenizer, cfg, self.pool,
-                             spec.scheduler_config(cfg.max_position_embeddings), dtype,
-                             spec.max_cached_pages)
+        engine = ModelEngine(
+            spec.name,
+            loaded.model,
+            loaded.tokenizer,
+            cfg,
+            self.pool,
+            spec.scheduler_config(cfg.max_position_embeddings),
+            dtype,
+            spec.max_cached_pages,
+        )
         self.device_engine.add_model(engine)
         self.models[spec.name] = engine
         return engine
@@ -106,9 +117,14 @@ class Engine:
             return list(self.model(model).tokenizer(prompt).input_ids)
         return list(prompt)
 
-    def add_request(self, model: str, prompt: str | list[int], params: SamplingParams,
-                    sink: Callable[[RequestOutput], None] | None = None,
-                    request_id: str | None = None) -> Request:
+    def add_request(
+        self,
+        model: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        sink: Callable[[RequestOutput], None] | None = None,
+        request_id: str | None = None,
+    ) -> Request:
         """Queues a request (thread-safe). Raises ModelNotFound or ValueError (bad request)."""
         me = self.model(model)
         ids = self.encode(model, prompt)
@@ -121,8 +137,9 @@ class Engine:
     def abort(self, model: str, request_id: str) -> None:
         self.device_engine.abort(model, request_id)
 
-    def generate(self, model: str, prompts: list[str | list[int]], params: SamplingParams
-                 ) -> list[Completion]:
+    def generate(
+        self, model: str, prompts: list[str | list[int]], params: SamplingParams
+    ) -> list[Completion]:
         """Runs all prompts concurrently and waits for them."""
         done: queue.SimpleQueue = queue.SimpleQueue()
         results: dict[str, Completion] = {}

@@ -19,25 +19,41 @@ log = logging.getLogger(__name__)
 
 
 class ModelEngine:
-    def __init__(self, name: str, model: torch.nn.Module, tokenizer, model_config,
-                 pool: PagePool, sched: SchedulerConfig, kv_dtype: torch.dtype,
-                 max_cached_pages: int = 1):
+    def __init__(
+        self,
+        name: str,
+        model: torch.nn.Module,
+        tokenizer,
+        model_config,
+        pool: PagePool,
+        sched: SchedulerConfig,
+        kv_dtype: torch.dtype,
+        max_cached_pages: int = 1,
+    ):
         self.name = name
         self.tokenizer = tokenizer
         self.model_config = model_config
         self.device = pool.backend.device
-        layout = KVLayout(model_config.num_layers, sched.block_size, model_config.num_kv_heads,
-                          model_config.head_dim, kv_dtype, pool.page_bytes,
-                          pool.backend.granularity)
-        self.kv_cache = KVCache(pool, name, layout, max_pages=pool.capacity + 1,
-                                max_cached_pages=max_cached_pages)
+        layout = KVLayout(
+            model_config.num_layers,
+            sched.block_size,
+            model_config.num_kv_heads,
+            model_config.head_dim,
+            kv_dtype,
+            pool.page_bytes,
+            pool.backend.granularity,
+        )
+        self.kv_cache = KVCache(
+            pool, name, layout, max_pages=pool.capacity + 1, max_cached_pages=max_cached_pages
+        )
         self.scheduler = BatchScheduler(sched, self.kv_cache.allocator)
         self.runner = ModelRunner(model, self.kv_cache, self.device)
         self.sampler = Sampler(self.device)
         self.outputs = OutputProcessor(tokenizer, sched.max_model_len)
         self.requests: dict[str, Request] = {}
         self.eos_token_ids = frozenset(model_config.eos_token_ids) | (
-            {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
+            {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+        )
 
     @property
     def max_model_len(self) -> int:
@@ -55,7 +71,8 @@ class ModelEngine:
         if total > self.max_model_len:
             raise ValueError(
                 f"This model's maximum context length is {self.max_model_len} tokens; the request "
-                f"has {num_prompt_tokens} prompt tokens and asks for {max_tokens} more.")
+                f"has {num_prompt_tokens} prompt tokens and asks for {max_tokens} more."
+            )
         if self.scheduler.blocks_needed(total) > self.kv_cache.allocator.capacity_blocks:
             raise ValueError(f"{total} tokens do not fit in the KV cache this model can address")
 

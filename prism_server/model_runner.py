@@ -15,8 +15,13 @@ AttentionFactory = Callable[[list[torch.Tensor], AttentionMetadata], AttentionBa
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, device: torch.device,
-                 attention: AttentionFactory = TorchPagedAttention):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_cache: KVCache,
+        device: torch.device,
+        attention: AttentionFactory = TorchPagedAttention,
+    ):
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
@@ -36,8 +41,9 @@ class ModelRunner:
             positions.extend(range(start, start + c.num_new))
             if c.samples:
                 last.append(len(ids) - 1)
-        chunks = [SeqChunk(c.request.num_computed_tokens, c.num_new, c.request.block_table)
-                  for c in batch]
+        chunks = [
+            SeqChunk(c.request.num_computed_tokens, c.num_new, c.request.block_table) for c in batch
+        ]
         md = AttentionMetadata.build(chunks, self.block_size, self.device)
         ctx = ForwardContext(attn=self.attention(self.kv_cache.layer_views, md))
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)

@@ -25,8 +25,9 @@ class OutputProcessor:
     def _state(self, req: Request) -> _Text:
         st = self._texts.get(req.request_id)
         if st is None:
-            detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
-                                           req.params.skip_special_tokens)
+            detok = IncrementalDetokenizer(
+                self.tokenizer, req.prompt_token_ids, req.params.skip_special_tokens
+            )
             st = self._texts[req.request_id] = _Text(detok)
         return st
 
@@ -40,8 +41,9 @@ class OutputProcessor:
             return FinishReason.LENGTH, True
         return None, True
 
-    def process(self, req: Request, tok: int, logprob: TokenLogprob | None, now: float
-                ) -> RequestOutput:
+    def process(
+        self, req: Request, tok: int, logprob: TokenLogprob | None, now: float
+    ) -> RequestOutput:
         """Append a sampled token; return the delta (with finish_reason set if it finished)."""
         req.append_token(tok)
         if req.first_token_time is None:
@@ -66,16 +68,28 @@ class OutputProcessor:
             req.finish_reason = reason
             del self._texts[req.request_id]
         return RequestOutput(
-            request_id=req.request_id, new_token_ids=[tok], new_text=delta,
-            logprobs=[logprob] if logprob is not None else None, finished=reason is not None,
-            finish_reason=reason, num_prompt_tokens=req.num_prompt_tokens,
+            request_id=req.request_id,
+            new_token_ids=[tok],
+            new_text=delta,
+            logprobs=[logprob] if logprob is not None else None,
+            finished=reason is not None,
+            finish_reason=reason,
+            num_prompt_tokens=req.num_prompt_tokens,
             num_output_tokens=req.num_output_tokens,
         )
 
-    def final(self, req: Request, reason: FinishReason, error: str | None = None
-              ) -> RequestOutput:
+    def final(self, req: Request, reason: FinishReason, error: str | None = None) -> RequestOutput:
         """The closing delta of a request finished outside sampling (abort, error)."""
         self._texts.pop(req.request_id, None)
         req.finish_reason = reason
-        return RequestOutput(req.request_id, [], "", None, True, reason, req.num_prompt_tokens,
-                             req.num_output_tokens, error)
+        return RequestOutput(
+            req.request_id,
+            [],
+            "",
+            None,
+            True,
+            reason,
+            req.num_prompt_tokens,
+            req.num_output_tokens,
+            error,
+        )

@@ -25,8 +25,9 @@ class Sampler:
             self._generators[req.request_id] = g
         return g
 
-    def sample(self, logits: torch.Tensor, reqs: list[Request]
-               ) -> tuple[list[int], list[TokenLogprob | None]]:
+    def sample(
+        self, logits: torch.Tensor, reqs: list[Request]
+    ) -> tuple[list[int], list[TokenLogprob | None]]:
         """logits: [N, vocab] float32, one row per request -> token ids and optional logprobs."""
         raw = logits
         if any(r.params.needs_penalties or r.num_output_tokens < r.params.min_tokens for r in reqs):
@@ -46,7 +47,8 @@ class Sampler:
             row[list(banned)] = float("-inf")
         if p.needs_penalties and r.output_token_ids:
             ids, counts = torch.tensor(r.output_token_ids, device=row.device).unique(
-                return_counts=True)
+                return_counts=True
+            )
             row[ids] -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty
 
     def _sample_row(self, row: torch.Tensor, r: Request) -> int:
@@ -66,8 +68,9 @@ class Sampler:
         return int(torch.multinomial(probs, 1, generator=self._generator(r)))
 
     @staticmethod
-    def _logprobs(raw: torch.Tensor, tokens: list[int], reqs: list[Request]
-                  ) -> list[TokenLogprob | None]:
+    def _logprobs(
+        raw: torch.Tensor, tokens: list[int], reqs: list[Request]
+    ) -> list[TokenLogprob | None]:
         wanted = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
         out: list[TokenLogprob | None] = [None] * len(reqs)
         if not wanted:

@@ -84,8 +84,12 @@ class BatchScheduler:
                 i += 1
                 continue
             break
-        while (self.waiting and budget > 0 and not preempted
-               and len(self.running) < self.config.max_num_seqs):
+        while (
+            self.waiting
+            and budget > 0
+            and not preempted
+            and len(self.running) < self.config.max_num_seqs
+        ):
             req = self.waiting[0]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self._grow(req, req.num_computed_tokens + num_new):

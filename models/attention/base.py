@@ -46,7 +46,9 @@ class AttentionMetadata:
         return all(n == 1 for n in self.query_lens_cpu)
 
     @staticmethod
-    def build(chunks: Sequence[SeqChunk], block_size: int, device: torch.device) -> AttentionMetadata:
+    def build(
+        chunks: Sequence[SeqChunk], block_size: int, device: torch.device
+    ) -> AttentionMetadata:
         query_lens = [c.num_new for c in chunks]
         seq_lens = [c.num_computed + c.num_new for c in chunks]
         max_blocks = max((-(-s // block_size) for s in seq_lens), default=1)
@@ -85,11 +87,16 @@ class LayerAttention:
 class AttentionBackend(Protocol):
     """Writes this step's K/V into the paged cache and computes attention over cache + new tokens.
 
-    q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim]; returns [T, num_heads, head_dim].
+    q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] -> [T, num_heads, head_dim].
     """
 
     def forward(
-        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: LayerAttention
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        spec: LayerAttention,
     ) -> torch.Tensor: ...
 
 
@@ -101,6 +108,11 @@ class ForwardContext:
     attn: AttentionBackend
 
     def attention(
-        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: LayerAttention
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        spec: LayerAttention,
     ) -> torch.Tensor:
         return self.attn.forward(layer_idx, q, k, v, spec)

@@ -22,7 +22,8 @@ def _attend(q, k, v, mask, spec: LayerAttention) -> torch.Tensor:
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * spec.scale
     scores = torch.tanh(scores / spec.logit_softcap) * spec.logit_softcap
-    scores = scores.masked_fill(~mask, float("-inf"))
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
     return torch.matmul(scores.softmax(-1), v.float()).to(q.dtype)
 
 
@@ -46,10 +47,25 @@ class TorchPagedAttention:
         self._slot_block = md.slot_mapping // bs
         self._slot_off = md.slot_mapping % bs
         self._decode = md.is_decode_only
+        self._masks: dict[int | None, torch.Tensor | None] = {}
 
     def _write(self, cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        cache[self._slot_block, 0, self._slot_off] = k.to(cache.dtype)
-        cache[self._slot_block, 1, self._slot_off] = v.to(cache.dtype)
+        # cache[block, :, offset] is [T, 2, Hkv, D]: K and V of each new token in one write
+        cache[self._slot_block, :, self._slot_off] = torch.stack((k, v), dim=1).to(cache.dtype)
+
+    def _decode_mask(self, window: int | None, device) -> torch.Tensor | None:
+        """[B, 1, 1, max_len] for a decode step, built once per step and window; None when
+        every sequence attends to every cached position."""
+        if window not in self._masks:
+            md = self.md
+            lens = md.seq_lens_cpu
+            if len(set(lens)) == 1 and (window is None or window >= lens[0]):
+                self._masks[window] = None
+            else:
+                pos = (md.seq_lens.long() - 1).unsqueeze(-1)  # [B, 1]
+                kv_pos = torch.arange(max(lens), device=device)
+                self._masks[window] = _window_mask(pos, kv_pos, md.seq_lens.long(), window)
+        return self._masks[window]
 
     def _gather(self, cache: torch.Tensor, tables: torch.Tensor, max_len: int):
         """tables: [B, nb] -> K, V as [B, Hkv, max_len, D]."""
@@ -66,9 +82,7 @@ class TorchPagedAttention:
             max_len = max(md.seq_lens_cpu)
             nb = -(-max_len // md.block_size)
             kc, vc = self._gather(cache, md.block_tables[:, :nb], max_len)
-            pos = (md.seq_lens.long() - 1).unsqueeze(-1)  # [B, 1]
-            kv_pos = torch.arange(max_len, device=q.device)
-            mask = _window_mask(pos, kv_pos, md.seq_lens.long(), spec.sliding_window)
+            mask = self._decode_mask(spec.sliding_window, q.device)
             out = _attend(q.unsqueeze(2), kc.to(q.dtype), vc.to(q.dtype), mask, spec)
             return out.squeeze(2)
         out = torch.empty_like(q)

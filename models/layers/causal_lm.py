@@ -1,4 +1,4 @@
-"""CausalLM: the API every model class exposes to the runner (forward, compute_logits, load_weights)."""
+"""CausalLM: the API every model exposes to the runner (forward, compute_logits, load_weights)."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ from models.layers.merged_linear import MergedLinear
 
 
 class GatedMLP(nn.Module):
-    """SwiGLU (act="silu") or GeGLU (act="gelu_pytorch_tanh"); HF names gate_proj/up_proj/down_proj."""
+    """SwiGLU (act="silu") or GeGLU (act="gelu_pytorch_tanh"); HF names gate/up/down_proj."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, act: str, bias: bool = False):
         super().__init__()

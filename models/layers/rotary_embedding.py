@@ -13,7 +13,7 @@ from torch import nn
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
-    """[head_dim // 2] fp32 inverse frequencies, as transformers' ROPE_INIT_FUNCTIONS compute them."""
+    """[head_dim // 2] fp32 inverse frequencies, as transformers' ROPE_INIT_FUNCTIONS give them."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     kind = (scaling or {}).get("rope_type", "default")
     if kind == "default":
@@ -34,7 +34,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
 
 
 class RotaryEmbedding(nn.Module):
-    """positions [T] -> (cos, sin), each [T, head_dim] in fp32."""
+    """positions [T] -> (cos, sin), each [T, 1, head_dim] in fp32."""
 
     def __init__(self, head_dim: int, theta: float, scaling: dict | None = None):
         super().__init__()
@@ -52,7 +52,7 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float().unsqueeze(-1) * self.inv_freq  # [T, head_dim // 2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [T, head_dim]
+        emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)  # [T, 1, head_dim]
         return emb.cos(), emb.sin()
 
     def extra_repr(self) -> str:
@@ -60,8 +60,8 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, H, D]; cos, sin: [T, D] -> [T, H, D] (cos/sin cast to x's dtype, as HF does)."""
-    cos = cos.to(x.dtype).unsqueeze(1)
-    sin = sin.to(x.dtype).unsqueeze(1)
+    """x: [T, H, D]; cos, sin: [T, 1, D] -> [T, H, D] (cos/sin cast to x's dtype, as HF does)."""
+    if cos.dtype != x.dtype:
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin

@@ -1,4 +1,4 @@
-"""SelfAttention: fused qkv projection, optional per-head q/k RMSNorm, rope, paged attention, o_proj."""
+"""SelfAttention: fused qkv projection, optional q/k norm, rope, paged attention, o_proj."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ class SelfAttention(nn.Module):
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext
     ) -> torch.Tensor:
-        # x: [T, hidden]; rope: (cos, sin), each [T, head_dim] -> [T, hidden]
+        # x: [T, hidden]; rope: (cos, sin), each [T, 1, head_dim] -> [T, hidden]
         t = x.shape[0]
         q_rows, kv_rows = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(x).split([q_rows, kv_rows, kv_rows], dim=-1)

@@ -16,10 +16,21 @@ def make_pool(pages: int, page_bytes: int = PAGE) -> PagePool:
     return PagePool(CpuBackend(), page_bytes, budget_bytes=(pages + 1) * page_bytes)
 
 
-def make_cache(pool: PagePool, owner: str, *, layers=3, heads=3, head_dim=16, block=4,
-               max_pages=16, cached=1, dtype=torch.float32) -> KVCache:
-    layout = KVLayout(layers, block, heads, head_dim, dtype, pool.page_bytes,
-                      pool.backend.granularity)
+def make_cache(
+    pool: PagePool,
+    owner: str,
+    *,
+    layers=3,
+    heads=3,
+    head_dim=16,
+    block=4,
+    max_pages=16,
+    cached=1,
+    dtype=torch.float32,
+) -> KVCache:
+    layout = KVLayout(
+        layers, block, heads, head_dim, dtype, pool.page_bytes, pool.backend.granularity
+    )
     return KVCache(pool, owner, layout, max_pages=max_pages, max_cached_pages=cached)
 
 

@@ -35,9 +35,19 @@ PUBLISHED_PARAMS = {
     "qwen3-8b": 8.191e9,
     "gemma-3-1b": 1.000e9,
 }
-TINY = dict(vocab_size=262, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-            rms_norm_eps=1e-5, rope_theta=10000.0, bos_token_id=1, eos_token_id=2)
+TINY = dict(
+    vocab_size=262,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 PROMPT = [5, 17, 200, 3, 99, 42, 7, 250, 11, 64, 1, 180]
 
 
@@ -53,12 +63,25 @@ def _prefill_logits(lm: LoadedModel, ids: list[int]) -> torch.Tensor:
     """Our model's logits [len(ids), vocab] for one sequence through the paged path."""
     cfg, bs = lm.config, 4
     blocks = -(-len(ids) // bs)
-    caches = [torch.zeros(blocks + 1, 2, bs, cfg.num_kv_heads, cfg.head_dim,
-                          dtype=next(lm.model.parameters()).dtype) for _ in range(cfg.num_layers)]
-    md = AttentionMetadata.build([SeqChunk(0, len(ids), range(1, blocks + 1))], bs,
-                                 torch.device("cpu"))
-    hidden = lm.model(torch.tensor(ids), torch.arange(len(ids)),
-                      ForwardContext(attn=TorchPagedAttention(caches, md)))
+    caches = [
+        torch.zeros(
+            blocks + 1,
+            2,
+            bs,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            dtype=next(lm.model.parameters()).dtype,
+        )
+        for _ in range(cfg.num_layers)
+    ]
+    md = AttentionMetadata.build(
+        [SeqChunk(0, len(ids), range(1, blocks + 1))], bs, torch.device("cpu")
+    )
+    hidden = lm.model(
+        torch.tensor(ids),
+        torch.arange(len(ids)),
+        ForwardContext(attn=TorchPagedAttention(caches, md)),
+    )
     return lm.model.compute_logits(hidden)
 
 
@@ -95,7 +118,11 @@ def test_llama_8b_preset_fields():
     config = ModelConfig.from_hf(get_preset("llama-3.1-8b"))
     assert _meta_param_count(get_preset("llama-3.1-8b")) == pytest.approx(8.03e9, rel=1e-3)
     assert (config.num_layers, config.num_heads, config.num_kv_heads, config.head_dim) == (
-        32, 32, 8, 128)
+        32,
+        32,
+        8,
+        128,
+    )
     assert config.rope_scaling["rope_type"] == "llama3" and config.rope_scaling["factor"] == 8.0
     assert config.kv_bytes_per_token(torch.bfloat16) == 128 * 1024  # 128 KiB per token
     assert not config.tie_word_embeddings
@@ -126,8 +153,10 @@ def test_byte_tokenizer_round_trips_utf8_one_token_per_byte():
     ids = tok(text).input_ids
     assert ids == [BYTE_OFFSET + b for b in text.encode("utf-8")]
     assert tok.decode(ids) == text
-    assert tok("<|im_start|>x").input_ids == [tok.convert_tokens_to_ids("<|im_start|>"),
-                                              BYTE_OFFSET + ord("x")]
+    assert tok("<|im_start|>x").input_ids == [
+        tok.convert_tokens_to_ids("<|im_start|>"),
+        BYTE_OFFSET + ord("x"),
+    ]
 
 
 def test_byte_tokenizer_decodes_every_id_of_a_large_vocab():
@@ -141,8 +170,9 @@ def test_byte_tokenizer_decodes_every_id_of_a_large_vocab():
 
 def test_byte_tokenizer_chat_template_and_special_ids():
     tok = ByteTokenizer(300)
-    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
-                                   add_generation_prompt=True)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
     assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id) == (0, 1, 2)
     with pytest.raises(ValueError, match="vocab_size"):
@@ -214,8 +244,15 @@ def test_dummy_weights_are_deterministic_in_the_target_dtype():
 
 
 def test_dummy_gemma3_norms_are_zero_for_the_one_plus_w_convention():
-    cfg = {**get_preset("gemma-3-1b"), "vocab_size": 300, "hidden_size": 32,
-           "intermediate_size": 64, "num_hidden_layers": 2, "layer_types": None, "head_dim": 16}
+    cfg = {
+        **get_preset("gemma-3-1b"),
+        "vocab_size": 300,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "layer_types": None,
+        "head_dim": 16,
+    }
     config = ModelConfig.from_hf(cfg)
     with torch.device("meta"):
         model = get_model_class(config.hf_architecture)(config)
@@ -244,8 +281,9 @@ def test_hf_directory_loads_and_matches_transformers(tmp_path, tie, shard):
         assert (path / "model.safetensors.index.json").is_file()
     lm = load_model(ModelSource.parse(str(path)))
     assert (lm.model.lm_head.weight is lm.model.model.embed_tokens.weight) == tie
-    torch.testing.assert_close(_prefill_logits(lm, PROMPT), _hf_logits(hf, PROMPT),
-                               atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        _prefill_logits(lm, PROMPT), _hf_logits(hf, PROMPT), atol=1e-4, rtol=1e-4
+    )
     assert lm.tokenizer.decode(lm.tokenizer("ok").input_ids) == "ok"
 
 
@@ -269,19 +307,30 @@ def test_hf_directory_errors_name_the_file(tmp_path):
 # ---------------------------------------------------------------- GGUF
 
 _HF_TO_GGUF_BLOCK = {  # written out independently of models.gguf_tensors
-    "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-    "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
 }
-_HF_TO_GGUF_TOP = {"model.embed_tokens.weight": "token_embd.weight",
-                   "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
+_HF_TO_GGUF_TOP = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
 
 
 def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     # convert_hf_to_gguf.py LlamaModel.permute
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(
-        w.shape)
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
 
 
 def write_tiny_llama_gguf(path: Path, hf: tf.LlamaForCausalLM) -> Path:
@@ -299,8 +348,9 @@ def write_tiny_llama_gguf(path: Path, hf: tf.LlamaForCausalLM) -> Path:
     w.add_rope_freq_base(10000.0)
     w.add_rope_dimension_count(c.hidden_size // c.num_attention_heads)
     w.add_vocab_size(c.vocab_size)
-    byte_chars = [ByteTokenizer(MIN_VOCAB_SIZE).convert_ids_to_tokens(BYTE_OFFSET + b)
-                  for b in range(256)]
+    byte_chars = [
+        ByteTokenizer(MIN_VOCAB_SIZE).convert_ids_to_tokens(BYTE_OFFSET + b) for b in range(256)
+    ]
     tokens = ["<pad>", "<s>", "</s>", "<unk>", *byte_chars, "Ġt", "he"]
     assert len(tokens) == c.vocab_size
     w.add_tokenizer_model("gpt2")
@@ -361,8 +411,9 @@ def test_gguf_converts_to_a_cached_hf_dir_that_loads(tiny_gguf, tmp_path):
     assert all(torch.equal(converted[k], v) for k, v in hf.state_dict().items())
     lm = load_model(str(path))
     assert lm.name == "tiny"
-    torch.testing.assert_close(_prefill_logits(lm, PROMPT), _hf_logits(hf, PROMPT),
-                               atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        _prefill_logits(lm, PROMPT), _hf_logits(hf, PROMPT), atol=1e-4, rtol=1e-4
+    )
     assert lm.tokenizer.decode(lm.tokenizer("the héllo").input_ids) == "the héllo"
 
 
@@ -376,8 +427,9 @@ def test_big_gguf_conversions_are_sharded(tiny_gguf, monkeypatch):
     assert set(index["weight_map"]) == set(hf.state_dict())
     assert index["metadata"]["total_size"] == sum(t.nbytes for t in hf.state_dict().values())
     lm = load_model(str(path))
-    torch.testing.assert_close(_prefill_logits(lm, PROMPT), _hf_logits(hf, PROMPT),
-                               atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        _prefill_logits(lm, PROMPT), _hf_logits(hf, PROMPT), atol=1e-4, rtol=1e-4
+    )
 
 
 def test_gguf_conversion_is_cached_and_an_interrupted_one_is_not_reused(tiny_gguf, monkeypatch):
@@ -406,11 +458,14 @@ def test_gguf_conversion_is_cached_and_an_interrupted_one_is_not_reused(tiny_ggu
 def test_gguf_name_mapping_for_gemma3_and_errors():
     tmap = GgufTensorMap("gemma3", num_heads=4, num_kv_heads=1)
     assert tmap.hf_name("blk.3.post_attention_norm.weight") == (
-        "model.layers.3.post_attention_layernorm.weight")
+        "model.layers.3.post_attention_layernorm.weight"
+    )
     assert tmap.hf_name("blk.3.ffn_norm.weight") == (
-        "model.layers.3.pre_feedforward_layernorm.weight")
+        "model.layers.3.pre_feedforward_layernorm.weight"
+    )
     assert tmap.hf_name("blk.0.post_ffw_norm.weight") == (
-        "model.layers.0.post_feedforward_layernorm.weight")
+        "model.layers.0.post_feedforward_layernorm.weight"
+    )
     assert tmap.hf_name("blk.0.attn_k_norm.weight") == "model.layers.0.self_attn.k_norm.weight"
     assert tmap.hf_name("token_embd.weight") == "model.embed_tokens.weight"
     ones = np.ones(8, dtype=np.float32)
@@ -418,7 +473,8 @@ def test_gguf_name_mapping_for_gemma3_and_errors():
     assert np.array_equal(tmap.to_hf("blk.0.attn_q.weight", ones), ones)  # no permute
     llama = GgufTensorMap("llama", 4, 2)
     assert llama.hf_name("blk.1.ffn_norm.weight") == (
-        "model.layers.1.post_attention_layernorm.weight")
+        "model.layers.1.post_attention_layernorm.weight"
+    )
     assert llama.hf_name("rope_freqs.weight") is None
     with pytest.raises(KeyError, match="ssm_conv1d"):
         llama.hf_name("blk.0.ssm_conv1d.weight")

@@ -75,8 +75,15 @@ def make_kv_cache(config: ModelConfig, num_blocks: int, block_size: int) -> KVCa
     backend = CpuBackend()
     page = backend.round_up(2 * config.num_layers * block_bytes)
     pool = PagePool(backend, page, budget_bytes=page * (num_blocks + 2))
-    layout = KVLayout(config.num_layers, block_size, config.num_kv_heads, config.head_dim,
-                      torch.float32, page, backend.granularity)
+    layout = KVLayout(
+        config.num_layers,
+        block_size,
+        config.num_kv_heads,
+        config.head_dim,
+        torch.float32,
+        page,
+        backend.granularity,
+    )
     return KVCache(pool, "parity", layout, max_pages=num_blocks + 1, max_cached_pages=0)
 
 

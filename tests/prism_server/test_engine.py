@@ -14,20 +14,40 @@ SMOL = "smollm2-135m"
 # blocks (80 tokens), so these prompts span several blocks and pages.
 PAGE = 4 << 20
 
-TOPICS = ["the sea", "a city at night", "mountains", "bread", "a small robot", "the moon",
-          "trains", "winter", "a library", "music", "bees", "an old map", "rain", "chess",
-          "a garden", "the desert"]
+TOPICS = [
+    "the sea",
+    "a city at night",
+    "mountains",
+    "bread",
+    "a small robot",
+    "the moon",
+    "trains",
+    "winter",
+    "a library",
+    "music",
+    "bees",
+    "an old map",
+    "rain",
+    "chess",
+    "a garden",
+    "the desert",
+]
 
 
 def prompts() -> list[str]:
-    return [f"Write {i % 4 + 1} sentences about {t}." + " Be vivid." * (i % 5)
-            for i, t in enumerate(TOPICS)]
+    return [
+        f"Write {i % 4 + 1} sentences about {t}." + " Be vivid." * (i % 5)
+        for i, t in enumerate(TOPICS)
+    ]
 
 
 def smol_engine(budget_pages: int, **spec) -> Engine:
     spec = ModelSpec(SMOL, SMOL, **spec)
-    return Engine(EngineConfig(models=(spec,), device="cpu", page_bytes=PAGE,
-                               kv_budget_bytes=budget_pages * PAGE))
+    return Engine(
+        EngineConfig(
+            models=(spec,), device="cpu", page_bytes=PAGE, kv_budget_bytes=budget_pages * PAGE
+        )
+    )
 
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
@@ -66,8 +86,12 @@ def test_abort_mid_decode_frees_the_blocks():
 
     with smol_engine(16) as e:
         q: queue.SimpleQueue = queue.SimpleQueue()
-        req = e.add_request(SMOL, "Count to one hundred:", SamplingParams(max_tokens=200,
-                            temperature=0, ignore_eos=True), sink=q.put)
+        req = e.add_request(
+            SMOL,
+            "Count to one hundred:",
+            SamplingParams(max_tokens=200, temperature=0, ignore_eos=True),
+            sink=q.put,
+        )
         for _ in range(3):
             assert not q.get(timeout=60).finished
         e.abort(SMOL, req.request_id)
@@ -89,16 +113,23 @@ def test_requests_that_can_never_fit_are_refused_up_front():
 
 def test_stop_strings_and_stop_tokens_end_the_output():
     with smol_engine(16) as e:
-        base = e.generate(SMOL, ["The alphabet: A, B, C,"], SamplingParams(max_tokens=12,
-                          temperature=0))[0]
+        base = e.generate(
+            SMOL, ["The alphabet: A, B, C,"], SamplingParams(max_tokens=12, temperature=0)
+        )[0]
         assert len(base.text) > 6
         stop = base.text[3:6]
-        cut = e.generate(SMOL, ["The alphabet: A, B, C,"],
-                         SamplingParams(max_tokens=12, temperature=0, stop=(stop,)))[0]
+        cut = e.generate(
+            SMOL,
+            ["The alphabet: A, B, C,"],
+            SamplingParams(max_tokens=12, temperature=0, stop=(stop,)),
+        )[0]
         assert cut.finish_reason is FinishReason.STOP and cut.text == base.text[:3]
         tok = base.token_ids[2]
-        by_id = e.generate(SMOL, ["The alphabet: A, B, C,"],
-                           SamplingParams(max_tokens=12, temperature=0, stop_token_ids=(tok,)))[0]
+        by_id = e.generate(
+            SMOL,
+            ["The alphabet: A, B, C,"],
+            SamplingParams(max_tokens=12, temperature=0, stop_token_ids=(tok,)),
+        )[0]
         assert by_id.finish_reason is FinishReason.STOP
         assert by_id.token_ids == base.token_ids[: base.token_ids.index(tok) + 1]
         e.check_integrity()
@@ -109,8 +140,9 @@ def test_two_models_share_one_pool():
     a = ModelSpec("a", "dummy:tiny-llama", block_size=4, max_cached_pages=64, seed=1)
     b = ModelSpec("b", "dummy:tiny-llama", block_size=4, max_cached_pages=64, seed=2)
     page = 64 << 10
-    with Engine(EngineConfig(models=(a, b), device="cpu", page_bytes=page,
-                             kv_budget_bytes=11 * page)) as e:
+    with Engine(
+        EngineConfig(models=(a, b), device="cpu", page_bytes=page, kv_budget_bytes=11 * page)
+    ) as e:
         bpp = e.models["a"].kv_cache.allocator.bpp
         params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
         long_prompt = list(range(10, 10 + 4 * bpp - 8))  # fills 1 page once its output is in

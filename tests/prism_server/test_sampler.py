@@ -19,8 +19,12 @@ def logits(rows: int = 4, vocab: int = 50, seed: int = 0) -> torch.Tensor:
 
 def test_greedy_and_top_k_one_take_the_argmax():
     x = logits()
-    reqs = [req("a", temperature=0), req("b", temperature=0.8, top_k=1),
-            req("c", temperature=0), req("d", temperature=0)]
+    reqs = [
+        req("a", temperature=0),
+        req("b", temperature=0.8, top_k=1),
+        req("c", temperature=0),
+        req("d", temperature=0),
+    ]
     tokens, lps = Sampler(torch.device("cpu")).sample(x, reqs)
     assert tokens == x.argmax(-1).tolist()
     assert lps == [None] * 4
