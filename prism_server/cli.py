@@ -1,8 +1,10 @@
-"""Command line: `python -m prism_server generate ...`."""
+"""Command line: `python -m prism_server [serve] ...` and `python -m prism_server generate ...`."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import logging
 import queue
 import sys
 import time
@@ -13,11 +15,29 @@ from prism_server.engine import Engine
 from prism_server.sampling_params import SamplingParams
 
 
+def _serve_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="a TOML file (see README); flags override it")
+    p.add_argument(
+        "--model",
+        action="append",
+        dest="models",
+        metavar="NAME=SOURCE",
+        help="a model to serve (repeatable); SOURCE is an embedded model, a .gguf "
+        "file, an HF directory or dummy:<preset>. Default: the embedded models",
+    )
+    p.add_argument("--host", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="port (default 8000)")
+    p.add_argument("--api-key", help="require Authorization: Bearer <key>")
+    p.add_argument("--device", help="auto, cpu or cuda[:N]")
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m prism_server", description="Prism: many LLMs on few GPUs."
+        prog="python -m prism_server", description="Prism: many LLMs on few GPUs, one OpenAI API."
     )
+    _serve_flags(p)
     sub = p.add_subparsers(dest="command")
+    _serve_flags(sub.add_parser("serve", help="serve the OpenAI API (the default command)"))
     g = sub.add_parser("generate", help="generate text from one prompt and print the speed")
     g.add_argument(
         "--model",
@@ -41,10 +61,10 @@ def _prompt_ids(engine: Engine, model: str, prompt: str, raw: bool) -> list[int]
     tok = engine.model(model).tokenizer
     if raw or not getattr(tok, "chat_template", None):
         return engine.encode(model, prompt)
-    ids = tok.apply_chat_template(
-        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
     )
-    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    return list(tok(text, add_special_tokens=False).input_ids)
 
 
 def generate(args: argparse.Namespace) -> int:
@@ -95,9 +115,59 @@ def generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def serve(args: argparse.Namespace) -> int:
+    from prism_server.server.app import serve as serve_app
+    from prism_server.server_args import ConfigError, load_server_args
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    try:
+        sargs = load_server_args(
+            args.config, args.models, host=args.host, port=args.port, api_key=args.api_key
+        )
+        if args.device:
+            from dataclasses import replace
+
+            sargs = replace(sargs, engine=replace(sargs.engine, device=args.device))
+        engine = Engine(sargs.engine)
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    def ready(port: int) -> None:
+        url = f"http://{sargs.host}:{port}"
+        first = next(iter(engine.models))
+        has_chat = getattr(engine.models[first].tokenizer, "chat_template", None)
+        print(f"Prism serves {', '.join(engine.models)} on {engine.device} at {url}", flush=True)
+        if has_chat:
+            body = (
+                f'{{"model": "{first}", "messages": [{{"role": "user", "content": '
+                f'"What is the capital of France?"}}], "max_tokens": 32}}'
+            )
+            path = "/v1/chat/completions"
+        else:
+            body = f'{{"model": "{first}", "prompt": "The capital of France is", "max_tokens": 16}}'
+            path = "/v1/completions"
+        auth = f" -H 'Authorization: Bearer {sargs.api_key}'" if sargs.api_key else ""
+        print(
+            f"Try: curl {url}{path} -H 'Content-Type: application/json'{auth} -d '{body}'",
+            flush=True,
+        )
+
+    try:
+        import uvloop
+
+        run = uvloop.run
+    except ImportError:  # pragma: no cover (uvloop is a dependency where it exists)
+        run = asyncio.run
+    try:
+        run(serve_app(engine, sargs, ready))
+    finally:
+        engine.close()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "generate":
         return generate(args)
-    _parser().print_help()
-    return 0
+    return serve(args)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from pydantic import ConfigDict
 
 from scheduler.batch_scheduler import SchedulerConfig
 
@@ -15,6 +16,8 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 class ModelSpec:
     """One served model: its name, where its weights come from, and how it is batched."""
 
+    __pydantic_config__ = ConfigDict(extra="forbid")  # config files: unknown keys are errors
+
     name: str
     source: str  # HF directory, .gguf file, "dummy:<preset>", or an embedded default's name
     dtype: str = "auto"  # auto = float32 on CPU, bfloat16 on GPU
@@ -24,6 +27,10 @@ class ModelSpec:
     max_num_batched_tokens: int = 2048
     max_cached_pages: int = 1  # fully free pages kept mapped for the next burst
     seed: int = 0  # for dummy weights
+    ttft_slo_ms: float | None = None  # time-to-first-token target
+    tpot_slo_ms: float | None = None  # time-per-output-token target
+    pinned: bool = False  # always resident (never evicted)
+    max_queued_requests: int = 256  # accepted but not started; beyond it: 503
 
     def __post_init__(self):
         if not self.name or self.name.strip() != self.name:
@@ -32,6 +39,12 @@ class ModelSpec:
             raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("max_model_len must be positive")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_queued_requests"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive")
+        for name in ("ttft_slo_ms", "tpot_slo_ms"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")
 
     def torch_dtype(self, device: torch.device) -> torch.dtype:
         if self.dtype == "auto":
@@ -49,6 +62,8 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class EngineConfig:
+    __pydantic_config__ = ConfigDict(extra="forbid")
+
     models: tuple[ModelSpec, ...] = ()
     device: str = "auto"  # auto = cuda if available, else cpu
     page_bytes: int = 64 << 20  # one physical page (handle) of the pool

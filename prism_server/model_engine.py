@@ -18,6 +18,10 @@ from scheduler.batch_scheduler import BatchScheduler, ScheduledChunk, SchedulerC
 log = logging.getLogger(__name__)
 
 
+class ContextLengthExceeded(ValueError):
+    """The prompt plus the requested tokens exceed what the model can hold."""
+
+
 class ModelEngine:
     def __init__(
         self,
@@ -56,6 +60,10 @@ class ModelEngine:
         )
 
     @property
+    def weight_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.runner.model.parameters())
+
+    @property
     def max_model_len(self) -> int:
         return self.scheduler.config.max_model_len
 
@@ -69,12 +77,14 @@ class ModelEngine:
             raise ValueError("the prompt is empty")
         total = num_prompt_tokens + max_tokens
         if total > self.max_model_len:
-            raise ValueError(
+            raise ContextLengthExceeded(
                 f"This model's maximum context length is {self.max_model_len} tokens; the request "
                 f"has {num_prompt_tokens} prompt tokens and asks for {max_tokens} more."
             )
         if self.scheduler.blocks_needed(total) > self.kv_cache.allocator.capacity_blocks:
-            raise ValueError(f"{total} tokens do not fit in the KV cache this model can address")
+            raise ContextLengthExceeded(
+                f"{total} tokens do not fit in the KV cache this model can address"
+            )
 
     # ---- engine-thread side -------------------------------------------------------------------
     def add(self, req: Request) -> None:

@@ -76,6 +76,7 @@ class OutputProcessor:
             finish_reason=reason,
             num_prompt_tokens=req.num_prompt_tokens,
             num_output_tokens=req.num_output_tokens,
+            first_scheduled_time=req.first_scheduled_time,
         )
 
     def final(self, req: Request, reason: FinishReason, error: str | None = None) -> RequestOutput:

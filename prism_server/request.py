@@ -43,6 +43,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     error: str | None = None
+    first_scheduled_time: float | None = None  # time.monotonic() when it first ran
 
 
 @dataclass(eq=False)
@@ -61,6 +62,7 @@ class Request:
     block_table: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    first_scheduled_time: float | None = None
     first_token_time: float | None = None
     aborted: bool = False  # set from any thread; the engine finishes the request at its next step
 

@@ -1,0 +1,302 @@
+"""The OpenAI wire protocol: request models (fields in the order of the OpenAI reference, unknown
+fields ignored), their conversion into internal sampling parameters, and the response and error
+bodies. Nothing else in the server knows the JSON shapes."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from prism_server.request import FinishReason, RequestOutput, TokenLogprob
+from prism_server.sampling_params import SamplingParams
+
+MAX_N = 16
+MAX_STOP = 16
+
+
+class APIError(Exception):
+    """An error answered with the OpenAI envelope."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = (
+            status,
+            message,
+            type_,
+            param,
+            code,
+        )
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: str | None = None):
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def validation_error(e: ValidationError) -> APIError:
+    err = e.errors()[0]
+    param = ".".join(str(p) for p in err["loc"]) or None
+    msg = err["msg"].removeprefix("Value error, ")
+    return APIError(400, f"{param}: {msg}" if param else msg, param=param)
+
+
+# ---- requests ----------------------------------------------------------------------------------
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        for part in self.content:
+            if part.type != "text" or part.text is None:
+                raise ValueError(f"content parts of type {part.type!r} are not supported")
+        return "".join(p.text for p in self.content)
+
+
+class _SamplingFields(BaseModel):
+    """Fields shared by chat and completions requests (OpenAI's, then vLLM's extensions)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    max_tokens: int | None = Field(None, ge=1)
+    n: int = Field(1, ge=1, le=MAX_N)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    user: str | None = None
+    # extensions (vLLM names)
+    top_k: int | None = Field(None, ge=-1)
+    min_tokens: int = Field(0, ge=0)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v):
+        stops = [v] if isinstance(v, str) else v or []
+        if len(stops) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop sequences are allowed")
+        if any(s == "" for s in stops):
+            raise ValueError("stop sequences must be non-empty")
+        return stops
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def sampling_params(
+        self, max_tokens: int, logprobs: int | None, index: int = 0
+    ) -> SamplingParams:
+        """index: which of the n choices (each gets its own seed when a seed is given)."""
+        seed = None if self.seed is None else (self.seed + index) % 2**63
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=max(self.top_k or 0, 0),
+                seed=seed,
+                stop=tuple(self.stop or ()),
+                stop_token_ids=tuple(self.stop_token_ids or ()),
+                ignore_eos=self.ignore_eos,
+                min_tokens=min(self.min_tokens, max_tokens),
+                logprobs=logprobs,
+                presence_penalty=self.presence_penalty,
+                frequency_penalty=self.frequency_penalty,
+                include_stop_str_in_output=self.include_stop_str_in_output,
+                skip_special_tokens=self.skip_special_tokens,
+            )
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def chat_messages(self) -> list[dict[str, str]]:
+        try:
+            return [{"role": m.role, "content": m.text()} for m in self.messages]
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from None
+
+
+Prompt = str | list[str] | list[int] | list[list[int]]
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: Prompt
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=20)
+    max_tokens: int | None = Field(16, ge=1)
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, v):
+        if isinstance(v, list) and not v:
+            raise ValueError("prompt must not be an empty list")
+        if isinstance(v, list) and isinstance(v[0], list) and any(not p for p in v):
+            raise ValueError("token-id prompts must not be empty")
+        return v
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]
+        return list(p)
+
+
+# ---- responses ---------------------------------------------------------------------------------
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def finish_reason(reason: FinishReason | None) -> str | None:
+    if reason is None:
+        return None
+    return "abort" if reason in (FinishReason.ABORT, FinishReason.ERROR) else reason.value
+
+
+class LogprobFormatter:
+    """Token logprobs in chat form ({"content": [...]}) or completions form (parallel lists)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def _tok(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def chat(self, lps: list[TokenLogprob]) -> dict[str, Any]:
+        def entry(tid: int, lp: float) -> dict[str, Any]:
+            s = self._tok(tid)
+            return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+
+        return {
+            "content": [
+                {**entry(x.token_id, x.logprob), "top_logprobs": [entry(t, v) for t, v in x.top]}
+                for x in lps
+            ]
+        }
+
+    def completion(self, lps: list[TokenLogprob], text_offset: int) -> dict[str, Any]:
+        tokens, offsets = [], []
+        for x in lps:
+            offsets.append(text_offset)
+            s = self._tok(x.token_id)
+            tokens.append(s)
+            text_offset += len(s)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [x.logprob for x in lps],
+            "top_logprobs": [{self._tok(t): v for t, v in x.top} for x in lps],
+            "text_offset": offsets,
+        }
+
+
+def chat_chunk(
+    rid: str, created: int, model: str, choices: list[dict], usage_: dict | None = None
+) -> dict:
+    body = {
+        "id": rid,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": choices,
+    }
+    if usage_ is not None:
+        body["usage"] = usage_
+    return body
+
+
+def completion_chunk(
+    rid: str, created: int, model: str, choices: list[dict], usage_: dict | None = None
+) -> dict:
+    body = {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+    }
+    if usage_ is not None:
+        body["usage"] = usage_
+    return body
+
+
+def model_card(name: str, created: int, **extra: Any) -> dict:
+    return {"id": name, "object": "model", "created": created, "owned_by": "prism", **extra}
+
+
+__all__ = [
+    "APIError",
+    "ChatCompletionRequest",
+    "CompletionRequest",
+    "LogprobFormatter",
+    "RequestOutput",
+    "chat_chunk",
+    "completion_chunk",
+    "error_body",
+    "finish_reason",
+    "model_card",
+    "usage",
+    "validation_error",
+]

@@ -1,0 +1,111 @@
+"""Server arguments (they contain the engine config, which contains the model specs), from a TOML
+file and command-line flags. A bad value gives a message naming the field."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from pydantic import ConfigDict, TypeAdapter, ValidationError
+
+from prism_server.config import EngineConfig, ModelSpec
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+DEFAULT_MODELS = (
+    ModelSpec(name="smollm2-135m", source="smollm2-135m"),
+    ModelSpec(name="gemma3-270m", source="gemma3-270m"),
+)
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    __pydantic_config__ = ConfigDict(extra="forbid")
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    max_queued_requests: int = 1024  # accepted but not started, all models; beyond it: 503
+    max_request_bytes: int = 8 << 20
+    shutdown_timeout_s: float = 60.0  # how long SIGTERM waits for in-flight requests
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+    def __post_init__(self):
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must not be empty")
+        if self.max_queued_requests < 1:
+            raise ValueError("max_queued_requests must be positive")
+
+    @property
+    def models(self) -> tuple[ModelSpec, ...]:
+        return self.engine.models
+
+
+_ADAPTER = TypeAdapter(ServerArgs)
+
+
+def _explain(e: ValidationError, origin: str) -> ConfigError:
+    lines = []
+    for err in e.errors():
+        loc = ""
+        for part in err["loc"]:
+            loc += f"[{part}]" if isinstance(part, int) else (f".{part}" if loc else str(part))
+        msg = err["msg"].removeprefix("Value error, ")
+        lines.append(f"{loc}: {msg}" if loc else msg)
+    return ConfigError(f"{origin}: " + "; ".join(lines))
+
+
+def parse_model_flag(flag: str) -> dict:
+    """`name=source` or just `source` (the name is then the source's)."""
+    name, sep, source = flag.partition("=")
+    if not sep:
+        return {
+            "name": Path(flag).stem if "/" in flag or flag.endswith(".gguf") else flag,
+            "source": flag,
+        }
+    if not name or not source:
+        raise ConfigError(f"--model {flag!r}: expected NAME=SOURCE")
+    return {"name": name, "source": source}
+
+
+def load_server_args(
+    config_path: str | None = None, models: list[str] | None = None, **overrides
+) -> ServerArgs:
+    """The config file (if any), then flags; no models anywhere = the embedded defaults."""
+    data: dict = {}
+    origin = "flags"
+    if config_path:
+        origin = f"config {config_path}"
+        try:
+            data = tomllib.loads(Path(config_path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"{origin}: no such file") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{origin}: not valid TOML: {e}") from None
+        if "models" in data:  # top-level [[models]] is accepted as a shortcut for engine.models
+            data.setdefault("engine", {})
+            if not isinstance(data["engine"], dict):
+                raise ConfigError(f"{origin}: engine must be a table")
+            data["engine"]["models"] = data.pop("models")
+    for k, v in overrides.items():
+        if v is not None:
+            data[k] = v
+    if models:
+        data.setdefault("engine", {})["models"] = [parse_model_flag(m) for m in models]
+    try:
+        args = _ADAPTER.validate_python(data)
+    except ValidationError as e:
+        raise _explain(e, origin) from None
+    if not args.models:
+        args = replace(args, engine=replace(args.engine, models=DEFAULT_MODELS))
+    return args
