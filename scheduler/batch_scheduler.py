@@ -11,6 +11,7 @@ later). Waiting requests are admitted FCFS while budget, sequence slots and bloc
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -96,6 +97,8 @@ class BatchScheduler:
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
             self.running.append(req)
             out.append(ScheduledChunk(req, num_new))
             budget -= num_new
