@@ -141,11 +141,14 @@ def serve(args: argparse.Namespace) -> int:
         if has_chat:
             body = (
                 f'{{"model": "{first}", "messages": [{{"role": "user", "content": '
-                f'"What is the capital of France?"}}], "max_tokens": 32}}'
+                f'"What is the capital of France?"}}], "max_tokens": 32, "temperature": 0}}'
             )
             path = "/v1/chat/completions"
         else:
-            body = f'{{"model": "{first}", "prompt": "The capital of France is", "max_tokens": 16}}'
+            body = (
+                f'{{"model": "{first}", "prompt": "The capital of France is", '
+                f'"max_tokens": 16, "temperature": 0}}'
+            )
             path = "/v1/completions"
         auth = f" -H 'Authorization: Bearer {sargs.api_key}'" if sargs.api_key else ""
         print(

@@ -58,6 +58,7 @@ class AsyncEngine:
         stream = RequestStream(self, model)
         stream.request = self.engine.add_request(model, prompt_ids, params, stream.sink, request_id)
         self._queued[model] += 1
+        self.metrics.pending.labels(model).inc()
         self.in_flight += 1
         self._idle.clear()
         return stream
@@ -65,6 +66,7 @@ class AsyncEngine:
     def _release(self, stream: RequestStream) -> None:
         if stream.queued:
             self._queued[stream.model] -= 1
+            self.metrics.pending.labels(stream.model).dec()
         self.in_flight -= 1
         if self.in_flight == 0:
             self._idle.set()
@@ -134,6 +136,7 @@ class RequestStream:
         if self.queued:
             self.queued = False
             owner._queued[self.model] -= 1
+            owner.metrics.pending.labels(self.model).dec()
             owner._on_start(self.model, out, self.arrival, now)
         if out.new_token_ids:
             if self.last_token is not None:

@@ -3,7 +3,7 @@ dashboards work, plus Prism's own page-pool gauges. Engine-state gauges are read
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
 from prism_server.engine import Engine
@@ -146,6 +146,12 @@ class Metrics:
             "prism:slo",
             "Requests that met or missed their SLO.",
             lm + ["slo", "outcome"],
+            registry=r,
+        )
+        self.pending = Gauge(
+            "prism:num_requests_pending",
+            "Accepted requests that have not produced output yet (queued, or in prefill).",
+            lm,
             registry=r,
         )
         self.rejected = Counter(

@@ -111,7 +111,7 @@ class OpenAIRoutes:
                 f"This model's maximum context length is {me.max_model_len} tokens. "
                 f"However, you requested {prompt_len + (requested or 1)} tokens ({prompt_len} in "
                 f"the messages, {requested or 1} in the completion). Please reduce the length.",
-                param="messages",
+                param="max_tokens" if (requested or 0) > me.max_model_len else "messages",
                 code="context_length_exceeded",
             )
         return requested

@@ -1,0 +1,104 @@
+"""The command line as a user runs it: the quick start, SIGTERM draining, config errors."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def prism(*args: str, **kw) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "prism_server", *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kw,
+    )
+
+
+def test_generate_prints_the_answer_and_its_speed():
+    p = prism(
+        "generate",
+        "--model",
+        "smollm2-135m",
+        "--prompt",
+        "What is the capital of France?",
+        "--max-tokens",
+        "24",
+    )
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 0, err
+    assert "Paris" in out
+    assert re.search(r"decode [\d.]+ tokens/s", err)
+
+
+def test_quick_start_serves_the_embedded_models_and_drains_on_sigterm():
+    p = prism("--port", "0")
+    try:
+        lines = []
+        for line in p.stdout:  # "Prism serves ... at URL", then "Try: curl URL ... -d 'BODY'"
+            lines.append(line)
+            if line.startswith("Try: curl"):
+                break
+        url = re.search(r"at (http://\S+)", "".join(lines)).group(1)
+        assert "smollm2-135m, gemma3-270m" in lines[0]
+        curl = lines[-1]
+        path = re.search(r"curl http://[^/]+(\S+)", curl).group(1)
+        body = json.loads(re.search(r"-d '(.*)'", curl).group(1))
+        r = httpx.post(url + path, json=body, timeout=120)
+        assert r.status_code == 200 and "Paris" in r.json()["choices"][0]["message"]["content"]
+
+        events: list[str] = []
+        started = threading.Event()
+
+        def stream() -> None:
+            req = {
+                "model": "gemma3-270m",
+                "prompt": "Once upon a time",
+                "max_tokens": 48,
+                "ignore_eos": True,
+                "stream": True,
+            }
+            with httpx.stream("POST", url + "/v1/completions", json=req, timeout=120) as s:
+                for ln in s.iter_lines():
+                    if ln:
+                        events.append(ln)
+                        started.set()
+
+        t = threading.Thread(target=stream)
+        t.start()
+        assert started.wait(120)
+        p.send_signal(signal.SIGTERM)  # in flight: must finish, not be cut off
+        t.join(timeout=120)
+        assert events[-1] == "data: [DONE]"
+        assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] == "length"
+        assert p.wait(timeout=60) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+        p.communicate()
+
+
+def test_bad_config_names_the_field(tmp_path):
+    cfg = tmp_path / "prism.toml"
+    cfg.write_text(
+        'port = 8000\n[[models]]\nname = "m"\nsource = "dummy:tiny-llama"\nmax_num_seqs = "many"\n'
+    )
+    p = prism("--config", str(cfg))
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 2
+    assert "engine.models[0].max_num_seqs" in err and str(cfg) in err
+    cfg.write_text("[[models]]\nname = 'm'\nsource = 'dummy:no-such-preset'\n")
+    p = prism("--config", str(cfg))
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 2 and "no-such-preset" in err

@@ -1,0 +1,259 @@
+"""The server over raw HTTP: the error matrix, SSE framing, disconnects, overload, auth, metrics."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+from prism_server.config import EngineConfig, ModelSpec
+from prism_server.engine import Engine
+from tests.prism_server.conftest import start_server
+
+SMOL, GEMMA = "smollm2-135m", "gemma3-270m"
+CHAT = {"model": SMOL, "messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 4}
+
+
+def post(url: str, body, path="/v1/chat/completions", **kw) -> httpx.Response:
+    if isinstance(body, (dict, list)):
+        kw["json"] = body
+    else:
+        kw["content"] = body
+    return httpx.post(url + path, timeout=120, **kw)
+
+
+def assert_envelope(r: httpx.Response, status: int, code: str | None = None) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if code:
+        assert err["code"] == code
+    return err
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        (b"{not json", None),
+        (b"[1, 2]", None),
+        (b"\xff\xfe", None),
+        ({"model": SMOL}, "messages"),
+        ({"model": SMOL, "messages": []}, "messages"),
+        ({"model": SMOL, "messages": "hi"}, "messages"),
+        ({"model": SMOL, "messages": [{"role": "wizard", "content": "x"}]}, "messages"),
+        ({**CHAT, "temperature": -1}, "temperature"),
+        ({**CHAT, "temperature": "hot"}, "temperature"),
+        ({**CHAT, "n": 0}, "n"),
+        ({**CHAT, "max_tokens": 0}, "max_tokens"),
+        ({**CHAT, "max_tokens": 10**30}, "max_tokens"),
+        ({**CHAT, "top_p": 0}, "top_p"),
+        ({**CHAT, "stop": [""]}, "stop"),
+        ({**CHAT, "stop": ["x"] * 100}, "stop"),
+        ({**CHAT, "top_logprobs": 50, "logprobs": True}, "top_logprobs"),
+        ({**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
+    ],
+)
+def test_bad_requests_get_400_with_the_envelope(server, body, param):
+    err = assert_envelope(post(server.url, body), 400)
+    assert err["type"] == "invalid_request_error"
+    if param:
+        assert err["param"].startswith(param)
+
+
+def test_context_length_unknown_model_and_unknown_route(server):
+    assert_envelope(post(server.url, {**CHAT, "max_tokens": 10**6}), 400, "context_length_exceeded")
+    err = assert_envelope(post(server.url, {**CHAT, "model": "gpt-9"}), 404, "model_not_found")
+    assert err["message"] == "The model `gpt-9` does not exist."
+    assert_envelope(httpx.get(server.url + "/v1/models/gpt-9"), 404, "model_not_found")
+    assert_envelope(httpx.get(server.url + "/v2/nothing"), 404)
+    assert_envelope(httpx.get(server.url + "/v1/chat/completions"), 405)
+    bad_ids = {"model": SMOL, "prompt": [10**9], "max_tokens": 2}
+    assert_envelope(post(server.url, bad_ids, "/v1/completions"), 400)
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+
+
+def test_unknown_fields_are_ignored(server):
+    r = post(
+        server.url,
+        {
+            **CHAT,
+            "frobnicate": True,
+            "logit_bias": {"5": 1},
+            "messages": [{"role": "user", "content": "Hi", "extra": 1}],
+        },
+    )
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] is not None
+
+
+def sse_events(r: httpx.Response) -> list:
+    """Every event of a stream, parsed; checks the framing on the way."""
+    events, buf = [], []
+    for line in r.iter_lines():
+        if line:
+            buf.append(line)
+            continue
+        assert len(buf) == 1 and buf[0].startswith("data: "), buf
+        data = buf[0][len("data: ") :]
+        events.append(data if data == "[DONE]" else json.loads(data))
+        buf = []
+    assert not buf
+    return events
+
+
+def test_sse_framing_chat_and_completions(server):
+    body = {
+        **CHAT,
+        "max_tokens": 12,
+        "stream": True,
+        "n": 2,
+        "stream_options": {"include_usage": True},
+    }
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=120) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r)
+    assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+    chunks = events[:-1]
+    assert {c["id"] for c in chunks} == {chunks[0]["id"]}
+    assert {c["created"] for c in chunks} == {chunks[0]["created"]}
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    usage = chunks[-1]
+    assert usage["choices"] == [] and usage["usage"]["total_tokens"] > 0
+    for idx in (0, 1):
+        mine = [c["choices"][0] for c in chunks[:-1] if c["choices"][0]["index"] == idx]
+        assert mine[0]["delta"]["role"] == "assistant"
+        assert [m["finish_reason"] for m in mine[:-1]] == [None] * (len(mine) - 1)
+        assert mine[-1]["finish_reason"] in ("stop", "length")
+    body = {"model": GEMMA, "prompt": "Once upon", "max_tokens": 6, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as r:
+        events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    assert all(e["object"] == "text_completion" for e in events[:-1])
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
+
+
+def wait_idle(engine: Engine, model: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    m = engine.models[model]
+    while m.scheduler.has_work or m.requests:
+        assert time.monotonic() < deadline, "requests still running"
+        time.sleep(0.05)
+
+
+def test_disconnect_mid_stream_frees_the_blocks(server):
+    body = {**CHAT, "max_tokens": 400, "ignore_eos": True, "stream": True}
+    alloc = server.engine.models[SMOL].kv_cache.allocator
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=120) as r:
+        lines = r.iter_lines()
+        seen = [next(lines) for _ in range(6)]
+        assert any(x.startswith("data: ") for x in seen)
+        assert alloc.num_used_blocks > 0
+    wait_idle(server.engine, SMOL)  # the client is gone: the request was aborted
+    assert alloc.num_used_blocks == 0
+    server.engine.check_integrity()
+
+
+def test_requests_to_two_models_interleave(server):
+    times: dict[str, list[float]] = {SMOL: [], GEMMA: []}
+
+    def run(model: str, path: str, body: dict) -> None:
+        with httpx.stream("POST", server.url + path, json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    times[model].append(time.monotonic())
+
+    common = {"max_tokens": 24, "ignore_eos": True, "stream": True, "temperature": 0}
+    threads = [
+        threading.Thread(target=run, args=(SMOL, "/v1/chat/completions", {**CHAT, **common})),
+        threading.Thread(
+            target=run,
+            args=(GEMMA, "/v1/completions", {"model": GEMMA, "prompt": "Once", **common}),
+        ),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    a, b = times[SMOL], times[GEMMA]
+    assert len(a) >= 16 and len(b) >= 16  # tokens with no text yet send no event
+    # each model's stream made progress while the other's was still running
+    assert a[0] < b[-1] and b[0] < a[-1]
+    assert sum(b[0] < t < b[-1] for t in a) >= 5
+    server.engine.check_integrity()
+
+
+def test_metrics_are_exported(server):
+    post(server.url, CHAT)
+    text = httpx.get(server.url + "/metrics").text
+    for name in (
+        "prism:num_requests_running",
+        "prism:num_requests_waiting",
+        "prism:kv_cache_usage_perc",
+        "prism:prompt_tokens_total",
+        "prism:generation_tokens_total",
+        "prism:request_success_total",
+        "prism:time_to_first_token_seconds_bucket",
+        "prism:inter_token_latency_seconds_bucket",
+        "prism:e2e_request_latency_seconds_count",
+        "prism:request_queue_time_seconds_count",
+        "prism:model_kv_pages",
+        "prism:model_memory_bytes",
+        "prism:device_pool_pages",
+        "prism:device_pool_bytes",
+    ):
+        assert name in text, name
+    assert f'prism:num_requests_running{{model_name="{SMOL}"}}' in text
+    assert 'prism:device_pool_pages{device="cpu",state="capacity"}' in text
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    spec = ModelSpec("tiny", "dummy:tiny-llama", max_queued_requests=1)
+    engine = Engine(
+        EngineConfig(models=(spec,), device="cpu", page_bytes=64 << 10, kv_budget_bytes=4 << 20)
+    )
+    s = start_server(engine, api_key="sekret", max_queued_requests=8)
+    yield s
+    s.close()
+
+
+def test_api_key_is_required_except_for_health(tiny):
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 2}
+    assert_envelope(post(tiny.url, body, "/v1/completions"), 401, "invalid_api_key")
+    assert_envelope(
+        post(tiny.url, body, "/v1/completions", headers={"Authorization": "Bearer wrong"}), 401
+    )
+    assert_envelope(httpx.get(tiny.url + "/v1/models"), 401)
+    assert_envelope(httpx.get(tiny.url + "/metrics"), 401)
+    assert httpx.get(tiny.url + "/health").status_code == 200
+    ok = post(tiny.url, body, "/v1/completions", headers={"Authorization": "Bearer sekret"})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+
+
+def test_full_queue_answers_503_with_retry_after(tiny):
+    auth = {"Authorization": "Bearer sekret"}
+    gate = threading.Event()
+    tiny.engine.device_engine._post(gate.wait)  # hold the engine thread: requests stay queued
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 2}
+    first: dict = {}
+    t = threading.Thread(
+        target=lambda: first.update(r=post(tiny.url, body, "/v1/completions", headers=auth))
+    )
+    t.start()
+    try:
+        pending = 'prism:num_requests_pending{model_name="tiny"} 1.0'
+        deadline = time.monotonic() + 30
+        while pending not in httpx.get(tiny.url + "/metrics", headers=auth).text:
+            assert time.monotonic() < deadline, "the first request was never queued"
+            time.sleep(0.02)
+        r = post(tiny.url, body, "/v1/completions", headers=auth)
+        assert_envelope(r, 503, "server_is_overloaded")
+        assert r.headers["Retry-After"] == "1"
+    finally:
+        gate.set()
+    t.join()
+    assert first["r"].status_code == 200
+    wait_idle(tiny.engine, "tiny")
+    tiny.engine.check_integrity()
