@@ -91,6 +91,12 @@ def build_app(engine: Engine, args: ServerArgs) -> web.Application:
             headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
         )
 
+    async def echo_request_id(request: web.Request, response: web.StreamResponse) -> None:
+        rid = request.headers.get("X-Request-Id")
+        if rid:
+            response.headers.setdefault("X-Request-Id", rid)
+
+    app.on_response_prepare.append(echo_request_id)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     return app

@@ -75,6 +75,11 @@ def test_context_length_unknown_model_and_unknown_route(server):
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
 
 
+def test_request_id_is_honoured(server):
+    r = post(server.url, CHAT, headers={"X-Request-Id": "abc-123"})
+    assert r.headers["X-Request-Id"] == "abc-123" and r.json()["id"] == "abc-123"
+
+
 def test_unknown_fields_are_ignored(server):
     r = post(
         server.url,
