@@ -9,12 +9,15 @@ Contract:
 - A view stays valid (same address) for the life of its reservation; touching an unmapped part of
   it is undefined (a segfault on the host, a fault on the GPU). Callers keep that invariant.
 - A handle may be mapped at several places at once (the shared null page uses that).
+- `map_many` / an `unmap` spanning several mappings are one batch: backends whose driver charges
+  per call (CUDA: per handle, DESIGN.md §3) may use fewer calls; the result is the same.
 - Methods are not thread-safe; the page pool serializes calls.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -57,6 +60,18 @@ class MemoryBackend(ABC):
 
     @abstractmethod
     def map(self, res: Reservation, offset: int, handle: PhysicalHandle) -> None: ...
+
+    def map_many(self, res: Reservation, mappings: Sequence[tuple[int, PhysicalHandle]]) -> None:
+        """map() each (offset, handle) pair; all or none are mapped when it returns."""
+        done: list[tuple[int, PhysicalHandle]] = []
+        try:
+            for offset, handle in mappings:
+                self.map(res, offset, handle)
+                done.append((offset, handle))
+        except BaseException:
+            for offset, handle in done:
+                self.unmap(res, offset, handle.size)
+            raise
 
     @abstractmethod
     def unmap(self, res: Reservation, offset: int, size: int) -> None:

@@ -46,13 +46,17 @@ class KVCache:
         handles = self.pool.acquire(self.owner, len(pages))
         if handles is None:
             return False
-        for p, h in zip(pages, handles):
-            self.buffer.map(p * self.layout.page_stride_bytes, h)
+        stride = self.layout.page_stride_bytes
+        try:
+            self.buffer.map_many([(p * stride, h) for p, h in zip(pages, handles)])
+        except BaseException:
+            self.pool.release(self.owner, handles)
+            raise
         return True
 
     def unmap_pages(self, pages: list[int]) -> None:
-        handles = [self.buffer.unmap(p * self.layout.page_stride_bytes) for p in pages]
-        self.pool.release(self.owner, handles)
+        stride = self.layout.page_stride_bytes
+        self.pool.release(self.owner, self.buffer.unmap_many([p * stride for p in pages]))
 
     def can_map(self, n: int) -> bool:
         return self.pool.can_acquire(self.owner, n)

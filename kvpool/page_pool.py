@@ -63,6 +63,10 @@ class PagePool:
         self._created = 0
         self._owners: dict[str, _Owner] = {}
         self._clock = itertools.count(1)
+        # churn counters (pages, since creation)
+        self.acquired_total = 0
+        self.released_total = 0
+        self.reclaimed_total = 0  # pages taken back from one owner's reserve for another
         self._lock = threading.RLock()
         self.precreate(precreate)
 
@@ -123,6 +127,7 @@ class PagePool:
             handles = [self._free.pop() for _ in range(n)]
             o.pages += n
             o.last_grow = next(self._clock)
+            self.acquired_total += n
             return handles
 
     def release(self, owner: str, handles: list[PhysicalHandle]) -> None:
@@ -132,6 +137,7 @@ class PagePool:
                 raise RuntimeError(f"{owner!r} releases {len(handles)} pages but owns {o.pages}")
             o.pages -= len(handles)
             self._free.extend(handles)
+            self.released_total += len(handles)
 
     def _reclaim_from_others(self, owner: str, short: int) -> None:
         others = sorted(
@@ -141,7 +147,9 @@ class PagePool:
         for o in others:
             if short <= 0:
                 break
-            short -= o.reclaim.reclaim_pages(short)
+            got = o.reclaim.reclaim_pages(short)
+            self.reclaimed_total += got
+            short -= got
 
     # ---- checks -------------------------------------------------------------------------------
     def stats(self) -> PoolStats:

@@ -128,13 +128,18 @@ def serve(args: argparse.Namespace) -> int:
             from dataclasses import replace
 
             sargs = replace(sargs, engine=replace(sargs.engine, device=args.device))
-        engine = Engine(sargs.engine)
+        engine = Engine(sargs.engine, strict=False)  # a broken model must not stop the rest
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
     def ready(port: int) -> None:
         url = f"http://{sargs.host}:{port}"
+        for name, why in engine.failed.items():
+            print(f"Model {name} failed to load and answers 503: {why}", flush=True)
+        if not engine.models:
+            print(f"No model could be loaded; Prism answers at {url} with errors.", flush=True)
+            return
         first = next(iter(engine.models))
         has_chat = getattr(engine.models[first].tokenizer, "chat_template", None)
         print(f"Prism serves {', '.join(engine.models)} on {engine.device} at {url}", flush=True)

@@ -94,7 +94,12 @@ class DeviceEngine:
         ran = False
         for m in list(self.models.values()):
             if m.has_work:
-                ran |= m.step()
+                try:
+                    ran |= m.step()
+                except Exception as e:  # a broken model must not stop the device's thread
+                    log.exception("model %s failed outside its batch", m.name)
+                    m.fail_all(f"{type(e).__name__}: {e}")
+                    ran = True
         self.steps += ran
         return ran
 

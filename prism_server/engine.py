@@ -4,17 +4,23 @@ requests on the device's engine thread. `generate` is the synchronous convenienc
 from __future__ import annotations
 
 import itertools
+import json
+import logging
 import queue
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
-from kvpool import CpuBackend, MemoryBackend, PagePool
+from kvpool import CpuBackend, CudaBackend, MemoryBackend, PagePool
+from models.config import ModelConfig
 from models.embedded import resolve_source
 from models.loader import ModelSource, load_model
+from models.presets import get_preset
+from models.registry import get_model_class
 from prism_server import envs
 from prism_server.config import EngineConfig, ModelSpec
 from prism_server.device_engine import DeviceEngine
@@ -22,7 +28,21 @@ from prism_server.model_engine import ModelEngine
 from prism_server.request import FinishReason, Request, RequestOutput, TokenLogprob
 from prism_server.sampling_params import SamplingParams
 
+log = logging.getLogger(__name__)
+
 _CPU_DEFAULT_BUDGET = 2 << 30
+# GPU memory kept out of the default KV budget beyond the configured models' weights: activations,
+# FlashInfer workspaces, CUDA graph pools, cuBLAS workspaces, the allocator's slack.
+_GPU_RESERVE_FRACTION = 0.08
+_GPU_MIN_RESERVE = 4 << 30
+
+
+class ModelFailed(RuntimeError):
+    """A configured model that could not be loaded; requests for it get this error."""
+
+    def __init__(self, name: str, reason: str):
+        super().__init__(f"The model `{name}` failed to load: {reason}")
+        self.name, self.reason = name, reason
 
 
 class ModelNotFound(KeyError):
@@ -63,23 +83,86 @@ class Completion:
 def make_backend(device: torch.device) -> MemoryBackend:
     if device.type == "cpu":
         return CpuBackend()
+    if device.type == "cuda":
+        return CudaBackend(device)
     raise NotImplementedError(f"no page-pool backend for device {device}")
 
 
+def weight_bytes(spec: ModelSpec, device: torch.device) -> int:
+    """Parameter bytes of `spec` at its serving dtype, counted on a meta-device build of its
+    config (nothing is allocated or read beyond config.json; a GGUF file is converted, as its
+    load would do next anyway)."""
+    src = ModelSource.parse(resolve_source(spec.source))
+    if src.kind == "dummy":
+        cfg = ModelConfig.from_hf(get_preset(src.path))
+    else:
+        path = Path(src.path)
+        if src.kind == "gguf":
+            from models.gguf_convert import convert_gguf
+
+            path = convert_gguf(path)
+        cfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    with torch.device("meta"):
+        model = get_model_class(cfg.hf_architecture)(cfg)
+    return sum(p.numel() for p in model.parameters()) * spec.torch_dtype(device).itemsize
+
+
+def default_kv_budget(device: torch.device, specs: tuple[ModelSpec, ...] = ()) -> int:
+    """The page pool's budget when neither EngineConfig.kv_budget_bytes nor PRISM_KV_BUDGET_BYTES
+    sets one. CPU: 2 GiB. CUDA: the device's free memory when the engine starts, minus the weights
+    of the models the config names (they load after the pool is made), minus a reserve of
+    max(4 GiB, 8% of the device) for activations, workspaces and graphs. Models loaded later must
+    fit in that reserve, or set the budget explicitly."""
+    if device.type != "cuda":
+        return _CPU_DEFAULT_BUDGET
+    free, total = torch.cuda.mem_get_info(device)
+    reserve = max(_GPU_MIN_RESERVE, int(total * _GPU_RESERVE_FRACTION))
+    weights = 0
+    for s in specs:
+        try:
+            weights += weight_bytes(s, device)
+        except Exception:  # a model that cannot even be sized fails (and is reported) at load
+            continue
+    budget = free - weights - reserve
+    if budget <= 0:
+        raise ValueError(
+            f"no GPU memory left for KV: {free / 2**30:.1f} GiB free, weights "
+            f"{weights / 2**30:.1f} GiB, reserve {reserve / 2**30:.1f} GiB; set kv_budget_bytes"
+        )
+    return budget
+
+
 class Engine:
-    def __init__(self, config: EngineConfig | None = None):
+    def __init__(self, config: EngineConfig | None = None, strict: bool = True):
+        """strict: a model that fails to load raises; otherwise it is marked failed (see
+        `failed`) and the other models are served."""
         self.config = config = config or EngineConfig()
         self.device = config.torch_device()
         if self.device.type == "cpu" and envs.cpu_threads():
             torch.set_num_threads(envs.cpu_threads())
-        budget = config.kv_budget_bytes or envs.kv_budget_bytes() or _CPU_DEFAULT_BUDGET
-        self.pool = PagePool(make_backend(self.device), config.page_bytes, budget)
+        budget = (
+            config.kv_budget_bytes
+            or envs.kv_budget_bytes()
+            or default_kv_budget(self.device, config.models)
+        )
+        # On a GPU the pool creates every handle now (creating is the slow driver call) and
+        # keeps them; on the host it creates them on demand.
+        precreate = budget // config.page_bytes if self.device.type == "cuda" else 0
+        self.pool = PagePool(make_backend(self.device), config.page_bytes, budget, precreate)
         self.device_engine = DeviceEngine(self.pool)
         self.device_engine.start()
         self.models: dict[str, ModelEngine] = {}
+        self.failed: dict[str, str] = {}  # model name -> why it could not be loaded
         self._ids = itertools.count()
         for spec in config.models:
-            self.load(spec)
+            try:
+                self.load(spec)
+            except Exception as e:
+                if strict:
+                    self.close()
+                    raise
+                log.error("model %s failed to load: %s", spec.name, e)
+                self.failed[spec.name] = f"{type(e).__name__}: {e}"
 
     def load(self, spec: ModelSpec) -> ModelEngine:
         if spec.name in self.models:
@@ -110,6 +193,8 @@ class Engine:
         try:
             return self.models[name]
         except KeyError:
+            if name in self.failed:
+                raise ModelFailed(name, self.failed[name]) from None
             raise ModelNotFound(name) from None
 
     def encode(self, model: str, prompt: str | list[int]) -> list[int]:

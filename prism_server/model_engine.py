@@ -96,6 +96,11 @@ class ModelEngine:
         if req is not None:
             self._finish(req, self.outputs.final(req, FinishReason.ABORT))
 
+    def fail_all(self, error: str) -> None:
+        """Finishes every request of this model with an error (the model's state is suspect)."""
+        for req in list(self.requests.values()):
+            self._finish(req, self.outputs.final(req, FinishReason.ERROR, error))
+
     def step(self) -> bool:
         """Runs one batch of this model; False if nothing could be scheduled."""
         for req in [r for r in self.requests.values() if r.aborted]:
@@ -109,8 +114,9 @@ class ModelEngine:
             tokens, logprobs = self.sampler.sample(logits, sampling)
         except Exception as e:  # a failed step fails its requests, not the engine
             log.exception("step of model %s failed", self.name)
+            error = f"{type(e).__name__}: {e}"
             for c in batch:
-                self._finish(c.request, self.outputs.final(c.request, FinishReason.ERROR, str(e)))
+                self._finish(c.request, self.outputs.final(c.request, FinishReason.ERROR, error))
             return True
         self._publish(batch, tokens, logprobs)
         return True

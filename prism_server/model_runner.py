@@ -1,17 +1,50 @@
-"""Turns a scheduled batch into tensors once per step and runs the model over the paged KV cache."""
+"""Turns a scheduled batch into tensors once per step and runs the model over the paged KV cache.
+
+Attention: FlashInfer on CUDA when it imports, else the pure-torch reference (CPU, or a GPU
+without FlashInfer). Decode steps replay CUDA graphs (captured here, after load) when the backend
+supports them; everything else runs eagerly.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
 from kvpool import KVCache
-from models.attention.base import AttentionBackend, AttentionMetadata, ForwardContext, SeqChunk
+from models.attention.base import (
+    AttentionBackend,
+    AttentionMetadata,
+    ForwardContext,
+    SeqChunk,
+    layer_specs,
+)
+from models.attention.flashinfer_paged import (
+    AttentionShape,
+    FlashInferBackend,
+    flashinfer_available,
+)
 from models.attention.torch_paged import TorchPagedAttention
+from prism_server.cuda_graph_runner import DEFAULT_BATCH_SIZES, CudaGraphRunner
 from scheduler.batch_scheduler import ScheduledChunk
 
 AttentionFactory = Callable[[list[torch.Tensor], AttentionMetadata], AttentionBackend]
+
+
+def default_attention(model: torch.nn.Module, kv_cache: KVCache, device: torch.device):
+    """FlashInfer on CUDA when available, else the torch reference."""
+    if device.type != "cuda" or not flashinfer_available():
+        return TorchPagedAttention
+    lay = kv_cache.layout
+    shape = AttentionShape(
+        num_qo_heads=model.config.num_heads,
+        num_kv_heads=lay.num_kv_heads,
+        head_dim=lay.head_dim,
+        block_size=lay.block_size,
+        q_dtype=next(model.parameters()).dtype,
+        kv_dtype=lay.dtype,
+    )
+    return FlashInferBackend(shape, layer_specs(model), device)
 
 
 class ModelRunner:
@@ -20,18 +53,38 @@ class ModelRunner:
         model: torch.nn.Module,
         kv_cache: KVCache,
         device: torch.device,
-        attention: AttentionFactory = TorchPagedAttention,
+        attention: AttentionFactory | None = None,
+        cuda_graph_sizes: Sequence[int] | None = None,
     ):
+        """cuda_graph_sizes: decode batch sizes to capture; None = DEFAULT_BATCH_SIZES where the
+        attention backend supports graphs (FlashInfer on CUDA), () = no graphs."""
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
-        self.attention = attention
+        self.attention = attention or default_attention(model, kv_cache, device)
         self.block_size = kv_cache.layout.block_size
+        self.graphs: CudaGraphRunner | None = None
+        graph_attention = getattr(self.attention, "graph_attention", None)
+        sizes = DEFAULT_BATCH_SIZES if cuda_graph_sizes is None else tuple(cuda_graph_sizes)
+        if device.type == "cuda" and graph_attention is not None and sizes:
+            max_len = model.config.max_position_embeddings
+            max_blocks = min(kv_cache.allocator.capacity_blocks, -(-max_len // self.block_size))
+            self.graphs = CudaGraphRunner(
+                model, kv_cache.layer_views, graph_attention, sizes, max_blocks, device
+            )
+            self.graphs.capture()
+
+    def _device_tensor(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
 
     @torch.inference_mode()
     def execute(self, batch: list[ScheduledChunk]) -> torch.Tensor:
         """Runs one step; returns float32 logits [num_sampling_requests, vocab] for the chunks
         that reach the end of their request's tokens, in batch order."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # per thread: the engine thread's first step
         ids: list[int] = []
         positions: list[int] = []
         last: list[int] = []  # index in the flat stream of each sampling chunk's last token
@@ -45,10 +98,12 @@ class ModelRunner:
             SeqChunk(c.request.num_computed_tokens, c.num_new, c.request.block_table) for c in batch
         ]
         md = AttentionMetadata.build(chunks, self.block_size, self.device)
+        input_ids, pos = self._device_tensor(ids), self._device_tensor(positions)
+        rows = self._device_tensor(last)
+        if self.graphs is not None and self.graphs.can_run(md):
+            return self.graphs.run(input_ids, pos, md)[rows]
         ctx = ForwardContext(attn=self.attention(self.kv_cache.layer_views, md))
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        hidden = self.model(input_ids, pos, ctx)
+        hidden = self.model(input_ids, pos, ctx)  # writes this step's K/V, sampling or not
         if not last:
             return hidden.new_empty(0, 0, dtype=torch.float32)
-        return self.model.compute_logits(hidden[torch.tensor(last, device=self.device)])
+        return self.model.compute_logits(hidden[rows])

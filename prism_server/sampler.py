@@ -29,6 +29,8 @@ class Sampler:
         self, logits: torch.Tensor, reqs: list[Request]
     ) -> tuple[list[int], list[TokenLogprob | None]]:
         """logits: [N, vocab] float32, one row per request -> token ids and optional logprobs."""
+        if not reqs:  # a step of prefill chunks that all stop short of their prompt's end
+            return [], []
         raw = logits
         if any(r.params.needs_penalties or r.num_output_tokens < r.params.min_tokens for r in reqs):
             logits = logits.clone()

@@ -36,10 +36,15 @@ class AttentionMetadata:
     # Host copies for backends that loop or plan on the CPU.
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
+    block_tables_cpu: torch.Tensor | None = None  # block_tables on the host
 
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.query_lens_cpu)
 
     @property
     def is_decode_only(self) -> bool:
@@ -52,26 +57,44 @@ class AttentionMetadata:
         query_lens = [c.num_new for c in chunks]
         seq_lens = [c.num_computed + c.num_new for c in chunks]
         max_blocks = max((-(-s // block_size) for s in seq_lens), default=1)
-        tables = torch.zeros(len(chunks), max_blocks, dtype=torch.int32)
+        rows: list[list[int]] = []
         slots: list[int] = []
+        long_chunks: list[tuple[int, int]] = []  # (sequence, where its slots start in `slots`)
         for i, c in enumerate(chunks):
             n = -(-seq_lens[i] // block_size)
             if len(c.block_table) < n:
                 raise ValueError(f"sequence {i} needs {n} blocks, has {len(c.block_table)}")
-            tables[i, :n] = torch.as_tensor(list(c.block_table[:n]), dtype=torch.int32)
+            rows.append([*c.block_table[:n], *[0] * (max_blocks - n)])
+            if c.num_new > 16:  # long chunks: vectorized below; placeholders keep the order
+                long_chunks.append((i, len(slots)))
+                slots.extend([0] * c.num_new)
+                continue
             for pos in range(c.num_computed, c.num_computed + c.num_new):
                 slots.append(c.block_table[pos // block_size] * block_size + pos % block_size)
+        tables = torch.tensor(rows, dtype=torch.int32).view(len(chunks), max_blocks)
+        slot_mapping = torch.tensor(slots, dtype=torch.int64)
+        for i, start in long_chunks:
+            pos = torch.arange(chunks[i].num_computed, seq_lens[i])
+            blocks = tables[i].long()[pos // block_size]
+            slot_mapping[start : start + len(pos)] = blocks * block_size + pos % block_size
         qsl = [0]
         for q in query_lens:
             qsl.append(qsl[-1] + q)
+
+        def dev(t: torch.Tensor) -> torch.Tensor:
+            # NOTE: asynchronous from pageable memory (the driver stages it before returning), so
+            # building metadata never waits for the device to drain.
+            return t.to(device, non_blocking=True)
+
         return AttentionMetadata(
             block_size=block_size,
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-            block_tables=tables.to(device),
+            slot_mapping=dev(slot_mapping),
+            query_start_loc=dev(torch.tensor(qsl, dtype=torch.int32)),
+            seq_lens=dev(torch.tensor(seq_lens, dtype=torch.int32)),
+            block_tables=dev(tables),
             query_lens_cpu=query_lens,
             seq_lens_cpu=seq_lens,
+            block_tables_cpu=tables,
         )
 
 
@@ -116,3 +139,13 @@ class ForwardContext:
         spec: LayerAttention,
     ) -> torch.Tensor:
         return self.attn.forward(layer_idx, q, k, v, spec)
+
+
+def layer_specs(model: torch.nn.Module) -> list[LayerAttention]:
+    """The distinct LayerAttention specs of a model's attention layers (one plan each per step)."""
+    seen: dict[LayerAttention, None] = {}
+    for m in model.modules():
+        spec = getattr(m, "spec", None)
+        if isinstance(spec, LayerAttention):
+            seen.setdefault(spec)
+    return list(seen)

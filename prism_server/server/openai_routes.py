@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 from pydantic import ValidationError
 
-from prism_server.engine import ModelNotFound
+from prism_server.engine import ModelFailed, ModelNotFound
 from prism_server.model_engine import ContextLengthExceeded, ModelEngine
 from prism_server.protocol import (
     APIError,
@@ -78,17 +78,25 @@ class OpenAIRoutes:
 
     # ---- models ---------------------------------------------------------------------------------
     def _card(self, name: str) -> dict:
+        if name in self.engine.failed:
+            return model_card(name, self.created, status="failed", error=self.engine.failed[name])
         me = self.engine.models[name]
         return model_card(name, self.created, max_model_len=me.max_model_len, status="resident")
 
+    def _names(self) -> list[str]:
+        """Every configured model, in config order (failed ones included)."""
+        return [
+            m.name
+            for m in self.engine.config.models
+            if m.name in self.engine.models or m.name in self.engine.failed
+        ]
+
     async def list_models(self, request: web.Request) -> web.Response:
-        return web.json_response(
-            {"object": "list", "data": [self._card(n) for n in self.engine.models]}
-        )
+        return web.json_response({"object": "list", "data": [self._card(n) for n in self._names()]})
 
     async def get_model(self, request: web.Request) -> web.Response:
         name = request.match_info["model_id"]
-        if name not in self.engine.models:
+        if name not in self._names():
             raise _not_found(name)
         return web.json_response(self._card(name))
 
@@ -98,6 +106,10 @@ class OpenAIRoutes:
             return self.engine.model(name)
         except ModelNotFound:
             raise _not_found(name) from None
+        except ModelFailed as e:
+            raise APIError(
+                503, str(e), "server_error", param="model", code="model_load_failed"
+            ) from None
 
     def _max_tokens(self, me: ModelEngine, requested: int | None, prompt_len: int) -> int:
         if prompt_len < 1:
@@ -140,6 +152,10 @@ class OpenAIRoutes:
                 raise APIError(400, str(e), code="context_length_exceeded") from None
             if isinstance(e, ModelNotFound):
                 raise _not_found(model) from None
+            if isinstance(e, ModelFailed):
+                raise APIError(
+                    503, str(e), "server_error", param="model", code="model_load_failed"
+                ) from None
             if isinstance(e, ValueError):
                 raise APIError(400, str(e)) from None
             raise
@@ -212,6 +228,8 @@ class OpenAIRoutes:
                 g = sum(len(c.token_ids) for c in choices)
                 await sse.send(chunk_fn(rid, created, model, [], usage(p, g)))
             await sse.done()
+        except ConnectionResetError:  # the client went away mid-stream: abort quietly
+            pass
         finally:
             for t in tasks:
                 t.cancel()

@@ -1,37 +1,86 @@
-"""kvpool contract on the host backend: layout, mapping, placement, sharing, accounting."""
+"""kvpool contract on every backend: layout, mapping, placement, sharing, accounting.
+
+Each test runs on the host backend (always) and on the CUDA VMM backend (marked gpu; skipped
+without CUDA). The CUDA granularity is 2 MiB against 4 KiB on the host, so its pages are 8x larger
+and its blocks 8x wider (head_dim): the same number of blocks per page, the same placements.
+"""
 
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 
 import pytest
 import torch
 
-from kvpool import CpuBackend, KVCache, KVLayout, PagePool
+from kvpool import CpuBackend, KVCache, KVLayout, MemoryBackend, PagePool
 
 PAGE = 256 * 1024
 
 
-def make_pool(pages: int, page_bytes: int = PAGE) -> PagePool:
-    return PagePool(CpuBackend(), page_bytes, budget_bytes=(pages + 1) * page_bytes)
+@dataclass(frozen=True)
+class Geometry:
+    backend: MemoryBackend
+    page_bytes: int
+    head_dim: int
+
+
+def _cpu() -> Geometry:
+    return Geometry(CpuBackend(), PAGE, 16)
+
+
+def _cuda() -> Geometry:
+    from kvpool import CudaBackend
+
+    return Geometry(CudaBackend("cuda"), 8 * PAGE, 128)
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+BACKENDS = [
+    pytest.param(_cpu, id="cpu"),
+    pytest.param(_cuda, id="cuda", marks=[pytest.mark.gpu, needs_cuda]),
+]
+
+
+@pytest.fixture(params=BACKENDS)
+def geo(request) -> Geometry:
+    return request.param()
+
+
+def make_pool(geo: Geometry, pages: int) -> PagePool:
+    return PagePool(geo.backend, geo.page_bytes, budget_bytes=(pages + 1) * geo.page_bytes)
 
 
 def make_cache(
     pool: PagePool,
     owner: str,
+    geo: Geometry,
     *,
     layers=3,
     heads=3,
-    head_dim=16,
     block=4,
     max_pages=16,
     cached=1,
     dtype=torch.float32,
 ) -> KVCache:
     layout = KVLayout(
-        layers, block, heads, head_dim, dtype, pool.page_bytes, pool.backend.granularity
+        layers, block, heads, geo.head_dim, dtype, pool.page_bytes, pool.backend.granularity
     )
     return KVCache(pool, owner, layout, max_pages=max_pages, max_cached_pages=cached)
+
+
+def fill(view: torch.Tensor, blocks: list[int], values: list[float]) -> None:
+    """view[b] = value for each (block, value), in one write."""
+    idx = torch.tensor(blocks, device=view.device)
+    val = torch.tensor(values, dtype=view.dtype, device=view.device)
+    view[idx] = val.view(-1, 1, 1, 1, 1).expand(-1, *view.shape[1:])
+
+
+def holds(view: torch.Tensor, blocks: list[int], values: list[float]) -> bool:
+    """Whether every element of view[b] equals its value, for each (block, value)."""
+    idx = torch.tensor(blocks, device=view.device)
+    val = torch.tensor(values, dtype=view.dtype, device=view.device)
+    return bool(torch.all(view[idx] == val.view(-1, 1, 1, 1, 1)))
 
 
 def check(*caches: KVCache) -> None:
@@ -51,29 +100,28 @@ def test_layout_odd_head_count_keeps_block_indices_integral():
         KVLayout(64, 16, 8, 128, torch.bfloat16, 2 << 20, 2 << 20)
 
 
-def test_every_layer_and_block_has_its_own_memory():
-    pool = make_pool(8)
-    kv = make_cache(pool, "m", max_pages=8)
+def test_every_layer_and_block_has_its_own_memory(geo):
+    pool = make_pool(geo, 8)
+    kv = make_cache(pool, "m", geo, max_pages=8)
     n = kv.allocator.bpp * 3
     blocks = kv.allocator.allocate(n)
     assert blocks is not None and len(set(blocks)) == n
     assert {kv.layout.locate(b)[0] for b in blocks} == {1, 2, 3}  # page 0 is never handed out
     for l, view in enumerate(kv.layer_views):
-        assert view.shape[1:] == (2, 4, 3, 16)
-        for i, b in enumerate(blocks):
-            view[b] = l * 1000 + i
+        assert view.shape[1:] == (2, 4, 3, geo.head_dim)
+        assert view.device.type == geo.backend.device.type
+        fill(view, blocks, [l * 1000 + i for i in range(n)])
     for l, view in enumerate(kv.layer_views):
-        for i, b in enumerate(blocks):
-            assert torch.all(view[b] == l * 1000 + i), (l, b)
+        assert holds(view, blocks, [l * 1000 + i for i in range(n)]), l
     kv.allocator.free(blocks)
     check(kv)
     kv.close()
     pool.check_integrity()
 
 
-def test_best_fit_fills_partly_used_pages_and_unmaps_beyond_the_reserve():
-    pool = make_pool(8)
-    kv = make_cache(pool, "m", cached=1)
+def test_best_fit_fills_partly_used_pages_and_unmaps_beyond_the_reserve(geo):
+    pool = make_pool(geo, 8)
+    kv = make_cache(pool, "m", geo, cached=1)
     a = kv.allocator
     bpp = a.bpp
     first = a.allocate(bpp + 2)  # page 1 full, page 2 has 2 used
@@ -91,9 +139,9 @@ def test_best_fit_fills_partly_used_pages_and_unmaps_beyond_the_reserve():
     pool.check_integrity()
 
 
-def test_data_survives_on_mapped_pages_and_page_zero_stays_mapped():
-    pool = make_pool(4)
-    kv = make_cache(pool, "m", cached=0)
+def test_data_survives_on_mapped_pages_and_page_zero_stays_mapped(geo):
+    pool = make_pool(geo, 4)
+    kv = make_cache(pool, "m", geo, cached=0)
     blocks = kv.allocator.allocate(2)
     kv.layer_views[1][blocks[0]] = 7.0
     kv.layer_views[0][0] = 1.0  # the null block is always readable and writable
@@ -107,9 +155,9 @@ def test_data_survives_on_mapped_pages_and_page_zero_stays_mapped():
     kv.close()
 
 
-def test_allocation_beyond_the_budget_takes_nothing():
-    pool = make_pool(3)
-    kv = make_cache(pool, "m")
+def test_allocation_beyond_the_budget_takes_nothing(geo):
+    pool = make_pool(geo, 3)
+    kv = make_cache(pool, "m", geo)
     bpp = kv.allocator.bpp
     held = kv.allocator.allocate(2 * bpp)
     assert kv.allocator.can_allocate(bpp) and not kv.allocator.can_allocate(bpp + 1)
@@ -121,10 +169,10 @@ def test_allocation_beyond_the_budget_takes_nothing():
     kv.close()
 
 
-def test_burst_of_one_model_is_served_by_pages_another_gave_back():
-    pool = make_pool(10)
-    a = make_cache(pool, "a", max_pages=16, cached=8)
-    b = make_cache(pool, "b", max_pages=16, cached=8)
+def test_burst_of_one_model_is_served_by_pages_another_gave_back(geo):
+    pool = make_pool(geo, 10)
+    a = make_cache(pool, "a", geo, max_pages=16, cached=8)
+    b = make_cache(pool, "b", geo, max_pages=16, cached=8)
     bpp = a.allocator.bpp
     a_blocks = a.allocator.allocate(8 * bpp)  # A holds 8 of 10 pages
     assert not b.allocator.can_allocate(5 * bpp)
@@ -143,10 +191,12 @@ def test_burst_of_one_model_is_served_by_pages_another_gave_back():
     assert pool.stats().owned == {}
 
 
-def test_random_alloc_free_keeps_accounting_exact():
+def test_random_alloc_free_keeps_accounting_exact(geo):
     rng = random.Random(0)
-    pool = make_pool(12)
-    caches = [make_cache(pool, f"m{i}", max_pages=10, cached=rng.randint(0, 3)) for i in range(3)]
+    pool = make_pool(geo, 12)
+    caches = [
+        make_cache(pool, f"m{i}", geo, max_pages=10, cached=rng.randint(0, 3)) for i in range(3)
+    ]
     held: list[list[tuple[KVCache, list[int]]]] = [[] for _ in caches]
     for _ in range(400):
         i = rng.randrange(3)
@@ -160,14 +210,46 @@ def test_random_alloc_free_keeps_accounting_exact():
             blocks = kv.allocator.allocate(n)
             assert (blocks is not None) == ok
             if blocks:
-                for b in blocks:
-                    kv.layer_views[-1][b] = float(b)
+                fill(kv.layer_views[-1], blocks, [float(b) for b in blocks])
                 held[i].append(blocks)
         check(*caches)
     for i, kv in enumerate(caches):
         for blocks in held[i]:
-            assert all(torch.all(kv.layer_views[-1][b] == float(b)) for b in blocks)
+            assert holds(kv.layer_views[-1], blocks, [float(b) for b in blocks])
             kv.allocator.free(blocks)
         check(kv)
         kv.close()
     pool.check_integrity()
+
+
+def test_backend_handles_alias_survive_unmap_and_unmap_spans_mappings(geo):
+    """The raw contract: a handle mapped at two places shows the same bytes; its data survives an
+    unmap and a map elsewhere; map_many and one unmap over adjacent mappings round-trip."""
+    be = geo.backend
+    g = be.granularity
+    a, b = be.reserve(4 * g), be.reserve(4 * g)
+    h1, h2, h3 = be.create(g), be.create(g), be.create(g)
+    be.map(a, 0, h1)
+    be.map(b, g, h1)  # h1 at two places at once
+    va, vb = be.view(a), be.view(b)
+    assert va.device.type == vb.device.type == be.device.type
+    assert va.numel() == 4 * g and va.data_ptr() == a.addr
+    pattern = torch.arange(g, dtype=torch.int64, device=va.device).remainder(251).to(torch.uint8)
+    va[:g] = pattern
+    assert torch.equal(vb[g : 2 * g], pattern)
+    be.unmap(a, 0, g)
+    be.unmap(b, g, g)
+    be.map_many(b, [(2 * g, h2), (0, h1), (g, h3)])  # out of order, adjacent
+    vb[g : 2 * g] = 7
+    vb[2 * g : 3 * g] = 9
+    assert torch.equal(vb[:g], pattern)  # h1's bytes survived its unmaps
+    be.unmap(b, 0, 3 * g)  # one call over three mappings
+    be.map(a, 3 * g, h3)
+    be.map(a, 0, h2)
+    assert bool(torch.all(va[3 * g :] == 7)) and bool(torch.all(va[:g] == 9))
+    be.unmap(a, 3 * g, g)
+    be.unmap(a, 0, g)
+    for h in (h1, h2, h3):
+        be.release(h)
+    be.free(a)
+    be.free(b)

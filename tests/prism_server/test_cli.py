@@ -98,7 +98,33 @@ def test_bad_config_names_the_field(tmp_path):
     _, err = p.communicate(timeout=120)
     assert p.returncode == 2
     assert "engine.models[0].max_num_seqs" in err and str(cfg) in err
-    cfg.write_text("[[models]]\nname = 'm'\nsource = 'dummy:no-such-preset'\n")
+
+
+def test_a_model_that_fails_to_load_does_not_stop_the_others(tmp_path):
+    cfg = tmp_path / "prism.toml"
+    cfg.write_text(
+        "port = 0\n[[models]]\nname = 'bad'\nsource = 'dummy:no-such-preset'\n"
+        "[[models]]\nname = 'good'\nsource = 'dummy:tiny-llama'\n"
+    )
     p = prism("--config", str(cfg))
-    _, err = p.communicate(timeout=120)
-    assert p.returncode == 2 and "no-such-preset" in err
+    try:
+        lines = []
+        for line in p.stdout:
+            lines.append(line)
+            if line.startswith("Try: curl"):
+                break
+        text = "".join(lines)
+        assert "Model bad failed to load" in text and "no-such-preset" in text
+        url = re.search(r"at (http://\S+)", text).group(1)
+        r = httpx.post(
+            url + "/v1/completions",
+            json={"model": "good", "prompt": "x", "max_tokens": 2},
+            timeout=60,
+        )
+        assert r.status_code == 200
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=60) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+        p.communicate()

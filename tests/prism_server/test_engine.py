@@ -155,3 +155,14 @@ def test_two_models_share_one_pool():
         assert all(o.token_ids == alone for o in outs)
         e.check_integrity()
         assert e.pool.pages_of("a") < 8 and e.pool.pages_of("b") >= 2
+
+
+def test_a_step_of_only_partial_prefill_chunks_samples_nothing():
+    spec = ModelSpec("t", "dummy:tiny-llama", block_size=4, max_num_batched_tokens=8)
+    with Engine(
+        EngineConfig(models=(spec,), device="cpu", page_bytes=64 << 10, kv_budget_bytes=2 << 20)
+    ) as e:
+        params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+        out = e.generate("t", [list(range(10, 40))], params)[0]  # 30 tokens: 4 chunks
+        assert out.error is None and len(out.token_ids) == 3
+        e.check_integrity()

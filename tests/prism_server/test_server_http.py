@@ -262,3 +262,17 @@ def test_full_queue_answers_503_with_retry_after(tiny):
     assert first["r"].status_code == 200
     wait_idle(tiny.engine, "tiny")
     tiny.engine.check_integrity()
+
+
+def test_models_come_only_from_the_config(server):
+    before = dict(server.engine.models)
+    for name in ("/etc/passwd", "../../models/x.gguf", "dummy:llama-3.1-8b", "smollm2-135m.gguf"):
+        r = post(server.url, {**CHAT, "model": name})
+        assert_envelope(r, 404, "model_not_found")
+    assert server.engine.models == before
+
+
+def test_binds_loopback_by_default():
+    from prism_server.server_args import ServerArgs, load_server_args
+
+    assert ServerArgs().host == "127.0.0.1" and load_server_args().host == "127.0.0.1"

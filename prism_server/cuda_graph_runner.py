@@ -1,0 +1,134 @@
+"""CUDA graphs for decode steps: captured once per model after load, replayed per step.
+
+One graph per batch size in `batch_sizes` (embedding .. logits of the whole model); a step of b
+decodes replays the smallest captured size >= b, padded rows reading and writing the null block
+(block 0, on page 0, which is always mapped). Inputs live in static buffers; the attention plan is
+refilled outside the graph before each replay. The KV cache's addresses never change (pages are
+mapped and unmapped under a fixed virtual range), so the graphs stay valid while the model's pages
+come and go.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from models.attention.base import AttentionMetadata, ForwardContext, SeqChunk
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
+
+
+class GraphAttention(Protocol):
+    """An attention backend usable inside a graph of fixed batch size."""
+
+    batch_size: int
+
+    def fits(self, md: AttentionMetadata) -> bool: ...
+
+    def plan(self, md: AttentionMetadata) -> None:
+        """Outside the graph: refill the fixed buffers for md's batch (padded)."""
+
+    def prepare(self) -> None:
+        """Inside the graph, before the first layer: per-step device work."""
+
+    def forward(self, layer_idx: int, q, k, v, spec) -> torch.Tensor: ...
+
+
+# (kv views, batch size, max blocks per sequence) -> the graph attention of that size
+GraphAttentionFactory = Callable[[list[torch.Tensor], int, int], GraphAttention]
+
+
+@dataclass
+class GraphBuffers:
+    """Static inputs of every captured graph (sized for the largest) and each graph's output."""
+
+    input_ids: torch.Tensor  # [max_bs] int64
+    positions: torch.Tensor  # [max_bs] int64
+    logits: dict[int, torch.Tensor] = field(default_factory=dict)  # bs -> [bs, vocab] fp32
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    attn: GraphAttention
+
+
+class CudaGraphRunner:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_views: list[torch.Tensor],
+        attention: GraphAttentionFactory,
+        batch_sizes: Sequence[int],
+        max_blocks: int,
+        device: torch.device,
+    ):
+        self.model, self.kv_views, self.attention = model, kv_views, attention
+        self.batch_sizes = sorted(set(batch_sizes))
+        self.max_blocks, self.device = max_blocks, device
+        n = self.batch_sizes[-1]
+        self.buffers = GraphBuffers(
+            input_ids=torch.zeros(n, dtype=torch.long, device=device),
+            positions=torch.zeros(n, dtype=torch.long, device=device),
+        )
+        self.graphs: dict[int, _Graph] = {}
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.batch_sizes[-1]
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every batch size, largest first, into one memory pool."""
+        pool = None
+        for bs in reversed(self.batch_sizes):
+            attn = self.attention(self.kv_views, bs, self.max_blocks)
+            null_rows = [SeqChunk(0, 1, [0])] * bs  # one-token sequences in the null block
+            md = AttentionMetadata.build(null_rows, self._block_size(), self.device)
+            attn.plan(md)
+            self._forward(bs, attn)  # warm-up: kernels chosen, workspaces allocated
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            # NOTE: thread_local: the engine thread may be stepping other models meanwhile.
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                self.buffers.logits[bs] = self._forward(bs, attn)
+            pool = graph.pool()
+            self.graphs[bs] = _Graph(graph, attn)
+        torch.cuda.synchronize(self.device)
+        log.info("captured decode graphs for batch sizes %s", self.batch_sizes)
+
+    def _block_size(self) -> int:
+        return self.kv_views[0].shape[2]
+
+    def _forward(self, bs: int, attn: GraphAttention) -> torch.Tensor:
+        attn.prepare()
+        ctx = ForwardContext(attn=attn)
+        hidden = self.model(self.buffers.input_ids[:bs], self.buffers.positions[:bs], ctx)
+        return self.model.compute_logits(hidden)  # [bs, vocab] fp32
+
+    def can_run(self, md: AttentionMetadata) -> bool:
+        if not md.is_decode_only or md.num_seqs > self.max_batch_size:
+            return False
+        return self.graphs[self._size_for(md.num_seqs)].attn.fits(md)
+
+    def _size_for(self, b: int) -> int:
+        return next(s for s in self.batch_sizes if s >= b)
+
+    def run(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata
+    ) -> torch.Tensor:
+        """One decode step of md.num_seqs tokens -> logits [num_seqs, vocab] (a view of the
+        graph's static output: valid until the next replay)."""
+        b = md.num_seqs
+        g = self.graphs[self._size_for(b)]
+        self.buffers.input_ids[:b].copy_(input_ids)
+        self.buffers.positions[:b].copy_(positions)
+        g.attn.plan(md)
+        g.graph.replay()
+        return self.buffers.logits[g.attn.batch_size][:b]

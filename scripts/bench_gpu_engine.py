@@ -1,0 +1,408 @@
+"""GPU engine benchmark: Llama-3.1-8B (dummy weights, bf16) through Prism's engine, each figure
+beside the reference it is judged by, all measured in this run (DESIGN.md §7).
+
+- ceilings: HBM bandwidth (a 4 GiB device-to-device copy, bytes read + written) and the bf16
+  matmul rate (8192^3, random data);
+- decode TPOT at batch 1, 16, 64 with 1k-token prompts vs weight bytes / HBM bandwidth, and vs HF
+  transformers `generate` on the same model shape and batch;
+- prefill throughput at 1k and 8k prompt tokens vs the matmul rate (FLOPs counted exactly);
+- VMM cost: the same model and batch with the KV cache in a plain torch tensor (TensorBackend)
+  vs the VMM pool, alternating, TTFT and TPOT;
+- a profile of one batch-1 decode step (graph replay vs whole step; kernel time by kind);
+- K/V cache writes: index_copy_ (what Prism uses) vs flashinfer.append_paged_kv_cache.
+
+    python3 scripts/bench_gpu_engine.py [--json out.json] [--skip-hf] [--skip-append]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import itertools
+import json
+import queue
+import re
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import prism_server.engine as engine_mod  # noqa: E402
+from kvpool import TensorBackend  # noqa: E402
+from models.presets import get_preset  # noqa: E402
+from prism_server.config import EngineConfig, ModelSpec  # noqa: E402
+from prism_server.engine import Engine  # noqa: E402
+from prism_server.model_engine import ModelEngine  # noqa: E402
+from prism_server.request import Request  # noqa: E402
+from prism_server.sampling_params import SamplingParams  # noqa: E402
+
+MODEL = "llama-3.1-8b"
+GiB = 1 << 30
+RESULTS: dict = {"errors": {}}
+
+
+def section(name: str):
+    """Run a benchmark section; a failure is recorded and the next section still runs."""
+
+    def wrap(fn):
+        def run(*a, **k):
+            t = time.perf_counter()
+            print(f"== {name}", flush=True)
+            try:
+                out = fn(*a, **k)
+            except Exception as e:  # report and go on: one broken figure must not lose the rest
+                traceback.print_exc()
+                RESULTS["errors"][name] = f"{type(e).__name__}: {e}"
+                out = None
+            print(f"   ({time.perf_counter() - t:.1f} s)", flush=True)
+            return out
+
+        return run
+
+    return wrap
+
+
+def cuda_time_ms(fn, iters: int = 10, warmup: int = 3) -> float:
+    """Median of per-call times measured with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+@section("ceilings")
+def ceilings() -> dict:
+    n = 4 * GiB
+    src = torch.randint(0, 255, (n,), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    copy_ms = cuda_time_ms(lambda: dst.copy_(src))
+    src.set_()  # give the 8 GiB back before the matmuls
+    dst.set_()
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    mm_ms = cuda_time_ms(lambda: a @ b)
+    out = {
+        "hbm_gbs": 2 * n / copy_ms / 1e6,  # read + write
+        "matmul_tflops": 2 * 8192**3 / mm_ms / 1e9,
+    }
+    print(f"   copy {out['hbm_gbs']:.0f} GB/s (read+write), bf16 matmul {out['matmul_tflops']:.0f}")
+    return out
+
+
+def spec(**kw) -> ModelSpec:
+    return ModelSpec(
+        "m",
+        f"dummy:{MODEL}",
+        max_model_len=16384,
+        max_num_seqs=64,
+        max_num_batched_tokens=8192,
+        **kw,
+    )
+
+
+def make_engine(plain: bool = False) -> Engine:
+    cfg = EngineConfig(models=(spec(),), device="cuda", kv_budget_bytes=16 * GiB)
+    if not plain:
+        return Engine(cfg)
+    original = engine_mod.make_backend
+    engine_mod.make_backend = lambda device: TensorBackend(device)
+    try:
+        return Engine(cfg)
+    finally:
+        engine_mod.make_backend = original
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(300, 120000, (n,), generator=g).tolist()
+
+
+def run_batch(engine: Engine, prompts: list[list[int]], max_tokens: int) -> dict:
+    """All prompts at once; TTFT per request, and TPOT = median gap between tokens once every
+    request is decoding (so no prefill shares those steps)."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    times: list[list[float]] = [[] for _ in prompts]
+    done: queue.SimpleQueue = queue.SimpleQueue()
+    errors: list[str] = []
+    t0 = time.perf_counter()
+    for i, p in enumerate(prompts):
+
+        def sink(out, i=i):
+            if out.new_token_ids:
+                times[i].append(time.perf_counter())
+            if out.error:
+                errors.append(out.error)
+            if out.finished:
+                done.put(i)
+
+        engine.add_request("m", p, params, sink)
+    for _ in prompts:
+        done.get(timeout=600)
+    if errors:
+        raise RuntimeError(errors[0])
+    t_all = max(ts[0] for ts in times)
+    gaps = [b - a for ts in times for a, b in zip(ts, ts[1:]) if a >= t_all]
+    return {
+        "ttft_ms": statistics.mean(ts[0] - t0 for ts in times) * 1e3,
+        "tpot_ms": statistics.median(gaps) * 1e3 if gaps else None,
+        "gaps": len(gaps),
+    }
+
+
+def weight_bytes(engine: Engine) -> int:
+    model = engine.models["m"].runner.model
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+@section("prism decode and prefill")
+def prism_decode_prefill(engine: Engine, ceil: dict) -> dict:
+    run_batch(engine, [prompt(64, 0), prompt(64, 1)], 4)  # warm-up
+    out: dict = {"weight_bytes": weight_bytes(engine)}
+    for b, n in ((1, 128), (16, 64), (64, 64)):
+        out[f"decode_b{b}"] = run_batch(engine, [prompt(1024, 100 + i) for i in range(b)], n)
+        print(f"   decode B={b}: TPOT {out[f'decode_b{b}']['tpot_ms']:.2f} ms")
+    cfg = engine.models["m"].model_config
+    linear = out["weight_bytes"] // 2 - 2 * cfg.vocab_size * cfg.hidden_size  # no embed, lm_head
+    for n in (1024, 8192):
+        ttft = statistics.median(
+            run_batch(engine, [prompt(n, 7 + r)], 1)["ttft_ms"] for r in range(3)
+        )
+        flops = 2 * linear * n + 2 * cfg.hidden_size * cfg.vocab_size  # + lm_head, last token
+        flops += 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * n * n  # causal QK^T and PV
+        rate = flops / (ttft / 1e3) / 1e12
+        out[f"prefill_{n}"] = {
+            "ttft_ms": ttft,
+            "tokens_per_s": n / ttft * 1e3,
+            "tflops": rate,
+            "of_matmul": rate / ceil["matmul_tflops"] if ceil else None,
+        }
+        print(f"   prefill {n}: {n / ttft * 1e3:.0f} tok/s, {rate:.0f} TFLOP/s")
+    return out
+
+
+@section("profile batch-1 decode")
+def profile_decode(engine: Engine, batch: int = 1) -> dict:
+    """A second ModelEngine on the same weights and pool, stepped from this thread: decode step
+    wall time, graph replay time, kernel time by kind, and where the host time goes."""
+    me0 = engine.models["m"]
+    me = ModelEngine(
+        "profile",
+        me0.runner.model,
+        me0.tokenizer,
+        me0.model_config,
+        engine.pool,
+        me0.scheduler.config,
+        torch.bfloat16,
+    )
+    params = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+    reqs = [Request(f"p{i}", prompt(1024, 5 + i), params, frozenset()) for i in range(batch)]
+    for r in reqs:
+        me.add(r)
+    while min(r.num_output_tokens for r in reqs) < 2:
+        me.step()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(30):
+        me.step()
+    step_ms = (time.perf_counter() - t) / 30 * 1e3
+    graph = me.runner.graphs.graphs[batch].graph  # planned for the live batch: replay is safe
+    replay_ms = cuda_time_ms(graph.replay, iters=20)
+    import cProfile
+    import io
+    import pstats
+
+    host = cProfile.Profile()
+    host.enable()
+    for _ in range(10):
+        me.step()
+    host.disable()
+    text = io.StringIO()
+    pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(12)
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            me.step()
+        torch.cuda.synchronize()
+    kinds = {"gemm": 0.0, "attention": 0.0, "kv_write": 0.0, "other": 0.0}
+    counts = dict.fromkeys(kinds, 0)
+    top = []
+    for ev in prof.key_averages():
+        us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if not us or ev.count == 0 or ev.key.startswith(("ProfilerStep", "cudaGraph")):
+            continue
+        name = ev.key
+        if re.search(r"gemm|gemv|cutlass|nvjet|xmma|cublas|splitKreduce", name, re.I):
+            kind = "gemm"
+        elif re.search(r"flashinfer|BatchPrefill|BatchDecode|MergeState|Persistent", name):
+            kind = "attention"
+        elif re.search(r"index_copy|indexCopy|index_put|scatter", name, re.I):
+            kind = "kv_write"
+        else:
+            kind = "other"
+        kinds[kind] += us / 10 / 1e3
+        counts[kind] += ev.count / 10
+        top.append((us / 10 / 1e3, ev.count / 10, name[:90]))
+    top.sort(reverse=True)
+    for r in reqs:
+        me.abort(r.request_id)
+    me.close()
+    out = {
+        "batch": batch,
+        "host_profile": text.getvalue(),
+        "step_ms": step_ms,
+        "graph_replay_ms": replay_ms,
+        "kernel_ms_per_step": kinds,
+        "kernels_per_step": counts,
+        "top_kernels": top[:12],
+    }
+    print(f"   B={batch}: step {step_ms:.2f} ms, graph replay {replay_ms:.2f} ms, kernels {kinds}")
+    print("\n".join(text.getvalue().splitlines()[:30]))
+    for ms, n, name in top[:12]:
+        print(f"     {ms:7.3f} ms  x{n:5.0f}  {name}")
+    return out
+
+
+@section("VMM vs plain tensor")
+def vmm_vs_plain(vmm: Engine, plain: Engine, repeats: int = 3) -> dict:
+    prompts = [prompt(1024, 300 + i) for i in range(16)]
+    run_batch(plain, [prompt(64, 0)], 4)  # warm-up
+    runs: dict[str, list[dict]] = {"vmm": [], "plain": []}
+    for _ in range(repeats):  # alternate, so both see the same drift
+        runs["vmm"].append(run_batch(vmm, prompts, 64))
+        runs["plain"].append(run_batch(plain, prompts, 64))
+    out = {}
+    for k, rs in runs.items():
+        out[k] = {m: statistics.median(r[m] for r in rs) for m in ("ttft_ms", "tpot_ms")}
+    out["ttft_ratio"] = out["vmm"]["ttft_ms"] / out["plain"]["ttft_ms"]
+    out["tpot_ratio"] = out["vmm"]["tpot_ms"] / out["plain"]["tpot_ms"]
+    print(f"   {out}")
+    return out
+
+
+@section("HF transformers generate")
+def hf_peer(batches=(1, 16, 64), new_tokens: int = 33) -> dict:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = get_preset(MODEL)
+    for key in ("architectures", "model_type", "torch_dtype"):
+        cfg.pop(key, None)
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            model = LlamaForCausalLM(LlamaConfig(**cfg)).eval()
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+    def gen(ids, n):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                pad_token_id=0,
+            )
+        torch.cuda.synchronize()
+        return time.perf_counter() - t
+
+    out = {}
+    for b in batches:
+        ids = torch.tensor([prompt(1024, 500 + i) for i in range(b)], device="cuda")
+        gen(ids, 2)  # warm-up
+        t1, tn = gen(ids, 1), gen(ids, new_tokens)
+        out[f"decode_b{b}"] = {"tpot_ms": (tn - t1) / (new_tokens - 1) * 1e3, "ttft_ms": t1 * 1e3}
+        print(f"   HF B={b}: TPOT {out[f'decode_b{b}']['tpot_ms']:.2f} ms")
+    return out
+
+
+@section("KV write: index_copy_ vs append_paged_kv_cache")
+def kv_write() -> dict:
+    import flashinfer
+
+    from models.attention.flashinfer_paged import kv_rows, write_kv
+
+    bs, h, d = 16, 8, 128
+    cache = torch.randn(8192, 2, bs, h, d, device="cuda", dtype=torch.bfloat16)
+    out = {}
+    for name, lens, new in (("decode_b64", [1024] * 64, 1), ("prefill_8k", [8192], 8192)):
+        nblocks = [-(-n // bs) for n in lens]
+        perm = torch.randperm(8192)[: sum(nblocks)].to(torch.int32)
+        indptr = torch.tensor([0, *itertools.accumulate(nblocks)], dtype=torch.int32)
+        last = torch.tensor([n - (nb - 1) * bs for n, nb in zip(lens, nblocks)], dtype=torch.int32)
+        slots = []
+        for i, n in enumerate(lens):
+            blocks = perm[indptr[i] : indptr[i + 1]].tolist()
+            slots += [blocks[p // bs] * bs + p % bs for p in range(n - new, n)]
+        slots_t = torch.tensor(slots, device="cuda")
+        t = len(slots)
+        k = torch.randn(t, h, d, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(t, h, d, device="cuda", dtype=torch.bfloat16)
+        rows = kv_rows(slots_t, bs)
+        ours = cuda_time_ms(lambda rows=rows, k=k, v=v: write_kv(cache, rows, k, v), iters=50)
+        append_indptr = torch.tensor([new * i for i in range(len(lens) + 1)], dtype=torch.int32)
+        seq = torch.tensor(lens, dtype=torch.int32, device="cuda")
+        bi, pos = flashinfer.get_batch_indices_positions(append_indptr.cuda(), seq, t)
+        args = (bi, pos, cache, perm.cuda(), indptr.cuda(), last.cuda())
+        theirs = cuda_time_ms(
+            lambda k=k, v=v, args=args: flashinfer.append_paged_kv_cache(k, v, *args), iters=50
+        )
+        out[name] = {"index_copy_us": ours * 1e3, "append_paged_kv_cache_us": theirs * 1e3}
+        print(f"   {name}: index_copy_ {ours * 1e3:.1f} us, append {theirs * 1e3:.1f} us (x32)")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--skip-append", action="store_true")
+    args = ap.parse_args()
+
+    def save(key: str, value) -> None:  # after every section: a killed run keeps what it got
+        RESULTS[key] = value
+        if args.json:
+            args.json.write_text(json.dumps(RESULTS, indent=1, default=str))
+
+    save("device", torch.cuda.get_device_name())
+    save("ceilings", ceilings())
+    t = time.perf_counter()
+    vmm = section("load (VMM)")(make_engine)()
+    save("load_s", time.perf_counter() - t)
+    if vmm is not None:
+        save("prism", prism_decode_prefill(vmm, RESULTS["ceilings"]))
+        save("profile", profile_decode(vmm))
+        save("profile_b64", profile_decode(vmm, 64))
+        plain = section("load (plain tensor)")(make_engine)(plain=True)
+        if plain is not None:
+            save("vmm_vs_plain", vmm_vs_plain(vmm, plain))
+            plain.close()
+        vmm.close()
+    del vmm
+    gc.collect()
+    torch.cuda.empty_cache()
+    if not args.skip_hf:
+        save("hf", hf_peer())
+    if not args.skip_append:
+        save("kv_write", kv_write())
+    save("errors", RESULTS["errors"])
+    print(json.dumps(RESULTS["errors"]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The GPU check, one command on the GPU machine: installs the carried wheel bundle, runs the GPU
+# tests, then the GPU benchmarks, and prints a short table last. Long logs go under $OUT (or
+# /tmp/prism-gpu-check). Run from the repository root with the bundle in .whl/ (see
+# ../shared/device/README.md); a carried .fiaot/fi_aot.tgz (compiled FlashInfer kernels of an
+# earlier run) skips the JIT compile.
+#
+#   bash scripts/gpu_check.sh            # tests + benchmarks
+#   bash scripts/gpu_check.sh --quick    # tests + pool benchmark only
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/prism-gpu-check}
+mkdir -p "$OUT"
+quick=${1:-}
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
+  || { echo "wheel install failed"; exit 1; }
+export PYTHONPATH=$PWD:/tmp/site FLASHINFER_CUDA_ARCH_LIST=9.0a PYTHONUNBUFFERED=1
+export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/fi-ws}
+aot=/tmp/site/flashinfer/data/aot
+if [ -f .fiaot/fi_aot.tgz ]; then
+  mkdir -p "$aot" && tar -xzf .fiaot/fi_aot.tgz -C "$aot" && echo "FlashInfer kernels from .fiaot: $(ls "$aot" | tr '\n' ' ')"
+fi
+nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.mem --format=csv,noheader
+
+t0=$SECONDS
+timeout 240 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/gpu tests/kvpool 2>&1 | tee "$OUT/pytest.log"
+echo "tests: $((SECONDS - t0)) s"
+
+t0=$SECONDS
+timeout 60 python3 scripts/bench_gpu_pool.py --json "$OUT/pool.json" 2>&1 | tee "$OUT/bench.log"
+echo "pool bench: $((SECONDS - t0)) s"
+if [ "$quick" != "--quick" ]; then
+  t0=$SECONDS
+  timeout 250 python3 scripts/bench_gpu_engine.py --json "$OUT/engine.json" 2>&1 | tee -a "$OUT/bench.log"
+  echo "engine bench: $((SECONDS - t0)) s"
+fi
+
+# Keep the JIT-compiled FlashInfer modules for the next run (carry them as .fiaot/fi_aot.tgz).
+jit=$(find "$FLASHINFER_WORKSPACE_BASE/.cache/flashinfer" -path '*cached_ops*' -name '*.so' 2>/dev/null)
+if [ -n "$jit" ]; then
+  stage=$(mktemp -d)
+  [ -d "$aot" ] && cp -r "$aot"/. "$stage"/
+  for so in $jit; do
+    name=$(basename "$so" .so); mkdir -p "$stage/$name"; cp "$so" "$stage/$name/"
+  done
+  tar -czf "$OUT/fi_aot.tgz" -C "$stage" . && ls -la "$OUT/fi_aot.tgz"
+fi
+
+echo
+python3 scripts/gpu_report.py "$OUT/pool.json" "$OUT/engine.json" "$OUT/pytest.log" | tee "$OUT/table.txt"

@@ -1,0 +1,146 @@
+"""The short table gpu_check.sh prints last: each Prism figure beside its reference and target.
+
+python3 scripts/gpu_report.py POOL_JSON ENGINE_JSON PYTEST_LOG
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+
+def load(path: str) -> dict:
+    p = Path(path)
+    return json.loads(p.read_text()) if p.is_file() else {}
+
+
+def get(d: dict, *keys):
+    for k in keys:
+        if not isinstance(d, dict) or k not in d:
+            return None
+        d = d[k]
+    return d
+
+
+def fmt(x, unit: str = "", nd: int = 2) -> str:
+    return "-" if x is None else f"{x:.{nd}f}{unit}"
+
+
+def ratio(a, b) -> str:
+    return "-" if a is None or not b else f"{a / b:.3f}"
+
+
+def main() -> None:
+    pool, eng = load(sys.argv[1]), load(sys.argv[2])
+    log = Path(sys.argv[3]).read_text() if Path(sys.argv[3]).is_file() else ""
+    summary = re.compile(r"\d+ (passed|failed|errors?|skipped)")
+    tests = next((ln for ln in reversed(log.splitlines()) if summary.search(ln)), "-")
+    rows = []
+    gib = pool.get("gib", 10)
+    for way in ("grow", "shrink"):
+        ours = get(pool, "pool_64m", f"{way}_ms")
+        raw, small = get(pool, "raw_64m", f"{way}_ms"), get(pool, "raw_2m", f"{way}_ms")
+        ref = f"raw {fmt(raw, ' ms')}; 2 MiB/layer {fmt(small, ' ms', 1)}"
+        rows.append(
+            (
+                f"{way} {gib} GiB KV via pool (64 MiB)",
+                fmt(ours, " ms"),
+                ref,
+                ratio(ours, raw),
+                "<= 5 ms",
+            )
+        )
+    vp = eng.get("vmm_vs_plain") or {}
+    for m, name in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT")):
+        ours, ref = get(vp, "vmm", m), get(vp, "plain", m)
+        rows.append(
+            (
+                f"{name} B=16 1k, VMM vs plain tensor",
+                fmt(ours, " ms"),
+                f"plain {fmt(ref, ' ms')}",
+                ratio(ours, ref),
+                "<= 1.01",
+            )
+        )
+    hbm = get(eng, "ceilings", "hbm_gbs")
+    wb = get(eng, "prism", "weight_bytes")
+    floor = wb / (hbm * 1e9) * 1e3 if wb and hbm else None
+    for b in (1, 16, 64):
+        ours = get(eng, "prism", f"decode_b{b}", "tpot_ms")
+        hf = get(eng, "hf", f"decode_b{b}", "tpot_ms")
+        if b == 1:
+            ref = f"floor {fmt(floor, ' ms')}; HF {fmt(hf, ' ms', 1)}"
+            rows.append(
+                (
+                    f"TPOT 8B bf16 B={b} ctx 1k",
+                    fmt(ours, " ms"),
+                    ref,
+                    ratio(ours, floor),
+                    "<= 1.2 x floor",
+                )
+            )
+        else:
+            rows.append(
+                (
+                    f"TPOT 8B bf16 B={b} ctx 1k",
+                    fmt(ours, " ms"),
+                    f"HF {fmt(hf, ' ms', 1)}",
+                    ratio(ours, hf),
+                    "< HF",
+                )
+            )
+    mm = get(eng, "ceilings", "matmul_tflops")
+    for n in (1024, 8192):
+        p = get(eng, "prism", f"prefill_{n}") or {}
+        ref = f"matmul {fmt(mm, ' TF/s', 0)}"
+        rows.append(
+            (
+                f"prefill {n} tok: tok/s (TFLOP/s)",
+                f"{fmt(p.get('tokens_per_s'), '', 0)} ({fmt(p.get('tflops'), '', 0)})",
+                ref,
+                fmt(p.get("of_matmul"), "", 3),
+                "-",
+            )
+        )
+    for key in ("profile", "profile_b64"):
+        prof = eng.get(key) or {}
+        gemm = get(prof, "kernel_ms_per_step", "gemm")
+        other = get(prof, "kernel_ms_per_step", "other")
+        rows.append(
+            (
+                f"B={prof.get('batch', '?')} step / graph replay (ms)",
+                f"{fmt(prof.get('step_ms'))} / {fmt(prof.get('graph_replay_ms'))}",
+                f"GEMM {fmt(gemm)}; elementwise {fmt(other)}",
+                "-",
+                "-",
+            )
+        )
+    for name in ("decode_b64", "prefill_8k"):
+        kw = get(eng, "kv_write", name) or {}
+        rows.append(
+            (
+                f"KV write {name} (us/layer)",
+                fmt(kw.get("index_copy_us"), "", 1),
+                f"append_paged_kv_cache {fmt(kw.get('append_paged_kv_cache_us'), '', 1)}",
+                ratio(kw.get("index_copy_us"), kw.get("append_paged_kv_cache_us")),
+                "-",
+            )
+        )
+    w = [max(len(str(r[i])) for r in rows) for i in range(5)]
+    head = ("measure", "Prism", "reference", "ratio", "target")
+    w = [max(a, len(b)) for a, b in zip(w, head)]
+    line = " | ".join
+    print(line(h.ljust(n) for h, n in zip(head, w)))
+    print(line("-" * n for n in w))
+    for r in rows:
+        print(line(str(c).ljust(n) for c, n in zip(r, w)))
+    print(f"pytest -m gpu: {tests.strip('= ')}")
+    errors = eng.get("errors") or {}
+    for k, v in errors.items():
+        print(f"bench error in {k}: {v}")
+
+
+if __name__ == "__main__":
+    main()

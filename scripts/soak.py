@@ -1,0 +1,325 @@
+"""Soak: minutes of mixed traffic to several models sharing a page budget so small that requests
+are preempted and pages move between models all the time, with clients vanishing at random.
+
+At the end it checks that every accepted request either completed with the right output (the
+greedy output of the same request run alone) or was cancelled by its client, that no page or block
+leaked, that RSS stayed flat, and that nothing was logged at ERROR. It prints the figures.
+
+    .venv/bin/python scripts/soak.py [--minutes 5] [--clients 12] [--embedded]
+
+Chaos is a list of actions run every few seconds (`Soak.chaos`); model eviction plugs in there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import random
+import statistics
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from prism_server.config import EngineConfig, ModelSpec  # noqa: E402
+from prism_server.engine import Engine  # noqa: E402
+from prism_server.sampling_params import SamplingParams  # noqa: E402
+from prism_server.server.app import serve  # noqa: E402
+from prism_server.server_args import ServerArgs  # noqa: E402
+
+PROMPTS = [f"Item {i}: " + "lorem ipsum dolor " * (i % 5 + 1) for i in range(8)]
+MAX_TOKENS = (8, 16, 24)
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+class _ErrorCounter(logging.Handler):
+    def __init__(self):
+        super().__init__(level=logging.ERROR)
+        self.records: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(self.format(record))
+
+
+@dataclass
+class Outcome:
+    model: str
+    prompt: int
+    max_tokens: int
+    stream: bool
+    status: int = 0
+    text: str = ""
+    finish_reason: str | None = None
+    disconnected: bool = False
+
+
+@dataclass
+class SoakConfig:
+    seconds: float = 60.0
+    clients: int = 12
+    disconnect_prob: float = 0.2
+    page_bytes: int = 64 << 10
+    budget_pages: int = 7  # shared by every model: forces preemption and page movement
+    embedded: bool = False  # add SmolLM2 to the tiny dummy models
+    seed: int = 0
+
+
+@dataclass
+class SoakReport:
+    outcomes: list[Outcome] = field(default_factory=list)
+    wrong: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    rss_mib: list[float] = field(default_factory=list)
+    preemptions: int = 0
+    pages_acquired: int = 0
+    pages_released: int = 0
+    pages_reclaimed: int = 0
+    leaked_blocks: int = 0
+    integrity: str = "ok"
+
+    @property
+    def completed(self) -> int:
+        return sum(o.status == 200 and not o.disconnected for o in self.outcomes)
+
+    @property
+    def cancelled(self) -> int:
+        return sum(o.disconnected for o in self.outcomes)
+
+    @property
+    def rss_growth_mib(self) -> float:
+        """Mean RSS of the last quarter minus that of the second quarter (after warm-up)."""
+        q = max(len(self.rss_mib) // 4, 1)
+        return statistics.mean(self.rss_mib[-q:]) - statistics.mean(self.rss_mib[q : 2 * q])
+
+    @property
+    def ok(self) -> bool:
+        statuses = Counter(o.status for o in self.outcomes)
+        return (
+            not self.wrong
+            and not self.errors
+            and self.leaked_blocks == 0
+            and self.integrity == "ok"
+            and set(statuses) <= {200}
+            and self.completed > 0
+            and self.rss_growth_mib < 64
+        )
+
+    def summary(self) -> str:
+        st = Counter(o.status for o in self.outcomes)
+        return "\n".join(
+            [
+                f"requests: {len(self.outcomes)} sent, {self.completed} completed, "
+                f"{self.cancelled} cancelled by their client, statuses {dict(st)}",
+                f"wrong outputs: {len(self.wrong)}; errors logged: {len(self.errors)}",
+                f"churn: {self.preemptions} preemptions, {self.pages_acquired} pages mapped, "
+                f"{self.pages_released} unmapped, {self.pages_reclaimed} taken from another model",
+                f"leaked blocks: {self.leaked_blocks}; integrity: {self.integrity}",
+                f"RSS MiB: start {self.rss_mib[0]:.0f}, end {self.rss_mib[-1]:.0f}, "
+                f"growth after warm-up {self.rss_growth_mib:+.1f}",
+                "PASS" if self.ok else "FAIL",
+            ]
+        )
+
+
+class Soak:
+    def __init__(self, cfg: SoakConfig):
+        self.cfg = cfg
+        self.rng = random.Random(cfg.seed)
+        specs = [
+            ModelSpec(
+                f"tiny-{i}",
+                "dummy:tiny-llama",
+                seed=i,
+                block_size=4,
+                max_cached_pages=2,
+                max_num_batched_tokens=64,
+            )
+            for i in range(3)
+        ]
+        if cfg.embedded:
+            specs.append(ModelSpec("smollm2-135m", "smollm2-135m", max_cached_pages=1))
+        page = cfg.page_bytes if not cfg.embedded else 4 << 20
+        self.engine = Engine(
+            EngineConfig(
+                models=tuple(specs),
+                device="cpu",
+                page_bytes=page,
+                kv_budget_bytes=(cfg.budget_pages + 1) * page,
+            )
+        )
+        self.models = [s.name for s in specs]
+        self.chaos: list = []  # callables run every few seconds (e.g. evict a model)
+        self.report = SoakReport()
+
+    def _start_server(self) -> None:
+        started, box = threading.Event(), {}
+
+        async def main():
+            box["loop"], box["stop"] = asyncio.get_running_loop(), asyncio.Event()
+            await serve(
+                self.engine,
+                ServerArgs(port=0, engine=self.engine.config),
+                ready=lambda p: (box.update(port=p), started.set()),
+                stop=box["stop"],
+            )
+
+        self._thread = threading.Thread(target=lambda: asyncio.run(main()), daemon=True)
+        self._thread.start()
+        started.wait()
+        self._box = box
+        self.url = f"http://127.0.0.1:{box['port']}"
+
+    async def _client(self, session: aiohttp.ClientSession, deadline: float, rng) -> None:
+        while time.monotonic() < deadline:
+            o = Outcome(
+                rng.choice(self.models),
+                rng.randrange(len(PROMPTS)),
+                rng.choice(MAX_TOKENS),
+                rng.random() < 0.7,
+            )
+            drop_after = rng.randint(1, 6) if rng.random() < self.cfg.disconnect_prob else None
+            body = {
+                "model": o.model,
+                "prompt": PROMPTS[o.prompt],
+                "max_tokens": o.max_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": o.stream,
+            }
+            self.report.outcomes.append(o)
+            try:
+                async with session.post(f"{self.url}/v1/completions", json=body) as r:
+                    o.status = r.status
+                    if not o.stream:
+                        if drop_after is not None:  # vanish before the answer
+                            await asyncio.sleep(rng.random() * 0.2)
+                            o.disconnected = True
+                            r.close()
+                            continue
+                        data = await r.json()
+                        o.text = data["choices"][0]["text"]
+                        o.finish_reason = data["choices"][0]["finish_reason"]
+                        continue
+                    events = 0
+                    async for line in r.content:
+                        if not line.startswith(b"data: {"):
+                            continue
+                        events += 1
+                        if drop_after is not None and events >= drop_after:
+                            o.disconnected = True
+                            r.close()
+                            break
+                        choice = json.loads(line[6:])["choices"][0]
+                        o.text += choice["text"]
+                        o.finish_reason = choice["finish_reason"] or o.finish_reason
+            except aiohttp.ClientError as e:
+                if not o.disconnected:
+                    self.report.errors.append(f"client error: {e!r}")
+
+    async def _traffic(self) -> None:
+        deadline = time.monotonic() + self.cfg.seconds
+        timeout = aiohttp.ClientTimeout(total=300)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            clients = [
+                self._client(session, deadline, random.Random(self.rng.random()))
+                for _ in range(self.cfg.clients)
+            ]
+            await asyncio.gather(*clients, self._monitor(deadline))
+
+    async def _monitor(self, deadline: float) -> None:
+        last_chaos = time.monotonic()
+        while time.monotonic() < deadline:
+            self.report.rss_mib.append(rss_bytes() / 2**20)
+            if self.chaos and time.monotonic() - last_chaos > 3:
+                for action in self.chaos:
+                    action(self)
+                last_chaos = time.monotonic()
+            await asyncio.sleep(0.5)
+        self.report.rss_mib.append(rss_bytes() / 2**20)
+
+    def _wait_idle(self, timeout: float = 120) -> None:
+        end = time.monotonic() + timeout
+        while any(m.requests or m.scheduler.has_work for m in self.engine.models.values()):
+            if time.monotonic() > end:
+                break
+            time.sleep(0.05)
+
+    def _verify(self) -> None:
+        r = self.report
+        refs: dict[tuple[str, int, int], str] = {}
+        for o in r.outcomes:
+            if o.status != 200 or o.disconnected:
+                continue
+            key = (o.model, o.prompt, o.max_tokens)
+            if key not in refs:
+                params = SamplingParams(max_tokens=o.max_tokens, temperature=0, ignore_eos=True)
+                refs[key] = self.engine.generate(o.model, [PROMPTS[o.prompt]], params)[0].text
+            if o.text != refs[key] or o.finish_reason != "length":
+                r.wrong.append(f"{key}: got {o.text!r} ({o.finish_reason}), want {refs[key]!r}")
+        pool = self.engine.pool
+        r.preemptions = sum(m.scheduler.num_preemptions for m in self.engine.models.values())
+        r.pages_acquired, r.pages_released = pool.acquired_total, pool.released_total
+        r.pages_reclaimed = pool.reclaimed_total
+        r.leaked_blocks = sum(
+            m.kv_cache.allocator.num_used_blocks for m in self.engine.models.values()
+        )
+        try:
+            self.engine.check_integrity()
+        except AssertionError as e:
+            r.integrity = f"FAILED: {e}"
+
+    def run(self) -> SoakReport:
+        errors = _ErrorCounter()
+        logging.getLogger().addHandler(errors)
+        try:
+            self._start_server()
+            asyncio.run(self._traffic())
+            self._wait_idle()
+            self._verify()
+        finally:
+            logging.getLogger().removeHandler(errors)
+            self.report.errors += errors.records
+            loop, stop = self._box["loop"], self._box["stop"]
+            loop.call_soon_threadsafe(stop.set)
+            self._thread.join(timeout=60)
+            self.engine.close()
+        return self.report
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--minutes", type=float, default=5.0)
+    ap.add_argument("--clients", type=int, default=12)
+    ap.add_argument("--embedded", action="store_true", help="add SmolLM2 to the tiny models")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    cfg = SoakConfig(
+        seconds=args.minutes * 60, clients=args.clients, embedded=args.embedded, seed=args.seed
+    )
+    t = time.monotonic()
+    report = Soak(cfg).run()
+    print(
+        f"# soak: {args.minutes} min, {args.clients} clients, models "
+        f"{3 + args.embedded}, budget {cfg.budget_pages} pages, "
+        f"wall {time.monotonic() - t:.0f} s"
+    )
+    print(report.summary())
+    for w in report.wrong[:5] + report.errors[:5]:
+        print("  ", w)
+    sys.exit(0 if report.ok else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,184 @@
+"""Shared pieces of the GPU tests: a tiny Llama with FlashInfer's head_dim, a pool on the device,
+a greedy driver over ModelEngine, and comparisons that tell real divergence from near-ties."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import pytest
+import torch
+
+from kvpool import CpuBackend, KVCache, KVLayout, PagePool
+from models.attention.base import AttentionMetadata, ForwardContext, SeqChunk
+from models.attention.torch_paged import TorchPagedAttention
+from models.config import ModelConfig
+from models.loader import init_dummy_weights
+from models.registry import get_model_class
+from models.tokenizer import ByteTokenizer
+from prism_server.model_engine import ModelEngine
+from prism_server.request import FinishReason, Request
+from prism_server.sampling_params import SamplingParams
+from scheduler.batch_scheduler import SchedulerConfig
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+GPU = [pytest.mark.gpu, needs_cuda]
+
+BLOCK = 16
+# 2 layers, GQA 4:2, head_dim 128 (a FlashInfer head size shared with Llama-3.1-8B's module).
+TINY = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_act": "silu",
+    "vocab_size": 1024,
+    "hidden_size": 512,
+    "intermediate_size": 1024,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 128,
+    "max_position_embeddings": 4096,
+    "rope_theta": 10000.0,
+    "rms_norm_eps": 1e-5,
+    "attention_bias": False,
+    "mlp_bias": False,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+_ids = itertools.count()
+
+
+def tiny_model(seed: int = 0) -> tuple[ModelConfig, torch.nn.Module]:
+    """The tiny Llama on the CPU in float32, with weights exactly representable in bf16."""
+    cfg = ModelConfig.from_hf(dict(TINY))
+    with torch.device("meta"):
+        model = get_model_class(cfg.hf_architecture)(cfg)
+    model = model.to_empty(device="cpu").float()
+    init_dummy_weights(model, seed, std=0.05)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.bfloat16().float())
+    return cfg, model.eval().requires_grad_(False)
+
+
+def on_gpu(model: torch.nn.Module) -> torch.nn.Module:
+    return copy.deepcopy(model).to(device="cuda", dtype=torch.bfloat16)
+
+
+def prompts(n: int, seed: int = 0, lengths=(5, 33, 70, 131)) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        torch.randint(300, 1000, (lengths[i % len(lengths)] + i,), generator=g).tolist()
+        for i in range(n)
+    ]
+
+
+def cuda_pool(pages: int, page_bytes: int = 2 << 20) -> PagePool:
+    from kvpool import CudaBackend
+
+    return PagePool(CudaBackend("cuda"), page_bytes, (pages + 1) * page_bytes, precreate=pages)
+
+
+def model_engine(
+    name: str, cfg: ModelConfig, model, pool: PagePool, *, graphs: bool = True, cached: int = 1
+) -> ModelEngine:
+    sched = SchedulerConfig(
+        block_size=BLOCK, max_num_seqs=64, max_num_batched_tokens=256, max_model_len=2048
+    )
+    dtype = next(model.parameters()).dtype
+    me = ModelEngine(name, model, ByteTokenizer(cfg.vocab_size), cfg, pool, sched, dtype, cached)
+    if not graphs and me.runner.graphs is not None:
+        from prism_server.model_runner import ModelRunner
+
+        me.runner = ModelRunner(model, me.kv_cache, me.device, cuda_graph_sizes=())
+    return me
+
+
+def start(me: ModelEngine, prompt_ids: list[list[int]], max_tokens: int) -> list[Request]:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    reqs = []
+    for p in prompt_ids:
+        errors: list[str] = []
+        r = Request(f"r{next(_ids)}", list(p), params, me.eos_token_ids, sink=None)
+        r.sink = lambda out, errors=errors: errors.append(out.error) if out.error else None
+        r.errors = errors
+        me.add(r)
+        reqs.append(r)
+    return reqs
+
+
+def greedy(
+    me: ModelEngine, prompt_ids: list[list[int]], max_tokens: int
+) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Runs the prompts as one batch to completion; returns each one's tokens and the logits
+    [max_tokens, vocab] (float32, host) it sampled them from."""
+    reqs = start(me, prompt_ids, max_tokens)
+    log = {r.request_id: [] for r in reqs}
+    sample = me.sampler.sample
+
+    def recording(logits, rs):
+        for i, r in enumerate(rs):
+            if r.request_id in log:
+                log[r.request_id].append(logits[i].float().cpu())
+        return sample(logits, rs)
+
+    me.sampler.sample = recording
+    try:
+        while me.has_work:
+            me.step()
+    finally:
+        del me.sampler.sample
+    for r in reqs:
+        assert r.finish_reason is FinishReason.LENGTH, (r.finish_reason, r.errors)
+    return [r.output_token_ids for r in reqs], [torch.stack(log[r.request_id]) for r in reqs]
+
+
+def cpu_logits(cfg: ModelConfig, model, tokens: list[int]) -> torch.Tensor:
+    """Reference logits [len(tokens), vocab] of the CPU model over one sequence (one prefill)."""
+    backend = CpuBackend()
+    page = backend.round_up(1 << 20)
+    pool = PagePool(backend, page, 8 * page)
+    gran = backend.granularity
+    layout = KVLayout(
+        cfg.num_layers, BLOCK, cfg.num_kv_heads, cfg.head_dim, torch.float32, page, gran
+    )
+    kv = KVCache(pool, "reference", layout, max_pages=8, max_cached_pages=0)
+    blocks = kv.allocator.allocate(-(-len(tokens) // BLOCK))
+    md = AttentionMetadata.build([SeqChunk(0, len(tokens), blocks)], BLOCK, torch.device("cpu"))
+    with torch.inference_mode():
+        ctx = ForwardContext(attn=TorchPagedAttention(kv.layer_views, md))
+        hidden = model(torch.tensor(tokens), torch.arange(len(tokens)), ctx)
+        out = model.compute_logits(hidden)
+    kv.allocator.free(blocks)
+    kv.close()
+    return out
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+
+
+def assert_no_real_divergence(
+    ref_tokens: list[list[int]],
+    ref_logits: list[torch.Tensor],
+    got_tokens: list[list[int]],
+    tie: float = 0.05,
+) -> int:
+    """Token lists must agree up to the first step where the reference itself had a near-tie:
+    there the reference's logit of its own pick may beat the other pick by at most `tie` times its
+    logit spread (max - median). Returns how many sequences agree fully."""
+    same = 0
+    for i, (ref, got) in enumerate(zip(ref_tokens, got_tokens)):
+        k = first_divergence(ref, got)
+        if k is None:
+            same += 1
+            continue
+        lg = ref_logits[i][k]
+        gap = float(lg[ref[k]] - lg[got[k]])
+        spread = float(lg.max() - lg.median())
+        assert gap <= tie * spread, (
+            f"sequence {i} diverges at token {k} ({ref[k]} vs {got[k]}): the reference prefers its "
+            f"token by {gap:.4f}, not a tie (spread {spread:.3f})"
+        )
+    return same

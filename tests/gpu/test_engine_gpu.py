@@ -1,0 +1,39 @@
+"""The engine on a GPU: the default KV budget, pages mapped from the engine thread, FlashInfer and
+CUDA graphs under the real scheduler, exact accounting at the end."""
+
+from __future__ import annotations
+
+import torch
+
+from prism_server.config import EngineConfig, ModelSpec
+from prism_server.engine import Engine, default_kv_budget, weight_bytes
+from prism_server.request import FinishReason
+from prism_server.sampling_params import SamplingParams
+from tests.gpu.common import GPU
+
+pytestmark = GPU
+MODEL = "dummy:llama-3.2-3b"  # head_dim 128: the FlashInfer module Llama-3.1-8B uses
+
+
+def test_engine_with_the_default_budget_serves_and_accounts_exactly():
+    spec = ModelSpec("m", MODEL, max_model_len=1024, max_num_seqs=8)
+    device = torch.device("cuda")
+    free_before, _ = torch.cuda.mem_get_info()
+    expected = default_kv_budget(device, (spec,))
+    assert 0 < expected < free_before - weight_bytes(spec, device)
+    with Engine(EngineConfig(models=(spec,), device="cuda")) as e:
+        pool = e.pool
+        assert pool.backend.device.type == "cuda"
+        # the budget is sized before the weights load; the pool created every page up front
+        assert abs(pool.capacity + 1 - expected // pool.page_bytes) <= 1
+        assert pool.stats().created == pool.capacity
+        runner = e.models["m"].runner
+        assert type(runner.attention).__name__ == "FlashInferBackend"
+        assert runner.graphs is not None
+        prompts = [[300 + (7 * i + j) % 500 for j in range(40 + 30 * i)] for i in range(5)]
+        greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+        outs = e.generate("m", prompts, greedy)
+        assert all(o.finish_reason is FinishReason.LENGTH and len(o.token_ids) == 12 for o in outs)
+        assert e.pool.pages_of("m") <= 1  # the finished requests' pages went back (1 cached)
+        e.check_integrity()
+        assert e.models["m"].kv_cache.allocator.num_used_blocks == 0

@@ -1,0 +1,16 @@
+"""The short soak: mixed traffic, constant preemption and page movement, random disconnects."""
+
+from __future__ import annotations
+
+from scripts.soak import Soak, SoakConfig
+
+
+def test_short_soak_loses_nothing_and_leaks_nothing():
+    report = Soak(SoakConfig(seconds=15, clients=10, seed=3)).run()
+    print(report.summary())
+    assert report.completed > 100 and report.cancelled > 10
+    assert report.preemptions > 0 and report.pages_reclaimed > 0  # it did churn
+    assert not report.wrong, report.wrong[:3]
+    assert not report.errors, report.errors[:3]
+    assert report.leaked_blocks == 0 and report.integrity == "ok"
+    assert report.ok, report.summary()
