@@ -158,3 +158,39 @@ def test_disconnect_mid_decode(srv):
     wait_until(lambda: idle(srv))
     assert m.kv_cache.allocator.num_used_blocks == 0
     srv.engine.check_integrity()
+
+
+def test_the_global_queue_bound_holds_across_models():
+    from prism_server.protocol import APIError
+    from prism_server.sampling_params import SamplingParams
+    from prism_server.server.async_engine import AsyncEngine
+
+    specs = tuple(
+        ModelSpec(n, "dummy:tiny-llama", block_size=4, max_queued_requests=5) for n in ("a", "b")
+    )
+    with Engine(
+        EngineConfig(models=specs, device="cpu", page_bytes=64 << 10, kv_budget_bytes=4 << 20)
+    ) as engine:
+        gate = threading.Event()
+        engine.device_engine._post(gate.wait)
+
+        async def fill() -> tuple[int, int, int]:
+            ae = AsyncEngine(engine, max_queued_requests=8)
+            params = SamplingParams(max_tokens=2)
+            streams, refused = [], {"a": 0, "b": 0}
+            for model, n in (("a", 7), ("b", 5)):
+                for i in range(n):
+                    try:
+                        streams.append(ae.submit(model, [5, 6, 7], params, f"{model}{i}"))
+                    except APIError as e:
+                        assert e.status == 503 and e.headers["Retry-After"] == "1"
+                        refused[model] += 1
+            gate.set()
+            for s in streams:
+                async for _ in s:
+                    pass
+            return len(streams), refused["a"], refused["b"]
+
+        accepted, refused_a, refused_b = asyncio.run(fill())
+        assert (accepted, refused_a, refused_b) == (8, 2, 2)  # a: per-model 5; b: global 8
+        engine.check_integrity()
