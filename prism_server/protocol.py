@@ -252,34 +252,26 @@ class LogprobFormatter:
         }
 
 
-def chat_chunk(
-    rid: str, created: int, model: str, choices: list[dict], usage_: dict | None = None
-) -> dict:
-    body = {
-        "id": rid,
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": model,
-        "choices": choices,
-    }
-    if usage_ is not None:
-        body["usage"] = usage_
-    return body
+def _chunk(object_: str):
+    def chunk(
+        rid: str, created: int, model: str, choices: list[dict], usage_: dict | None = None
+    ) -> dict:
+        body = {
+            "id": rid,
+            "object": object_,
+            "created": created,
+            "model": model,
+            "choices": choices,
+        }
+        if usage_ is not None:
+            body["usage"] = usage_
+        return body
+
+    return chunk
 
 
-def completion_chunk(
-    rid: str, created: int, model: str, choices: list[dict], usage_: dict | None = None
-) -> dict:
-    body = {
-        "id": rid,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": choices,
-    }
-    if usage_ is not None:
-        body["usage"] = usage_
-    return body
+chat_chunk = _chunk("chat.completion.chunk")
+completion_chunk = _chunk("text_completion")
 
 
 def model_card(name: str, created: int, **extra: Any) -> dict:

@@ -111,6 +111,14 @@ class OpenAIRoutes:
                 503, str(e), "server_error", param="model", code="model_load_failed"
             ) from None
 
+    async def _parse(self, request: web.Request, cls):
+        """The validated request body and the model it names."""
+        try:
+            req = cls.model_validate(await read_json(request))
+        except ValidationError as e:
+            raise validation_error(e) from None
+        return req, self._model(req.model)
+
     def _max_tokens(self, me: ModelEngine, requested: int | None, prompt_len: int) -> int:
         if prompt_len < 1:
             raise APIError(400, "The prompt is empty.", param="prompt")
@@ -237,11 +245,7 @@ class OpenAIRoutes:
 
     # ---- chat ---------------------------------------------------------------------------------
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        try:
-            req = ChatCompletionRequest.model_validate(await read_json(request))
-        except ValidationError as e:
-            raise validation_error(e) from None
-        me = self._model(req.model)
+        req, me = await self._parse(request, ChatCompletionRequest)
         tok = me.tokenizer
         if not getattr(tok, "chat_template", None):
             raise APIError(
@@ -277,11 +281,7 @@ class OpenAIRoutes:
 
     # ---- completions --------------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        try:
-            req = CompletionRequest.model_validate(await read_json(request))
-        except ValidationError as e:
-            raise validation_error(e) from None
-        me = self._model(req.model)
+        req, me = await self._parse(request, CompletionRequest)
         vocab = me.model_config.vocab_size
         prompts: list[list[int]] = []
         for p in req.prompts():
