@@ -66,7 +66,9 @@ class EngineConfig:
 
     models: tuple[ModelSpec, ...] = ()
     device: str = "auto"  # auto = cuda if available, else cpu
-    page_bytes: int = 64 << 20  # one physical page (handle) of the pool
+    # one physical page (handle) of the pool; 128 MiB: the driver charges per handle (10 GiB grows
+    # in 3.1 ms with 128 MiB pages, 5.9 ms with 64 MiB on the H200)
+    page_bytes: int = 128 << 20
     kv_budget_bytes: int | None = None  # pool budget per device; None = a default per device kind
     models_by_name: dict = field(init=False, repr=False, compare=False)
 

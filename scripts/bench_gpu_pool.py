@@ -143,6 +143,7 @@ def main() -> None:
         "pool_128m": through_pool(be, total, 128 * MiB, r),
         "pool_256m": through_pool(be, total, 256 * MiB, r),
         "raw_64m": raw(be, total, 64 * MiB, r, batched=False),
+        "raw_128m": raw(be, total, 128 * MiB, r, batched=False),
         "raw_64m_batched": raw(be, total, 64 * MiB, r, batched=True),
         "raw_2m": raw(be, total, 2 * MiB, max(3, r // 2), batched=False),
     }
@@ -153,6 +154,7 @@ def main() -> None:
         ("pool: KVCache.map/unmap_pages, 128 MiB pages", out["pool_128m"]),
         ("pool: KVCache.map/unmap_pages, 256 MiB pages", out["pool_256m"]),
         ("raw driver, same 64 MiB handles, per handle", out["raw_64m"]),
+        ("raw driver, same 128 MiB handles, per handle", out["raw_128m"]),
         ("raw driver, 64 MiB handles, batched", out["raw_64m_batched"]),
         ("raw driver, 2 MiB-per-layer handles", out["raw_2m"]),
     ]

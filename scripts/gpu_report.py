@@ -39,13 +39,13 @@ def main() -> None:
     tests = next((ln for ln in reversed(log.splitlines()) if summary.search(ln)), "-")
     rows = []
     gib = pool.get("gib", 10)
-    for way in ("grow", "shrink"):
-        ours = get(pool, "pool_64m", f"{way}_ms")
-        raw, small = get(pool, "raw_64m", f"{way}_ms"), get(pool, "raw_2m", f"{way}_ms")
+    for way, mib in (("grow", 128), ("shrink", 128), ("grow", 64), ("shrink", 64)):
+        ours = get(pool, f"pool_{mib}m", f"{way}_ms")
+        raw, small = get(pool, f"raw_{mib}m", f"{way}_ms"), get(pool, "raw_2m", f"{way}_ms")
         ref = f"raw {fmt(raw, ' ms')}; 2 MiB/layer {fmt(small, ' ms', 1)}"
         rows.append(
             (
-                f"{way} {gib} GiB KV via pool (64 MiB)",
+                f"{way} {gib} GiB KV via pool ({mib} MiB)",
                 fmt(ours, " ms"),
                 ref,
                 ratio(ours, raw),
