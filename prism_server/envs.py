@@ -29,3 +29,8 @@ def kv_budget_bytes() -> int | None:
 def cpu_threads() -> int | None:
     """torch intra-op threads on CPU (PRISM_CPU_THREADS); unset = torch's default."""
     return _int("PRISM_CPU_THREADS", None)
+
+
+def fused_kernels() -> bool:
+    """Use FlashInfer's fused norm/activation kernels on CUDA (PRISM_FUSED_KERNELS, default 1)."""
+    return os.environ.get("PRISM_FUSED_KERNELS", "1") not in ("0", "false", "no")

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.layers.fused_ops import act_and_mul, fused
 from models.layers.merged_linear import MergedLinear
 
 
@@ -24,6 +25,10 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden] -> [T, hidden]
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, intermediate] each
+        gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
+        fi = fused(gate_up)
+        if fi is not None:
+            return self.down_proj(act_and_mul(fi, gate_up, self.act))
+        gate, up = gate_up.chunk(2, dim=-1)  # [T, intermediate] each
         gate = F.silu(gate) if self.act == "silu" else F.gelu(gate, approximate="tanh")
         return self.down_proj(gate * up)

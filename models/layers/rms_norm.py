@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.layers.fused_ops import fused, rms_norm
+
 
 class RMSNorm(nn.Module):
     """y = x / rms(x) * w over the last dim, statistics in fp32.
@@ -24,6 +26,9 @@ class RMSNorm(nn.Module):
         # x: [..., dim]
         if x.dtype == torch.float32 and not self.unit_offset:  # one fused op, same numerics
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        fi = fused(x)
+        if fi is not None:
+            return rms_norm(fi, x, self.weight, self.eps, self.unit_offset)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.unit_offset:
