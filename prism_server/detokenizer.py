@@ -7,11 +7,25 @@ from __future__ import annotations
 _CONTEXT_TOKENS = 6
 
 
+try:  # tokenizers >= 0.21: incremental decoding in Rust, ~8x cheaper per token
+    from tokenizers.decoders import DecodeStream
+except ImportError:  # pragma: no cover
+    DecodeStream = None
+
+
+def _decode_stream(context: list[int], skip_special_tokens: bool):
+    try:
+        return DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
+    except TypeError:  # older tokenizers: no left context
+        return DecodeStream(skip_special_tokens=skip_special_tokens)
+
+
 class IncrementalDetokenizer:
     """Decodes a growing list of token ids into text deltas.
 
-    Decodes only a short window (prefix_offset..end) per token, so a step costs O(window), and holds
-    back text ending in U+FFFD (an incomplete multi-byte character) until a later token ends it.
+    With a fast tokenizer it uses the tokenizers library's DecodeStream; otherwise it decodes a
+    short window (prefix_offset..end) per token, so a step costs O(window). Either way text ending
+    in an incomplete multi-byte character is held back until a later token completes it.
     """
 
     def __init__(self, tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True):
@@ -20,6 +34,10 @@ class IncrementalDetokenizer:
         self.ids = list(prompt_ids[-_CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
+        self._backend = getattr(tokenizer, "_tokenizer", None)
+        self._stream = None
+        if DecodeStream is not None and self._backend is not None:
+            self._stream = _decode_stream(self.ids, skip_special_tokens)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
@@ -36,10 +54,18 @@ class IncrementalDetokenizer:
     def step(self, new_ids: list[int]) -> str:
         """Append new token ids; return the text they complete."""
         self.ids.extend(new_ids)
+        if self._stream is not None:
+            try:
+                return "".join(self._stream.step(self._backend, i) or "" for i in new_ids)
+            except Exception:  # an id the tokenizer cannot decode: fall back to windows
+                self._stream = None
+                self.prefix_offset = self.read_offset = len(self.ids) - len(new_ids)
         return self._delta(final=False)
 
     def flush(self) -> str:
-        """At the end: whatever is still held back."""
+        """At the end: whatever is still held back (the stream drops an unfinished character)."""
+        if self._stream is not None:
+            return ""
         return self._delta(final=True)
 
 

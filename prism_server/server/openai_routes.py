@@ -253,17 +253,7 @@ class OpenAIRoutes:
                 f"The model `{req.model}` has no chat template; use /v1/completions for it.",
                 param="model",
             )
-        try:
-            text = tok.apply_chat_template(
-                req.chat_messages(), add_generation_prompt=True, tokenize=False
-            )
-        except APIError:
-            raise
-        except Exception as e:  # jinja errors: roles the template refuses, etc.
-            raise APIError(
-                400, f"The messages do not fit the model's chat template: {e}", param="messages"
-            ) from None
-        ids = list(tok(text, add_special_tokens=False).input_ids)
+        ids = await asyncio.to_thread(_chat_ids, tok, req.chat_messages())
         max_tokens = self._max_tokens(me, req.requested_max_tokens, len(ids))
         rid = _request_id(request, "chatcmpl")
         choices = self._submit(req.model, [ids], req, [max_tokens], req.num_logprobs, rid)
@@ -283,14 +273,16 @@ class OpenAIRoutes:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         req, me = await self._parse(request, CompletionRequest)
         vocab = me.model_config.vocab_size
-        prompts: list[list[int]] = []
         for p in req.prompts():
-            if isinstance(p, str):
-                prompts.append(list(me.tokenizer(p).input_ids))
-            else:
-                if any(not 0 <= t < vocab for t in p):
-                    raise APIError(400, f"Token ids must be in [0, {vocab}).", param="prompt")
-                prompts.append(list(p))
+            if not isinstance(p, str) and any(not 0 <= t < vocab for t in p):
+                raise APIError(400, f"Token ids must be in [0, {vocab}).", param="prompt")
+        # tokenizing long prompts takes a while: off the event loop
+        prompts = await asyncio.to_thread(
+            lambda: [
+                list(me.tokenizer(p).input_ids) if isinstance(p, str) else list(p)
+                for p in req.prompts()
+            ]
+        )
         max_tokens = [self._max_tokens(me, req.requested_max_tokens, len(p)) for p in prompts]
         rid = _request_id(request, "cmpl")
         choices = self._submit(req.model, prompts, req, max_tokens, req.logprobs, rid)
@@ -306,6 +298,17 @@ class OpenAIRoutes:
             _CompletionChoices(fmt, echo, req.n),
             lambda cs: _completion_response(rid, req, cs, fmt, echo),
         )
+
+
+def _chat_ids(tok, messages: list[dict[str, str]]) -> list[int]:
+    """The chat template applied and tokenized (run off the event loop)."""
+    try:
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except Exception as e:  # jinja errors: roles the template refuses, etc.
+        raise APIError(
+            400, f"The messages do not fit the model's chat template: {e}", param="messages"
+        ) from None
+    return list(tok(text, add_special_tokens=False).input_ids)
 
 
 def _not_found(name: str) -> APIError:

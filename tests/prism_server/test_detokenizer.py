@@ -1,15 +1,25 @@
 from __future__ import annotations
 
+import pytest
+
 from models.tokenizer import ByteTokenizer
 from prism_server.detokenizer import IncrementalDetokenizer, find_stop
 
 
-def test_incremental_text_equals_full_decode_and_never_splits_a_character():
+class WindowOnly:
+    """The same tokenizer seen without its fast backend: the window-decoding path."""
+
+    def __init__(self, tok):
+        self.decode = tok.decode
+
+
+@pytest.mark.parametrize("wrap", [lambda t: t, WindowOnly], ids=["stream", "window"])
+def test_incremental_text_equals_full_decode_and_never_splits_a_character(wrap):
     tok = ByteTokenizer(vocab_size=300)
     text = "naïve café — 東京 🚀 done"
     ids = tok(text, add_special_tokens=False).input_ids
     assert len(ids) > len(text)  # multi-byte characters span several tokens
-    d = IncrementalDetokenizer(tok, prompt_ids=[])
+    d = IncrementalDetokenizer(wrap(tok), prompt_ids=[])
     pieces = [d.step([i]) for i in ids]
     pieces.append(d.flush())
     assert "".join(pieces) == text
