@@ -288,6 +288,8 @@ def vmm_vs_plain(vmm: Engine, plain: Engine, repeats: int = 3) -> dict:
         out[k] = {m: statistics.median(r[m] for r in rs) for m in ("ttft_ms", "tpot_ms")}
     out["ttft_ratio"] = out["vmm"]["ttft_ms"] / out["plain"]["ttft_ms"]
     out["tpot_ratio"] = out["vmm"]["tpot_ms"] / out["plain"]["tpot_ms"]
+    for k in ("vmm", "plain"):
+        out[k + "_runs"] = runs[k]
     print(f"   {out}")
     return out
 
@@ -372,6 +374,12 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-append", action="store_true")
+    ap.add_argument(
+        "--vmm-vs-plain-only",
+        action="store_true",
+        help="only the VMM-vs-plain comparison, with --repeats alternations",
+    )
+    ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
 
     def save(key: str, value) -> None:  # after every section: a killed run keeps what it got
@@ -385,14 +393,17 @@ def main() -> None:
     vmm = section("load (VMM)")(make_engine)()
     save("load_s", time.perf_counter() - t)
     if vmm is not None:
-        save("prism", prism_decode_prefill(vmm, RESULTS["ceilings"]))
-        save("profile", profile_decode(vmm))
-        save("profile_b64", profile_decode(vmm, 64))
+        if not args.vmm_vs_plain_only:
+            save("prism", prism_decode_prefill(vmm, RESULTS["ceilings"]))
+            save("profile", profile_decode(vmm))
+            save("profile_b64", profile_decode(vmm, 64))
         plain = section("load (plain tensor)")(make_engine)(plain=True)
         if plain is not None:
-            save("vmm_vs_plain", vmm_vs_plain(vmm, plain))
+            save("vmm_vs_plain", vmm_vs_plain(vmm, plain, args.repeats))
             plain.close()
         vmm.close()
+    if args.vmm_vs_plain_only:
+        return
     del vmm
     gc.collect()
     torch.cuda.empty_cache()
