@@ -28,7 +28,6 @@ class DeviceEngine:
         self._thread = threading.Thread(
             target=self._loop, name=f"prism-engine-{self.device}", daemon=True
         )
-        self.steps = 0
 
     def add_model(self, engine: ModelEngine) -> None:
         self._call(lambda: self.models.__setitem__(engine.name, engine))
@@ -100,7 +99,6 @@ class DeviceEngine:
                     log.exception("model %s failed outside its batch", m.name)
                     m.fail_all(f"{type(e).__name__}: {e}")
                     ran = True
-        self.steps += ran
         return ran
 
     def _loop(self) -> None:

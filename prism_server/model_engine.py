@@ -4,7 +4,6 @@ model runner, sampler and output processor. Driven by the device's engine thread
 from __future__ import annotations
 
 import logging
-import time
 
 import torch
 
@@ -103,8 +102,6 @@ class ModelEngine:
 
     def step(self) -> bool:
         """Runs one batch of this model; False if nothing could be scheduled."""
-        for req in [r for r in self.requests.values() if r.aborted]:
-            self.abort(req.request_id)
         batch = self.scheduler.schedule()
         if not batch:
             return False
@@ -122,7 +119,6 @@ class ModelEngine:
         return True
 
     def _publish(self, batch: list[ScheduledChunk], tokens, logprobs) -> None:
-        now = time.monotonic()
         it = iter(zip(tokens, logprobs))
         for c in batch:
             req = c.request
@@ -131,7 +127,7 @@ class ModelEngine:
             if not samples:
                 continue
             tok, lp = next(it)
-            out = self.outputs.process(req, tok, lp, now)
+            out = self.outputs.process(req, tok, lp)
             if out.finished:
                 self._finish(req, out)
             else:

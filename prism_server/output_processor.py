@@ -41,13 +41,9 @@ class OutputProcessor:
             return FinishReason.LENGTH, True
         return None, True
 
-    def process(
-        self, req: Request, tok: int, logprob: TokenLogprob | None, now: float
-    ) -> RequestOutput:
+    def process(self, req: Request, tok: int, logprob: TokenLogprob | None) -> RequestOutput:
         """Append a sampled token; return the delta (with finish_reason set if it finished)."""
         req.append_token(tok)
-        if req.first_token_time is None:
-            req.first_token_time = now
         reason, visible = self._token_stop(req, tok)
         st = self._state(req)
         new = st.detok.step([tok]) if visible else ""

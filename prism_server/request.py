@@ -63,8 +63,6 @@ class Request:
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    aborted: bool = False  # set from any thread; the engine finishes the request at its next step
 
     def __post_init__(self):
         self.all_token_ids = list(self.prompt_token_ids) + self.output_token_ids

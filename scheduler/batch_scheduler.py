@@ -58,9 +58,6 @@ class BatchScheduler:
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
-    def max_blocks_per_request(self) -> int:
-        return self.allocator.capacity_blocks
-
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.config.block_size)
 

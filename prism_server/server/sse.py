@@ -25,9 +25,6 @@ class SSEWriter:
         data = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
         await self.response.write(f"data: {data}\n\n".encode())
 
-    async def comment(self, text: str) -> None:
-        await self.response.write(f": {text}\n\n".encode())
-
     async def done(self) -> None:
         await self.response.write(b"data: [DONE]\n\n")
         await self.response.write_eof()
