@@ -1,12 +1,16 @@
-"""kvpool: physical pages shared by the models of a device, virtual buffers, paged KV caches."""
+"""kvpool: storage and mechanism. Physical pages shared by the models of a device (PagePool),
+virtual buffers backed by them (PooledBuffer), the paged KV layout and cache, and best-fit block
+placement. Which owner gives pages back is decided outside (the pool's reclaim order)."""
 
 from kvpool.backend import MemoryBackend, PhysicalHandle, Reservation
-from kvpool.block_allocator import BlockAllocator
+from kvpool.block_allocator import BlockAllocator, PageMapper
 from kvpool.cpu_backend import CpuBackend
 from kvpool.cuda_backend import CudaBackend, CudaDriverError
 from kvpool.kv_cache import KVCache
 from kvpool.kv_layout import KVLayout
-from kvpool.page_pool import PagePool, PoolStats
+from kvpool.paged_kv import PagedKV
+from kvpool.page_pool import OwnerUsage, PagePool, PoolStats, ReclaimOrder
+from kvpool.pooled_buffer import PooledBuffer
 from kvpool.tensor_backend import TensorBackend
 from kvpool.virtual_buffer import VirtualBuffer
 
@@ -18,9 +22,14 @@ __all__ = [
     "KVCache",
     "KVLayout",
     "MemoryBackend",
+    "OwnerUsage",
+    "PageMapper",
+    "PagedKV",
     "PagePool",
     "PhysicalHandle",
     "PoolStats",
+    "PooledBuffer",
+    "ReclaimOrder",
     "Reservation",
     "TensorBackend",
     "VirtualBuffer",

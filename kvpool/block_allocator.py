@@ -1,4 +1,5 @@
-"""Block placement policy over one model's pages (storage lives in KVCache).
+"""Block placement over one model's pages: the only policy kvpool holds (storage lives in KVCache,
+mapping goes through a PageMapper, which pages other models get back is the pool's reclaim order).
 
 - Blocks are handed out only from mapped pages; page 0 is never used.
 - Best fit: a request for blocks fills the mapped page with the fewest free blocks first, so load
@@ -6,23 +7,32 @@
 - A new logical page is mapped on demand when mapped pages run short.
 - A page whose blocks are all free is kept mapped as the model's cached reserve (up to
   `max_cached_pages`, for the next burst) or unmapped and returned to the pool. Other models can
-  reclaim the cached reserve through the pool (`reclaim_pages`).
+  reclaim the cached reserve through the pool (`reclaim_pages`: the allocator is the pool's
+  Reclaimer for its owner).
 Not thread-safe: the device's engine thread owns it.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from kvpool.kv_layout import KVLayout
 
-if TYPE_CHECKING:
-    from kvpool.kv_cache import KVCache
+
+class PageMapper(Protocol):
+    """Maps and unmaps whole pages of one owner's buffer (a PooledBuffer)."""
+
+    def can_map(self, n: int) -> bool: ...
+
+    def map_pages(self, pages: list[int]) -> bool:
+        """Back each page index with a pool page; False (nothing mapped) if there are too few."""
+
+    def unmap_pages(self, pages: list[int]) -> None: ...
 
 
 class BlockAllocator:
-    def __init__(self, storage: KVCache, layout: KVLayout, max_pages: int, max_cached_pages: int):
-        self.storage = storage
+    def __init__(self, pages: PageMapper, layout: KVLayout, max_pages: int, max_cached_pages: int):
+        self.pages = pages
         self.layout = layout
         self.bpp = layout.blocks_per_page
         self.max_pages = max_pages
@@ -30,6 +40,7 @@ class BlockAllocator:
         self._free_slots: dict[int, list[int]] = {}  # mapped page -> free slots (stack)
         self._unmapped = list(range(max_pages - 1, 0, -1))  # stack: lowest page index on top
         self._num_used = 0
+        self._num_cached = 0  # mapped pages whose blocks are all free
 
     # ---- queries --------------------------------------------------------------------------------
     @property
@@ -50,7 +61,7 @@ class BlockAllocator:
 
     @property
     def num_cached_pages(self) -> int:
-        return sum(len(s) == self.bpp for s in self._free_slots.values())
+        return self._num_cached
 
     @property
     def capacity_blocks(self) -> int:
@@ -64,7 +75,7 @@ class BlockAllocator:
         pages = self._pages_needed(n)
         if pages == 0:
             return True
-        return pages <= len(self._unmapped) and self.storage.can_map(pages)
+        return pages <= len(self._unmapped) and self.pages.can_map(pages)
 
     # ---- allocate / free ------------------------------------------------------------------------
     def allocate(self, n: int) -> list[int] | None:
@@ -74,11 +85,12 @@ class BlockAllocator:
             if pages > len(self._unmapped):
                 return None
             new = [self._unmapped.pop() for _ in range(pages)]
-            if not self.storage.map_pages(new):
+            if not self.pages.map_pages(new):
                 self._unmapped.extend(reversed(new))
                 return None
             for p in new:
                 self._free_slots[p] = list(range(self.bpp - 1, -1, -1))
+            self._num_cached += len(new)
         out: list[int] = []
         while len(out) < n:
             page = min(
@@ -86,6 +98,8 @@ class BlockAllocator:
                 key=lambda p: (len(self._free_slots[p]), p),
             )
             slots = self._free_slots[page]
+            if len(slots) == self.bpp:
+                self._num_cached -= 1
             take = min(len(slots), n - len(out))
             out.extend(self.layout.block_index(page, slots.pop()) for _ in range(take))
         self._num_used += n
@@ -100,14 +114,17 @@ class BlockAllocator:
             if len(slots) == self.bpp:
                 emptied.append(page)
         self._num_used -= len(blocks)
+        self._num_cached += len(emptied)
         excess = self.num_cached_pages - self.max_cached_pages
         if excess > 0 and emptied:
             self._unmap(emptied[-excess:] if excess < len(emptied) else emptied)
 
     def _unmap(self, pages: list[int]) -> None:
-        self.storage.unmap_pages(pages)
+        """pages: fully free ones."""
+        self.pages.unmap_pages(pages)
         for p in pages:
             del self._free_slots[p]
+        self._num_cached -= len(pages)
         self._unmapped.extend(pages)
         self._unmapped.sort(reverse=True)
 
@@ -138,4 +155,6 @@ class BlockAllocator:
             assert len(set(slots)) == len(slots) and all(0 <= s < self.bpp for s in slots), p
         assert not set(self._unmapped) & set(self._free_slots)
         assert len(self._unmapped) + self.num_mapped_pages == self.max_pages - 1
+        cached = sum(len(s) == self.bpp for s in self._free_slots.values())
+        assert cached == self._num_cached, (cached, self._num_cached)
         assert self.num_cached_pages <= self.max_cached_pages, self.num_cached_pages

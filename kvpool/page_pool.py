@@ -6,14 +6,16 @@ call); it never releases them to the driver while it lives. Accounting is exact:
 is either free in the pool or owned by exactly one owner. Thread-safe (one re-entrant lock).
 
 When an owner asks for more pages than are free and the budget allows no more, the pool asks other
-owners to give back pages they hold but do not use (their cached reserve), least recently grown
-first, through the `Reclaimer` they registered.
+owners to give back pages they hold but do not use (their cached reserve), through the `Reclaimer`
+they registered, in the order a `ReclaimOrder` given from outside decides (the balloon policy, in
+scheduler/); without one, no owner's pages are taken for another.
 """
 
 from __future__ import annotations
 
 import itertools
 import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -26,6 +28,20 @@ class Reclaimer(Protocol):
 
     def reclaim_pages(self, n: int) -> int:
         """Give back up to n unused pages (through PagePool.release); return how many."""
+
+
+@dataclass(frozen=True)
+class OwnerUsage:
+    """What the reclaim order sees of one owner."""
+
+    name: str
+    pages: int
+    reclaimable: int  # pages it could give back now
+    last_grow: int  # sequence number of its last grant (0 = never)
+
+
+# (other owners with a reclaimer, the owner asking) -> names to reclaim from, first to last
+ReclaimOrder = Callable[[Sequence[OwnerUsage], str], list[str]]
 
 
 @dataclass
@@ -47,9 +63,15 @@ class PoolStats:
 
 class PagePool:
     def __init__(
-        self, backend: MemoryBackend, page_bytes: int, budget_bytes: int, precreate: int = 0
+        self,
+        backend: MemoryBackend,
+        page_bytes: int,
+        budget_bytes: int,
+        precreate: int = 0,
+        reclaim_order: ReclaimOrder | None = None,
     ):
         self.backend = backend
+        self.reclaim_order = reclaim_order
         self.page_bytes = backend.round_up(page_bytes)
         # One page of the budget backs the shared null page (page 0 of every model).
         self.capacity = budget_bytes // self.page_bytes - 1
@@ -77,6 +99,10 @@ class PagePool:
                 raise ValueError(f"owner {owner!r} is already registered")
             self._owners[owner] = _Owner(owner, reclaim)
 
+    def set_reclaimer(self, owner: str, reclaim: Reclaimer | None) -> None:
+        with self._lock:
+            self._owners[owner].reclaim = reclaim
+
     def unregister(self, owner: str) -> None:
         with self._lock:
             o = self._owners.pop(owner)
@@ -100,13 +126,18 @@ class PagePool:
         """Pages obtainable without reclaiming: free handles plus those the budget still allows."""
         return len(self._free) + self.capacity - self._created
 
-    def reclaimable(self, exclude: str | None = None) -> int:
-        """Pages other owners could give back (not counting those they use)."""
-        return sum(
-            o.reclaim.reclaimable_pages()
+    def _usage(self, exclude: str) -> list[OwnerUsage]:
+        return [
+            OwnerUsage(o.name, o.pages, o.reclaim.reclaimable_pages(), o.last_grow)
             for o in self._owners.values()
             if o.name != exclude and o.reclaim is not None
-        )
+        ]
+
+    def reclaimable(self, exclude: str) -> int:
+        """Pages other owners could give back to `exclude` (not counting those they use)."""
+        if self.reclaim_order is None:
+            return 0
+        return sum(u.reclaimable for u in self._usage(exclude))
 
     def can_acquire(self, owner: str, n: int) -> bool:
         with self._lock:
@@ -140,13 +171,14 @@ class PagePool:
             self.released_total += len(handles)
 
     def _reclaim_from_others(self, owner: str, short: int) -> None:
-        others = sorted(
-            (o for o in self._owners.values() if o.name != owner and o.reclaim),
-            key=lambda o: o.last_grow,
-        )
-        for o in others:
+        if self.reclaim_order is None:
+            return
+        for name in self.reclaim_order(self._usage(owner), owner):
             if short <= 0:
                 break
+            o = self._owners[name]
+            if name == owner or o.reclaim is None:
+                raise RuntimeError(f"the reclaim order named {name!r}, which cannot give pages")
             got = o.reclaim.reclaim_pages(short)
             self.reclaimed_total += got
             short -= got

@@ -64,8 +64,8 @@ def resolve_source(source: str) -> str:
     return str(embedded_gguf_path(source)) if source in EMBEDDED_MODELS else source
 
 
-def embedded_model_dir(name: str) -> Path:
+def embedded_model_dir(name: str, cache_root: str | Path) -> Path:
     """The converted HF-style directory of embedded model `name` (converted once, then cached)."""
     from models.gguf_convert import convert_gguf
 
-    return convert_gguf(embedded_gguf_path(name))
+    return convert_gguf(embedded_gguf_path(name), cache_root)

@@ -26,7 +26,6 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from models.gguf_tensors import GGUF_ARCHS, MODEL_TYPE_ARCHS, GgufTensorMap
-from prism_server import envs
 
 CONVERTER_VERSION = 1  # bump when the output changes, so stale caches are rebuilt
 SHARD_BYTES = 2 << 30  # float32 bytes per safetensors shard
@@ -34,18 +33,18 @@ STALE_TEMP_S = 3600.0  # a conversion temp dir untouched this long belongs to a 
 _INFO_FILE = "prism_gguf.json"
 
 
-def gguf_cache_dir(path: str | Path, cache_root: str | Path | None = None) -> Path:
+def gguf_cache_dir(path: str | Path, cache_root: str | Path) -> Path:
     """Where the conversion of GGUF file `path` is (or will be) cached."""
     p = Path(path).resolve()
     st = p.stat()
     key = f"{p}|{st.st_size}|{st.st_mtime_ns}|v{CONVERTER_VERSION}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
-    root = Path(cache_root) if cache_root is not None else envs.cache_dir() / "gguf"
-    return root / f"{p.stem}-{digest}"
+    return Path(cache_root) / f"{p.stem}-{digest}"
 
 
-def convert_gguf(path: str | Path, cache_root: str | Path | None = None) -> Path:
-    """Convert GGUF file `path` to an HF-style directory (cached); returns the directory."""
+def convert_gguf(path: str | Path, cache_root: str | Path) -> Path:
+    """Convert GGUF file `path` to an HF-style directory cached under `cache_root`; returns the
+    directory."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {path}")

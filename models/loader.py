@@ -1,12 +1,13 @@
 """Load a model from an HF directory, a GGUF file, or a named preset with dummy weights.
 
     load_model(ModelSource.parse("/ckpt/Llama-3.1-8B"))           # config.json + safetensors
-    load_model(ModelSource.parse("/models/x.Q4_K_M.gguf"))       # converted once, then cached
+    load_model(ModelSource.parse("/models/x.Q4_K_M.gguf"), cache_root=...)  # converted once
     load_model(ModelSource.parse("dummy:llama-3.1-8b"), dtype=torch.bfloat16, device="cuda")
-    load_model(ModelSource.parse("smollm2-135m"))                 # an embedded default
+    load_model(ModelSource.parse("smollm2-135m"), cache_root=...)  # an embedded default (GGUF)
 
 The model is built on the meta device and materialized once, in the target dtype on the target
-device (an 8B model never exists in float32 or twice).
+device (an 8B model never exists in float32 or twice). Settings come in as arguments (this package
+reads no environment): where GGUF conversions are cached, whether fused kernels are used.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from transformers import PreTrainedTokenizerBase
 from models.config import ModelConfig
 from models.embedded import EMBEDDED_MODELS, resolve_source
 from models.layers.causal_lm import CausalLM
+from models.layers.fused_ops import set_fused_kernels
 from models.layers.rms_norm import RMSNorm
 from models.presets import get_preset, list_presets
 from models.registry import get_model_class
@@ -89,23 +91,46 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     seed: int = 0,
+    cache_root: str | Path | None = None,
+    fused_kernels: bool = True,
 ) -> LoadedModel:
-    """Build the model of `source` with its weights and tokenizer. `seed` only affects dummy."""
+    """Build the model of `source` with its weights and tokenizer. `seed` only affects dummy;
+    `cache_root` (where GGUF conversions are cached) is needed for GGUF sources."""
     if isinstance(source, str):
         source = ModelSource.parse(source)
     device = torch.device(device)
     if source.kind == "dummy":
-        return _load_dummy(source.path, dtype, device, seed)
-    path = Path(source.path)
-    if source.kind == "gguf":
-        from models.gguf_convert import convert_gguf
-
-        path = convert_gguf(path)
+        loaded = _load_dummy(source.path, dtype, device, seed)
+        set_fused_kernels(loaded.model, fused_kernels)
+        return loaded
+    path = model_dir(source, cache_root)
     config = _read_config(path)
     model = _empty_model(config, dtype, device)
     files = safetensors_files(path)
     model.load_weights(iter_safetensors(files, desc=f"loading {source.name}"))
+    set_fused_kernels(model, fused_kernels)
     return LoadedModel(_finish(model), load_tokenizer(path), config, source.name)
+
+
+def model_dir(source: ModelSource, cache_root: str | Path | None) -> Path:
+    """The HF-style directory of a file source (a GGUF file is converted, once, under
+    cache_root)."""
+    if source.kind == "dummy":
+        raise ValueError("dummy models have no directory")
+    if source.kind != "gguf":
+        return Path(source.path)
+    if cache_root is None:
+        raise ValueError(f"loading GGUF file {source.path} needs a cache_root for its conversion")
+    from models.gguf_convert import convert_gguf
+
+    return convert_gguf(source.path, cache_root)
+
+
+def read_config(source: ModelSource, cache_root: str | Path | None) -> ModelConfig:
+    """The model config of any source, reading nothing but config.json (or the preset)."""
+    if source.kind == "dummy":
+        return ModelConfig.from_hf(get_preset(source.path))
+    return _read_config(model_dir(source, cache_root))
 
 
 def _read_config(path: Path) -> ModelConfig:

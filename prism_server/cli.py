@@ -10,9 +10,11 @@ import sys
 import time
 
 from models.embedded import EMBEDDED_MODELS
+from prism_server.completion import Completion
 from prism_server.config import EngineConfig, ModelSpec
 from prism_server.engine import Engine
-from prism_server.sampling_params import SamplingParams
+from prism_server.served_model import RequestRejected, ServedModel
+from scheduler.sampling_params import SamplingParams
 
 
 def _serve_flags(p: argparse.ArgumentParser) -> None:
@@ -57,14 +59,10 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _prompt_ids(engine: Engine, model: str, prompt: str, raw: bool) -> list[int]:
-    tok = engine.model(model).tokenizer
-    if raw or not getattr(tok, "chat_template", None):
-        return engine.encode(model, prompt)
-    text = tok.apply_chat_template(
-        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
-    )
-    return list(tok(text, add_special_tokens=False).input_ids)
+def _prompt_ids(served: ServedModel, prompt: str, raw: bool) -> list[int]:
+    if raw or not served.has_chat_template:
+        return served.encode(prompt)
+    return served.encode_chat([{"role": "user", "content": prompt}])
 
 
 def generate(args: argparse.Namespace) -> int:
@@ -82,33 +80,29 @@ def generate(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     with engine:
-        ids = _prompt_ids(engine, args.model, args.prompt, args.raw)
+        served = engine.model(args.model)
         outs: queue.SimpleQueue = queue.SimpleQueue()
-        start = time.monotonic()
         try:
-            engine.add_request(args.model, ids, params, sink=outs.put)
-        except ValueError as e:
+            ids = _prompt_ids(served, args.prompt, args.raw)
+            served.check(len(ids), params.max_tokens)
+        except RequestRejected as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-        first = None
-        n = 0
-        while True:
+        c = Completion(ids, arrival_time=time.monotonic())
+        engine.submit(served, ids, params, sink=outs.put, arrival_time=c.arrival_time)
+        while not c.finished:
             out = outs.get()
-            if out.new_token_ids and first is None:
-                first = time.monotonic()
-            n += len(out.new_token_ids)
+            c.add(out, time.monotonic())
             print(out.new_text, end="", flush=True)
-            if out.finished:
-                break
-        end = time.monotonic()
         print()
-        if out.error:
-            print(f"error: {out.error}", file=sys.stderr)
+        if c.error:
+            print(f"error: {c.error}", file=sys.stderr)
             return 1
+        n, start, first, end = len(c.token_ids), c.arrival_time, c.first_token_time, c.finish_time
         decode = (n - 1) / (end - first) if n > 1 and end > first else float("nan")
         print(
             f"[{args.model} on {engine.device}: {len(ids)} prompt tokens, {n} generated "
-            f"({out.finish_reason.value}); first token {1000 * (first - start):.0f} ms, "
+            f"({c.finish_reason.value}); first token {1000 * (first - start):.0f} ms, "
             f"decode {decode:.1f} tokens/s, overall {n / (end - start):.1f} tokens/s]",
             file=sys.stderr,
         )
@@ -135,15 +129,17 @@ def serve(args: argparse.Namespace) -> int:
 
     def ready(port: int) -> None:
         url = f"http://{sargs.host}:{port}"
-        for name, why in engine.failed.items():
-            print(f"Model {name} failed to load and answers 503: {why}", flush=True)
-        if not engine.models:
+        ok = [s for s in engine.served.values() if not s.failed]
+        for s in engine.served.values():
+            if s.failed:
+                print(f"Model {s.name} failed to load and answers 503: {s.error}", flush=True)
+        if not ok:
             print(f"No model could be loaded; Prism answers at {url} with errors.", flush=True)
             return
-        first = next(iter(engine.models))
-        has_chat = getattr(engine.models[first].tokenizer, "chat_template", None)
-        print(f"Prism serves {', '.join(engine.models)} on {engine.device} at {url}", flush=True)
-        if has_chat:
+        first = ok[0].name
+        names = ", ".join(s.name for s in ok)
+        print(f"Prism serves {names} on {engine.device} at {url}", flush=True)
+        if ok[0].has_chat_template:
             body = (
                 f'{{"model": "{first}", "messages": [{{"role": "user", "content": '
                 f'"What is the capital of France?"}}], "max_tokens": 32, "temperature": 0}}'

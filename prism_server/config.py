@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from pydantic import ConfigDict
@@ -70,7 +71,9 @@ class EngineConfig:
     # in 3.1 ms with 128 MiB pages, 5.9 ms with 64 MiB on the H200)
     page_bytes: int = 128 << 20
     kv_budget_bytes: int | None = None  # pool budget per device; None = a default per device kind
-    models_by_name: dict = field(init=False, repr=False, compare=False)
+    # vmm: pages mapped on demand (the balloon); tensor: one plain allocation per buffer, fully
+    # backed (the reference that measures what VMM costs; not for serving many models)
+    memory_backend: Literal["vmm", "tensor"] = "vmm"
 
     def __post_init__(self):
         names = [m.name for m in self.models]
@@ -79,7 +82,8 @@ class EngineConfig:
             raise ValueError(f"model names must be unique; repeated: {sorted(dup)}")
         if self.page_bytes <= 0:
             raise ValueError("page_bytes must be positive")
-        object.__setattr__(self, "models_by_name", {m.name: m for m in self.models})
+        if self.memory_backend not in ("vmm", "tensor"):
+            raise ValueError(f"memory_backend must be vmm or tensor, got {self.memory_backend!r}")
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

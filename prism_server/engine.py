@@ -1,158 +1,58 @@
-"""The engine: loads models onto a device, shares the device's page pool among them, and runs
-requests on the device's engine thread. `generate` is the synchronous convenience API."""
+"""The engine: the process facade. It builds each device's page pool and worker thread, loads the
+configured models onto them, keeps one ServedModel per model for the frontend, and hands requests
+to the right device as typed commands. `generate` is the synchronous convenience API."""
 
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import queue
 import time
-import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
-from kvpool import CpuBackend, CudaBackend, MemoryBackend, PagePool
-from models.config import ModelConfig
+from kvpool import PagePool
 from models.embedded import resolve_source
 from models.loader import ModelSource, load_model
-from models.presets import get_preset
-from models.registry import get_model_class
 from prism_server import envs
+from prism_server.commands import Abort, AddModel, RemoveModel, Submit
+from prism_server.completion import Completion
 from prism_server.config import EngineConfig, ModelSpec
-from prism_server.device_engine import DeviceEngine
-from prism_server.model_engine import ModelEngine
-from prism_server.request import FinishReason, Request, RequestOutput, TokenLogprob
-from prism_server.sampling_params import SamplingParams
+from prism_server.device_worker import DeviceWorker
+from prism_server.memory_budget import kv_budget, make_backend
+from prism_server.model_worker import ModelWorker
+from prism_server.served_model import ModelFailed, ModelNotFound, ServedModel
+from scheduler.balloon import reclaim_order
+from scheduler.request import Request, RequestOutput
+from scheduler.sampling_params import SamplingParams
+from scheduler.snapshot import DeviceSnapshot
 
 log = logging.getLogger(__name__)
-
-_CPU_DEFAULT_BUDGET = 2 << 30
-# GPU memory kept out of the default KV budget beyond the configured models' weights: activations,
-# FlashInfer workspaces, CUDA graph pools, cuBLAS workspaces, the allocator's slack.
-_GPU_RESERVE_FRACTION = 0.08
-_GPU_MIN_RESERVE = 4 << 30
-
-
-class ModelFailed(RuntimeError):
-    """A configured model that could not be loaded; requests for it get this error."""
-
-    def __init__(self, name: str, reason: str):
-        super().__init__(f"The model `{name}` failed to load: {reason}")
-        self.name, self.reason = name, reason
-
-
-class ModelNotFound(KeyError):
-    def __init__(self, name: str):
-        super().__init__(name)
-        self.name = name
-
-    def __str__(self) -> str:
-        return f"The model `{self.name}` does not exist."
-
-
-@dataclass
-class Completion:
-    """The whole result of one request (the synchronous API's answer)."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    finish_reason: FinishReason | None = None
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    arrival_time: float = 0.0
-    first_token_time: float | None = None
-    finish_time: float | None = None
-    error: str | None = None
-
-    def add(self, out: RequestOutput) -> None:
-        now = time.monotonic()
-        if out.new_token_ids and self.first_token_time is None:
-            self.first_token_time = now
-        self.token_ids += out.new_token_ids
-        self.text += out.new_text
-        self.logprobs += out.logprobs or []
-        if out.finished:
-            self.finish_reason, self.finish_time, self.error = out.finish_reason, now, out.error
-
-
-def make_backend(device: torch.device) -> MemoryBackend:
-    if device.type == "cpu":
-        return CpuBackend()
-    if device.type == "cuda":
-        return CudaBackend(device)
-    raise NotImplementedError(f"no page-pool backend for device {device}")
-
-
-def weight_bytes(spec: ModelSpec, device: torch.device) -> int:
-    """Parameter bytes of `spec` at its serving dtype, counted on a meta-device build of its
-    config (nothing is allocated or read beyond config.json; a GGUF file is converted, as its
-    load would do next anyway)."""
-    src = ModelSource.parse(resolve_source(spec.source))
-    if src.kind == "dummy":
-        cfg = ModelConfig.from_hf(get_preset(src.path))
-    else:
-        path = Path(src.path)
-        if src.kind == "gguf":
-            from models.gguf_convert import convert_gguf
-
-            path = convert_gguf(path)
-        cfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
-    with torch.device("meta"):
-        model = get_model_class(cfg.hf_architecture)(cfg)
-    return sum(p.numel() for p in model.parameters()) * spec.torch_dtype(device).itemsize
-
-
-def default_kv_budget(device: torch.device, specs: tuple[ModelSpec, ...] = ()) -> int:
-    """The page pool's budget when neither EngineConfig.kv_budget_bytes nor PRISM_KV_BUDGET_BYTES
-    sets one. CPU: 2 GiB. CUDA: the device's free memory when the engine starts, minus the weights
-    of the models the config names (they load after the pool is made), minus a reserve of
-    max(4 GiB, 8% of the device) for activations, workspaces and graphs. Models loaded later must
-    fit in that reserve, or set the budget explicitly."""
-    if device.type != "cuda":
-        return _CPU_DEFAULT_BUDGET
-    free, total = torch.cuda.mem_get_info(device)
-    reserve = max(_GPU_MIN_RESERVE, int(total * _GPU_RESERVE_FRACTION))
-    weights = 0
-    for s in specs:
-        try:
-            weights += weight_bytes(s, device)
-        except Exception:  # a model that cannot even be sized fails (and is reported) at load
-            continue
-    budget = free - weights - reserve
-    if budget <= 0:
-        raise ValueError(
-            f"no GPU memory left for KV: {free / 2**30:.1f} GiB free, weights "
-            f"{weights / 2**30:.1f} GiB, reserve {reserve / 2**30:.1f} GiB; set kv_budget_bytes"
-        )
-    return budget
 
 
 class Engine:
     def __init__(self, config: EngineConfig | None = None, strict: bool = True):
-        """strict: a model that fails to load raises; otherwise it is marked failed (see
-        `failed`) and the other models are served."""
+        """strict: a model that fails to load raises; otherwise it is served as failed (its
+        requests get ModelFailed) and the other models are served."""
         self.config = config = config or EngineConfig()
         self.device = config.torch_device()
         if self.device.type == "cpu" and envs.cpu_threads():
             torch.set_num_threads(envs.cpu_threads())
-        budget = (
-            config.kv_budget_bytes
-            or envs.kv_budget_bytes()
-            or default_kv_budget(self.device, config.models)
-        )
+        budget = kv_budget(config, self.device)
         # On a GPU the pool creates every handle now (creating is the slow driver call) and
         # keeps them; on the host it creates them on demand.
         precreate = budget // config.page_bytes if self.device.type == "cuda" else 0
-        self.pool = PagePool(make_backend(self.device), config.page_bytes, budget, precreate)
-        self.device_engine = DeviceEngine(self.pool)
-        self.device_engine.start()
-        self.models: dict[str, ModelEngine] = {}
-        self.failed: dict[str, str] = {}  # model name -> why it could not be loaded
+        self.pool = PagePool(
+            make_backend(self.device, config.memory_backend),
+            config.page_bytes,
+            budget,
+            precreate,
+            reclaim_order=reclaim_order,
+        )
+        self.worker = DeviceWorker(self.pool)
+        self.worker.start()
+        self.served: dict[str, ServedModel] = {}  # config order, failed models included
         self._ids = itertools.count()
         for spec in config.models:
             try:
@@ -162,10 +62,14 @@ class Engine:
                     self.close()
                     raise
                 log.error("model %s failed to load: %s", spec.name, e)
-                self.failed[spec.name] = f"{type(e).__name__}: {e}"
+                self.served[spec.name] = ServedModel(spec, error=f"{type(e).__name__}: {e}")
 
-    def load(self, spec: ModelSpec) -> ModelEngine:
-        if spec.name in self.models:
+    @property
+    def workers(self) -> list[DeviceWorker]:
+        return [self.worker]
+
+    def load(self, spec: ModelSpec) -> ServedModel:
+        if spec.name in self.served:
             raise ValueError(f"a model named {spec.name!r} is already loaded")
         dtype = spec.torch_dtype(self.device)
         loaded = load_model(
@@ -173,34 +77,69 @@ class Engine:
             dtype=dtype,
             device=self.device,
             seed=spec.seed,
+            cache_root=envs.gguf_cache_dir(),
+            fused_kernels=envs.fused_kernels(),
         )
-        cfg = loaded.config
-        engine = ModelEngine(
-            spec.name,
-            loaded.model,
-            loaded.tokenizer,
-            cfg,
-            self.pool,
-            spec.scheduler_config(cfg.max_position_embeddings),
-            dtype,
-            spec.max_cached_pages,
+        cfg, tok = loaded.config, loaded.tokenizer
+        sched = spec.scheduler_config(cfg.max_position_embeddings)
+        worker = ModelWorker(
+            spec.name, loaded.model, tok, self.pool, sched, dtype, spec.max_cached_pages
         )
-        self.device_engine.add_model(engine)
-        self.models[spec.name] = engine
-        return engine
+        self.worker.execute(AddModel(worker))
+        eos = frozenset(cfg.eos_token_ids)
+        if tok.eos_token_id is not None:
+            eos |= {tok.eos_token_id}
+        served = ServedModel(
+            spec,
+            device=str(self.device),
+            tokenizer=tok,
+            max_model_len=sched.max_model_len,
+            max_kv_tokens=worker.max_kv_tokens,
+            vocab_size=cfg.vocab_size,
+            eos_token_ids=eos,
+        )
+        self.served[spec.name] = served
+        return served
 
-    def model(self, name: str) -> ModelEngine:
-        try:
-            return self.models[name]
-        except KeyError:
-            if name in self.failed:
-                raise ModelFailed(name, self.failed[name]) from None
-            raise ModelNotFound(name) from None
+    # ---- the frontend's side ----------------------------------------------------------------------
+    def model(self, name: str) -> ServedModel:
+        """The served model called `name`: ModelNotFound if none, ModelFailed if it failed."""
+        served = self.served.get(name)
+        if served is None:
+            raise ModelNotFound(name)
+        if served.failed:
+            raise ModelFailed(name, served.error)
+        return served
 
-    def encode(self, model: str, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            return list(self.model(model).tokenizer(prompt).input_ids)
-        return list(prompt)
+    def snapshots(self) -> list[DeviceSnapshot]:
+        """The latest published state of every device (immutable; safe from any thread)."""
+        return [w.snapshot for w in self.workers]
+
+    def model_snapshot(self, name: str, now: bool = True):
+        """The ModelSnapshot of `name` (None if it has none); now=True waits for one taken after
+        the step in progress, else the last published."""
+        for w in self.workers:
+            snap = w.snapshot_now() if now else w.snapshot
+            m = snap.model(name)
+            if m is not None:
+                return m
+        return None
+
+    def submit(
+        self,
+        served: ServedModel,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        sink: Callable[[RequestOutput], None] | None = None,
+        arrival_time: float | None = None,
+    ) -> Request:
+        """Queues a request already checked by `served.check` (thread-safe). Its id is new and
+        internal: never a client's."""
+        rid = f"r{next(self._ids)}"
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        req = Request(rid, prompt_ids, params, served.eos_token_ids, arrival, sink)
+        self.worker.send(Submit(served.name, req))
+        return req
 
     def add_request(
         self,
@@ -208,56 +147,54 @@ class Engine:
         prompt: str | list[int],
         params: SamplingParams,
         sink: Callable[[RequestOutput], None] | None = None,
-        request_id: str | None = None,
     ) -> Request:
-        """Queues a request (thread-safe). Raises ModelNotFound or ValueError (bad request)."""
-        me = self.model(model)
-        ids = self.encode(model, prompt)
-        me.check_request(len(ids), params.max_tokens)
-        rid = request_id or f"req-{uuid.uuid4().hex[:12]}-{next(self._ids)}"
-        req = Request(rid, ids, params, me.eos_token_ids, sink)
-        self.device_engine.submit(model, req)
-        return req
+        """Looks up, encodes, checks and queues (thread-safe). Raises ModelNotFound, ModelFailed,
+        or RequestRejected (a ValueError) before anything is queued."""
+        served = self.model(model)
+        ids = served.encode(prompt)
+        served.check(len(ids), params.max_tokens)
+        return self.submit(served, ids, params, sink)
 
     def abort(self, model: str, request_id: str) -> None:
-        self.device_engine.abort(model, request_id)
+        self.worker.send(Abort(model, request_id))
+
+    def encode(self, model: str, prompt: str | list[int]) -> list[int]:
+        return self.model(model).encode(prompt)
 
     def generate(
         self, model: str, prompts: list[str | list[int]], params: SamplingParams
     ) -> list[Completion]:
         """Runs all prompts concurrently and waits for them."""
         done: queue.SimpleQueue = queue.SimpleQueue()
-        results: dict[str, Completion] = {}
+        results: list[Completion] = []
         for p in prompts:
-            holder: dict = {}
+            ids = self.encode(model, p)
+            c = Completion(ids, arrival_time=time.monotonic())
 
-            def sink(out: RequestOutput, holder=holder) -> None:
-                holder["c"].add(out)
+            def sink(out: RequestOutput, c=c) -> None:
+                c.add(out, time.monotonic())
                 if out.finished:
-                    done.put(out.request_id)
+                    done.put(None)
 
-            req_ids = self.encode(model, p)
-            c = Completion("", req_ids, arrival_time=time.monotonic())
-            holder["c"] = c
-            req = self.add_request(model, req_ids, params, sink)
-            c.request_id = req.request_id
-            results[req.request_id] = c
-        order = list(results)
-        for _ in order:
+            self.add_request(model, ids, params, sink)
+            results.append(c)
+        for _ in results:
             done.get()
-        return [results[r] for r in order]
+        return results
 
+    # ---- checks and shutdown --------------------------------------------------------------------
     def check_integrity(self) -> None:
         """Pool and every model's KV accounting are exact (call when the engine is idle)."""
-        models = list(self.models.values())
-        self.device_engine._call(lambda: [m.kv_cache.check_integrity() for m in models])
+        for w in self.workers:
+            w.call(lambda w=w: [m.check_integrity() for m in w.models.values()])
         self.pool.check_integrity()
 
     def close(self) -> None:
-        for name in list(self.models):
-            self.device_engine.remove_model(name)
-            del self.models[name]
-        self.device_engine.stop()
+        for name, served in list(self.served.items()):
+            if not served.failed:
+                self.worker.execute(RemoveModel(name))
+            del self.served[name]
+        self.worker.stop()
         self.pool.close()
 
     def __enter__(self) -> Engine:

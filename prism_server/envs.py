@@ -1,4 +1,5 @@
-"""Every environment knob of Prism, typed, in one place (all prefixed PRISM_)."""
+"""Every environment knob of Prism, typed, in one place (all prefixed PRISM_). Read here, when an
+engine is built, and passed down as values: nothing below prism_server reads the environment."""
 
 from __future__ import annotations
 
@@ -19,6 +20,11 @@ def _int(name: str, default: int | None) -> int | None:
 def cache_dir() -> Path:
     """Where converted model files are cached (PRISM_CACHE_DIR, default ~/.cache/prism)."""
     return Path(os.environ.get("PRISM_CACHE_DIR") or Path.home() / ".cache" / "prism")
+
+
+def gguf_cache_dir() -> Path:
+    """Where GGUF files are converted to HF-style directories (under cache_dir())."""
+    return cache_dir() / "gguf"
 
 
 def kv_budget_bytes() -> int | None:

@@ -70,7 +70,7 @@ class ModelRunner:
         sizes = DEFAULT_BATCH_SIZES if cuda_graph_sizes is None else tuple(cuda_graph_sizes)
         if device.type == "cuda" and graph_attention is not None and sizes:
             max_len = model.config.max_position_embeddings
-            max_blocks = min(kv_cache.allocator.capacity_blocks, -(-max_len // self.block_size))
+            max_blocks = min(kv_cache.capacity_blocks, -(-max_len // self.block_size))
             self.graphs = CudaGraphRunner(
                 model, kv_cache.layer_views, graph_attention, sizes, max_blocks, device
             )
@@ -82,20 +82,19 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: list[ScheduledChunk]) -> torch.Tensor:
         """Runs one step; returns float32 logits [num_sampling_requests, vocab] for the chunks
-        that reach the end of their request's tokens, in batch order."""
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)  # per thread: the engine thread's first step
+        that reach the end of their request's tokens, in batch order. The calling thread has the
+        device current (the device worker sets it once)."""
         ids: list[int] = []
         positions: list[int] = []
         last: list[int] = []  # index in the flat stream of each sampling chunk's last token
         for c in batch:
-            start = c.request.num_computed_tokens
+            start = c.start
             ids.extend(c.request.all_token_ids[start : start + c.num_new])
             positions.extend(range(start, start + c.num_new))
             if c.samples:
                 last.append(len(ids) - 1)
         chunks = [
-            SeqChunk(c.request.num_computed_tokens, c.num_new, c.request.block_table) for c in batch
+            SeqChunk(c.start, c.num_new, c.request.block_table) for c in batch
         ]
         md = AttentionMetadata.build(chunks, self.block_size, self.device)
         input_ids, pos = self._device_tensor(ids), self._device_tensor(positions)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from prism_server.detokenizer import IncrementalDetokenizer, find_stop
-from prism_server.request import FinishReason, Request, RequestOutput, TokenLogprob
+from scheduler.request import FinishReason, Request, RequestOutput, TokenLogprob
 
 
 @dataclass

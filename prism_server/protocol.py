@@ -1,6 +1,6 @@
 """The OpenAI wire protocol: request models (fields in the order of the OpenAI reference, unknown
 fields ignored), their conversion into internal sampling parameters, and the response and error
-bodies. Nothing else in the server knows the JSON shapes."""
+bodies (whole responses, stream chunks, errors). Nothing else in the server knows the JSON shapes."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from prism_server.request import FinishReason, RequestOutput, TokenLogprob
-from prism_server.sampling_params import SamplingParams
+from prism_server.completion import Completion
+from scheduler.request import FinishReason, RequestOutput, TokenLogprob
+from scheduler.sampling_params import SamplingParams
 
 MAX_N = 16
 MAX_STOP = 16
@@ -252,26 +253,127 @@ class LogprobFormatter:
         }
 
 
-def _chunk(object_: str):
-    def chunk(
-        rid: str, created: int, model: str, choices: list[dict], usage_: dict | None = None
-    ) -> dict:
+def stream_error(message: str) -> dict:
+    """The event sent in place of a chunk when generation fails after the stream started."""
+    return error_body(message, "server_error")
+
+
+class _Shapes:
+    """The JSON of one response (chat or completions): chunks, first and delta choices, the
+    whole non-streaming body. `choices` are (index, Completion) pairs."""
+
+    object: str
+    chunk_object: str
+
+    def __init__(self, rid: str, model: str, fmt: LogprobFormatter, logprobs: bool):
+        self.rid, self.model, self.fmt, self.logprobs = rid, model, fmt, logprobs
+        self.created = now()
+
+    def chunk(self, choices: list[dict], usage_: dict | None = None) -> dict:
         body = {
-            "id": rid,
-            "object": object_,
-            "created": created,
-            "model": model,
+            "id": self.rid,
+            "object": self.chunk_object,
+            "created": self.created,
+            "model": self.model,
             "choices": choices,
         }
         if usage_ is not None:
             body["usage"] = usage_
         return body
 
-    return chunk
+    def response(
+        self, choices: list[tuple[int, Completion]], prompt_tokens: int
+    ) -> dict[str, Any]:
+        return {
+            "id": self.rid,
+            "object": self.object,
+            "created": now(),
+            "model": self.model,
+            "choices": [self.whole(i, c) for i, c in choices],
+            "usage": usage(prompt_tokens, sum(len(c.token_ids) for _, c in choices)),
+        }
+
+    def first(self, indices: list[int]) -> list[dict]:
+        """Choices sent before any output (may be none)."""
+        return []
+
+    def delta(self, index: int, c: Completion, out: RequestOutput) -> dict: ...
+
+    def whole(self, index: int, c: Completion) -> dict: ...
 
 
-chat_chunk = _chunk("chat.completion.chunk")
-completion_chunk = _chunk("text_completion")
+class ChatShapes(_Shapes):
+    object, chunk_object = "chat.completion", "chat.completion.chunk"
+
+    def first(self, indices: list[int]) -> list[dict]:
+        return [
+            {
+                "index": i,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+            for i in indices
+        ]
+
+    def delta(self, index: int, c: Completion, out: RequestOutput) -> dict:
+        lp = self.fmt.chat(out.logprobs) if self.logprobs and out.logprobs else None
+        return {
+            "index": index,
+            "delta": {"content": out.new_text} if out.new_text else {},
+            "logprobs": lp,
+            "finish_reason": finish_reason(out.finish_reason) if out.finished else None,
+        }
+
+    def whole(self, index: int, c: Completion) -> dict:
+        return {
+            "index": index,
+            "message": {"role": "assistant", "content": c.text},
+            "logprobs": self.fmt.chat(c.logprobs) if self.logprobs else None,
+            "finish_reason": finish_reason(c.finish_reason),
+        }
+
+
+class CompletionShapes(_Shapes):
+    object = chunk_object = "text_completion"
+
+    def __init__(
+        self, rid: str, model: str, fmt: LogprobFormatter, logprobs: bool, echo: list[str], n: int
+    ):
+        super().__init__(rid, model, fmt, logprobs)
+        self.echo, self.n = echo, n  # echo: per prompt (choice index // n)
+
+    def first(self, indices: list[int]) -> list[dict]:
+        return [
+            {
+                "index": i,
+                "text": self.echo[i // self.n],
+                "logprobs": None,
+                "finish_reason": None,
+            }
+            for i in indices
+            if self.echo[i // self.n]
+        ]
+
+    def delta(self, index: int, c: Completion, out: RequestOutput) -> dict:
+        lp = None
+        if out.logprobs:
+            lp = self.fmt.completion(out.logprobs, len(c.text) - len(out.new_text))
+        return {
+            "index": index,
+            "text": out.new_text,
+            "logprobs": lp,
+            "finish_reason": finish_reason(out.finish_reason) if out.finished else None,
+        }
+
+    def whole(self, index: int, c: Completion) -> dict:
+        echo = self.echo[index // self.n]
+        return {
+            "index": index,
+            "text": echo + c.text,
+            "logprobs": self.fmt.completion(c.logprobs, len(echo)) if self.logprobs else None,
+            "finish_reason": finish_reason(c.finish_reason),
+        }
 
 
 def model_card(name: str, created: int, **extra: Any) -> dict:
@@ -281,14 +383,15 @@ def model_card(name: str, created: int, **extra: Any) -> dict:
 __all__ = [
     "APIError",
     "ChatCompletionRequest",
+    "ChatShapes",
     "CompletionRequest",
+    "CompletionShapes",
     "LogprobFormatter",
     "RequestOutput",
-    "chat_chunk",
-    "completion_chunk",
     "error_body",
     "finish_reason",
     "model_card",
+    "stream_error",
     "usage",
     "validation_error",
 ]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from prism_server.request import Request, TokenLogprob
+from scheduler.request import Request, TokenLogprob
 
 
 class Sampler:

@@ -7,16 +7,31 @@ computes up to `num_tokens - num_computed_tokens` of its tokens within the step'
 Running requests go first, in admission order; when blocks run out, the most recently admitted
 running request is preempted (blocks freed, back to the front of the waiting queue, recomputed
 later). Waiting requests are admitted FCFS while budget, sequence slots and blocks allow.
+
+Pure decision code: blocks come through the `BlockPool` protocol (the kvpool allocator satisfies
+it), and the time is passed in.
 """
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Protocol
 
-from kvpool import BlockAllocator
-from prism_server.request import Request, RequestStatus
+from scheduler.request import Request, RequestStatus
+
+
+class BlockPool(Protocol):
+    """Where KV blocks come from (one model's allocator)."""
+
+    @property
+    def capacity_blocks(self) -> int:
+        """Blocks the model could hold if it had every page it can address."""
+
+    def allocate(self, n: int) -> list[int] | None:
+        """n block ids, or None with nothing taken."""
+
+    def free(self, blocks: list[int]) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -35,18 +50,23 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class ScheduledChunk:
     request: Request
-    num_new: int  # tokens computed this step, starting at request.num_computed_tokens
+    start: int  # the request's num_computed_tokens when scheduled
+    num_new: int  # tokens computed this step, from `start`
+
+    @classmethod
+    def of(cls, req: Request, num_new: int) -> ScheduledChunk:
+        return cls(req, req.num_computed_tokens, num_new)
 
     @property
     def samples(self) -> bool:
         """Whether this chunk reaches the end of the known tokens, so the step samples a token."""
-        return self.request.num_computed_tokens + self.num_new == self.request.num_tokens
+        return self.start + self.num_new == self.request.num_tokens
 
 
 class BatchScheduler:
-    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator):
+    def __init__(self, config: SchedulerConfig, blocks: BlockPool):
         self.config = config
-        self.allocator = allocator
+        self.blocks = blocks
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -61,8 +81,12 @@ class BatchScheduler:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.config.block_size)
 
+    def fits(self, num_tokens: int) -> bool:
+        """Whether a request of num_tokens could ever hold its KV (all pages mapped)."""
+        return self.blocks_needed(num_tokens) <= self.blocks.capacity_blocks
+
     # ---- one step -----------------------------------------------------------------------------
-    def schedule(self) -> list[ScheduledChunk]:
+    def schedule(self, now: float) -> list[ScheduledChunk]:
         budget = self.config.max_num_batched_tokens
         out: list[ScheduledChunk] = []
         preempted = False
@@ -77,7 +101,7 @@ class BatchScheduler:
                 if victim is req:
                     break
             else:
-                out.append(ScheduledChunk(req, num_new))
+                out.append(ScheduledChunk.of(req, num_new))
                 budget -= num_new
                 i += 1
                 continue
@@ -95,9 +119,9 @@ class BatchScheduler:
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             if req.first_scheduled_time is None:
-                req.first_scheduled_time = time.monotonic()
+                req.first_scheduled_time = now
             self.running.append(req)
-            out.append(ScheduledChunk(req, num_new))
+            out.append(ScheduledChunk.of(req, num_new))
             budget -= num_new
         return out
 
@@ -105,7 +129,7 @@ class BatchScheduler:
         need = self.blocks_needed(num_tokens) - len(req.block_table)
         if need <= 0:
             return True
-        blocks = self.allocator.allocate(need)
+        blocks = self.blocks.allocate(need)
         if blocks is None:
             return False
         req.block_table.extend(blocks)
@@ -121,10 +145,16 @@ class BatchScheduler:
 
     def _release(self, req: Request) -> None:
         if req.block_table:
-            self.allocator.free(req.block_table)
+            self.blocks.free(req.block_table)
             req.block_table = []
 
     # ---- after the step -----------------------------------------------------------------------
+    @staticmethod
+    def advance(batch: list[ScheduledChunk]) -> None:
+        """The step ran: each chunk's tokens now have their K/V in the cache."""
+        for c in batch:
+            c.request.num_computed_tokens = c.start + c.num_new
+
     def finish(self, req: Request) -> None:
         """Remove a finished (or aborted) request wherever it is and free its blocks."""
         if req.status is RequestStatus.RUNNING:

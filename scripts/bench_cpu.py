@@ -20,9 +20,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from models.embedded import embedded_model_dir  # noqa: E402
+from prism_server import envs  # noqa: E402
 from prism_server.config import EngineConfig, ModelSpec  # noqa: E402
 from prism_server.engine import Engine  # noqa: E402
-from prism_server.sampling_params import SamplingParams  # noqa: E402
+from scheduler.sampling_params import SamplingParams  # noqa: E402
 
 PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle."
 
@@ -62,7 +63,7 @@ def main() -> None:
     with Engine(EngineConfig(models=(spec,), device="cpu")) as engine:
         prompt_ids = engine.encode("smollm2-135m", PROMPT)
         prompts = [engine.encode("smollm2-135m", f"{PROMPT} Variation {i}.") for i in range(c)]
-        hf = HFPeer(embedded_model_dir("smollm2-135m"), prompt_ids)
+        hf = HFPeer(embedded_model_dir("smollm2-135m", envs.gguf_cache_dir()), prompt_ids)
         engine.generate("smollm2-135m", [prompt_ids], SamplingParams(max_tokens=4))  # warm-up
         hf.decode_rate(4)
         for _ in range(args.repeats):  # alternate the two sides so both see the same noise

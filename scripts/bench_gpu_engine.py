@@ -38,8 +38,8 @@ from models.presets import get_preset  # noqa: E402
 from prism_server.config import EngineConfig, ModelSpec  # noqa: E402
 from prism_server.engine import Engine  # noqa: E402
 from prism_server.model_engine import ModelEngine  # noqa: E402
-from prism_server.request import Request  # noqa: E402
-from prism_server.sampling_params import SamplingParams  # noqa: E402
+from scheduler.request import Request  # noqa: E402
+from scheduler.sampling_params import SamplingParams  # noqa: E402
 
 MODEL = "llama-3.1-8b"
 GiB = 1 << 30
@@ -162,7 +162,7 @@ def run_batch(engine: Engine, prompts: list[list[int]], max_tokens: int) -> dict
 
 
 def weight_bytes(engine: Engine) -> int:
-    model = engine.models["m"].runner.model
+    model = engine.worker.models["m"].runner.model
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
@@ -173,7 +173,7 @@ def prism_decode_prefill(engine: Engine, ceil: dict) -> dict:
     for b, n in ((1, 128), (16, 64), (64, 64)):
         out[f"decode_b{b}"] = run_batch(engine, [prompt(1024, 100 + i) for i in range(b)], n)
         print(f"   decode B={b}: TPOT {out[f'decode_b{b}']['tpot_ms']:.2f} ms")
-    cfg = engine.models["m"].model_config
+    cfg = engine.worker.models["m"].model_config
     linear = out["weight_bytes"] // 2 - 2 * cfg.vocab_size * cfg.hidden_size  # no embed, lm_head
     for n in (1024, 8192):
         ttft = statistics.median(
@@ -196,7 +196,7 @@ def prism_decode_prefill(engine: Engine, ceil: dict) -> dict:
 def profile_decode(engine: Engine, batch: int = 1) -> dict:
     """A second ModelEngine on the same weights and pool, stepped from this thread: decode step
     wall time, graph replay time, kernel time by kind, and where the host time goes."""
-    me0 = engine.models["m"]
+    me0 = engine.worker.models["m"]
     me = ModelEngine(
         "profile",
         me0.runner.model,

@@ -1,7 +1,7 @@
 """GPU page-pool benchmark: grow then shrink one model's KV cache by 10 GiB (DESIGN.md §3, §7).
 
 Side by side, in one run, on the same device:
-- through the pool: KVCache.map_pages / unmap_pages of a Llama-3.1-8B-shaped KV cache (pool
+- through the pool: PooledBuffer.map_pages / unmap_pages of a Llama-3.1-8B-shaped KV cache (pool
   accounting, the virtual buffer, the CUDA backend), 64 MiB pages (the default) and 256 MiB pages;
 - raw driver calls on the same 64 MiB handles: cuMemMap + cuMemSetAccess per handle and
   cuMemUnmap per handle; and batched (one cuMemSetAccess / one cuMemUnmap over the whole range);
@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvpool import CudaBackend, KVCache, KVLayout, PagePool  # noqa: E402
+from kvpool import CudaBackend, KVLayout, PagedKV, PagePool  # noqa: E402
 
 MiB = 1 << 20
 
@@ -48,23 +48,24 @@ def llama_layout(page_bytes: int, granularity: int) -> KVLayout:
 def through_pool(be: CudaBackend, total: int, page_bytes: int, repeats: int) -> dict:
     n = total // page_bytes
     pool = PagePool(be, page_bytes, (n + 1) * page_bytes, precreate=n)
-    kv = KVCache(pool, "bench", llama_layout(page_bytes, be.granularity), n + 1, 0)
+    kv = PagedKV(pool, "bench", llama_layout(page_bytes, be.granularity), n + 1, 0)
+    mapper = kv.cache.pages
     pages = list(range(1, n + 1))
     grow, shrink = [], []
     for _ in range(repeats):
         t = time.perf_counter()
-        assert kv.map_pages(pages)
+        assert mapper.map_pages(pages)
         grow.append((time.perf_counter() - t) * 1e3)
         t = time.perf_counter()
-        kv.unmap_pages(pages)
+        mapper.unmap_pages(pages)
         shrink.append((time.perf_counter() - t) * 1e3)
     # the mapped memory is real: touch the first byte of every page
-    assert kv.map_pages(pages)
-    flat = kv.buffer.view()
+    assert mapper.map_pages(pages)
+    flat = mapper.view()
     idx = torch.tensor([p * kv.layout.page_stride_bytes for p in pages], device=be.device)
     flat[idx] = 7
     assert int(flat[idx].sum()) == 7 * n
-    kv.unmap_pages(pages)
+    mapper.unmap_pages(pages)
     # end to end: the block allocator maps every page it needs, then gives them all back
     bpp = kv.allocator.bpp
     alloc, free = [], []
@@ -150,9 +151,9 @@ def main() -> None:
     print(f"# grow / shrink {args.gib} GiB of KV, {out['device']}, median of {r} (ms)")
     print(f"{'path':<44} {'handles':>7} {'grow':>8} {'shrink':>8}")
     rows = [
-        ("pool: KVCache.map/unmap_pages, 64 MiB pages", out["pool_64m"]),
-        ("pool: KVCache.map/unmap_pages, 128 MiB pages", out["pool_128m"]),
-        ("pool: KVCache.map/unmap_pages, 256 MiB pages", out["pool_256m"]),
+        ("pool: PooledBuffer.map/unmap_pages, 64 MiB pages", out["pool_64m"]),
+        ("pool: PooledBuffer.map/unmap_pages, 128 MiB pages", out["pool_128m"]),
+        ("pool: PooledBuffer.map/unmap_pages, 256 MiB pages", out["pool_256m"]),
         ("raw driver, same 64 MiB handles, per handle", out["raw_64m"]),
         ("raw driver, same 128 MiB handles, per handle", out["raw_128m"]),
         ("raw driver, 64 MiB handles, batched", out["raw_64m_batched"]),

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from prism_server.config import EngineConfig, ModelSpec  # noqa: E402
 from prism_server.engine import Engine  # noqa: E402
-from prism_server.sampling_params import SamplingParams  # noqa: E402
+from scheduler.sampling_params import SamplingParams  # noqa: E402
 from prism_server.server.app import serve  # noqa: E402
 from prism_server.server_args import ServerArgs  # noqa: E402
 

@@ -53,3 +53,8 @@ class CausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """weights: (HF parameter name, tensor) pairs, e.g. from safetensors."""
         load_hf_weights(self, weights, self.hf_name)
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of a model's parameters, each shared (tied) one counted once; works on meta too."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())

@@ -18,6 +18,7 @@ class GatedMLP(nn.Module):
         if act not in ("silu", "gelu_pytorch_tanh"):
             raise ValueError(f"unsupported activation {act!r}")
         self.act = act
+        self.fused_kernels = True  # FlashInfer's kernel where it applies (see fused_ops)
         self.gate_up_proj = MergedLinear(
             hidden_size, {"gate_proj": intermediate_size, "up_proj": intermediate_size}, bias=bias
         )
@@ -26,7 +27,7 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden] -> [T, hidden]
         gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
-        fi = fused(gate_up)
+        fi = fused(gate_up) if self.fused_kernels else None
         if fi is not None:
             return self.down_proj(act_and_mul(fi, gate_up, self.act))
         gate, up = gate_up.chunk(2, dim=-1)  # [T, intermediate] each

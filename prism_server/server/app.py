@@ -1,4 +1,5 @@
-"""The aiohttp application: routes, the error envelope, API-key auth, graceful shutdown."""
+"""The aiohttp application: routes, the error envelope, API-key auth, graceful shutdown; `serve`
+runs it, `serve_in_thread` runs it on its own event loop thread (tests, soak, benchmarks)."""
 
 from __future__ import annotations
 
@@ -7,18 +8,20 @@ import contextlib
 import hmac
 import logging
 import signal
+import threading
+from dataclasses import dataclass
 
 from aiohttp import web
 
 from prism_server.engine import Engine
 from prism_server.protocol import APIError, error_body
-from prism_server.server.async_engine import AsyncEngine
+from prism_server.server.frontend import Frontend
 from prism_server.server.openai_routes import OpenAIRoutes
 from prism_server.server_args import ServerArgs
 
 log = logging.getLogger(__name__)
 
-AENGINE = web.AppKey("aengine", AsyncEngine)
+FRONTEND = web.AppKey("frontend", Frontend)
 _OPEN_PATHS = frozenset({"/health"})
 
 
@@ -73,21 +76,21 @@ def _middlewares(api_key: str | None):
 
 
 def build_app(engine: Engine, args: ServerArgs) -> web.Application:
-    aengine = AsyncEngine(engine, args.max_queued_requests)
+    frontend = Frontend(engine, args.max_queued_requests)
     app = web.Application(
         middlewares=_middlewares(args.api_key), client_max_size=args.max_request_bytes
     )
-    app[AENGINE] = aengine
-    OpenAIRoutes(aengine).register(app)
+    app[FRONTEND] = frontend
+    OpenAIRoutes(frontend).register(app)
 
     async def health(request: web.Request) -> web.Response:
-        if aengine.draining:
+        if frontend.draining:
             return web.json_response({"status": "draining"}, status=503)
         return web.json_response({"status": "ok"})
 
     async def metrics(request: web.Request) -> web.Response:
         return web.Response(
-            body=aengine.metrics.render(),
+            body=frontend.metrics.render(),
             headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
         )
 
@@ -121,8 +124,49 @@ async def serve(
     if ready is not None:
         ready(port)
     await stop.wait()
-    aengine = app[AENGINE]
-    log.info("shutting down: draining %d in-flight requests", aengine.in_flight)
-    if not await aengine.drain(args.shutdown_timeout_s):
-        log.warning("shutdown timeout: %d requests still in flight are aborted", aengine.in_flight)
+    frontend = app[FRONTEND]
+    log.info("shutting down: draining %d in-flight requests", frontend.in_flight)
+    if not await frontend.drain(args.shutdown_timeout_s):
+        log.warning("shutdown timeout: %d requests still in flight are aborted", frontend.in_flight)
     await runner.cleanup()
+
+
+@dataclass
+class ServerThread:
+    """A server running on its own event loop thread; `close()` stops it (draining first)."""
+
+    engine: Engine
+    url: str
+    loop: asyncio.AbstractEventLoop
+    stop: asyncio.Event
+    thread: threading.Thread
+
+    def close(self, close_engine: bool = True) -> None:
+        self.loop.call_soon_threadsafe(self.stop.set)
+        self.thread.join(timeout=60)
+        if close_engine:
+            self.engine.close()
+
+
+def serve_in_thread(engine: Engine, args: ServerArgs | None = None, **fields) -> ServerThread:
+    """Serve `engine` on 127.0.0.1 and a free port (unless `args` say otherwise) from a thread;
+    returns once the socket listens. `fields` override ServerArgs fields."""
+    from dataclasses import replace
+
+    args = args or ServerArgs(port=0, engine=engine.config)
+    args = replace(args, **fields) if fields else args
+    started = threading.Event()
+    box: dict = {}
+
+    async def main():
+        box["loop"], box["stop"] = asyncio.get_running_loop(), asyncio.Event()
+        await serve(
+            engine, args, ready=lambda port: (box.update(port=port), started.set()), stop=box["stop"]
+        )
+
+    thread = threading.Thread(target=lambda: asyncio.run(main()), name="prism-http", daemon=True)
+    thread.start()
+    if not started.wait(60):
+        raise RuntimeError("the server did not start within 60 s")
+    url = f"http://{args.host}:{box['port']}"
+    return ServerThread(engine, url, box["loop"], box["stop"], thread)

@@ -1,12 +1,17 @@
 """Prometheus metrics, named like vLLM's (prefix `prism:`, label `model_name`) so existing
-dashboards work, plus Prism's own page-pool gauges. Engine-state gauges are read at scrape time."""
+dashboards work, plus Prism's own page-pool gauges. Engine-state gauges come from the devices'
+published snapshots at scrape time (never from engine-thread objects); request metrics are
+recorded by the frontend as outputs arrive."""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
-from prism_server.engine import Engine
+from collections.abc import Callable, Sequence
+
+from scheduler.request import RequestOutput
+from scheduler.snapshot import DeviceSnapshot
 
 _LATENCY_BUCKETS = (
     0.001,
@@ -31,14 +36,13 @@ _LATENCY_BUCKETS = (
 )
 
 
-class _EngineCollector:
-    """Scrape-time gauges from the engine's schedulers, KV caches and page pool."""
+class _SnapshotCollector:
+    """Scrape-time gauges from the latest device snapshots."""
 
-    def __init__(self, engine: Engine):
-        self.engine = engine
+    def __init__(self, snapshots: Callable[[], Sequence[DeviceSnapshot]]):
+        self.snapshots = snapshots
 
     def collect(self):
-        e = self.engine
         running = GaugeMetricFamily(
             "prism:num_requests_running", "Requests in the running batch.", labels=["model_name"]
         )
@@ -63,47 +67,45 @@ class _EngineCollector:
         resident = GaugeMetricFamily(
             "prism:model_resident", "1 if the model is resident.", labels=["model_name"]
         )
-        for name, m in list(e.models.items()):
-            alloc = m.kv_cache.allocator
-            running.add_metric([name], len(m.scheduler.running))
-            waiting.add_metric([name], len(m.scheduler.waiting))
-            usage.add_metric([name], alloc.num_used_blocks / max(alloc.capacity_blocks, 1))
-            cached = alloc.num_cached_pages
-            pages.add_metric([name, "in_use"], alloc.num_mapped_pages - cached)
-            pages.add_metric([name, "cached_free"], cached)
-            page = e.pool.page_bytes
-            used = alloc.num_used_blocks * alloc.layout.block_bytes * alloc.layout.num_layers
-            mbytes.add_metric([name, "kv_used"], used)
-            mbytes.add_metric([name, "kv_mapped"], alloc.num_mapped_pages * page)
-            mbytes.add_metric([name, "kv_cached_free"], cached * page)
-            mbytes.add_metric([name, "weights"], m.weight_bytes)
-            resident.add_metric([name], 1)
-        s = e.pool.stats()
-        dev = str(e.device)
         pool = GaugeMetricFamily(
             "prism:device_pool_pages",
             "Page pool of the device, by state.",
             labels=["device", "state"],
         )
-        pool.add_metric([dev, "capacity"], s.capacity)
-        pool.add_metric([dev, "created"], s.created)
-        pool.add_metric([dev, "free"], s.free)
-        pool.add_metric([dev, "owned"], sum(s.owned.values()))
         pbytes = GaugeMetricFamily(
             "prism:device_pool_bytes",
             "Bytes of the device's page pool, by state.",
             labels=["device", "state"],
         )
-        pbytes.add_metric([dev, "capacity"], s.capacity * s.page_bytes)
-        pbytes.add_metric([dev, "owned"], sum(s.owned.values()) * s.page_bytes)
-        pbytes.add_metric([dev, "free"], s.free * s.page_bytes)
+        for snap in self.snapshots():
+            page = snap.pool.page_bytes
+            for m in snap.models:
+                name = m.name
+                running.add_metric([name], m.num_running)
+                waiting.add_metric([name], m.num_waiting)
+                usage.add_metric([name], m.kv_usage)
+                pages.add_metric([name, "in_use"], m.kv_pages_in_use)
+                pages.add_metric([name, "cached_free"], m.kv_pages_cached_free)
+                mbytes.add_metric([name, "kv_used"], m.kv_blocks_used * m.kv_block_bytes)
+                mbytes.add_metric([name, "kv_mapped"], m.kv_pages * page)
+                mbytes.add_metric([name, "kv_cached_free"], m.kv_pages_cached_free * page)
+                mbytes.add_metric([name, "weights"], m.weight_bytes)
+                resident.add_metric([name], 1 if m.residency.value == "resident" else 0)
+            p, dev = snap.pool, snap.device
+            pool.add_metric([dev, "capacity"], p.capacity)
+            pool.add_metric([dev, "created"], p.created)
+            pool.add_metric([dev, "free"], p.free)
+            pool.add_metric([dev, "owned"], p.owned)
+            pbytes.add_metric([dev, "capacity"], p.capacity * page)
+            pbytes.add_metric([dev, "owned"], p.owned * page)
+            pbytes.add_metric([dev, "free"], p.free * page)
         yield from (running, waiting, usage, pages, mbytes, resident, pool, pbytes)
 
 
 class Metrics:
-    def __init__(self, engine: Engine):
+    def __init__(self, snapshots: Callable[[], Sequence[DeviceSnapshot]]):
         self.registry = r = CollectorRegistry()
-        r.register(_EngineCollector(engine))
+        r.register(_SnapshotCollector(snapshots))
         lm = ["model_name"]
         self.prompt_tokens = Counter(
             "prism:prompt_tokens", "Prefill tokens processed.", lm, registry=r
@@ -163,3 +165,36 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    # ---- one request's life (the frontend calls these on the event loop) -----------------------
+    def started(
+        self, model: str, out: RequestOutput, arrival: float, now: float, ttft_slo_ms
+    ) -> None:
+        """The request's first output arrived (its first token, or its end)."""
+        self.pending.labels(model).dec()
+        self.prompt_tokens.labels(model).inc(out.num_prompt_tokens)
+        if out.first_scheduled_time is not None:
+            self.queue_time.labels(model).observe(max(out.first_scheduled_time - arrival, 0.0))
+        if out.new_token_ids:
+            ttft = now - arrival
+            self.ttft.labels(model).observe(ttft)
+            if ttft_slo_ms:
+                met = ttft * 1000 <= ttft_slo_ms
+                self.slo.labels(model, "ttft", "met" if met else "missed").inc()
+
+    def tokens(self, model: str, n: int, gap: float | None) -> None:
+        """n tokens arrived, `gap` seconds after the previous ones (None for the first)."""
+        if gap is not None:
+            self.itl.labels(model).observe(gap)
+        self.generation_tokens.labels(model).inc(n)
+
+    def finished(
+        self, model: str, out: RequestOutput, arrival: float, first: float | None, now: float,
+        tpot_slo_ms,
+    ) -> None:
+        self.e2e.labels(model).observe(now - arrival)
+        self.request_success.labels(model, out.finish_reason.value).inc()
+        if tpot_slo_ms and first is not None and out.num_output_tokens > 1:
+            tpot = (now - first) / (out.num_output_tokens - 1)
+            met = tpot * 1000 <= tpot_slo_ms
+            self.slo.labels(model, "tpot", "met" if met else "missed").inc()

@@ -9,7 +9,7 @@ import itertools
 import pytest
 import torch
 
-from kvpool import CpuBackend, KVCache, KVLayout, PagePool
+from kvpool import CpuBackend, PagedKV, KVLayout, PagePool
 from models.attention.base import AttentionMetadata, ForwardContext, SeqChunk
 from models.attention.torch_paged import TorchPagedAttention
 from models.config import ModelConfig
@@ -17,8 +17,8 @@ from models.loader import init_dummy_weights
 from models.registry import get_model_class
 from models.tokenizer import ByteTokenizer
 from prism_server.model_engine import ModelEngine
-from prism_server.request import FinishReason, Request
-from prism_server.sampling_params import SamplingParams
+from scheduler.request import FinishReason, Request
+from scheduler.sampling_params import SamplingParams
 from scheduler.batch_scheduler import SchedulerConfig
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -143,7 +143,7 @@ def cpu_logits(cfg: ModelConfig, model, tokens: list[int]) -> torch.Tensor:
     layout = KVLayout(
         cfg.num_layers, BLOCK, cfg.num_kv_heads, cfg.head_dim, torch.float32, page, gran
     )
-    kv = KVCache(pool, "reference", layout, max_pages=8, max_cached_pages=0)
+    kv = PagedKV(pool, "reference", layout, max_pages=8, max_cached_pages=0)
     blocks = kv.allocator.allocate(-(-len(tokens) // BLOCK))
     md = AttentionMetadata.build([SeqChunk(0, len(tokens), blocks)], BLOCK, torch.device("cpu"))
     with torch.inference_mode():

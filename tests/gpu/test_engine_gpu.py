@@ -6,9 +6,10 @@ from __future__ import annotations
 import torch
 
 from prism_server.config import EngineConfig, ModelSpec
-from prism_server.engine import Engine, default_kv_budget, weight_bytes
-from prism_server.request import FinishReason
-from prism_server.sampling_params import SamplingParams
+from prism_server.engine import Engine
+from prism_server.memory_budget import default_kv_budget, weight_bytes
+from scheduler.request import FinishReason
+from scheduler.sampling_params import SamplingParams
 from tests.gpu.common import GPU
 
 pytestmark = GPU
@@ -27,7 +28,7 @@ def test_engine_with_the_default_budget_serves_and_accounts_exactly():
         # the budget is sized before the weights load; the pool created every page up front
         assert abs(pool.capacity + 1 - expected // pool.page_bytes) <= 1
         assert pool.stats().created == pool.capacity
-        runner = e.models["m"].runner
+        runner = e.worker.models["m"].runner
         assert type(runner.attention).__name__ == "FlashInferBackend"
         assert runner.graphs is not None
         prompts = [[300 + (7 * i + j) % 500 for j in range(40 + 30 * i)] for i in range(5)]
@@ -36,4 +37,4 @@ def test_engine_with_the_default_budget_serves_and_accounts_exactly():
         assert all(o.finish_reason is FinishReason.LENGTH and len(o.token_ids) == 12 for o in outs)
         assert e.pool.pages_of("m") <= 1  # the finished requests' pages went back (1 cached)
         e.check_integrity()
-        assert e.models["m"].kv_cache.allocator.num_used_blocks == 0
+        assert e.worker.models["m"].kv.allocator.num_used_blocks == 0

@@ -13,7 +13,7 @@ import zlib
 import pytest
 import torch
 
-from kvpool import KVCache, KVLayout
+from kvpool import PagedKV, KVLayout
 from models.attention.base import AttentionMetadata, LayerAttention, SeqChunk
 from models.attention.flashinfer_paged import AttentionShape, FlashInferBackend, kv_rows
 from models.attention.torch_paged import TorchPagedAttention
@@ -31,7 +31,7 @@ MIXED = [(0, 37), (50, 20), (100, 1), (7, 1), (33, 64), (130, 3)]  # (cached, ne
 DECODE = [(n, 1) for n in (0, 16, 63, 100, 254, 31, 9)]
 
 
-def make_cache(case: dict) -> KVCache:
+def make_cache(case: dict) -> PagedKV:
     pool = cuda_pool(pages=12, page_bytes=4 << 20)
     layout = KVLayout(
         LAYERS,
@@ -42,10 +42,10 @@ def make_cache(case: dict) -> KVCache:
         pool.page_bytes,
         pool.backend.granularity,
     )
-    return KVCache(pool, "attn-test", layout, max_pages=12, max_cached_pages=12)
+    return PagedKV(pool, "attn-test", layout, max_pages=12, max_cached_pages=12)
 
 
-def make_step(kv: KVCache, seqs: list[tuple[int, int]], gen: torch.Generator):
+def make_step(kv: PagedKV, seqs: list[tuple[int, int]], gen: torch.Generator):
     """Blocks for each sequence, shuffled across pages; every allocated block of every layer
     filled with random K/V (the cached prefix, and garbage where new tokens go)."""
     need = [-(-(c + n) // BLOCK) for c, n in seqs]

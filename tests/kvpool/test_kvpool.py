@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kvpool import CpuBackend, KVCache, KVLayout, MemoryBackend, PagePool
+from kvpool import CpuBackend, KVLayout, MemoryBackend, PagedKV, PagePool
 
 PAGE = 256 * 1024
 
@@ -47,8 +47,18 @@ def geo(request) -> Geometry:
     return request.param()
 
 
-def make_pool(geo: Geometry, pages: int) -> PagePool:
-    return PagePool(geo.backend, geo.page_bytes, budget_bytes=(pages + 1) * geo.page_bytes)
+def in_given_order(owners, requester: str) -> list[str]:
+    """A reclaim order for the tests: the order owners registered in."""
+    return [o.name for o in owners]
+
+
+def make_pool(geo: Geometry, pages: int, reclaim_order=in_given_order) -> PagePool:
+    return PagePool(
+        geo.backend,
+        geo.page_bytes,
+        budget_bytes=(pages + 1) * geo.page_bytes,
+        reclaim_order=reclaim_order,
+    )
 
 
 def make_cache(
@@ -62,11 +72,11 @@ def make_cache(
     max_pages=16,
     cached=1,
     dtype=torch.float32,
-) -> KVCache:
+) -> PagedKV:
     layout = KVLayout(
         layers, block, heads, geo.head_dim, dtype, pool.page_bytes, pool.backend.granularity
     )
-    return KVCache(pool, owner, layout, max_pages=max_pages, max_cached_pages=cached)
+    return PagedKV(pool, owner, layout, max_pages, cached)
 
 
 def fill(view: torch.Tensor, blocks: list[int], values: list[float]) -> None:
@@ -83,7 +93,7 @@ def holds(view: torch.Tensor, blocks: list[int], values: list[float]) -> bool:
     return bool(torch.all(view[idx] == val.view(-1, 1, 1, 1, 1)))
 
 
-def check(*caches: KVCache) -> None:
+def check(*caches: PagedKV) -> None:
     for c in caches:
         c.check_integrity()
 
@@ -197,7 +207,7 @@ def test_random_alloc_free_keeps_accounting_exact(geo):
     caches = [
         make_cache(pool, f"m{i}", geo, max_pages=10, cached=rng.randint(0, 3)) for i in range(3)
     ]
-    held: list[list[tuple[KVCache, list[int]]]] = [[] for _ in caches]
+    held: list[list[tuple[PagedKV, list[int]]]] = [[] for _ in caches]
     for _ in range(400):
         i = rng.randrange(3)
         kv = caches[i]
@@ -253,3 +263,57 @@ def test_backend_handles_alias_survive_unmap_and_unmap_spans_mappings(geo):
         be.release(h)
     be.free(a)
     be.free(b)
+
+
+def test_the_pool_reclaims_in_the_order_it_is_given_and_not_without_one(geo):
+    """The reclaim order comes from outside: with none, another owner's reserve is never taken;
+    with one, pages come back from the owners it names, first to last."""
+    for order, expect in ((None, None), (lambda owners, me: ["c", "a"], {"a": 1, "c": 0})):
+        pool = make_pool(geo, 6, reclaim_order=order)
+        a, b, c = (make_cache(pool, n, geo, max_pages=8, cached=3) for n in "abc")
+        bpp = a.allocator.bpp
+        for kv in (a, c):  # a and c each keep 3 cached pages after their burst
+            kv.allocator.free(kv.allocator.allocate(3 * bpp))
+        assert pool.num_available == 0 and pool.reclaimable(exclude="b") == (6 if order else 0)
+        got = b.allocator.allocate(4 * bpp)
+        if expect is None:
+            assert got is None and pool.pages_of("a") == pool.pages_of("c") == 3
+        else:  # c gives all 3 first, then a gives 1
+            assert got is not None and pool.pages_of("b") == 4
+            assert {n: pool.pages_of(n) for n in "ac"} == {"a": 2, "c": 0}
+            assert pool.reclaimed_total == 4
+            b.allocator.free(got)
+        check(a, b, c)
+        for kv in (a, b, c):
+            kv.close()
+        pool.check_integrity()
+        assert pool.stats().owned == {}
+
+
+def test_pooled_buffer_maps_exactly_what_it_accounts(geo):
+    from kvpool import PooledBuffer
+
+    pool = make_pool(geo, 4)
+    stride = 2 * pool.page_bytes  # a gap between pages, never mapped
+    buf = PooledBuffer(pool, "w", num_pages=6, page_stride=stride)
+    buf.map_null(0)
+    assert buf.map_pages([3, 1]) and buf.num_mapped_pages == 2 and pool.pages_of("w") == 2
+    with pytest.raises(RuntimeError):
+        buf.map_pages([1])  # already mapped
+    with pytest.raises(RuntimeError):
+        buf.map_pages([6])  # out of range
+    assert not buf.map_pages([2, 4, 5])  # only 2 pages left: nothing taken
+    assert buf.num_mapped_pages == 2 and pool.num_available == 2
+    view = buf.view()
+    view[stride : stride + 8] = 5
+    view[3 * stride : 3 * stride + 8] = 6
+    buf.check_integrity(expected=[1, 3])
+    buf.unmap_pages([1])
+    with pytest.raises(RuntimeError):
+        buf.unmap_pages([1])
+    assert pool.pages_of("w") == 1 and buf.mapped_pages() == [3]
+    assert bool(torch.all(view[3 * stride : 3 * stride + 8] == 6))
+    buf.check_integrity(expected=[3])
+    buf.close()
+    pool.check_integrity()
+    assert pool.stats().owned == {} and pool.num_available == 4

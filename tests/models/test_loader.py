@@ -380,9 +380,13 @@ def write_tiny_llama_gguf(path: Path, hf: tf.LlamaForCausalLM) -> Path:
     return path
 
 
+def cache_of(path) -> Path:
+    """Where the tests cache the conversion of a GGUF file: beside it."""
+    return Path(path).parent / "cache" / "gguf"
+
+
 @pytest.fixture()
-def tiny_gguf(tmp_path, monkeypatch):
-    monkeypatch.setenv("PRISM_CACHE_DIR", str(tmp_path / "cache"))
+def tiny_gguf(tmp_path):
     hf = _tiny_hf_llama()
     return hf, write_tiny_llama_gguf(tmp_path / "tiny.gguf", hf)
 
@@ -404,12 +408,12 @@ def test_gguf_tensors_map_to_the_same_hf_tensors(tiny_gguf):
 
 def test_gguf_converts_to_a_cached_hf_dir_that_loads(tiny_gguf, tmp_path):
     hf, path = tiny_gguf
-    out = convert_gguf(path)
+    out = convert_gguf(path, cache_of(path))
     assert out.parent == tmp_path / "cache" / "gguf" and out.name.startswith("tiny-")
     assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
     converted = dict(iter_safetensors(safetensors_files(out)))
     assert all(torch.equal(converted[k], v) for k, v in hf.state_dict().items())
-    lm = load_model(str(path))
+    lm = load_model(str(path), cache_root=cache_of(path))
     assert lm.name == "tiny"
     torch.testing.assert_close(
         _prefill_logits(lm, PROMPT), _hf_logits(hf, PROMPT), atol=1e-4, rtol=1e-4
@@ -420,13 +424,13 @@ def test_gguf_converts_to_a_cached_hf_dir_that_loads(tiny_gguf, tmp_path):
 def test_big_gguf_conversions_are_sharded(tiny_gguf, monkeypatch):
     hf, path = tiny_gguf
     monkeypatch.setattr(gguf_convert, "SHARD_BYTES", 64 << 10)
-    out = convert_gguf(path)
+    out = convert_gguf(path, cache_of(path))
     index = json.loads((out / "model.safetensors.index.json").read_text())
     files = safetensors_files(out)
     assert len(files) > 2 and not (out / "model.safetensors").exists()
     assert set(index["weight_map"]) == set(hf.state_dict())
     assert index["metadata"]["total_size"] == sum(t.nbytes for t in hf.state_dict().values())
-    lm = load_model(str(path))
+    lm = load_model(str(path), cache_root=cache_of(path))
     torch.testing.assert_close(
         _prefill_logits(lm, PROMPT), _hf_logits(hf, PROMPT), atol=1e-4, rtol=1e-4
     )
@@ -442,17 +446,17 @@ def test_gguf_conversion_is_cached_and_an_interrupted_one_is_not_reused(tiny_ggu
 
     monkeypatch.setattr(gguf_convert, "_write_weights", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        convert_gguf(path)
-    cache = gguf_convert.gguf_cache_dir(path)
+        convert_gguf(path, cache_of(path))
+    cache = gguf_convert.gguf_cache_dir(path, cache_of(path))
     assert not cache.exists() and list(cache.parent.iterdir()) == []  # no temp dir left
     monkeypatch.setattr(gguf_convert, "_write_weights", real_write)
-    out = convert_gguf(path)
+    out = convert_gguf(path, cache_of(path))
     assert out == cache and safetensors_files(out)
     monkeypatch.setattr(gguf_convert, "_write_weights", interrupted)
-    assert convert_gguf(path) == out  # cached: not converted again
+    assert convert_gguf(path, cache_of(path)) == out  # cached: not converted again
     path.touch()  # a changed file (new mtime) gets a new cache entry
     with pytest.raises(KeyboardInterrupt):
-        convert_gguf(path)
+        convert_gguf(path, cache_of(path))
 
 
 def test_gguf_name_mapping_for_gemma3_and_errors():
@@ -482,12 +486,11 @@ def test_gguf_name_mapping_for_gemma3_and_errors():
         GgufTensorMap("mamba", 1, 1)
 
 
-def test_corrupt_gguf_error_names_the_file(tmp_path, monkeypatch):
-    monkeypatch.setenv("PRISM_CACHE_DIR", str(tmp_path / "cache"))
+def test_corrupt_gguf_error_names_the_file(tmp_path):
     bad = tmp_path / "broken.gguf"
     bad.write_bytes(b"GGUF" + b"\xff" * 64)
     with pytest.raises(ValueError, match="broken.gguf"):
-        load_model(str(bad))
+        load_model(str(bad), cache_root=cache_of(bad))
 
 
 @pytest.mark.slow

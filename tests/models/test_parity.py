@@ -14,7 +14,7 @@ import pytest
 import torch
 import transformers as tf
 
-from kvpool import CpuBackend, KVCache, KVLayout, PagePool
+from kvpool import CpuBackend, PagedKV, KVLayout, PagePool
 from models.attention.base import AttentionMetadata, ForwardContext, SeqChunk
 from models.attention.torch_paged import TorchPagedAttention
 from models.config import ModelConfig
@@ -68,7 +68,7 @@ HF_CASES = {
 }
 
 
-def make_kv_cache(config: ModelConfig, num_blocks: int, block_size: int) -> KVCache:
+def make_kv_cache(config: ModelConfig, num_blocks: int, block_size: int) -> PagedKV:
     """A real paged KV cache on a host page pool whose pages hold ~2 blocks per layer, so every
     sequence spans several pages; layer views: [num_blocks, 2, block_size, kv_heads, head_dim]."""
     block_bytes = 2 * block_size * config.num_kv_heads * config.head_dim * 4
@@ -84,7 +84,7 @@ def make_kv_cache(config: ModelConfig, num_blocks: int, block_size: int) -> KVCa
         page,
         backend.granularity,
     )
-    return KVCache(pool, "parity", layout, max_pages=num_blocks + 1, max_cached_pages=0)
+    return PagedKV(pool, "parity", layout, max_pages=num_blocks + 1, max_cached_pages=0)
 
 
 def _tiny_hf_model(name: str) -> tf.PreTrainedModel:

@@ -7,9 +7,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from models.embedded import embedded_model_dir
+from prism_server import envs
 from prism_server.config import EngineConfig, ModelSpec
 from prism_server.engine import Engine
-from prism_server.sampling_params import SamplingParams
+from scheduler.sampling_params import SamplingParams
 
 NEW_TOKENS = 32
 NEAR_TIE = 1e-3
@@ -33,7 +34,7 @@ def test_greedy_tokens_equal_transformers(name):
     spec = ModelSpec(name, name, max_num_seqs=4)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     with Engine(EngineConfig(models=(spec,), device="cpu")) as engine:
-        tok = engine.models[name].tokenizer
+        tok = engine.model(name).tokenizer
         if name == "smollm2-135m":  # a chat model: through its chat template
             prompts = [
                 tok.apply_chat_template(
@@ -47,7 +48,7 @@ def test_greedy_tokens_equal_transformers(name):
         outs = engine.generate(name, prompts, params)
         engine.check_integrity()
 
-    hf = AutoModelForCausalLM.from_pretrained(embedded_model_dir(name), dtype=torch.float32)
+    hf = AutoModelForCausalLM.from_pretrained(embedded_model_dir(name, envs.gguf_cache_dir()), dtype=torch.float32)
     hf.eval()
     for prompt, out in zip(prompts, outs):
         assert len(out.token_ids) == NEW_TOKENS

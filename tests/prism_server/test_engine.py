@@ -6,8 +6,8 @@ import pytest
 
 from prism_server.config import EngineConfig, ModelSpec
 from prism_server.engine import Engine
-from prism_server.request import FinishReason
-from prism_server.sampling_params import SamplingParams
+from scheduler.request import FinishReason
+from scheduler.sampling_params import SamplingParams
 
 SMOL = "smollm2-135m"
 # SmolLM2 in fp32 takes 30 x 24 KiB = 720 KiB of KV per 16-token block: a 4 MiB page holds 5
@@ -66,7 +66,7 @@ def test_batched_equals_sequential(sequential):
         outs = e.generate(SMOL, prompts(), GREEDY)
         assert [o.token_ids for o in outs] == sequential
         assert all(o.finish_reason is FinishReason.LENGTH for o in outs)
-        assert e.models[SMOL].scheduler.num_preemptions == 0
+        assert e.model_snapshot(SMOL).num_preemptions == 0
         e.check_integrity()
 
 
@@ -76,7 +76,7 @@ def test_batched_equals_sequential_under_preemption_and_chunked_prefill(sequenti
     with smol_engine(6, max_num_batched_tokens=32) as e:
         outs = e.generate(SMOL, prompts(), GREEDY)
         assert [o.token_ids for o in outs] == sequential
-        assert e.models[SMOL].scheduler.num_preemptions > 0
+        assert e.model_snapshot(SMOL).num_preemptions > 0
         e.check_integrity()
         assert e.pool.pages_of(SMOL) <= 1  # all but the cached reserve went back to the pool
 
@@ -99,7 +99,7 @@ def test_abort_mid_decode_frees_the_blocks():
             pass
         assert out.finish_reason is FinishReason.ABORT and out.num_output_tokens < 200
         e.check_integrity()
-        assert e.models[SMOL].kv_cache.allocator.num_used_blocks == 0
+        assert e.model_snapshot(SMOL).kv_blocks_used == 0
 
 
 def test_requests_that_can_never_fit_are_refused_up_front():
@@ -143,7 +143,7 @@ def test_two_models_share_one_pool():
     with Engine(
         EngineConfig(models=(a, b), device="cpu", page_bytes=page, kv_budget_bytes=11 * page)
     ) as e:
-        bpp = e.models["a"].kv_cache.allocator.bpp
+        bpp = e.worker.models["a"].kv.allocator.bpp
         params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
         long_prompt = list(range(10, 10 + 4 * bpp - 8))  # fills 1 page once its output is in
         outs = e.generate("a", [long_prompt] * 8, params)  # 8 of the 10 pages

@@ -8,8 +8,9 @@ import httpx
 import pytest
 
 from prism_server.config import EngineConfig, ModelSpec
-from prism_server.engine import Engine, ModelFailed
-from tests.prism_server.conftest import start_server
+from prism_server.engine import Engine
+from prism_server.served_model import ModelFailed
+from prism_server.server.app import serve_in_thread
 
 PAGE = 64 << 10
 
@@ -30,7 +31,7 @@ def faulty(tmp_path_factory):
         EngineConfig(models=specs, device="cpu", page_bytes=PAGE, kv_budget_bytes=64 * PAGE),
         strict=False,
     )
-    s = start_server(engine)
+    s = serve_in_thread(engine)
     yield s
     s.close()
 
@@ -83,7 +84,7 @@ def test_strict_engine_raises_and_names_the_model(tmp_path):
 
 
 def test_an_exception_in_a_step_fails_that_step_with_500_not_the_server(faulty):
-    model = faulty.engine.models["good"].runner.model
+    model = faulty.engine.worker.models["good"].runner.model
     original = model.forward
     calls = {"n": 0}
 
@@ -114,10 +115,10 @@ def test_an_exception_in_a_step_fails_that_step_with_500_not_the_server(faulty):
 
 
 def test_an_exception_outside_the_batch_fails_the_models_requests(faulty):
-    sched = faulty.engine.models["good"].scheduler
+    sched = faulty.engine.worker.models["good"].scheduler
     original = sched.schedule
 
-    def broken():
+    def broken(now):
         sched.schedule = original
         raise RuntimeError("scheduler fault")
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from prism_server.config import EngineConfig, ModelSpec
 from prism_server.engine import Engine
-from tests.prism_server.conftest import start_server
+from prism_server.server.app import serve_in_thread
 
 MAX_LEN = 48  # small context: every accepted request finishes quickly
 
@@ -23,7 +23,7 @@ def fuzz_server():
     engine = Engine(
         EngineConfig(models=(spec,), device="cpu", page_bytes=64 << 10, kv_budget_bytes=2 << 20)
     )
-    s = start_server(engine, max_request_bytes=64 << 10)
+    s = serve_in_thread(engine, max_request_bytes=64 << 10)
     yield s
     s.close()
 

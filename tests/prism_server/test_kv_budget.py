@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from prism_server.config import ModelSpec
-from prism_server.engine import default_kv_budget, weight_bytes
+from prism_server.memory_budget import default_kv_budget, weight_bytes
 
 
 def test_weight_bytes_are_the_parameter_bytes_at_the_serving_dtype():

@@ -12,8 +12,9 @@ import httpx
 import pytest
 
 from prism_server.config import EngineConfig, ModelSpec
+from prism_server.commands import Call
 from prism_server.engine import Engine
-from tests.prism_server.conftest import start_server
+from prism_server.server.app import serve_in_thread
 
 
 def rss_bytes() -> int:
@@ -36,14 +37,14 @@ def srv():
     engine = Engine(
         EngineConfig(models=specs, device="cpu", page_bytes=64 << 10, kv_budget_bytes=8 << 20)
     )
-    s = start_server(engine, max_queued_requests=100)
+    s = serve_in_thread(engine, max_queued_requests=100)
     yield s
     s.close()
 
 
 def hold_engine(s) -> threading.Event:
     gate = threading.Event()
-    s.engine.device_engine._post(gate.wait)
+    s.engine.worker.send(Call(gate.wait))
     return gate
 
 
@@ -55,8 +56,8 @@ def wait_until(cond, timeout=30.0) -> None:
 
 
 def idle(s) -> bool:
-    m = s.engine.models["tiny"]
-    return not m.requests and not m.scheduler.has_work
+    m = s.engine.model_snapshot("tiny", now=False)
+    return m.num_requests == 0
 
 
 def test_a_flood_gets_503_at_once_and_memory_stays_bounded(srv):
@@ -126,7 +127,7 @@ def test_disconnect_while_queued(srv):
 
 
 def test_disconnect_mid_prefill(srv):
-    m = srv.engine.models["tiny"]
+    m = srv.engine.worker.models["tiny"]
     prompt = list(range(10, 410))  # 400 tokens, prefilled 8 per step
 
     def mid_prefill() -> bool:
@@ -136,12 +137,12 @@ def test_disconnect_mid_prefill(srv):
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "stream": True}
     _stream_then_drop(srv.url, body, mid_prefill)
     wait_until(lambda: idle(srv))
-    assert m.kv_cache.allocator.num_used_blocks == 0
+    assert srv.engine.model_snapshot("tiny").kv_blocks_used == 0
     srv.engine.check_integrity()
 
 
 def test_disconnect_mid_decode(srv):
-    m = srv.engine.models["tiny"]
+    m = srv.engine.worker.models["tiny"]
 
     def decoding() -> bool:
         reqs = list(m.requests.values())
@@ -156,14 +157,14 @@ def test_disconnect_mid_decode(srv):
     }
     _stream_then_drop(srv.url, body, decoding)
     wait_until(lambda: idle(srv))
-    assert m.kv_cache.allocator.num_used_blocks == 0
+    assert srv.engine.model_snapshot("tiny").kv_blocks_used == 0
     srv.engine.check_integrity()
 
 
 def test_the_global_queue_bound_holds_across_models():
     from prism_server.protocol import APIError
-    from prism_server.sampling_params import SamplingParams
-    from prism_server.server.async_engine import AsyncEngine
+    from scheduler.sampling_params import SamplingParams
+    from prism_server.server.frontend import Frontend
 
     specs = tuple(
         ModelSpec(n, "dummy:tiny-llama", block_size=4, max_queued_requests=5) for n in ("a", "b")
@@ -172,16 +173,16 @@ def test_the_global_queue_bound_holds_across_models():
         EngineConfig(models=specs, device="cpu", page_bytes=64 << 10, kv_budget_bytes=4 << 20)
     ) as engine:
         gate = threading.Event()
-        engine.device_engine._post(gate.wait)
+        engine.worker.send(Call(gate.wait))
 
         async def fill() -> tuple[int, int, int]:
-            ae = AsyncEngine(engine, max_queued_requests=8)
+            fe = Frontend(engine, max_queued_requests=8)
             params = SamplingParams(max_tokens=2)
             streams, refused = [], {"a": 0, "b": 0}
             for model, n in (("a", 7), ("b", 5)):
                 for i in range(n):
                     try:
-                        streams.append(ae.submit(model, [5, 6, 7], params, f"{model}{i}"))
+                        streams.append(fe.submit(engine.model(model), [5, 6, 7], params))
                     except APIError as e:
                         assert e.status == 503 and e.headers["Retry-After"] == "1"
                         refused[model] += 1

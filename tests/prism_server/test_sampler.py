@@ -4,9 +4,9 @@ import math
 
 import torch
 
-from prism_server.request import Request
+from scheduler.request import Request
 from prism_server.sampler import Sampler
-from prism_server.sampling_params import SamplingParams
+from scheduler.sampling_params import SamplingParams
 
 
 def req(name: str, **kw) -> Request:

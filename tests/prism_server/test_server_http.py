@@ -9,9 +9,10 @@ import time
 import httpx
 import pytest
 
+from prism_server.commands import Call
 from prism_server.config import EngineConfig, ModelSpec
 from prism_server.engine import Engine
-from tests.prism_server.conftest import start_server
+from prism_server.server.app import serve_in_thread
 
 SMOL, GEMMA = "smollm2-135m", "gemma3-270m"
 CHAT = {"model": SMOL, "messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 4}
@@ -141,22 +142,20 @@ def test_sse_framing_chat_and_completions(server):
 
 def wait_idle(engine: Engine, model: str, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
-    m = engine.models[model]
-    while m.scheduler.has_work or m.requests:
+    while engine.model_snapshot(model, now=False).num_requests:
         assert time.monotonic() < deadline, "requests still running"
         time.sleep(0.05)
 
 
 def test_disconnect_mid_stream_frees_the_blocks(server):
     body = {**CHAT, "max_tokens": 400, "ignore_eos": True, "stream": True}
-    alloc = server.engine.models[SMOL].kv_cache.allocator
     with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=120) as r:
         lines = r.iter_lines()
         seen = [next(lines) for _ in range(6)]
         assert any(x.startswith("data: ") for x in seen)
-        assert alloc.num_used_blocks > 0
+        assert server.engine.model_snapshot(SMOL).kv_blocks_used > 0
     wait_idle(server.engine, SMOL)  # the client is gone: the request was aborted
-    assert alloc.num_used_blocks == 0
+    assert server.engine.model_snapshot(SMOL).kv_blocks_used == 0
     server.engine.check_integrity()
 
 
@@ -219,7 +218,7 @@ def tiny():
     engine = Engine(
         EngineConfig(models=(spec,), device="cpu", page_bytes=64 << 10, kv_budget_bytes=4 << 20)
     )
-    s = start_server(engine, api_key="sekret", max_queued_requests=8)
+    s = serve_in_thread(engine, api_key="sekret", max_queued_requests=8)
     yield s
     s.close()
 
@@ -240,7 +239,7 @@ def test_api_key_is_required_except_for_health(tiny):
 def test_full_queue_answers_503_with_retry_after(tiny):
     auth = {"Authorization": "Bearer sekret"}
     gate = threading.Event()
-    tiny.engine.device_engine._post(gate.wait)  # hold the engine thread: requests stay queued
+    tiny.engine.worker.send(Call(gate.wait))  # hold the engine thread: requests stay queued
     body = {"model": "tiny", "prompt": "x", "max_tokens": 2}
     first: dict = {}
     t = threading.Thread(
@@ -265,11 +264,11 @@ def test_full_queue_answers_503_with_retry_after(tiny):
 
 
 def test_models_come_only_from_the_config(server):
-    before = dict(server.engine.models)
+    before = dict(server.engine.served)
     for name in ("/etc/passwd", "../../models/x.gguf", "dummy:llama-3.1-8b", "smollm2-135m.gguf"):
         r = post(server.url, {**CHAT, "model": name})
         assert_envelope(r, 404, "model_not_found")
-    assert server.engine.models == before
+    assert server.engine.served == before
 
 
 def test_binds_loopback_by_default():

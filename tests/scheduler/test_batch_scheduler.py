@@ -1,38 +1,55 @@
-"""Batch scheduling over a real (host) KV cache, without a model."""
+"""Batch scheduling over a block pool, without a model (and without torch)."""
 
 from __future__ import annotations
 
-import torch
-
-from kvpool import CpuBackend, KVCache, KVLayout, PagePool
-from prism_server.request import Request, RequestStatus
-from prism_server.sampling_params import SamplingParams
+from scheduler.request import Request, RequestStatus
+from scheduler.sampling_params import SamplingParams
 from scheduler.batch_scheduler import BatchScheduler, SchedulerConfig
 
 BLOCK = 4
 
 
+class Blocks:
+    """A block pool of `pages` pages of `blocks_per_page` blocks each, as plain Python: the
+    scheduler sees only the BlockPool protocol, so its tests need no torch and no kvpool."""
+
+    def __init__(self, pages: int, blocks_per_page: int):
+        self.capacity_blocks = pages * blocks_per_page
+        self.free_ids = list(range(self.capacity_blocks, 0, -1))
+        self.used: set[int] = set()
+
+    def allocate(self, n: int) -> list[int] | None:
+        if n > len(self.free_ids):
+            return None
+        out = [self.free_ids.pop() for _ in range(n)]
+        self.used.update(out)
+        return out
+
+    def free(self, blocks: list[int]) -> None:
+        assert self.used.issuperset(blocks), "freed a block that is not in use"
+        self.used.difference_update(blocks)
+        self.free_ids.extend(blocks)
+
+    def check_integrity(self) -> None:
+        assert len(self.used) + len(self.free_ids) == self.capacity_blocks
+        assert not self.used & set(self.free_ids)
+
+
 def make(pages: int, blocks_per_page: int = 4, **cfg):
-    page = 4096  # one host page; head_dim chosen so that it holds `blocks_per_page` blocks
-    head_dim = page // (2 * BLOCK * 4 * blocks_per_page)
-    pool = PagePool(CpuBackend(), page, (pages + 1) * page)
-    layout = KVLayout(1, BLOCK, 1, head_dim, torch.float32, page, 4096)
-    assert layout.blocks_per_page == blocks_per_page
-    kv = KVCache(pool, "m", layout, max_pages=pages + 1, max_cached_pages=0)
-    return BatchScheduler(SchedulerConfig(block_size=BLOCK, **cfg), kv.allocator), kv
+    kv = Blocks(pages, blocks_per_page)
+    return BatchScheduler(SchedulerConfig(block_size=BLOCK, **cfg), kv), kv
 
 
 def req(n: int, name: str) -> Request:
-    return Request(name, list(range(1, n + 1)), SamplingParams(max_tokens=64), frozenset())
+    return Request(name, list(range(1, n + 1)), SamplingParams(max_tokens=64), frozenset(), 0.0)
 
 
 def run_step(s: BatchScheduler):
     """Schedules and pretends the model ran: every sampling chunk gets one new token."""
-    batch = s.schedule()
+    batch = s.schedule(now=1.0)
+    s.advance(batch)
     for c in batch:
-        sampled = c.samples
-        c.request.num_computed_tokens += c.num_new
-        if sampled:
+        if c.samples:
             c.request.append_token(7)
     return [(c.request.request_id, c.num_new) for c in batch]
 
@@ -49,7 +66,6 @@ def test_chunked_prefill_splits_prompts_under_the_token_budget():
     for r in (a, b):
         s.finish(r)
     kv.check_integrity()
-    kv.close()
 
 
 def test_max_num_seqs_caps_the_running_set():
@@ -64,7 +80,6 @@ def test_max_num_seqs_caps_the_running_set():
     for r in rs[1:]:
         s.finish(r)
     kv.check_integrity()
-    kv.close()
 
 
 def test_preemption_by_recompute_when_blocks_run_out():
@@ -84,7 +99,6 @@ def test_preemption_by_recompute_when_blocks_run_out():
     assert run_step(s) == [("b", 9)]  # prompt + 2 outputs recomputed in one chunk
     s.finish(b)
     kv.check_integrity()
-    kv.close()
 
 
 def test_a_request_alone_that_cannot_grow_waits_instead_of_failing():
@@ -96,4 +110,21 @@ def test_a_request_alone_that_cannot_grow_waits_instead_of_failing():
     assert a.status is RequestStatus.WAITING and s.has_work
     s.finish(a)
     kv.check_integrity()
-    kv.close()
+
+
+def test_the_first_admission_time_is_the_time_passed_in():
+    s, kv = make(pages=4)
+    a = req(3, "a")
+    s.add(a)
+    s.schedule(now=12.5)
+    assert a.first_scheduled_time == 12.5
+    s.schedule(now=13.0)  # still running: the first time stays
+    assert a.first_scheduled_time == 12.5
+    s.finish(a)
+    kv.check_integrity()
+
+
+def test_fits_is_against_every_block_the_pool_can_address():
+    s, kv = make(pages=2, blocks_per_page=2)  # 4 blocks of 4 tokens
+    assert s.fits(16) and not s.fits(17)
+    kv.check_integrity()

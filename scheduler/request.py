@@ -1,13 +1,13 @@
-"""Request state: bookkeeping only (counters, status, derived properties); no scheduling logic."""
+"""Request state: bookkeeping only (counters, status, derived properties); no scheduling logic.
+Times are `time.monotonic()` seconds, always passed in (this package reads no clock)."""
 
 from __future__ import annotations
 
 import enum
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from prism_server.sampling_params import SamplingParams
+from scheduler.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -43,17 +43,17 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     error: str | None = None
-    first_scheduled_time: float | None = None  # time.monotonic() when it first ran
+    first_scheduled_time: float | None = None  # when it first ran
 
 
 @dataclass(eq=False)
 class Request:
-    request_id: str
+    request_id: str  # internal, unique, made by the server (never a client's id)
     prompt_token_ids: list[int]
     params: SamplingParams
     eos_token_ids: frozenset[int]
+    arrival_time: float  # when the server accepted it
     sink: Callable[[RequestOutput], None] | None = None
-    arrival_time: float = field(default_factory=time.monotonic)
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -62,7 +62,7 @@ class Request:
     block_table: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
-    first_scheduled_time: float | None = None
+    first_scheduled_time: float | None = None  # when the batch scheduler first admitted it
 
     def __post_init__(self):
         self.all_token_ids = list(self.prompt_token_ids) + self.output_token_ids

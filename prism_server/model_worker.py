@@ -1,5 +1,6 @@
-"""One model resident on a device: its KV cache (pages from the device's pool), batch scheduler,
-model runner, sampler and output processor. Driven by the device's engine thread only."""
+"""One model on a device, driven by the device's engine thread only: its KV (storage and block
+placement, pages from the device's pool), batch scheduler, model runner, sampler and output
+processor. It publishes what it holds as a ModelSnapshot."""
 
 from __future__ import annotations
 
@@ -7,85 +8,59 @@ import logging
 
 import torch
 
-from kvpool import KVCache, KVLayout, PagePool
+from kvpool import KVLayout, PagedKV, PagePool
+from models.layers.causal_lm import weight_bytes
 from prism_server.model_runner import ModelRunner
 from prism_server.output_processor import OutputProcessor
-from prism_server.request import FinishReason, Request, RequestOutput
 from prism_server.sampler import Sampler
 from scheduler.batch_scheduler import BatchScheduler, ScheduledChunk, SchedulerConfig
+from scheduler.request import FinishReason, Request, RequestOutput
+from scheduler.snapshot import ModelSnapshot, Residency
 
 log = logging.getLogger(__name__)
 
 
-class ContextLengthExceeded(ValueError):
-    """The prompt plus the requested tokens exceed what the model can hold."""
-
-
-class ModelEngine:
+class ModelWorker:
     def __init__(
         self,
         name: str,
         model: torch.nn.Module,
         tokenizer,
-        model_config,
         pool: PagePool,
         sched: SchedulerConfig,
         kv_dtype: torch.dtype,
         max_cached_pages: int = 1,
     ):
         self.name = name
-        self.tokenizer = tokenizer
-        self.model_config = model_config
+        cfg = model.config
         self.device = pool.backend.device
         layout = KVLayout(
-            model_config.num_layers,
+            cfg.num_layers,
             sched.block_size,
-            model_config.num_kv_heads,
-            model_config.head_dim,
+            cfg.num_kv_heads,
+            cfg.head_dim,
             kv_dtype,
             pool.page_bytes,
             pool.backend.granularity,
         )
-        self.kv_cache = KVCache(
-            pool, name, layout, max_pages=pool.capacity + 1, max_cached_pages=max_cached_pages
-        )
-        self.scheduler = BatchScheduler(sched, self.kv_cache.allocator)
-        self.runner = ModelRunner(model, self.kv_cache, self.device)
+        self.kv = PagedKV(pool, name, layout, pool.capacity + 1, max_cached_pages)
+        self.scheduler = BatchScheduler(sched, self.kv.allocator)
+        self.runner = ModelRunner(model, self.kv.cache, self.device)
         self.sampler = Sampler(self.device)
         self.outputs = OutputProcessor(tokenizer, sched.max_model_len)
         self.requests: dict[str, Request] = {}
-        self.eos_token_ids = frozenset(model_config.eos_token_ids) | (
-            {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-        )
-
-    @property
-    def weight_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.runner.model.parameters())
-
-    @property
-    def max_model_len(self) -> int:
-        return self.scheduler.config.max_model_len
+        self.weight_bytes = weight_bytes(model)
 
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work
 
-    def check_request(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        """Raises ValueError if a request of this size can never run on this model."""
-        if num_prompt_tokens < 1:
-            raise ValueError("the prompt is empty")
-        total = num_prompt_tokens + max_tokens
-        if total > self.max_model_len:
-            raise ContextLengthExceeded(
-                f"This model's maximum context length is {self.max_model_len} tokens; the request "
-                f"has {num_prompt_tokens} prompt tokens and asks for {max_tokens} more."
-            )
-        if self.scheduler.blocks_needed(total) > self.kv_cache.allocator.capacity_blocks:
-            raise ContextLengthExceeded(
-                f"{total} tokens do not fit in the KV cache this model can address"
-            )
+    @property
+    def max_kv_tokens(self) -> int:
+        """The longest sequence whose KV this model could hold (every page it can address)."""
+        return self.kv.allocator.capacity_blocks * self.scheduler.config.block_size
 
-    # ---- engine-thread side -------------------------------------------------------------------
+    # ---- commands -------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
         self.requests[req.request_id] = req
         self.scheduler.add(req)
@@ -100,38 +75,36 @@ class ModelEngine:
         for req in list(self.requests.values()):
             self._finish(req, self.outputs.final(req, FinishReason.ERROR, error))
 
-    def step(self) -> bool:
+    # ---- the step -------------------------------------------------------------------------------
+    def step(self, now: float) -> bool:
         """Runs one batch of this model; False if nothing could be scheduled."""
-        batch = self.scheduler.schedule()
+        batch = self.scheduler.schedule(now)
         if not batch:
             return False
         try:
             logits = self.runner.execute(batch)
-            sampling = [c.request for c in batch if c.samples]
-            tokens, logprobs = self.sampler.sample(logits, sampling)
+            tokens, logprobs = self.sampler.sample(logits, [c.request for c in batch if c.samples])
         except Exception as e:  # a failed step fails its requests, not the engine
             log.exception("step of model %s failed", self.name)
             error = f"{type(e).__name__}: {e}"
             for c in batch:
                 self._finish(c.request, self.outputs.final(c.request, FinishReason.ERROR, error))
             return True
+        self.scheduler.advance(batch)
         self._publish(batch, tokens, logprobs)
         return True
 
     def _publish(self, batch: list[ScheduledChunk], tokens, logprobs) -> None:
         it = iter(zip(tokens, logprobs))
         for c in batch:
-            req = c.request
-            samples = c.samples
-            req.num_computed_tokens += c.num_new
-            if not samples:
+            if not c.samples:
                 continue
             tok, lp = next(it)
-            out = self.outputs.process(req, tok, lp)
+            out = self.outputs.process(c.request, tok, lp)
             if out.finished:
-                self._finish(req, out)
+                self._finish(c.request, out)
             else:
-                self._emit(req, out)
+                self._emit(c.request, out)
 
     def _finish(self, req: Request, out: RequestOutput) -> None:
         self.scheduler.finish(req)
@@ -147,7 +120,30 @@ class ModelEngine:
         except Exception:
             log.exception("output sink of request %s failed", req.request_id)
 
+    # ---- what it publishes ----------------------------------------------------------------------
+    def snapshot(self) -> ModelSnapshot:
+        a, s = self.kv.allocator, self.scheduler
+        lay = self.kv.layout
+        cached = a.num_cached_pages
+        return ModelSnapshot(
+            name=self.name,
+            residency=Residency.RESIDENT,
+            num_running=len(s.running),
+            num_waiting=len(s.waiting),
+            num_preemptions=s.num_preemptions,
+            kv_pages_in_use=a.num_mapped_pages - cached,
+            kv_pages_cached_free=cached,
+            kv_blocks_used=a.num_used_blocks,
+            kv_blocks_capacity=a.capacity_blocks,
+            kv_block_bytes=lay.block_bytes * lay.num_layers,
+            weight_pages=0,  # weights are outside the pool (for now)
+            weight_bytes=self.weight_bytes,
+        )
+
+    def check_integrity(self) -> None:
+        self.kv.check_integrity()
+
     def close(self) -> None:
         for rid in list(self.requests):
             self.abort(rid)
-        self.kv_cache.close()
+        self.kv.close()

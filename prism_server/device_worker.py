@@ -1,0 +1,147 @@
+"""The engine thread of one device. It owns every model on the device and the only way in is its
+inbox of typed commands (commands.py); the only way out is the request sinks and the immutable
+DeviceSnapshot it publishes after each step, so the event loop never blocks on model work and
+never reads the thread's live objects."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Any
+
+import torch
+
+from kvpool import PagePool
+from prism_server.commands import Abort, AddModel, Call, Command, RemoveModel, Submit
+from prism_server.model_worker import ModelWorker
+from scheduler.snapshot import DeviceSnapshot, PoolSnapshot
+
+log = logging.getLogger(__name__)
+
+# How long to sleep when some model has work it cannot schedule yet (blocked on memory).
+_BLOCKED_POLL_S = 0.005
+
+
+class DeviceWorker:
+    def __init__(self, pool: PagePool):
+        self.pool = pool
+        self.device = pool.backend.device
+        self.models: dict[str, ModelWorker] = {}  # engine thread only
+        self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = False
+        self._seq = 0
+        self._thread = threading.Thread(
+            target=self._loop, name=f"prism-engine-{self.device}", daemon=True
+        )
+        self.snapshot = self._take_snapshot()  # replaced (never mutated) after every step
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop = True
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    # ---- thread-safe entry points ---------------------------------------------------------------
+    def send(self, cmd: Command) -> None:
+        """Queue a command for the engine thread (returns at once)."""
+        self._inbox.put(cmd)
+        self._wake.set()
+
+    def execute(self, cmd: Command) -> None:
+        """Handle a command on the engine thread and wait for it (errors are raised here)."""
+        self.call(lambda: self._handle(cmd))
+
+    def call(self, fn) -> Any:
+        """Run fn on the engine thread (here, if it is not running) and return its result."""
+        if not self._thread.is_alive():
+            return fn()
+        cmd = Call(fn)
+        self.send(cmd)
+        return cmd.result.result()
+
+    def snapshot_now(self) -> DeviceSnapshot:
+        """A snapshot published now, by the engine thread (after the step in progress)."""
+        return self.call(self._publish)
+
+    # ---- the loop -------------------------------------------------------------------------------
+    def _handle(self, cmd: Command) -> None:
+        if isinstance(cmd, Submit):
+            self.models[cmd.model].add(cmd.request)
+        elif isinstance(cmd, Abort):
+            if cmd.model in self.models:
+                self.models[cmd.model].abort(cmd.request_id)
+        elif isinstance(cmd, AddModel):
+            if cmd.worker.name in self.models:
+                raise ValueError(f"a model named {cmd.worker.name!r} is already on {self.device}")
+            self.models[cmd.worker.name] = cmd.worker
+        elif isinstance(cmd, RemoveModel):
+            self.models.pop(cmd.model).close()
+        elif isinstance(cmd, Call):
+            if cmd.result.set_running_or_notify_cancel():
+                try:
+                    cmd.result.set_result(cmd.fn())
+                except BaseException as e:
+                    cmd.result.set_exception(e)
+        else:
+            raise TypeError(f"not a command: {cmd!r}")
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                self._handle(cmd)
+            except Exception:
+                log.exception("engine command %s failed", type(cmd).__name__)
+
+    def step(self) -> bool:
+        """Steps each model that has work once; True if any ran a batch."""
+        ran = False
+        now = time.monotonic()
+        for m in list(self.models.values()):
+            if m.has_work:
+                try:
+                    ran |= m.step(now)
+                except Exception as e:  # a broken model must not stop the device's thread
+                    log.exception("model %s failed outside its batch", m.name)
+                    m.fail_all(f"{type(e).__name__}: {e}")
+                    ran = True
+        return ran
+
+    def _take_snapshot(self) -> DeviceSnapshot:
+        s = self.pool.stats()
+        self._seq += 1
+        return DeviceSnapshot(
+            device=str(self.device),
+            seq=self._seq,
+            time=time.monotonic(),
+            pool=PoolSnapshot(s.page_bytes, s.capacity, s.created, s.free, sum(s.owned.values())),
+            models=tuple(m.snapshot() for m in self.models.values()),
+        )
+
+    def _publish(self) -> DeviceSnapshot:
+        self.snapshot = snap = self._take_snapshot()
+        return snap
+
+    def _loop(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # once, for this thread
+        while not self._stop:
+            self._wake.clear()
+            self._drain()
+            ran = self.step()
+            self._publish()
+            if ran:
+                continue
+            busy = any(m.has_work for m in self.models.values())
+            self._wake.wait(timeout=_BLOCKED_POLL_S if busy else None)
+        self._drain()
+        self._publish()

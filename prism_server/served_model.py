@@ -1,0 +1,118 @@
+"""ServedModel: the frontend's handle on one configured model. It holds what requests need before
+they reach a device (the spec, tokenizer, chat template, limits, SLOs) and outlives the model's
+residency: the tokenizer stays when the weights leave the GPU. One lookup per request, one place
+that applies the chat template, one length check (CLI and server share them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prism_server.config import ModelSpec
+
+
+class RequestRejected(ValueError):
+    """A request this model can never run, with the request field to blame."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
+class ContextLengthExceeded(RequestRejected):
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message, param, "context_length_exceeded")
+
+
+class ModelFailed(RuntimeError):
+    """A configured model that could not be loaded; requests for it get this error."""
+
+    def __init__(self, name: str, reason: str):
+        super().__init__(f"The model `{name}` failed to load: {reason}")
+        self.name, self.reason = name, reason
+
+
+class ModelNotFound(KeyError):
+    def __init__(self, name: str):
+        super().__init__(name)
+        self.name = name
+
+    def __str__(self) -> str:
+        return f"The model `{self.name}` does not exist."
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    spec: ModelSpec
+    device: str = ""  # where its worker lives
+    tokenizer: object | None = None  # None when the model failed to load
+    max_model_len: int = 0  # prompt + output tokens
+    max_kv_tokens: int = 0  # the longest sequence its KV can ever hold on its device
+    vocab_size: int = 0
+    eos_token_ids: frozenset[int] = frozenset()
+    error: str | None = None  # why it failed to load
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+    # ---- prompts (may take a while for long inputs: call off the event loop) -------------------
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        """A text prompt tokenized as-is (special tokens such as BOS added), or token ids checked
+        against the vocabulary."""
+        if isinstance(prompt, str):
+            return list(self.tokenizer(prompt).input_ids)
+        if any(not 0 <= t < self.vocab_size for t in prompt):
+            raise RequestRejected(f"Token ids must be in [0, {self.vocab_size}).", "prompt")
+        return list(prompt)
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """The chat template applied (with the generation prompt) and tokenized."""
+        if not self.has_chat_template:
+            raise RequestRejected(
+                f"The model `{self.name}` has no chat template; use /v1/completions for it.",
+                "model",
+            )
+        tok = self.tokenizer
+        try:
+            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as e:  # jinja errors: roles the template refuses, etc.
+            raise RequestRejected(
+                f"The messages do not fit the model's chat template: {e}", "messages"
+            ) from None
+        return list(tok(text, add_special_tokens=False).input_ids)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids)
+
+    # ---- limits ---------------------------------------------------------------------------------
+    def check(self, num_prompt_tokens: int, max_tokens: int | None) -> int:
+        """The number of tokens to generate (`max_tokens`, or as many as fit when None), or
+        RequestRejected if a request of this size can never run on this model."""
+        if num_prompt_tokens < 1:
+            raise RequestRejected("The prompt is empty.", "prompt")
+        room = self.max_model_len - num_prompt_tokens
+        if max_tokens is None and room >= 1:
+            max_tokens = room
+        if max_tokens is None or max_tokens > room:
+            asked = max_tokens or 1
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"you requested {num_prompt_tokens + asked} tokens ({num_prompt_tokens} in the "
+                f"messages, {asked} in the completion). Please reduce the length.",
+                "max_tokens" if asked > self.max_model_len else "messages",
+            )
+        if num_prompt_tokens + max_tokens > self.max_kv_tokens:
+            raise ContextLengthExceeded(
+                f"{num_prompt_tokens + max_tokens} tokens do not fit in the KV cache this model "
+                f"can address ({self.max_kv_tokens} tokens).",
+                "max_tokens",
+            )
+        return max_tokens

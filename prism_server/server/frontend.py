@@ -1,0 +1,142 @@
+"""The frontend: the event loop's side of the engine. It admits requests (queue bounds, draining),
+hands them to the engine, streams their outputs back through a thread-safe handoff, aborts those
+whose client went away, and records request metrics. The event loop never waits on model work."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import defaultdict
+
+from prism_server.engine import Engine
+from prism_server.protocol import APIError
+from prism_server.served_model import ServedModel
+from prism_server.server.metrics import Metrics
+from scheduler.request import RequestOutput
+from scheduler.sampling_params import SamplingParams
+
+RETRY_AFTER_S = 1
+
+
+def overloaded(message: str) -> APIError:
+    return APIError(
+        503,
+        message,
+        "server_error",
+        code="server_is_overloaded",
+        headers={"Retry-After": str(RETRY_AFTER_S)},
+    )
+
+
+class Frontend:
+    def __init__(self, engine: Engine, max_queued_requests: int):
+        self.engine = engine
+        self.metrics = Metrics(engine.snapshots)
+        self.max_queued = max_queued_requests
+        self._queued: dict[str, int] = defaultdict(int)  # accepted, no output yet, per model
+        self.in_flight = 0
+        self.draining = False
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def _admit(self, served: ServedModel) -> None:
+        if self.draining:
+            raise APIError(
+                503, "The server is shutting down.", "server_error", code="server_shutting_down"
+            )
+        name = served.name
+        if (
+            self._queued[name] >= served.spec.max_queued_requests
+            or sum(self._queued.values()) >= self.max_queued
+        ):
+            self.metrics.rejected.labels(name, "queue_full").inc()
+            raise overloaded(f"Too many requests are queued for `{name}`; retry later.")
+
+    def submit(
+        self, served: ServedModel, prompt_ids: list[int], params: SamplingParams
+    ) -> RequestStream:
+        """Queues a request checked by `served.check`; raises APIError (503) before anything is
+        accepted. Iterate the stream for its deltas; close it to abort."""
+        self._admit(served)
+        stream = RequestStream(self, served)
+        stream.request = self.engine.submit(served, prompt_ids, params, stream.sink, stream.arrival)
+        self._queued[served.name] += 1
+        self.metrics.pending.labels(served.name).inc()
+        self.in_flight += 1
+        self._idle.clear()
+        return stream
+
+    def _started(self, stream: RequestStream) -> None:
+        self._queued[stream.model] -= 1
+
+    def _closed(self, stream: RequestStream) -> None:
+        if stream.queued:  # closed before any output: still counted as queued
+            self._queued[stream.model] -= 1
+            self.metrics.pending.labels(stream.model).dec()
+        if not stream.finished:
+            self.engine.abort(stream.model, stream.request.request_id)
+            self.metrics.request_success.labels(stream.model, "abort").inc()
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self._idle.set()
+
+    async def drain(self, timeout: float) -> bool:
+        """Stops accepting requests and waits for those in flight; False on timeout."""
+        self.draining = True
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+
+class RequestStream:
+    """The output deltas of one submitted request, consumed on the event loop."""
+
+    def __init__(self, owner: Frontend, served: ServedModel):
+        self.owner, self.served, self.model = owner, served, served.name
+        self.request = None
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self.arrival = time.monotonic()
+        self.first_token: float | None = None
+        self.last_token: float | None = None
+        self.queued = True  # no output yet
+        self.finished = False
+        self.closed = False
+
+    def sink(self, out: RequestOutput) -> None:  # engine thread
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, out)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished or self.closed:
+            raise StopAsyncIteration
+        out = await self.queue.get()
+        now = time.monotonic()
+        metrics, spec = self.owner.metrics, self.served.spec
+        if self.queued:
+            self.queued = False
+            self.owner._started(self)
+            metrics.started(self.model, out, self.arrival, now, spec.ttft_slo_ms)
+        if out.new_token_ids:
+            gap = None if self.last_token is None else now - self.last_token
+            metrics.tokens(self.model, len(out.new_token_ids), gap)
+            self.first_token = self.first_token or now
+            self.last_token = now
+        if out.finished:
+            self.finished = True
+            metrics.finished(
+                self.model, out, self.arrival, self.first_token, now, spec.tpot_slo_ms
+            )
+            self.close()
+        return out
+
+    def close(self) -> None:
+        """Releases the request; aborts it in the engine if it has not finished."""
+        if self.closed:
+            return
+        self.closed = True
+        self.owner._closed(self)

@@ -1,0 +1,179 @@
+"""What both OpenAI generation endpoints share: reading the body, looking the model up, turning
+the engine's refusals into API errors, submitting the n choices, and answering them whole or as an
+SSE stream. The JSON itself comes from protocol.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass
+
+from aiohttp import web
+from pydantic import BaseModel, ValidationError
+
+from prism_server.completion import Completion
+from prism_server.engine import Engine
+from prism_server.protocol import APIError, stream_error, usage, validation_error
+from prism_server.served_model import ModelFailed, ModelNotFound, RequestRejected, ServedModel
+from prism_server.server.frontend import Frontend, RequestStream
+from prism_server.server.sse import SSEWriter
+
+
+async def read_json(request: web.Request) -> dict:
+    try:
+        body = await request.json(loads=json.loads)
+    except web.HTTPRequestEntityTooLarge:
+        raise
+    except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as e:
+        raise APIError(400, f"The request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "The request body must be a JSON object.")
+    return body
+
+
+async def parse(request: web.Request, cls: type[BaseModel]):
+    try:
+        return cls.model_validate(await read_json(request))
+    except ValidationError as e:
+        raise validation_error(e) from None
+
+
+def not_found(name: str) -> APIError:
+    return APIError(
+        404, f"The model `{name}` does not exist.", param="model", code="model_not_found"
+    )
+
+
+def lookup(engine: Engine, name: str) -> ServedModel:
+    """The one lookup of a request's model: 404 if unknown, 503 if it failed to load."""
+    try:
+        return engine.model(name)
+    except ModelNotFound:
+        raise not_found(name) from None
+    except ModelFailed as e:
+        raise APIError(
+            503, str(e), "server_error", param="model", code="model_load_failed"
+        ) from None
+
+
+def rejected(e: RequestRejected) -> APIError:
+    return APIError(400, str(e), param=e.param, code=e.code)
+
+
+async def off_loop(fn):
+    """Tokenizing long prompts takes a while: run it off the event loop, refusals as 400."""
+    try:
+        return await asyncio.to_thread(fn)
+    except RequestRejected as e:
+        raise rejected(e) from None
+
+
+def check(served: ServedModel, prompt_len: int, max_tokens: int | None) -> int:
+    try:
+        return served.check(prompt_len, max_tokens)
+    except RequestRejected as e:
+        raise rejected(e) from None
+
+
+def response_id(request: web.Request, prefix: str) -> str:
+    """The `id` of the response: the client's X-Request-Id, echoed (never used as a key), or a
+    new one."""
+    given = request.headers.get("X-Request-Id")
+    return given if given and len(given) <= 256 else f"{prefix}-{uuid.uuid4().hex}"
+
+
+@dataclass
+class Choice:
+    """One output choice being assembled: its index in the response and its request stream."""
+
+    index: int
+    stream: RequestStream
+    completion: Completion
+
+
+def submit_choices(
+    frontend: Frontend,
+    served: ServedModel,
+    prompts: list[list[int]],
+    max_tokens: list[int],
+    req,
+    logprobs: int | None,
+) -> list[Choice]:
+    """n choices per prompt, submitted together: all accepted, or none (503 frees the rest)."""
+    choices: list[Choice] = []
+    try:
+        for p_i, ids in enumerate(prompts):
+            for j in range(req.n):
+                params = req.sampling_params(max_tokens[p_i], logprobs, index=j)
+                stream = frontend.submit(served, ids, params)
+                completion = Completion(ids, arrival_time=stream.arrival)
+                choices.append(Choice(p_i * req.n + j, stream, completion))
+    except BaseException:
+        for c in choices:
+            c.stream.close()
+        raise
+    return choices
+
+
+async def respond(
+    request: web.Request, req, choices: list[Choice], shapes, prompt_tokens: int
+) -> web.StreamResponse:
+    """The whole response, or its SSE stream; every choice is released (aborted if unfinished)
+    however this ends."""
+    try:
+        if not req.stream:
+            await asyncio.gather(*(_collect(c) for c in choices))
+            failed = [c for c in choices if c.completion.error]
+            if failed:
+                raise APIError(
+                    500, f"Generation failed: {failed[0].completion.error}", "server_error"
+                )
+            pairs = [(c.index, c.completion) for c in choices]
+            return web.json_response(shapes.response(pairs, prompt_tokens))
+        return await _stream(request, req, choices, shapes, prompt_tokens)
+    finally:
+        for c in choices:
+            c.stream.close()
+
+
+async def _collect(c: Choice) -> None:
+    async for out in c.stream:
+        c.completion.add(out, time.monotonic())
+
+
+async def _stream(request, req, choices: list[Choice], shapes, prompt_tokens: int):
+    sse = SSEWriter(request)
+    await sse.prepare()
+    merged: asyncio.Queue = asyncio.Queue()
+
+    async def pump(c: Choice) -> None:
+        async for out in c.stream:
+            await merged.put((c, out))
+
+    tasks = [asyncio.create_task(pump(c)) for c in choices]
+    try:
+        for first in shapes.first([c.index for c in choices]):
+            await sse.send(shapes.chunk([first]))
+        remaining = len(choices)
+        while remaining:
+            c, out = await merged.get()
+            c.completion.add(out, time.monotonic())
+            if out.finished:
+                remaining -= 1
+                if out.error:
+                    await sse.send(stream_error(f"Generation failed: {out.error}"))
+                    continue
+            if out.new_text or out.finished or out.logprobs:
+                await sse.send(shapes.chunk([shapes.delta(c.index, c.completion, out)]))
+        if req.include_usage:
+            generated = sum(len(c.completion.token_ids) for c in choices)
+            await sse.send(shapes.chunk([], usage(prompt_tokens, generated)))
+        await sse.done()
+    except ConnectionResetError:  # the client went away mid-stream: abort quietly
+        pass
+    finally:
+        for t in tasks:
+            t.cancel()
+    return sse.response

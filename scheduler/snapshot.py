@@ -1,0 +1,69 @@
+"""What the engine thread publishes after each step: immutable, plain data.
+
+The HTTP side (routes, /metrics), and the coming status view and control loop, read these and
+never the engine thread's live objects. Built by the device worker; consumed by anyone.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class Residency(str, enum.Enum):
+    RESIDENT = "resident"  # weights on the device, serving
+    FAILED = "failed"  # could not be loaded; requests get 503
+
+
+@dataclass(frozen=True)
+class ModelSnapshot:
+    name: str
+    residency: Residency
+    num_running: int  # in the running batch
+    num_waiting: int  # queued in the batch scheduler
+    num_preemptions: int  # since load
+    kv_pages_in_use: int  # pool pages mapped into the KV cache holding at least one used block
+    kv_pages_cached_free: int  # mapped, every block free: the model's reserve for its next burst
+    kv_blocks_used: int
+    kv_blocks_capacity: int  # blocks the model could hold with every page it can address
+    kv_block_bytes: int  # one block over all layers (K and V)
+    weight_pages: int  # pool pages holding weights
+    weight_bytes: int
+
+    @property
+    def num_requests(self) -> int:
+        return self.num_running + self.num_waiting
+
+    @property
+    def kv_pages(self) -> int:
+        return self.kv_pages_in_use + self.kv_pages_cached_free
+
+    @property
+    def kv_usage(self) -> float:
+        """Fraction of the addressable KV blocks in use."""
+        return self.kv_blocks_used / max(self.kv_blocks_capacity, 1)
+
+
+@dataclass(frozen=True)
+class PoolSnapshot:
+    page_bytes: int
+    capacity: int  # pages the budget allows (the shared null page excluded)
+    created: int
+    free: int  # created, owned by nobody
+    owned: int
+
+
+@dataclass(frozen=True)
+class DeviceSnapshot:
+    device: str
+    seq: int  # increases with every publication
+    time: float  # when it was taken (time.monotonic())
+    pool: PoolSnapshot
+    models: tuple[ModelSnapshot, ...]
+
+    def model(self, name: str) -> ModelSnapshot | None:
+        return next((m for m in self.models if m.name == name), None)
+
+    @property
+    def has_requests(self) -> bool:
+        return any(m.num_requests for m in self.models)
