@@ -8,8 +8,8 @@ from kvpool.cpu_backend import CpuBackend
 from kvpool.cuda_backend import CudaBackend, CudaDriverError
 from kvpool.kv_cache import KVCache
 from kvpool.kv_layout import KVLayout
-from kvpool.paged_kv import PagedKV
 from kvpool.page_pool import OwnerUsage, PagePool, PoolStats, ReclaimOrder
+from kvpool.paged_kv import PagedKV
 from kvpool.pooled_buffer import PooledBuffer
 from kvpool.tensor_backend import TensorBackend
 from kvpool.virtual_buffer import VirtualBuffer

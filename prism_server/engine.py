@@ -101,7 +101,7 @@ class Engine:
         self.served[spec.name] = served
         return served
 
-    # ---- the frontend's side ----------------------------------------------------------------------
+    # ---- the frontend's side ---------------------------------------------------------------------
     def model(self, name: str) -> ServedModel:
         """The served model called `name`: ModelNotFound if none, ModelFailed if it failed."""
         served = self.served.get(name)

@@ -93,9 +93,7 @@ class ModelRunner:
             positions.extend(range(start, start + c.num_new))
             if c.samples:
                 last.append(len(ids) - 1)
-        chunks = [
-            SeqChunk(c.start, c.num_new, c.request.block_table) for c in batch
-        ]
+        chunks = [SeqChunk(c.start, c.num_new, c.request.block_table) for c in batch]
         md = AttentionMetadata.build(chunks, self.block_size, self.device)
         input_ids, pos = self._device_tensor(ids), self._device_tensor(positions)
         rows = self._device_tensor(last)

@@ -1,6 +1,7 @@
 """The OpenAI wire protocol: request models (fields in the order of the OpenAI reference, unknown
 fields ignored), their conversion into internal sampling parameters, and the response and error
-bodies (whole responses, stream chunks, errors). Nothing else in the server knows the JSON shapes."""
+bodies (whole responses, stream chunks, errors). Nothing else in the server knows the JSON
+shapes."""
 
 from __future__ import annotations
 
@@ -281,9 +282,7 @@ class _Shapes:
             body["usage"] = usage_
         return body
 
-    def response(
-        self, choices: list[tuple[int, Completion]], prompt_tokens: int
-    ) -> dict[str, Any]:
+    def response(self, choices: list[tuple[int, Completion]], prompt_tokens: int) -> dict[str, Any]:
         return {
             "id": self.rid,
             "object": self.object,

@@ -32,12 +32,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import prism_server.engine as engine_mod  # noqa: E402
-from kvpool import TensorBackend  # noqa: E402
 from models.presets import get_preset  # noqa: E402
 from prism_server.config import EngineConfig, ModelSpec  # noqa: E402
 from prism_server.engine import Engine  # noqa: E402
-from prism_server.model_engine import ModelEngine  # noqa: E402
+from prism_server.model_worker import ModelWorker  # noqa: E402
 from scheduler.request import Request  # noqa: E402
 from scheduler.sampling_params import SamplingParams  # noqa: E402
 
@@ -113,15 +111,11 @@ def spec(**kw) -> ModelSpec:
 
 
 def make_engine(plain: bool = False) -> Engine:
-    cfg = EngineConfig(models=(spec(),), device="cuda", kv_budget_bytes=16 * GiB)
-    if not plain:
-        return Engine(cfg)
-    original = engine_mod.make_backend
-    engine_mod.make_backend = lambda device: TensorBackend(device)
-    try:
-        return Engine(cfg)
-    finally:
-        engine_mod.make_backend = original
+    backend = "tensor" if plain else "vmm"
+    cfg = EngineConfig(
+        models=(spec(),), device="cuda", kv_budget_bytes=16 * GiB, memory_backend=backend
+    )
+    return Engine(cfg)
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -162,8 +156,7 @@ def run_batch(engine: Engine, prompts: list[list[int]], max_tokens: int) -> dict
 
 
 def weight_bytes(engine: Engine) -> int:
-    model = engine.worker.models["m"].runner.model
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    return engine.model_snapshot("m").weight_bytes
 
 
 @section("prism decode and prefill")
@@ -173,7 +166,7 @@ def prism_decode_prefill(engine: Engine, ceil: dict) -> dict:
     for b, n in ((1, 128), (16, 64), (64, 64)):
         out[f"decode_b{b}"] = run_batch(engine, [prompt(1024, 100 + i) for i in range(b)], n)
         print(f"   decode B={b}: TPOT {out[f'decode_b{b}']['tpot_ms']:.2f} ms")
-    cfg = engine.worker.models["m"].model_config
+    cfg = engine.worker.models["m"].runner.model.config
     linear = out["weight_bytes"] // 2 - 2 * cfg.vocab_size * cfg.hidden_size  # no embed, lm_head
     for n in (1024, 8192):
         ttft = statistics.median(
@@ -194,28 +187,27 @@ def prism_decode_prefill(engine: Engine, ceil: dict) -> dict:
 
 @section("profile batch-1 decode")
 def profile_decode(engine: Engine, batch: int = 1) -> dict:
-    """A second ModelEngine on the same weights and pool, stepped from this thread: decode step
+    """A second ModelWorker on the same weights and pool, stepped from this thread: decode step
     wall time, graph replay time, kernel time by kind, and where the host time goes."""
     me0 = engine.worker.models["m"]
-    me = ModelEngine(
+    me = ModelWorker(
         "profile",
         me0.runner.model,
-        me0.tokenizer,
-        me0.model_config,
+        me0.outputs.tokenizer,
         engine.pool,
         me0.scheduler.config,
         torch.bfloat16,
     )
     params = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
-    reqs = [Request(f"p{i}", prompt(1024, 5 + i), params, frozenset()) for i in range(batch)]
+    reqs = [Request(f"p{i}", prompt(1024, 5 + i), params, frozenset(), 0.0) for i in range(batch)]
     for r in reqs:
         me.add(r)
     while min(r.num_output_tokens for r in reqs) < 2:
-        me.step()
+        me.step(time.monotonic())
     torch.cuda.synchronize()
     t = time.perf_counter()
     for _ in range(30):
-        me.step()
+        me.step(time.monotonic())
     step_ms = (time.perf_counter() - t) / 30 * 1e3
     graph = me.runner.graphs.graphs[batch].graph  # planned for the live batch: replay is safe
     replay_ms = cuda_time_ms(graph.replay, iters=20)
@@ -226,7 +218,7 @@ def profile_decode(engine: Engine, batch: int = 1) -> dict:
     host = cProfile.Profile()
     host.enable()
     for _ in range(10):
-        me.step()
+        me.step(time.monotonic())
     host.disable()
     text = io.StringIO()
     pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(12)
@@ -234,7 +226,7 @@ def profile_decode(engine: Engine, batch: int = 1) -> dict:
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(10):
-            me.step()
+            me.step(time.monotonic())
         torch.cuda.synchronize()
     kinds = {"gemm": 0.0, "attention": 0.0, "kv_write": 0.0, "other": 0.0}
     counts = dict.fromkeys(kinds, 0)

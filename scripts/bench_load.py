@@ -15,7 +15,6 @@ import asyncio
 import json
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -76,27 +75,13 @@ async def level(url: str, concurrency: int, requests: int, max_tokens: int) -> d
     }
 
 
-def start_local() -> tuple[str, object]:
+def start_local():
     from prism_server.config import EngineConfig, ModelSpec
     from prism_server.engine import Engine
-    from prism_server.server.app import serve
-    from prism_server.server_args import ServerArgs
+    from prism_server.server.app import serve_in_thread
 
     engine = Engine(EngineConfig(models=tuple(ModelSpec(m, m) for m in MODELS), device="cpu"))
-    started, box = threading.Event(), {}
-
-    async def main():
-        box["loop"], box["stop"] = asyncio.get_running_loop(), asyncio.Event()
-        await serve(
-            engine,
-            ServerArgs(port=0, engine=engine.config),
-            ready=lambda port: (box.update(port=port), started.set()),
-            stop=box["stop"],
-        )
-
-    threading.Thread(target=lambda: asyncio.run(main()), daemon=True).start()
-    started.wait()
-    return f"http://127.0.0.1:{box['port']}", engine
+    return serve_in_thread(engine)
 
 
 def main() -> None:
@@ -106,7 +91,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--max-tokens", type=int, default=32)
     args = ap.parse_args()
-    url, engine = (args.url, None) if args.url else start_local()
+    local = None if args.url else start_local()
+    url = args.url or local.url
     levels = [int(c) for c in args.concurrency.split(",")]
     asyncio.run(level(url, 2, 4, 4))  # warm-up
     rows = []
@@ -129,8 +115,8 @@ def main() -> None:
             f"{r['tok_s'] / base['tok_s']:>19.2f}x"
         )
     print(json.dumps(rows))
-    if engine is not None:
-        engine.close()
+    if local is not None:
+        local.close()
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ import logging
 import random
 import statistics
 import sys
-import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -31,9 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from prism_server.config import EngineConfig, ModelSpec  # noqa: E402
 from prism_server.engine import Engine  # noqa: E402
+from prism_server.server.app import serve_in_thread  # noqa: E402
 from scheduler.sampling_params import SamplingParams  # noqa: E402
-from prism_server.server.app import serve  # noqa: E402
-from prism_server.server_args import ServerArgs  # noqa: E402
 
 PROMPTS = [f"Item {i}: " + "lorem ipsum dolor " * (i % 5 + 1) for i in range(8)]
 MAX_TOKENS = (8, 16, 24)
@@ -164,22 +162,8 @@ class Soak:
         self.report = SoakReport()
 
     def _start_server(self) -> None:
-        started, box = threading.Event(), {}
-
-        async def main():
-            box["loop"], box["stop"] = asyncio.get_running_loop(), asyncio.Event()
-            await serve(
-                self.engine,
-                ServerArgs(port=0, engine=self.engine.config),
-                ready=lambda p: (box.update(port=p), started.set()),
-                stop=box["stop"],
-            )
-
-        self._thread = threading.Thread(target=lambda: asyncio.run(main()), daemon=True)
-        self._thread.start()
-        started.wait()
-        self._box = box
-        self.url = f"http://127.0.0.1:{box['port']}"
+        self.server = serve_in_thread(self.engine)
+        self.url = self.server.url
 
     async def _client(self, session: aiohttp.ClientSession, deadline: float, rng) -> None:
         while time.monotonic() < deadline:
@@ -251,7 +235,7 @@ class Soak:
 
     def _wait_idle(self, timeout: float = 120) -> None:
         end = time.monotonic() + timeout
-        while any(m.requests or m.scheduler.has_work for m in self.engine.models.values()):
+        while any(s.has_requests for s in self.engine.snapshots()):
             if time.monotonic() > end:
                 break
             time.sleep(0.05)
@@ -269,12 +253,11 @@ class Soak:
             if o.text != refs[key] or o.finish_reason != "length":
                 r.wrong.append(f"{key}: got {o.text!r} ({o.finish_reason}), want {refs[key]!r}")
         pool = self.engine.pool
-        r.preemptions = sum(m.scheduler.num_preemptions for m in self.engine.models.values())
+        models = [m for w in self.engine.workers for m in w.snapshot_now().models]
+        r.preemptions = sum(m.num_preemptions for m in models)
         r.pages_acquired, r.pages_released = pool.acquired_total, pool.released_total
         r.pages_reclaimed = pool.reclaimed_total
-        r.leaked_blocks = sum(
-            m.kv_cache.allocator.num_used_blocks for m in self.engine.models.values()
-        )
+        r.leaked_blocks = sum(m.kv_blocks_used for m in models)
         try:
             self.engine.check_integrity()
         except AssertionError as e:
@@ -291,10 +274,10 @@ class Soak:
         finally:
             logging.getLogger().removeHandler(errors)
             self.report.errors += errors.records
-            loop, stop = self._box["loop"], self._box["stop"]
-            loop.call_soon_threadsafe(stop.set)
-            self._thread.join(timeout=60)
-            self.engine.close()
+            if getattr(self, "server", None) is not None:
+                self.server.close()  # and the engine
+            else:
+                self.engine.close()
         return self.report
 
 

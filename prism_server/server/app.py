@@ -161,7 +161,10 @@ def serve_in_thread(engine: Engine, args: ServerArgs | None = None, **fields) ->
     async def main():
         box["loop"], box["stop"] = asyncio.get_running_loop(), asyncio.Event()
         await serve(
-            engine, args, ready=lambda port: (box.update(port=port), started.set()), stop=box["stop"]
+            engine,
+            args,
+            ready=lambda port: (box.update(port=port), started.set()),
+            stop=box["stop"],
         )
 
     thread = threading.Thread(target=lambda: asyncio.run(main()), name="prism-http", daemon=True)

@@ -128,9 +128,7 @@ class RequestStream:
             self.last_token = now
         if out.finished:
             self.finished = True
-            metrics.finished(
-                self.model, out, self.arrival, self.first_token, now, spec.tpot_slo_ms
-            )
+            metrics.finished(self.model, out, self.arrival, self.first_token, now, spec.tpot_slo_ms)
             self.close()
         return out
 

@@ -5,10 +5,10 @@ recorded by the frontend as outputs arrive."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
-
-from collections.abc import Callable, Sequence
 
 from scheduler.request import RequestOutput
 from scheduler.snapshot import DeviceSnapshot
@@ -189,7 +189,12 @@ class Metrics:
         self.generation_tokens.labels(model).inc(n)
 
     def finished(
-        self, model: str, out: RequestOutput, arrival: float, first: float | None, now: float,
+        self,
+        model: str,
+        out: RequestOutput,
+        arrival: float,
+        first: float | None,
+        now: float,
         tpot_slo_ms,
     ) -> None:
         self.e2e.labels(model).observe(now - arrival)

@@ -43,9 +43,7 @@ class OpenAIRoutes:
         )
 
     def _residency(self) -> dict[str, str]:
-        return {
-            m.name: m.residency.value for snap in self.engine.snapshots() for m in snap.models
-        }
+        return {m.name: m.residency.value for snap in self.engine.snapshots() for m in snap.models}
 
     async def list_models(self, request: web.Request) -> web.Response:
         """Every configured model, in config order (failed ones included)."""

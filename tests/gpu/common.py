@@ -1,5 +1,5 @@
 """Shared pieces of the GPU tests: a tiny Llama with FlashInfer's head_dim, a pool on the device,
-a greedy driver over ModelEngine, and comparisons that tell real divergence from near-ties."""
+a greedy driver over ModelWorker, and comparisons that tell real divergence from near-ties."""
 
 from __future__ import annotations
 
@@ -9,17 +9,17 @@ import itertools
 import pytest
 import torch
 
-from kvpool import CpuBackend, PagedKV, KVLayout, PagePool
+from kvpool import CpuBackend, KVLayout, PagedKV, PagePool
 from models.attention.base import AttentionMetadata, ForwardContext, SeqChunk
 from models.attention.torch_paged import TorchPagedAttention
 from models.config import ModelConfig
 from models.loader import init_dummy_weights
 from models.registry import get_model_class
 from models.tokenizer import ByteTokenizer
-from prism_server.model_engine import ModelEngine
+from prism_server.model_worker import ModelWorker
+from scheduler.batch_scheduler import SchedulerConfig
 from scheduler.request import FinishReason, Request
 from scheduler.sampling_params import SamplingParams
-from scheduler.batch_scheduler import SchedulerConfig
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 GPU = [pytest.mark.gpu, needs_cuda]
@@ -82,25 +82,25 @@ def cuda_pool(pages: int, page_bytes: int = 2 << 20) -> PagePool:
 
 def model_engine(
     name: str, cfg: ModelConfig, model, pool: PagePool, *, graphs: bool = True, cached: int = 1
-) -> ModelEngine:
+) -> ModelWorker:
     sched = SchedulerConfig(
         block_size=BLOCK, max_num_seqs=64, max_num_batched_tokens=256, max_model_len=2048
     )
     dtype = next(model.parameters()).dtype
-    me = ModelEngine(name, model, ByteTokenizer(cfg.vocab_size), cfg, pool, sched, dtype, cached)
+    me = ModelWorker(name, model, ByteTokenizer(cfg.vocab_size), pool, sched, dtype, cached)
     if not graphs and me.runner.graphs is not None:
         from prism_server.model_runner import ModelRunner
 
-        me.runner = ModelRunner(model, me.kv_cache, me.device, cuda_graph_sizes=())
+        me.runner = ModelRunner(model, me.kv.cache, me.device, cuda_graph_sizes=())
     return me
 
 
-def start(me: ModelEngine, prompt_ids: list[list[int]], max_tokens: int) -> list[Request]:
+def start(me: ModelWorker, prompt_ids: list[list[int]], max_tokens: int) -> list[Request]:
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     reqs = []
     for p in prompt_ids:
         errors: list[str] = []
-        r = Request(f"r{next(_ids)}", list(p), params, me.eos_token_ids, sink=None)
+        r = Request(f"r{next(_ids)}", list(p), params, frozenset(), 0.0)
         r.sink = lambda out, errors=errors: errors.append(out.error) if out.error else None
         r.errors = errors
         me.add(r)
@@ -109,7 +109,7 @@ def start(me: ModelEngine, prompt_ids: list[list[int]], max_tokens: int) -> list
 
 
 def greedy(
-    me: ModelEngine, prompt_ids: list[list[int]], max_tokens: int
+    me: ModelWorker, prompt_ids: list[list[int]], max_tokens: int
 ) -> tuple[list[list[int]], list[torch.Tensor]]:
     """Runs the prompts as one batch to completion; returns each one's tokens and the logits
     [max_tokens, vocab] (float32, host) it sampled them from."""
@@ -126,7 +126,7 @@ def greedy(
     me.sampler.sample = recording
     try:
         while me.has_work:
-            me.step()
+            me.step(0.0)
     finally:
         del me.sampler.sample
     for r in reqs:

@@ -53,19 +53,19 @@ def test_graph_replay_gives_the_eager_tokens():
             assert rel < 1e-2, float(rel)
     assert replays[0] >= 19 + 1  # the decode steps replayed graphs
     for me in (graphed, eager):
-        me.kv_cache.check_integrity()
+        me.check_integrity()
         me.close()
 
 
 def watch_first_page(me) -> list:
     """Records, after each step of `me`, the physical handle backing its first KV page."""
     seen = []
-    stride = me.kv_cache.layout.page_stride_bytes
+    stride = me.kv.layout.page_stride_bytes
     step = me.step
 
-    def watching():
-        ran = step()
-        seen.append(me.kv_cache.buffer._mapped.get(stride))
+    def watching(now):
+        ran = step(now)
+        seen.append(me.kv.cache.pages.buffer._mapped.get(stride))
         return ran
 
     me.step = watching
@@ -87,9 +87,9 @@ def test_graphs_stay_valid_while_pages_are_remapped():
     assert first_handle is not None and pool.pages_of("a") == 0  # all pages went back
     # b takes the page a gave back (the pool hands out the last returned first) and keeps it
     held = start(b, prompts(3, seed=8), 1000)
-    b.step()
-    b_stride = b.kv_cache.layout.page_stride_bytes
-    assert b.kv_cache.buffer._mapped.get(b_stride) is first_handle
+    b.step(0.0)
+    b_stride = b.kv.layout.page_stride_bytes
+    assert b.kv.cache.pages.buffer._mapped.get(b_stride) is first_handle
     seen.clear()
     second_tokens, second_logits = greedy(a, ps, 24)
     assert seen[0] is not None and seen[0] is not first_handle  # other physical memory
@@ -100,6 +100,6 @@ def test_graphs_stay_valid_while_pages_are_remapped():
     for r in held:
         b.abort(r.request_id)
     for me in (a, b):
-        me.kv_cache.check_integrity()
+        me.check_integrity()
         me.close()
     pool.check_integrity()

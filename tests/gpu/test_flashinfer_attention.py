@@ -13,7 +13,7 @@ import zlib
 import pytest
 import torch
 
-from kvpool import PagedKV, KVLayout
+from kvpool import KVLayout, PagedKV
 from models.attention.base import AttentionMetadata, LayerAttention, SeqChunk
 from models.attention.flashinfer_paged import AttentionShape, FlashInferBackend, kv_rows
 from models.attention.torch_paged import TorchPagedAttention

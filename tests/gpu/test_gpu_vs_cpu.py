@@ -49,6 +49,6 @@ def test_greedy_tokens_on_gpu_match_the_cpu_reference():
         gap = ref.max(1).values - picked
         spread = ref.max(1).values - ref.median(1).values
         assert (gap <= TIE * spread).all(), (gap / spread).max()
-    gpu.kv_cache.check_integrity()
+    gpu.check_integrity()
     gpu.close()
     cpu.close()

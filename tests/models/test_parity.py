@@ -14,7 +14,7 @@ import pytest
 import torch
 import transformers as tf
 
-from kvpool import CpuBackend, PagedKV, KVLayout, PagePool
+from kvpool import CpuBackend, KVLayout, PagedKV, PagePool
 from models.attention.base import AttentionMetadata, ForwardContext, SeqChunk
 from models.attention.torch_paged import TorchPagedAttention
 from models.config import ModelConfig

@@ -48,7 +48,9 @@ def test_greedy_tokens_equal_transformers(name):
         outs = engine.generate(name, prompts, params)
         engine.check_integrity()
 
-    hf = AutoModelForCausalLM.from_pretrained(embedded_model_dir(name, envs.gguf_cache_dir()), dtype=torch.float32)
+    hf = AutoModelForCausalLM.from_pretrained(
+        embedded_model_dir(name, envs.gguf_cache_dir()), dtype=torch.float32
+    )
     hf.eval()
     for prompt, out in zip(prompts, outs):
         assert len(out.token_ids) == NEW_TOKENS

@@ -11,8 +11,8 @@ import aiohttp
 import httpx
 import pytest
 
-from prism_server.config import EngineConfig, ModelSpec
 from prism_server.commands import Call
+from prism_server.config import EngineConfig, ModelSpec
 from prism_server.engine import Engine
 from prism_server.server.app import serve_in_thread
 
@@ -163,8 +163,8 @@ def test_disconnect_mid_decode(srv):
 
 def test_the_global_queue_bound_holds_across_models():
     from prism_server.protocol import APIError
-    from scheduler.sampling_params import SamplingParams
     from prism_server.server.frontend import Frontend
+    from scheduler.sampling_params import SamplingParams
 
     specs = tuple(
         ModelSpec(n, "dummy:tiny-llama", block_size=4, max_queued_requests=5) for n in ("a", "b")
@@ -180,7 +180,7 @@ def test_the_global_queue_bound_holds_across_models():
             params = SamplingParams(max_tokens=2)
             streams, refused = [], {"a": 0, "b": 0}
             for model, n in (("a", 7), ("b", 5)):
-                for i in range(n):
+                for _ in range(n):
                     try:
                         streams.append(fe.submit(engine.model(model), [5, 6, 7], params))
                     except APIError as e:

@@ -4,13 +4,15 @@ import math
 
 import torch
 
-from scheduler.request import Request
 from prism_server.sampler import Sampler
+from scheduler.request import Request
 from scheduler.sampling_params import SamplingParams
 
 
 def req(name: str, **kw) -> Request:
-    return Request(name, [1, 2, 3], SamplingParams(**kw), eos_token_ids=frozenset({0}))
+    return Request(
+        name, [1, 2, 3], SamplingParams(**kw), eos_token_ids=frozenset({0}), arrival_time=0.0
+    )
 
 
 def logits(rows: int = 4, vocab: int = 50, seed: int = 0) -> torch.Tensor:

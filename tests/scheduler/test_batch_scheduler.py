@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from scheduler.batch_scheduler import BatchScheduler, SchedulerConfig
 from scheduler.request import Request, RequestStatus
 from scheduler.sampling_params import SamplingParams
-from scheduler.batch_scheduler import BatchScheduler, SchedulerConfig
 
 BLOCK = 4
 

@@ -1,0 +1,78 @@
+"""The layers hold: import-linter's contracts (pyproject.toml), and the decision layer imports and
+tests without torch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Run first in a fresh interpreter: any import of these raises, as if they were not installed.
+BLOCK = textwrap.dedent(
+    """
+    import sys
+
+    class _Block:
+        blocked = ("torch", "numpy", "kvpool", "models", "prism_server")
+
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in self.blocked:
+                raise ImportError(f"{name} is not importable here")
+            return None
+
+    sys.meta_path.insert(0, _Block())
+    """
+)
+
+
+def run(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", BLOCK + textwrap.dedent(code)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_import_contracts_are_kept():
+    lint = Path(sys.executable).with_name("lint-imports")
+    r = subprocess.run([str(lint)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "0 broken" in r.stdout
+
+
+def test_the_blocker_works():
+    r = run("import torch")
+    assert r.returncode != 0 and "torch is not importable here" in r.stderr
+
+
+def test_scheduler_imports_without_torch():
+    r = run(
+        """
+        import pkgutil, importlib, scheduler
+        names = [m.name for m in pkgutil.walk_packages(scheduler.__path__, "scheduler.")]
+        for name in names:
+            importlib.import_module(name)
+        assert "torch" not in sys.modules
+        print(len(names))
+        """
+    )
+    assert r.returncode == 0, r.stderr
+    assert int(r.stdout) >= 5  # request, sampling_params, batch_scheduler, snapshot, balloon
+
+
+def test_scheduler_tests_run_without_torch():
+    r = run(
+        """
+        import pytest
+        code = pytest.main(["-q", "-p", "no:cacheprovider", "tests/scheduler"])
+        assert "torch" not in sys.modules
+        sys.exit(code)
+        """
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert " passed" in r.stdout
