@@ -21,40 +21,58 @@ from scheduler.request import FinishReason, RequestOutput
 from scheduler.snapshot import Residency
 
 GEMMA = "gemma3-270m"
+# (prompt, stop, seed): greedy, greedy with a stop string, and seeded sampling (a per-request
+# random generator), the state that a shared key would mix up
 PROMPTS = [
-    ("The capital of France is", None),
-    ("Once upon a time, there was", "."),
-    ("The three primary colors are", ","),
-    ("def fibonacci(n):", None),
+    ("The capital of France is", None, None),
+    ("Once upon a time, there was", ["country"], None),
+    ("The three primary colors are", None, 7),
+    ("def fibonacci(n):", None, 7),
 ]
 
 
-def completion(url: str, prompt: str, stop, headers=None) -> httpx.Response:
+def completion(url: str, prompt: str, stop, seed, headers=None) -> httpx.Response:
     body = {"model": GEMMA, "prompt": prompt, "max_tokens": 16, "temperature": 0}
     if stop:
         body["stop"] = stop
+    if seed is not None:
+        body.update(seed=seed, temperature=1.0)
     return httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=120)
 
 
 def test_concurrent_requests_with_the_same_request_id_do_not_share_state(server):
-    alone = [completion(server.url, p, stop).json()["choices"][0]["text"] for p, stop in PROMPTS]
+    """Four requests with one X-Request-Id, held until all four are queued so they run in one
+    batch: each answer equals its request run alone (with the header as the key, their tokens
+    came back interleaved and seeded ones drew from one generator)."""
+    alone = [completion(server.url, *p).json()["choices"][0]["text"] for p in PROMPTS]
     results: dict[int, httpx.Response] = {}
-
-    def one(i: int) -> None:
-        p, stop = PROMPTS[i]
-        results[i] = completion(server.url, p, stop, headers={"X-Request-Id": "same3"})
-
-    for _ in range(2):
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(PROMPTS))]
+    gate = threading.Event()
+    server.engine.worker.send(Call(gate.wait))  # hold the engine thread
+    threads = [
+        threading.Thread(
+            target=lambda i=i: results.update(
+                {i: completion(server.url, *PROMPTS[i], headers={"X-Request-Id": "same3"})}
+            )
+        )
+        for i in range(len(PROMPTS))
+    ]
+    try:
         for t in threads:
             t.start()
-        for t in threads:
-            t.join()
-        for i, r in results.items():
-            assert r.status_code == 200
-            assert r.headers["X-Request-Id"] == "same3"
-            assert r.json()["id"] == "same3"  # echoed, never used as a key
-            assert r.json()["choices"][0]["text"] == alone[i], (i, PROMPTS[i])
+        pending = f'prism:num_requests_pending{{model_name="{GEMMA}"}} {len(PROMPTS)}.0'
+        deadline = time.monotonic() + 60
+        while pending not in httpx.get(server.url + "/metrics").text:
+            assert time.monotonic() < deadline, "the requests were never all queued"
+            time.sleep(0.02)
+    finally:
+        gate.set()
+    for t in threads:
+        t.join()
+    for i, r in sorted(results.items()):
+        assert r.status_code == 200
+        assert r.headers["X-Request-Id"] == "same3"
+        assert r.json()["id"] == "same3"  # echoed, never used as a key
+        assert r.json()["choices"][0]["text"] == alone[i], (i, PROMPTS[i])
     server.engine.check_integrity()
 
 
