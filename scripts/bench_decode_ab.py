@@ -19,6 +19,39 @@ import time
 from pathlib import Path
 
 
+def run_batch(engine, sampling_params, prompts: list[list[int]], max_tokens: int) -> dict:
+    """All prompts at once to model "m"; TTFT per request, and TPOT = median gap between tokens
+    once every request is decoding (so no prefill shares those steps). `sampling_params` is the
+    tree's SamplingParams class (its module moved between layouts)."""
+    params = sampling_params(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    times: list[list[float]] = [[] for _ in prompts]
+    done: queue.SimpleQueue = queue.SimpleQueue()
+    errors: list[str] = []
+    t0 = time.perf_counter()
+    for i, p in enumerate(prompts):
+
+        def sink(out, i=i):
+            if out.new_token_ids:
+                times[i].append(time.perf_counter())
+            if out.error:
+                errors.append(out.error)
+            if out.finished:
+                done.put(i)
+
+        engine.add_request("m", p, params, sink)
+    for _ in prompts:
+        done.get(timeout=600)
+    if errors:
+        raise RuntimeError(errors[0])
+    t_all = max(ts[0] for ts in times)
+    gaps = [b - a for ts in times for a, b in zip(ts, ts[1:]) if a >= t_all]
+    return {
+        "ttft_ms": statistics.mean(ts[0] - t0 for ts in times) * 1e3,
+        "tpot_ms": statistics.median(gaps) * 1e3 if gaps else None,
+        "gaps": len(gaps),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tree", type=Path, required=True, help="the source tree to measure")
@@ -52,28 +85,7 @@ def main() -> None:
         return torch.randint(300, 120000, (n,), generator=g).tolist()
 
     def run(prompts: list[list[int]], max_tokens: int) -> float:
-        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-        times: list[list[float]] = [[] for _ in prompts]
-        done: queue.SimpleQueue = queue.SimpleQueue()
-        errors: list[str] = []
-        for i, p in enumerate(prompts):
-
-            def sink(out, i=i):
-                if out.new_token_ids:
-                    times[i].append(time.perf_counter())
-                if out.error:
-                    errors.append(out.error)
-                if out.finished:
-                    done.put(i)
-
-            engine.add_request("m", p, params, sink)
-        for _ in prompts:
-            done.get(timeout=600)
-        if errors:
-            raise RuntimeError(errors[0])
-        t_all = max(ts[0] for ts in times)
-        gaps = [b - a for ts in times for a, b in zip(ts, ts[1:]) if a >= t_all]
-        return statistics.median(gaps) * 1e3
+        return run_batch(engine, SamplingParams, prompts, max_tokens)["tpot_ms"]
 
     run([prompt(64, 0), prompt(64, 1)], 8)  # warm-up (JIT, graphs)
     out = {"label": args.label, "tree": str(args.tree)}

@@ -20,7 +20,6 @@ import argparse
 import gc
 import itertools
 import json
-import queue
 import re
 import statistics
 import sys
@@ -38,6 +37,7 @@ from prism_server.engine import Engine  # noqa: E402
 from prism_server.model_worker import ModelWorker  # noqa: E402
 from scheduler.request import Request  # noqa: E402
 from scheduler.sampling_params import SamplingParams  # noqa: E402
+from scripts.bench_decode_ab import run_batch as ab_run_batch  # noqa: E402
 
 MODEL = "llama-3.1-8b"
 GiB = 1 << 30
@@ -124,35 +124,7 @@ def prompt(n: int, seed: int) -> list[int]:
 
 
 def run_batch(engine: Engine, prompts: list[list[int]], max_tokens: int) -> dict:
-    """All prompts at once; TTFT per request, and TPOT = median gap between tokens once every
-    request is decoding (so no prefill shares those steps)."""
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    times: list[list[float]] = [[] for _ in prompts]
-    done: queue.SimpleQueue = queue.SimpleQueue()
-    errors: list[str] = []
-    t0 = time.perf_counter()
-    for i, p in enumerate(prompts):
-
-        def sink(out, i=i):
-            if out.new_token_ids:
-                times[i].append(time.perf_counter())
-            if out.error:
-                errors.append(out.error)
-            if out.finished:
-                done.put(i)
-
-        engine.add_request("m", p, params, sink)
-    for _ in prompts:
-        done.get(timeout=600)
-    if errors:
-        raise RuntimeError(errors[0])
-    t_all = max(ts[0] for ts in times)
-    gaps = [b - a for ts in times for a, b in zip(ts, ts[1:]) if a >= t_all]
-    return {
-        "ttft_ms": statistics.mean(ts[0] - t0 for ts in times) * 1e3,
-        "tpot_ms": statistics.median(gaps) * 1e3 if gaps else None,
-        "gaps": len(gaps),
-    }
+    return ab_run_batch(engine, SamplingParams, prompts, max_tokens)
 
 
 def weight_bytes(engine: Engine) -> int:
