@@ -121,6 +121,13 @@ class _SamplingFields(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    def check(self) -> None:
+        """Field combinations OpenAI refuses (after each field has validated on its own)."""
+        if self.stream_options is not None and not self.stream:
+            raise APIError(
+                400, "stream_options is only allowed when stream is true.", param="stream_options"
+            )
+
     def sampling_params(
         self, max_tokens: int, logprobs: int | None, index: int = 0
     ) -> SamplingParams:
@@ -156,6 +163,13 @@ class ChatCompletionRequest(_SamplingFields):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def check(self) -> None:
+        super().check()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(
+                400, "top_logprobs is only allowed when logprobs is true.", param="top_logprobs"
+            )
 
     @property
     def num_logprobs(self) -> int | None:

@@ -36,6 +36,9 @@ class ServerArgs:
     max_queued_requests: int = 1024  # accepted but not started, all models; beyond it: 503
     max_request_bytes: int = 8 << 20
     shutdown_timeout_s: float = 60.0  # how long SIGTERM waits for in-flight requests
+    # Host header names answered; None: loopback names on a loopback bind, any name otherwise;
+    # ["*"]: any name. Stops DNS rebinding of a server on localhost.
+    allowed_hosts: tuple[str, ...] | None = None
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self):
@@ -45,6 +48,10 @@ class ServerArgs:
             raise ValueError("api_key must not be empty")
         if self.max_queued_requests < 1:
             raise ValueError("max_queued_requests must be positive")
+        if self.shutdown_timeout_s < 0:
+            raise ValueError("shutdown_timeout_s must not be negative")
+        if self.allowed_hosts is not None and any(not h for h in self.allowed_hosts):
+            raise ValueError("allowed_hosts must not hold empty names")
 
     @property
     def models(self) -> tuple[ModelSpec, ...]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import signal
 import threading
@@ -14,71 +13,25 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from prism_server.engine import Engine
-from prism_server.protocol import APIError, error_body
 from prism_server.server.frontend import Frontend
+from prism_server.server.middlewares import allowed_host_names, client_request_id, middlewares
 from prism_server.server.openai_routes import OpenAIRoutes
 from prism_server.server_args import ServerArgs
 
 log = logging.getLogger(__name__)
 
 FRONTEND = web.AppKey("frontend", Frontend)
-_OPEN_PATHS = frozenset({"/health"})
-
-
-def _error(
-    status: int, message: str, type_: str, code: str | None = None, headers: dict | None = None
-) -> web.Response:
-    return web.json_response(error_body(message, type_, None, code), status=status, headers=headers)
-
-
-def _middlewares(api_key: str | None):
-    @web.middleware
-    async def errors(request: web.Request, handler):
-        try:
-            return await handler(request)
-        except APIError as e:
-            return web.json_response(e.body(), status=e.status, headers=e.headers)
-        except web.HTTPException as e:
-            if e.status < 400:
-                raise
-            type_ = "invalid_request_error" if e.status < 500 else "server_error"
-            code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
-            return _error(
-                e.status,
-                e.reason if e.status != 404 else f"No route for {request.method} {request.path}.",
-                type_,
-                code.get(e.status),
-            )
-        except (asyncio.CancelledError, ConnectionResetError):
-            raise
-        except Exception:
-            log.exception("internal error on %s %s", request.method, request.path)
-            return _error(500, "Internal server error.", "server_error")
-
-    @web.middleware
-    async def auth(request: web.Request, handler):
-        if api_key is not None and request.path not in _OPEN_PATHS:
-            given = request.headers.get("Authorization", "")
-            scheme, _, token = given.partition(" ")
-            ok = scheme.lower() == "bearer" and hmac.compare_digest(
-                token.encode(), api_key.encode()
-            )
-            if not ok:
-                return _error(
-                    401,
-                    "Invalid or missing API key (Authorization: Bearer <key>).",
-                    "invalid_request_error",
-                    "invalid_api_key",
-                )
-        return await handler(request)
-
-    return [errors, auth]
+# After the shutdown deadline: how long aborted requests get to send their last event, and how
+# long aiohttp then waits for handlers before it cancels them.
+_ABORT_GRACE_S = 3.0
+_HANDLER_GRACE_S = 1.0
 
 
 def build_app(engine: Engine, args: ServerArgs) -> web.Application:
     frontend = Frontend(engine, args.max_queued_requests)
+    hosts = allowed_host_names(args.host, args.allowed_hosts)
     app = web.Application(
-        middlewares=_middlewares(args.api_key), client_max_size=args.max_request_bytes
+        middlewares=middlewares(args.api_key, hosts), client_max_size=args.max_request_bytes
     )
     app[FRONTEND] = frontend
     OpenAIRoutes(frontend).register(app)
@@ -95,7 +48,7 @@ def build_app(engine: Engine, args: ServerArgs) -> web.Application:
         )
 
     async def echo_request_id(request: web.Request, response: web.StreamResponse) -> None:
-        rid = request.headers.get("X-Request-Id")
+        rid = client_request_id(request)
         if rid:
             response.headers.setdefault("X-Request-Id", rid)
 
@@ -111,7 +64,9 @@ async def serve(
     """Runs until SIGTERM/SIGINT (or `stop` is set), then drains in-flight requests (up to the
     shutdown timeout). `ready(port)` is called once the socket listens."""
     app = build_app(engine, args)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(
+        app, handler_cancellation=True, access_log=None, shutdown_timeout=_HANDLER_GRACE_S
+    )
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)
     await site.start()
@@ -128,6 +83,9 @@ async def serve(
     log.info("shutting down: draining %d in-flight requests", frontend.in_flight)
     if not await frontend.drain(args.shutdown_timeout_s):
         log.warning("shutdown timeout: %d requests still in flight are aborted", frontend.in_flight)
+        frontend.abort_all()  # each ends with finish_reason abort (and [DONE] when streamed)
+        if not await frontend.drain(_ABORT_GRACE_S):
+            log.warning("%d requests did not end after their abort", frontend.in_flight)
     await runner.cleanup()
 
 

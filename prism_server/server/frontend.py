@@ -5,6 +5,7 @@ whose client went away, and records request metrics. The event loop never waits 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import defaultdict
 
@@ -34,10 +35,27 @@ class Frontend:
         self.metrics = Metrics(engine.snapshots)
         self.max_queued = max_queued_requests
         self._queued: dict[str, int] = defaultdict(int)  # accepted, no output yet, per model
+        self._open: set[RequestStream] = set()  # accepted, not yet released
         self.in_flight = 0
         self.draining = False
         self._idle = asyncio.Event()
         self._idle.set()
+
+    def check_batch(self, served: ServedModel, n: int) -> None:
+        """A request of n completions that could never be queued at once: 400 naming the bound
+        (503 would tell the client to retry what can never succeed)."""
+        bound, what = min(
+            (served.spec.max_queued_requests, f"max_queued_requests of `{served.name}`"),
+            (self.max_queued, "the server's max_queued_requests"),
+        )
+        if n > bound:
+            raise APIError(
+                400,
+                f"This request asks for {n} completions (prompts x n); at most {bound} can be "
+                f"queued ({what}).",
+                param="n",
+                code="too_many_completions",
+            )
 
     def _admit(self, served: ServedModel) -> None:
         if self.draining:
@@ -61,6 +79,7 @@ class Frontend:
         stream = RequestStream(self, served)
         stream.request = self.engine.submit(served, prompt_ids, params, stream.sink, stream.arrival)
         self._queued[served.name] += 1
+        self._open.add(stream)
         self.metrics.pending.labels(served.name).inc()
         self.in_flight += 1
         self._idle.clear()
@@ -76,9 +95,17 @@ class Frontend:
         if not stream.finished:
             self.engine.abort(stream.model, stream.request.request_id)
             self.metrics.request_success.labels(stream.model, "abort").inc()
+        self._open.discard(stream)
         self.in_flight -= 1
         if self.in_flight == 0:
             self._idle.set()
+
+    def abort_all(self) -> None:
+        """Abort every request in flight (the shutdown deadline): each still ends through its
+        stream, with finish_reason abort."""
+        for stream in list(self._open):
+            if not stream.finished:
+                self.engine.abort(stream.model, stream.request.request_id)
 
     async def drain(self, timeout: float) -> bool:
         """Stops accepting requests and waits for those in flight; False on timeout."""
@@ -106,7 +133,10 @@ class RequestStream:
         self.closed = False
 
     def sink(self, out: RequestOutput) -> None:  # engine thread
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, out)
+        if self.loop.is_closed():  # the server is gone (shutdown): nobody is listening
+            return
+        with contextlib.suppress(RuntimeError):  # closed between the check and the call
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, out)
 
     def __aiter__(self) -> RequestStream:
         return self

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from dataclasses import dataclass
@@ -18,7 +19,10 @@ from prism_server.engine import Engine
 from prism_server.protocol import APIError, stream_error, usage, validation_error
 from prism_server.served_model import ModelFailed, ModelNotFound, RequestRejected, ServedModel
 from prism_server.server.frontend import Frontend, RequestStream
+from prism_server.server.middlewares import client_request_id
 from prism_server.server.sse import SSEWriter
+
+log = logging.getLogger(__name__)
 
 
 async def read_json(request: web.Request) -> dict:
@@ -30,14 +34,50 @@ async def read_json(request: web.Request) -> dict:
         raise APIError(400, f"The request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise APIError(400, "The request body must be a JSON object.")
+    bad = _invalid_text(body)
+    if bad is not None:
+        raise APIError(
+            400,
+            f"{bad or 'The body'}: the text is not valid Unicode (it holds a lone surrogate).",
+            param=bad or None,
+        )
     return body
+
+
+def _invalid_text(value, path: str = "") -> str | None:
+    """The path (`messages.0.content`) of the first string, or key, that is not valid Unicode
+    (a lone surrogate: valid JSON, but no UTF-8 encoding and no tokenizer takes it)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    items = (
+        value.items()
+        if isinstance(value, dict)
+        else enumerate(value)
+        if isinstance(value, list)
+        else ()
+    )
+    for k, v in items:
+        if isinstance(k, str) and _invalid_text(k) is not None:
+            k = k.encode("utf-8", "backslashreplace").decode()  # named, as valid text
+            return f"{path}.{k}" if path else k
+        where = f"{path}.{k}" if path else str(k)
+        found = _invalid_text(v, where)
+        if found is not None:
+            return found
+    return None
 
 
 async def parse(request: web.Request, cls: type[BaseModel]):
     try:
-        return cls.model_validate(await read_json(request))
+        req = cls.model_validate(await read_json(request))
     except ValidationError as e:
         raise validation_error(e) from None
+    req.check()
+    return req
 
 
 def not_found(name: str) -> APIError:
@@ -80,8 +120,7 @@ def check(served: ServedModel, prompt_len: int, max_tokens: int | None) -> int:
 def response_id(request: web.Request, prefix: str) -> str:
     """The `id` of the response: the client's X-Request-Id, echoed (never used as a key), or a
     new one."""
-    given = request.headers.get("X-Request-Id")
-    return given if given and len(given) <= 256 else f"{prefix}-{uuid.uuid4().hex}"
+    return client_request_id(request) or f"{prefix}-{uuid.uuid4().hex}"
 
 
 @dataclass
@@ -102,6 +141,7 @@ def submit_choices(
     logprobs: int | None,
 ) -> list[Choice]:
     """n choices per prompt, submitted together: all accepted, or none (503 frees the rest)."""
+    frontend.check_batch(served, len(prompts) * req.n)
     choices: list[Choice] = []
     try:
         for p_i, ids in enumerate(prompts):
@@ -154,26 +194,33 @@ async def _stream(request, req, choices: list[Choice], shapes, prompt_tokens: in
 
     tasks = [asyncio.create_task(pump(c)) for c in choices]
     try:
-        for first in shapes.first([c.index for c in choices]):
-            await sse.send(shapes.chunk([first]))
-        remaining = len(choices)
-        while remaining:
-            c, out = await merged.get()
-            c.completion.add(out, time.monotonic())
-            if out.finished:
-                remaining -= 1
-                if out.error:
-                    await sse.send(stream_error(f"Generation failed: {out.error}"))
-                    continue
-            if out.new_text or out.finished or out.logprobs:
-                await sse.send(shapes.chunk([shapes.delta(c.index, c.completion, out)]))
-        if req.include_usage:
-            generated = sum(len(c.completion.token_ids) for c in choices)
-            await sse.send(shapes.chunk([], usage(prompt_tokens, generated)))
-        await sse.done()
+        await _send_stream(sse, req, choices, shapes, prompt_tokens, merged)
     except ConnectionResetError:  # the client went away mid-stream: abort quietly
         pass
+    except Exception:  # anything after the 200 went out ends the stream as SSE says
+        log.exception("stream failed after it started")
+        await sse.fail("Internal server error.")
     finally:
         for t in tasks:
             t.cancel()
     return sse.response
+
+
+async def _send_stream(sse: SSEWriter, req, choices, shapes, prompt_tokens: int, merged) -> None:
+    for first in shapes.first([c.index for c in choices]):
+        await sse.send(shapes.chunk([first]))
+    remaining = len(choices)
+    while remaining:
+        c, out = await merged.get()
+        c.completion.add(out, time.monotonic())
+        if out.finished:
+            remaining -= 1
+            if out.error:
+                await sse.send(stream_error(f"Generation failed: {out.error}"))
+                continue
+        if out.new_text or out.finished or out.logprobs:
+            await sse.send(shapes.chunk([shapes.delta(c.index, c.completion, out)]))
+    if req.include_usage:
+        generated = sum(len(c.completion.token_ids) for c in choices)
+        await sse.send(shapes.chunk([], usage(prompt_tokens, generated)))
+    await sse.done()

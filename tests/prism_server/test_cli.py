@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -128,3 +129,58 @@ def test_a_model_that_fails_to_load_does_not_stop_the_others(tmp_path):
         if p.poll() is None:
             p.kill()
         p.communicate()
+
+
+def test_sigterm_aborts_what_is_still_running_at_the_shutdown_deadline(tmp_path):
+    """shutdown_timeout_s = 2 with two long streams in flight: at the deadline both end with
+    finish_reason abort and [DONE], and the process exits 0 within the deadline + 5 s."""
+    cfg = tmp_path / "prism.toml"
+    cfg.write_text(
+        "port = 0\nshutdown_timeout_s = 2\n"
+        "[[models]]\nname = 'smollm2-135m'\nsource = 'smollm2-135m'\n"
+    )
+    p = prism("--config", str(cfg))
+    try:
+        lines = []
+        for line in p.stdout:
+            lines.append(line)
+            if line.startswith("Try: curl"):
+                break
+        url = re.search(r"at (http://\S+)", "".join(lines)).group(1)
+        events: list[list[str]] = [[], []]
+        started = [threading.Event(), threading.Event()]
+
+        def stream(i: int) -> None:
+            req = {
+                "model": "smollm2-135m",
+                "prompt": f"Tell a long story, number {i}.",
+                "max_tokens": 2000,
+                "ignore_eos": True,
+                "stream": True,
+            }
+            with httpx.stream("POST", url + "/v1/completions", json=req, timeout=120) as s:
+                for ln in s.iter_lines():
+                    if ln:
+                        events[i].append(ln)
+                        started[i].set()
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        assert all(e.wait(120) for e in started)
+        t0 = time.monotonic()
+        p.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(timeout=30)
+        assert p.wait(timeout=30) == 0
+        took = time.monotonic() - t0
+        assert took < 2 + 5, took
+        for ev in events:
+            assert ev[-1] == "data: [DONE]"
+            assert json.loads(ev[-2][6:])["choices"][0]["finish_reason"] == "abort"
+            assert len(ev) < 2000  # cut at the deadline, not run to the end
+    finally:
+        if p.poll() is None:
+            p.kill()
+        _, err = p.communicate()
+    assert "Event loop is closed" not in err and "Traceback" not in err, err[-3000:]

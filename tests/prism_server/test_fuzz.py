@@ -15,6 +15,7 @@ from prism_server.engine import Engine
 from prism_server.server.app import serve_in_thread
 
 MAX_LEN = 48  # small context: every accepted request finishes quickly
+JSON = {"Content-Type": "application/json"}
 
 
 @pytest.fixture(scope="module")
@@ -190,9 +191,119 @@ def test_raw_bytes_and_methods(fuzz_server, content, path, method):
     check(fuzz_server, method, path, content)
 
 
+# Any Unicode, including what JSON can carry but UTF-8 cannot (lone surrogates), noncharacters,
+# NUL, the last code point, and long strings.
+wild_char = (
+    st.characters()
+    | st.integers(0xD800, 0xDFFF).map(chr)
+    | st.sampled_from(["\uffff", "\ufffe", "\ufdd0", "\U0010ffff", "\x00", "\u200b", "\u202e"])
+)
+wild_text = st.lists(wild_char, max_size=40).map("".join) | st.sampled_from(
+    ["x" * 5000, "\ud800" * 1000, "é" * 3000]
+)
+wild_chat = st.fixed_dictionaries(
+    {
+        "model": st.just("tiny") | wild_text,
+        "messages": st.lists(
+            st.fixed_dictionaries(
+                {
+                    "role": st.sampled_from(["user", "system", "assistant"]),
+                    "content": wild_text
+                    | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": wild_text})),
+                },
+                optional={"name": wild_text},
+            ),
+            min_size=1,
+            max_size=3,
+        ),
+        "max_tokens": st.integers(1, 8),
+    },
+    optional={
+        "stop": wild_text | st.lists(wild_text, max_size=3),
+        "user": wild_text,
+        "stream": st.booleans(),
+    },
+)
+wild_chat = st.tuples(wild_chat, st.dictionaries(wild_text, wild_text, max_size=2)).map(
+    lambda t: {**t[1], **t[0]}  # plus unknown keys of any text
+)
+wild_completion = st.fixed_dictionaries(
+    {
+        "model": st.just("tiny") | wild_text,
+        "prompt": wild_text | st.lists(wild_text, min_size=1, max_size=3),
+        "max_tokens": st.integers(1, 8),
+    },
+    optional={
+        "stop": wild_text | st.lists(wild_text, max_size=3),
+        "user": wild_text,
+        "stream": st.booleans(),
+        "echo": st.booleans(),
+    },
+)
+
+
+@FUZZ
+@given(body=wild_chat)
+def test_any_unicode_in_chat_text_fields(fuzz_server, body):
+    check(fuzz_server, "POST", "/v1/chat/completions", json.dumps(body).encode())
+
+
+@FUZZ
+@given(body=wild_completion)
+def test_any_unicode_in_completion_text_fields(fuzz_server, body):
+    check(fuzz_server, "POST", "/v1/completions", json.dumps(body).encode())
+
+
+header_bytes = st.binary(max_size=300).filter(lambda b: not set(b) & {0, 10, 13}).map(bytes.strip)
+HEADER_NAMES = [
+    "X-Request-Id",
+    "Authorization",
+    "Content-Type",
+    "Accept",
+    "Accept-Encoding",
+    "User-Agent",
+    "Origin",
+    "Cookie",
+    "X-Forwarded-For",
+    "Host",
+]
+
+
+@FUZZ
+@given(
+    headers=st.dictionaries(st.sampled_from(HEADER_NAMES), header_bytes, max_size=5),
+    path=st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/models", "/metrics"]),
+    stream=st.booleans(),
+)
+def test_any_header_bytes(fuzz_server, headers, path, stream):
+    body = {"model": "tiny", "max_tokens": 3, "stream": stream}
+    if "chat" in path:
+        body["messages"] = [{"role": "user", "content": "hi"}]
+    else:
+        body["prompt"] = "hi"
+    sent = {"Content-Type": "application/json", **headers}
+    try:
+        r = httpx.request(
+            "POST" if path.startswith("/v1/c") else "GET",
+            fuzz_server.url + path,
+            content=json.dumps(body).encode(),
+            headers=sent,
+            timeout=60,
+        )
+    except httpx.LocalProtocolError:  # the client library refuses to send it: nothing to test
+        return
+    assert r.status_code < 500, (sent, r.status_code, r.text)
+    if r.status_code >= 400 and r.headers.get("content-type", "").startswith("application/json"):
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"}
+    elif r.status_code == 200 and "text/event-stream" in r.headers.get("content-type", ""):
+        assert r.text.endswith("data: [DONE]\n\n") and '"error"' not in r.text
+    assert httpx.get(fuzz_server.url + "/health", timeout=10).status_code == 200
+
+
 def test_oversized_bodies_get_413_and_long_prompts_400(fuzz_server):
     big = json.dumps({"model": "tiny", "prompt": "x" * (128 << 10)}).encode()
-    r = httpx.post(fuzz_server.url + "/v1/completions", content=big, timeout=60)
+    r = httpx.post(fuzz_server.url + "/v1/completions", content=big, headers=JSON, timeout=60)
     assert r.status_code == 413 and r.json()["error"]["type"] == "invalid_request_error"
     long = {"model": "tiny", "prompt": "word " * 500, "max_tokens": 4}
     r = httpx.post(fuzz_server.url + "/v1/completions", json=long, timeout=60)

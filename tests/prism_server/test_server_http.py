@@ -23,6 +23,7 @@ def post(url: str, body, path="/v1/chat/completions", **kw) -> httpx.Response:
         kw["json"] = body
     else:
         kw["content"] = body
+        kw["headers"] = {"Content-Type": "application/json", **kw.get("headers", {})}
     return httpx.post(url + path, timeout=120, **kw)
 
 
