@@ -6,6 +6,7 @@ from kvpool.backend import MemoryBackend, PhysicalHandle, Reservation
 from kvpool.block_allocator import BlockAllocator, PageMapper
 from kvpool.cpu_backend import CpuBackend
 from kvpool.cuda_backend import CudaBackend, CudaDriverError
+from kvpool.host_copy import HostCopy
 from kvpool.kv_cache import KVCache
 from kvpool.kv_layout import KVLayout
 from kvpool.page_pool import OwnerUsage, PagePool, PoolStats, ReclaimOrder
@@ -13,12 +14,14 @@ from kvpool.paged_kv import PagedKV
 from kvpool.pooled_buffer import PooledBuffer
 from kvpool.tensor_backend import TensorBackend
 from kvpool.virtual_buffer import VirtualBuffer
+from kvpool.weight_buffer import WeightBuffer, WeightLayout, WeightSlot
 
 __all__ = [
     "BlockAllocator",
     "CpuBackend",
     "CudaBackend",
     "CudaDriverError",
+    "HostCopy",
     "KVCache",
     "KVLayout",
     "MemoryBackend",
@@ -33,4 +36,7 @@ __all__ = [
     "Reservation",
     "TensorBackend",
     "VirtualBuffer",
+    "WeightBuffer",
+    "WeightLayout",
+    "WeightSlot",
 ]

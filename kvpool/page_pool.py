@@ -48,6 +48,7 @@ ReclaimOrder = Callable[[Sequence[OwnerUsage], str], list[str]]
 class _Owner:
     name: str
     reclaim: Reclaimer | None
+    kind: str = "kv"  # what its pages hold: "kv" or "weights"
     pages: int = 0
     last_grow: int = 0
 
@@ -59,6 +60,7 @@ class PoolStats:
     created: int
     free: int
     owned: dict[str, int]
+    owned_by_kind: dict[str, int]  # "kv" / "weights" -> pages
 
 
 class PagePool:
@@ -93,11 +95,11 @@ class PagePool:
         self.precreate(precreate)
 
     # ---- owners -------------------------------------------------------------------------------
-    def register(self, owner: str, reclaim: Reclaimer | None = None) -> None:
+    def register(self, owner: str, reclaim: Reclaimer | None = None, kind: str = "kv") -> None:
         with self._lock:
             if owner in self._owners:
                 raise ValueError(f"owner {owner!r} is already registered")
-            self._owners[owner] = _Owner(owner, reclaim)
+            self._owners[owner] = _Owner(owner, reclaim, kind)
 
     def set_reclaimer(self, owner: str, reclaim: Reclaimer | None) -> None:
         with self._lock:
@@ -186,12 +188,16 @@ class PagePool:
     # ---- checks -------------------------------------------------------------------------------
     def stats(self) -> PoolStats:
         with self._lock:
+            by_kind: dict[str, int] = {}
+            for o in self._owners.values():
+                by_kind[o.kind] = by_kind.get(o.kind, 0) + o.pages
             return PoolStats(
                 self.page_bytes,
                 self.capacity,
                 self._created,
                 len(self._free),
                 {o.name: o.pages for o in self._owners.values()},
+                by_kind,
             )
 
     def check_integrity(self) -> None:

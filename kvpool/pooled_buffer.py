@@ -16,7 +16,9 @@ from kvpool.virtual_buffer import VirtualBuffer
 
 
 class PooledBuffer:
-    def __init__(self, pool: PagePool, owner: str, num_pages: int, page_stride: int):
+    def __init__(
+        self, pool: PagePool, owner: str, num_pages: int, page_stride: int, kind: str = "kv"
+    ):
         if page_stride < pool.page_bytes or page_stride % pool.backend.granularity:
             raise ValueError(f"page stride {page_stride} does not fit pages of {pool.page_bytes}")
         self.pool, self.owner = pool, owner
@@ -24,7 +26,7 @@ class PooledBuffer:
         self.buffer = VirtualBuffer(pool.backend, num_pages * page_stride)
         self._owned: set[int] = set()  # slots mapped to pages this owner holds
         self._shared: set[int] = set()  # slots mapped to the pool's null page
-        pool.register(owner)
+        pool.register(owner, kind=kind)
 
     def set_reclaimer(self, reclaim: Reclaimer | None) -> None:
         """Who the pool asks when another owner needs pages (see PagePool)."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -28,6 +29,7 @@ from models.embedded import EMBEDDED_MODELS, resolve_source
 from models.layers.causal_lm import CausalLM
 from models.layers.fused_ops import set_fused_kernels
 from models.layers.rms_norm import RMSNorm
+from models.layers.rotary_embedding import RotaryEmbedding
 from models.presets import get_preset, list_presets
 from models.registry import get_model_class
 from models.safetensors_files import iter_safetensors, safetensors_files
@@ -93,19 +95,22 @@ def load_model(
     seed: int = 0,
     cache_root: str | Path | None = None,
     fused_kernels: bool = True,
+    place: Placement | None = None,
 ) -> LoadedModel:
     """Build the model of `source` with its weights and tokenizer. `seed` only affects dummy;
-    `cache_root` (where GGUF conversions are cached) is needed for GGUF sources."""
+    `cache_root` (where GGUF conversions are cached) is needed for GGUF sources; `place`, when
+    given, provides the parameters' storage (see Placement), else they are allocated on
+    `device`."""
     if isinstance(source, str):
         source = ModelSource.parse(source)
     device = torch.device(device)
     if source.kind == "dummy":
-        loaded = _load_dummy(source.path, dtype, device, seed)
+        loaded = _load_dummy(source.path, dtype, device, seed, place)
         set_fused_kernels(loaded.model, fused_kernels)
         return loaded
     path = model_dir(source, cache_root)
     config = _read_config(path)
-    model = _empty_model(config, dtype, device)
+    model = _empty_model(config, dtype, device, place)
     files = safetensors_files(path)
     model.load_weights(iter_safetensors(files, desc=f"loading {source.name}"))
     set_fused_kernels(model, fused_kernels)
@@ -143,8 +148,17 @@ def _read_config(path: Path) -> ModelConfig:
         raise ValueError(f"{file}: {e}") from e
 
 
-def _empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> CausalLM:
-    """The model with uninitialized parameters of `dtype` on `device` (allocated once)."""
+# (name, shape, dtype) of every parameter (shared ones once) -> name -> an uninitialized tensor
+# of that shape and dtype on the model's device, for the model to use as that parameter (e.g.
+# views into one pooled weight buffer)
+Placement = Callable[[list[tuple[str, tuple[int, ...], torch.dtype]]], dict[str, torch.Tensor]]
+
+
+def _empty_model(
+    config: ModelConfig, dtype: torch.dtype, device: torch.device, place: Placement | None = None
+) -> CausalLM:
+    """The model with uninitialized parameters of `dtype` on `device` (allocated once, or bound
+    to the tensors `place` gives: built on meta, then assigned, with no change to model code)."""
     cls = get_model_class(config.hf_architecture)
     with torch.device("meta"):
         model = cls(config).to(dtype)
@@ -154,7 +168,10 @@ def _empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device) 
         if id(p) in first:
             ties.append((name, first[id(p)]))
         first.setdefault(id(p), name)
-    model.to_empty(device=device)
+    if place is None:
+        model.to_empty(device=device)
+    else:
+        _bind(model, place, device)
     # NOTE: to_empty gives every module a fresh Parameter, which unties shared weights.
     for name, target in ties:
         module, _, attr = name.rpartition(".")
@@ -162,11 +179,30 @@ def _empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device) 
     return model
 
 
+def _bind(model: nn.Module, place: Placement, device: torch.device) -> None:
+    params = list(model.named_parameters())  # shared ones once
+    storage = place([(n, tuple(p.shape), p.dtype) for n, p in params])
+    for name, p in params:
+        t = storage[name]
+        if t.shape != p.shape or t.dtype != p.dtype or t.device != device:
+            raise ValueError(f"placement of {name}: {t.shape} {t.dtype} on {t.device}")
+        module, _, attr = name.rpartition(".")
+        model.get_submodule(module)._parameters[attr] = nn.Parameter(t, requires_grad=False)
+    for m in model.modules():  # buffers (rope frequencies) are small: plain tensors
+        for bname, b in list(m._buffers.items()):
+            if b is not None and b.is_meta:
+                m._buffers[bname] = torch.empty(b.shape, dtype=b.dtype, device=device)
+        if isinstance(m, RotaryEmbedding):
+            m._apply(lambda t: t)  # recomputes its frequencies on the device
+
+
 def _finish(model: CausalLM) -> CausalLM:
     return model.eval().requires_grad_(False)
 
 
-def _load_dummy(preset: str, dtype: torch.dtype, device: torch.device, seed: int) -> LoadedModel:
+def _load_dummy(
+    preset: str, dtype: torch.dtype, device: torch.device, seed: int, place: Placement | None
+) -> LoadedModel:
     cfg = get_preset(preset)
     tokenizer = ByteTokenizer(cfg["vocab_size"])
     # The preset's token ids belong to its real tokenizer; dummy models speak ByteTokenizer's.
@@ -176,7 +212,7 @@ def _load_dummy(preset: str, dtype: torch.dtype, device: torch.device, seed: int
         pad_token_id=tokenizer.convert_tokens_to_ids(PAD),
     )
     config = ModelConfig.from_hf(cfg)
-    model = _empty_model(config, dtype, device)
+    model = _empty_model(config, dtype, device, place)
     init_dummy_weights(model, seed)
     return LoadedModel(_finish(model), tokenizer, config, preset)
 

@@ -1,0 +1,139 @@
+"""Weights in the pool: a packed layout, a buffer whose pages come from the same pool as the KV
+caches, a host copy of the same layout; eviction unmaps, activation maps and copies back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvpool import CpuBackend, HostCopy, PagedKV, PagePool, WeightBuffer, WeightLayout
+from kvpool.kv_layout import KVLayout
+from kvpool.weight_buffer import ALIGN
+
+PAGE = 64 << 10
+
+
+def pool(pages: int) -> PagePool:
+    return PagePool(
+        CpuBackend(),
+        PAGE,
+        (pages + 1) * PAGE,
+        reclaim_order=lambda owners, me: [o.name for o in owners],
+    )
+
+
+SPECS = [
+    ("embed", (300, 16), torch.float32),  # 19,200 bytes
+    ("norm", (16,), torch.float32),
+    ("proj", (300, 33), torch.bfloat16),
+    ("bias", (7,), torch.float16),
+]
+
+
+def test_the_layout_packs_aligned_slots_back_to_back():
+    lay = WeightLayout.pack(SPECS)
+    ends = 0
+    for s, (name, shape, dtype) in zip(lay.slots, SPECS):
+        assert (s.name, s.shape, s.dtype) == (name, shape, dtype)
+        assert s.offset % ALIGN == 0 and s.offset >= ends and s.offset - ends < ALIGN
+        ends = s.offset + s.nbytes
+    assert lay.nbytes == ends and lay.num_pages(PAGE) == 1
+    assert lay.num_pages(4096) == -(-ends // 4096)
+
+
+def test_evict_and_activate_keep_addresses_and_bytes():
+    p = pool(6)
+    lay = WeightLayout.pack([("a", (40_000,), torch.float32), ("b", (10, 10), torch.bfloat16)])
+    wb = WeightBuffer(p, "m/weights", lay)
+    assert wb.num_pages == 3 and not wb.mapped
+    assert wb.map() and wb.mapped and p.pages_of("m/weights") == 3
+    views = wb.views()
+    views["a"].copy_(torch.arange(40_000, dtype=torch.float32))
+    views["b"].fill_(1.5)
+    host = HostCopy(wb.nbytes, torch.device("cpu"))
+    host.save(wb.bytes())
+    addr = views["a"].data_ptr()
+    wb.unmap()  # evicted: the pages are the pool's again
+    assert not wb.mapped and p.pages_of("m/weights") == 0 and p.num_available == 6
+    wb.check_integrity()
+    other = WeightBuffer(p, "x/weights", lay)  # another model takes those very pages
+    assert other.map()
+    other.bytes().fill_(7)
+    other.unmap()
+    other.close()
+    assert wb.map()  # activated: map + one copy
+    host.load(wb.bytes())
+    assert views["a"].data_ptr() == addr  # the same addresses: views and graphs stay valid
+    assert torch.equal(views["a"], torch.arange(40_000, dtype=torch.float32))
+    assert bool(torch.all(views["b"] == 1.5))
+    stats = p.stats()
+    assert stats.owned_by_kind == {"weights": 3}
+    wb.check_integrity()
+    wb.close()
+    host.close()
+    p.check_integrity()
+    assert p.stats().owned == {}
+
+
+def test_weights_and_kv_share_one_pool_and_are_counted_apart():
+    p = pool(8)
+    wb = WeightBuffer(p, "m/weights", WeightLayout.pack([("w", (5 * PAGE // 4,), torch.float32)]))
+    layout = KVLayout(2, 4, 1, 16, torch.float32, PAGE, p.backend.granularity)
+    kv = PagedKV(p, "m", layout, max_pages=9, max_cached_pages=8)
+    assert wb.map()  # 5 pages
+    assert kv.allocator.allocate(4 * layout.blocks_per_page) is None  # 3 left, none reclaimable
+    blocks = kv.allocator.allocate(3 * layout.blocks_per_page)
+    assert blocks is not None
+    assert p.stats().owned_by_kind == {"weights": 5, "kv": 3} and p.num_available == 0
+    assert not wb.can_map() or wb.mapped
+    kv.allocator.free(blocks)  # cached, reclaimable by another owner
+    wb.unmap()
+    other = WeightBuffer(
+        p, "o/weights", WeightLayout.pack([("w", (8 * PAGE // 4,), torch.float32)])
+    )
+    assert other.can_map() and other.map()  # 5 free + the 3 cached KV pages taken back
+    assert p.pages_of("m") == 0
+    kv.check_integrity()
+    for b in (other, wb):
+        b.check_integrity()
+        b.close()
+    kv.close()
+    p.check_integrity()
+    assert p.stats().owned == {}
+
+
+def test_a_buffer_that_cannot_be_backed_maps_nothing():
+    p = pool(2)
+    wb = WeightBuffer(p, "big/weights", WeightLayout.pack([("w", (3 * PAGE,), torch.uint8)]))
+    assert not wb.can_map() and not wb.map()
+    assert p.pages_of("big/weights") == 0 and p.num_available == 2
+    wb.check_integrity()
+    wb.close()
+    p.check_integrity()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_activation_copies_on_a_side_stream():
+    from kvpool import CudaBackend
+
+    page = 2 << 20
+    p = PagePool(CudaBackend("cuda"), page, 9 * page, precreate=8)
+    lay = WeightLayout.pack([("w", (3 * page // 4,), torch.bfloat16)])  # 1.5 pages: 2
+    wb = WeightBuffer(p, "m/weights", lay)
+    assert wb.map()
+    w = wb.views()["w"]
+    w.copy_(torch.randn(w.shape, device="cuda").to(torch.bfloat16))
+    ref = w.clone()
+    host = HostCopy(wb.nbytes, torch.device("cuda"))
+    assert host.pinned
+    host.save(wb.bytes())
+    wb.unmap()
+    assert wb.map()
+    host.load(wb.bytes(), chunk_bytes=1 << 20)
+    assert torch.equal(w, ref)  # the compute stream waited for the copy stream
+    wb.unmap()
+    wb.close()
+    host.close()
+    p.check_integrity()
+    p.close()
