@@ -43,6 +43,20 @@ class RemoveModel:
 
 
 @dataclass(frozen=True)
+class Activate:
+    """Make the model resident (evicting idle ones if the pool needs their pages)."""
+
+    model: str
+
+
+@dataclass(frozen=True)
+class Evict:
+    """Offload the model (its running requests go back to its queue)."""
+
+    model: str
+
+
+@dataclass(frozen=True)
 class Call:
     """Run fn on the worker's thread (integrity checks, tests); its result or exception goes to
     `result`."""
@@ -51,4 +65,9 @@ class Call:
     result: Future = field(default_factory=Future)
 
 
-Command = Submit | Abort | AddModel | RemoveModel | Call
+Command = Submit | Abort | AddModel | RemoveModel | Activate | Evict | Call
+
+
+class TransitionRefused(RuntimeError):
+    """An activation or eviction that cannot be done now (pinned, or no room even after
+    evicting every idle model)."""

@@ -70,7 +70,11 @@ class EngineConfig:
     # one physical page (handle) of the pool; 128 MiB: the driver charges per handle (10 GiB grows
     # in 3.1 ms with 128 MiB pages, 5.9 ms with 64 MiB on the H200)
     page_bytes: int = 128 << 20
-    kv_budget_bytes: int | None = None  # pool budget per device; None = a default per device kind
+    # The page pool of each device holds weights and KV. pool_budget_bytes sizes it; or
+    # kv_budget_bytes gives the KV room beside the weights of every configured model (all of
+    # them resident); neither: a default per device kind (memory_budget.py).
+    pool_budget_bytes: int | None = None
+    kv_budget_bytes: int | None = None
     # vmm: pages mapped on demand (the balloon); tensor: one plain allocation per buffer, fully
     # backed (the reference that measures what VMM costs; not for serving many models)
     memory_backend: Literal["vmm", "tensor"] = "vmm"
@@ -82,6 +86,8 @@ class EngineConfig:
             raise ValueError(f"model names must be unique; repeated: {sorted(dup)}")
         if self.page_bytes <= 0:
             raise ValueError("page_bytes must be positive")
+        if self.pool_budget_bytes is not None and self.kv_budget_bytes is not None:
+            raise ValueError("set pool_budget_bytes or kv_budget_bytes, not both")
         if self.memory_backend not in ("vmm", "tensor"):
             raise ValueError(f"memory_backend must be vmm or tensor, got {self.memory_backend!r}")
 

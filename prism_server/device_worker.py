@@ -14,7 +14,17 @@ from typing import Any
 import torch
 
 from kvpool import PagePool
-from prism_server.commands import Abort, AddModel, Call, Command, RemoveModel, Submit
+from prism_server.commands import (
+    Abort,
+    Activate,
+    AddModel,
+    Call,
+    Command,
+    Evict,
+    RemoveModel,
+    Submit,
+    TransitionRefused,
+)
 from prism_server.model_worker import ModelWorker
 from scheduler.snapshot import DeviceSnapshot, PoolSnapshot
 
@@ -82,6 +92,17 @@ class DeviceWorker:
             self.models[cmd.worker.name] = cmd.worker
         elif isinstance(cmd, RemoveModel):
             self.models.pop(cmd.model).close()
+        elif isinstance(cmd, Activate):
+            if not self.make_resident(self.models[cmd.model], time.monotonic()):
+                raise TransitionRefused(
+                    f"`{cmd.model}` does not fit on {self.device} even with every idle model "
+                    "evicted; retry when others are idle"
+                )
+        elif isinstance(cmd, Evict):
+            m = self.models[cmd.model]
+            if m.resident and not m.evictable:
+                raise TransitionRefused(f"`{cmd.model}` is pinned: it is never evicted")
+            m.evict()
         elif isinstance(cmd, Call):
             if cmd.result.set_running_or_notify_cancel():
                 try:
@@ -102,13 +123,48 @@ class DeviceWorker:
             except Exception:
                 log.exception("engine command %s failed", type(cmd).__name__)
 
+    # ---- residency (a simple policy: the control plane replaces it) ---------------------------
+    def make_room(self, fits, now: float, keep: frozenset[str] = frozenset()) -> list[str]:
+        """Evict idle models, least recently used first, until `fits()`; never one with
+        requests, a pinned one, or one in `keep`. Returns the evicted names (fits() may still be
+        false when nothing else could go)."""
+        evicted: list[str] = []
+        idle = sorted(
+            (
+                m
+                for m in self.models.values()
+                if m.resident and m.evictable and not m.requests and m.name not in keep
+            ),
+            key=lambda m: m.last_used,
+        )
+        for m in idle:
+            if fits():
+                break
+            m.evict()
+            evicted.append(m.name)
+            log.info("evicted %s for room", m.name)
+        return evicted
+
+    def make_resident(self, m: ModelWorker, now: float) -> bool:
+        if m.resident:
+            return True
+        if not m.can_activate():
+            self.make_room(m.can_activate, now, keep=frozenset({m.name}))
+        if not m.activate(now):
+            return False
+        log.info("activated %s in %.3f s", m.name, m.last_activation_s)
+        return True
+
     def step(self) -> bool:
-        """Steps each model that has work once; True if any ran a batch."""
+        """Steps each model that has work once (activating offloaded ones first); True if any
+        ran a batch."""
         ran = False
         now = time.monotonic()
         for m in list(self.models.values()):
             if m.has_work:
                 try:
+                    if not m.resident and not self.make_resident(m, now):
+                        continue  # no room yet: its requests wait
                     ran |= m.step(now)
                 except Exception as e:  # a broken model must not stop the device's thread
                     log.exception("model %s failed outside its batch", m.name)

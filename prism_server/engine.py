@@ -12,15 +12,15 @@ from collections.abc import Callable
 
 import torch
 
-from kvpool import PagePool
+from kvpool import HostCopy, PagePool, WeightBuffer, WeightLayout
 from models.embedded import resolve_source
 from models.loader import ModelSource, load_model
 from prism_server import envs
-from prism_server.commands import Abort, AddModel, RemoveModel, Submit
+from prism_server.commands import Abort, Activate, AddModel, Evict, RemoveModel, Submit
 from prism_server.completion import Completion
 from prism_server.config import EngineConfig, ModelSpec
 from prism_server.device_worker import DeviceWorker
-from prism_server.memory_budget import kv_budget, make_backend
+from prism_server.memory_budget import make_backend, pool_budget
 from prism_server.model_worker import ModelWorker
 from prism_server.served_model import ModelFailed, ModelNotFound, ServedModel
 from scheduler.balloon import reclaim_order
@@ -39,7 +39,7 @@ class Engine:
         self.device = config.torch_device()
         if self.device.type == "cpu" and envs.cpu_threads():
             torch.set_num_threads(envs.cpu_threads())
-        budget = kv_budget(config, self.device)
+        budget = pool_budget(config, self.device)
         # On a GPU the pool creates every handle now (creating is the slow driver call) and
         # keeps them; on the host it creates them on demand.
         precreate = budget // config.page_bytes if self.device.type == "cuda" else 0
@@ -69,23 +69,67 @@ class Engine:
         return [self.worker]
 
     def load(self, spec: ModelSpec) -> ServedModel:
+        """Load a model into the pool (its weights in pool pages, a host copy beside them). Idle
+        models are evicted while it loads if the pool needs their pages; it then stays resident
+        only if they fit back without it (config order wins), else it is offloaded."""
         if spec.name in self.served:
             raise ValueError(f"a model named {spec.name!r} is already loaded")
         dtype = spec.torch_dtype(self.device)
-        loaded = load_model(
-            ModelSource.parse(resolve_source(spec.source)),
-            dtype=dtype,
-            device=self.device,
-            seed=spec.seed,
-            cache_root=envs.gguf_cache_dir(),
-            fused_kernels=envs.fused_kernels(),
-        )
-        cfg, tok = loaded.config, loaded.tokenizer
-        sched = spec.scheduler_config(cfg.max_position_embeddings)
-        worker = ModelWorker(
-            spec.name, loaded.model, tok, self.pool, sched, dtype, spec.max_cached_pages
-        )
+        box: dict = {}
+
+        def place(tensors):
+            wb = box["weights"] = WeightBuffer(
+                self.pool, f"{spec.name}/weights", WeightLayout.pack(tensors)
+            )
+            box["evicted"] = self.worker.call(
+                lambda: self.worker.make_room(wb.can_map, time.monotonic())
+            )
+            if not self.worker.call(wb.map):
+                raise MemoryError(
+                    f"the page pool ({self.pool.capacity} pages of {self.pool.page_bytes} bytes) "
+                    f"cannot hold the {wb.nbytes} bytes of {spec.name}'s weights; raise "
+                    "pool_budget_bytes"
+                )
+            return wb.views()
+
+        try:
+            loaded = load_model(
+                ModelSource.parse(resolve_source(spec.source)),
+                dtype=dtype,
+                device=self.device,
+                seed=spec.seed,
+                cache_root=envs.gguf_cache_dir(),
+                fused_kernels=envs.fused_kernels(),
+                place=place,
+            )
+            cfg, tok = loaded.config, loaded.tokenizer
+            sched = spec.scheduler_config(cfg.max_position_embeddings)
+            weights = box["weights"]
+            host = HostCopy(weights.nbytes, self.device)
+            host.save(weights.bytes())
+            worker = ModelWorker(
+                spec.name,
+                loaded.model,
+                tok,
+                self.pool,
+                sched,
+                dtype,
+                spec.max_cached_pages,
+                weights=weights,
+                host=host,
+                pinned=spec.pinned,
+            )
+        except BaseException:
+            if "weights" in box:
+                self.worker.call(box["weights"].close)
+            for name in box.get("evicted", ()):  # as it was before this load
+                self.worker.execute(Activate(name))
+            raise
         self.worker.execute(AddModel(worker))
+        if box["evicted"]:  # earlier models first: this one waits offloaded
+            self.worker.execute(Evict(spec.name))
+            for name in box["evicted"]:
+                self.worker.execute(Activate(name))
         eos = frozenset(cfg.eos_token_ids)
         if tok.eos_token_id is not None:
             eos |= {tok.eos_token_id}
@@ -157,6 +201,21 @@ class Engine:
 
     def abort(self, model: str, request_id: str) -> None:
         self.worker.send(Abort(model, request_id))
+
+    def activate(self, name: str) -> float:
+        """Make a model resident now (thread-safe; blocks until done); returns the seconds the
+        transition took. TransitionRefused if it cannot be done now."""
+        self.model(name)
+        t = time.perf_counter()
+        self.worker.execute(Activate(name))
+        return time.perf_counter() - t
+
+    def evict(self, name: str) -> float:
+        """Offload a model now (its running requests are requeued); returns the seconds taken."""
+        self.model(name)
+        t = time.perf_counter()
+        self.worker.execute(Evict(name))
+        return time.perf_counter() - t
 
     def encode(self, model: str, prompt: str | list[int]) -> list[int]:
         return self.model(model).encode(prompt)

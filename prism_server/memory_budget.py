@@ -1,11 +1,11 @@
-"""What memory a device gives the page pool: the backend that provides it, and the default budget
-(free memory minus the configured models' weights and a reserve)."""
+"""What memory a device gives the page pool (weights and KV): the backend that provides it, and
+the budget (free memory minus a reserve by default)."""
 
 from __future__ import annotations
 
 import torch
 
-from kvpool import CpuBackend, CudaBackend, MemoryBackend, TensorBackend
+from kvpool import CpuBackend, CudaBackend, MemoryBackend, TensorBackend, WeightLayout
 from models.embedded import resolve_source
 from models.layers.causal_lm import weight_bytes as model_weight_bytes
 from models.loader import ModelSource, read_config
@@ -30,43 +30,54 @@ def make_backend(device: torch.device, kind: str = "vmm") -> MemoryBackend:
     raise NotImplementedError(f"no page-pool backend for device {device}")
 
 
+def _meta_model(spec: ModelSpec, device: torch.device):
+    cfg = read_config(ModelSource.parse(resolve_source(spec.source)), envs.gguf_cache_dir())
+    with torch.device("meta"):
+        return get_model_class(cfg.hf_architecture)(cfg).to(spec.torch_dtype(device))
+
+
 def weight_bytes(spec: ModelSpec, device: torch.device) -> int:
     """Parameter bytes of `spec` at its serving dtype, counted on a meta-device build of its
     config (nothing is allocated or read beyond config.json; a GGUF file is converted, as its
     load would do next anyway)."""
-    cfg = read_config(ModelSource.parse(resolve_source(spec.source)), envs.gguf_cache_dir())
-    with torch.device("meta"):
-        model = get_model_class(cfg.hf_architecture)(cfg).to(spec.torch_dtype(device))
-    return model_weight_bytes(model)
+    return model_weight_bytes(_meta_model(spec, device))
 
 
-def default_kv_budget(device: torch.device, specs: tuple[ModelSpec, ...] = ()) -> int:
-    """The page pool's budget when neither EngineConfig.kv_budget_bytes nor PRISM_KV_BUDGET_BYTES
-    sets one. CPU: 2 GiB. CUDA: the device's free memory when the engine starts, minus the weights
-    of the models the config names (they load after the pool is made), minus a reserve of
-    max(4 GiB, 8% of the device) for activations, workspaces and graphs. Models loaded later must
-    fit in that reserve, or set the budget explicitly."""
+def weight_pool_bytes(spec: ModelSpec, device: torch.device, page_bytes: int) -> int:
+    """Pool bytes `spec`'s weight buffer takes: its packed layout in whole pages."""
+    model = _meta_model(spec, device)
+    layout = WeightLayout.pack((n, tuple(p.shape), p.dtype) for n, p in model.named_parameters())
+    return layout.num_pages(page_bytes) * page_bytes
+
+
+def default_pool_budget(device: torch.device) -> int:
+    """The page pool's budget when the config sets none. CPU: 2 GiB. CUDA: the device's free
+    memory when the engine starts minus a reserve of max(4 GiB, 8% of the device) for
+    activations, workspaces and graphs."""
     if device.type != "cuda":
         return _CPU_DEFAULT_BUDGET
     free, total = torch.cuda.mem_get_info(device)
     reserve = max(_GPU_MIN_RESERVE, int(total * _GPU_RESERVE_FRACTION))
-    weights = 0
-    for s in specs:
-        try:
-            weights += weight_bytes(s, device)
-        except Exception:  # a model that cannot even be sized fails (and is reported) at load
-            continue
-    budget = free - weights - reserve
+    budget = free - reserve
     if budget <= 0:
         raise ValueError(
-            f"no GPU memory left for KV: {free / 2**30:.1f} GiB free, weights "
-            f"{weights / 2**30:.1f} GiB, reserve {reserve / 2**30:.1f} GiB; set kv_budget_bytes"
+            f"no GPU memory left for the pool: {free / 2**30:.1f} GiB free, reserve "
+            f"{reserve / 2**30:.1f} GiB; set pool_budget_bytes"
         )
     return budget
 
 
-def kv_budget(config, device: torch.device) -> int:
-    """The budget an engine config gives its device's pool."""
-    return (
-        config.kv_budget_bytes or envs.kv_budget_bytes() or default_kv_budget(device, config.models)
-    )
+def pool_budget(config, device: torch.device) -> int:
+    """The budget an engine config gives its device's pool (weights and KV)."""
+    if config.pool_budget_bytes:
+        return config.pool_budget_bytes
+    kv = config.kv_budget_bytes or envs.kv_budget_bytes()
+    if not kv:
+        return default_pool_budget(device)
+    weights = 0
+    for s in config.models:
+        try:
+            weights += weight_pool_bytes(s, device, config.page_bytes)
+        except Exception:  # a model that cannot even be sized fails (and is reported) at load
+            continue
+    return kv + weights

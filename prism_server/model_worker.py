@@ -1,14 +1,20 @@
-"""One model on a device, driven by the device's engine thread only: its KV (storage and block
-placement, pages from the device's pool), batch scheduler, model runner, sampler and output
-processor. It publishes what it holds as a ModelSnapshot."""
+"""One model on a device, driven by the device's engine thread only: its weights and KV (both in
+pages of the device's pool), batch scheduler, model runner, sampler and output processor. It
+publishes what it holds as a ModelSnapshot.
+
+Residency: resident (weights mapped, serving) or offloaded (weights only in the host copy). Evict
+= preempt running requests back to the queue, give every KV page back, unmap the weights (no copy:
+the host copy is the source of truth). Activate = map the weight pages + one chunked host-to-device
+copy. The model object, its CUDA graphs and attention state are kept: addresses never change."""
 
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
-from kvpool import KVLayout, PagedKV, PagePool
+from kvpool import HostCopy, KVLayout, PagedKV, PagePool, WeightBuffer
 from models.layers.causal_lm import weight_bytes
 from prism_server.model_runner import ModelRunner
 from prism_server.output_processor import OutputProcessor
@@ -30,8 +36,19 @@ class ModelWorker:
         sched: SchedulerConfig,
         kv_dtype: torch.dtype,
         max_cached_pages: int = 1,
+        weights: WeightBuffer | None = None,
+        host: HostCopy | None = None,
+        pinned: bool = False,
     ):
+        """weights / host: the model's parameters live in `weights` (mapped now) and `host` holds
+        their copy; without them the model cannot be evicted (tests, benchmarks)."""
         self.name = name
+        self.weights, self.host, self.pinned = weights, host, pinned
+        self.residency = Residency.RESIDENT
+        self.activations = self.evictions = self.bytes_activated = 0
+        self.activation_seconds = 0.0
+        self.last_activation_s: float | None = None
+        self.last_used = time.monotonic()
         cfg = model.config
         self.device = pool.backend.device
         layout = KVLayout(
@@ -54,6 +71,55 @@ class ModelWorker:
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work
+
+    @property
+    def resident(self) -> bool:
+        return self.residency is Residency.RESIDENT
+
+    @property
+    def evictable(self) -> bool:
+        return self.weights is not None and self.host is not None and not self.pinned
+
+    # ---- residency ------------------------------------------------------------------------------
+    def evict(self) -> None:
+        """Offload: running requests go back to the queue (they recompute after the next
+        activation), every KV page goes back to the pool, the weight pages are unmapped."""
+        if not self.resident:
+            return
+        if not self.evictable:
+            raise RuntimeError(f"model {self.name} cannot be evicted")
+        self.scheduler.preempt_all()
+        self.kv.allocator.release_all()
+        self.weights.unmap()
+        self.residency = Residency.OFFLOADED
+        self.evictions += 1
+
+    def can_activate(self) -> bool:
+        return self.resident or self.weights.can_map()
+
+    def activate(self, now: float) -> bool:
+        """Map the weight pages and copy the host copy in; False (still offloaded, nothing
+        taken) if the pool cannot give the pages now."""
+        if self.resident:
+            return True
+        t = time.perf_counter()
+        if not self.weights.map():
+            return False
+        try:
+            self.host.load(self.weights.bytes())
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()  # timed to the last byte
+        except BaseException:
+            self.weights.unmap()  # all or nothing: back to offloaded
+            raise
+        took = time.perf_counter() - t
+        self.residency = Residency.RESIDENT
+        self.activations += 1
+        self.activation_seconds += took
+        self.last_activation_s = took
+        self.bytes_activated += self.weights.nbytes
+        self.last_used = now
+        return True
 
     @property
     def max_kv_tokens(self) -> int:
@@ -81,6 +147,7 @@ class ModelWorker:
         batch = self.scheduler.schedule(now)
         if not batch:
             return False
+        self.last_used = now
         try:
             logits = self.runner.execute(batch)
             tokens, logprobs = self.sampler.sample(logits, [c.request for c in batch if c.samples])
@@ -127,7 +194,7 @@ class ModelWorker:
         cached = a.num_cached_pages
         return ModelSnapshot(
             name=self.name,
-            residency=Residency.RESIDENT,
+            residency=self.residency,
             num_running=len(s.running),
             num_waiting=len(s.waiting),
             num_preemptions=s.num_preemptions,
@@ -136,14 +203,30 @@ class ModelWorker:
             kv_blocks_used=a.num_used_blocks,
             kv_blocks_capacity=a.capacity_blocks,
             kv_block_bytes=lay.block_bytes * lay.num_layers,
-            weight_pages=0,  # weights are outside the pool (for now)
+            weight_pages=self.weights.pages.num_mapped_pages if self.weights else 0,
             weight_bytes=self.weight_bytes,
+            pinned=self.pinned,
+            activations=self.activations,
+            evictions=self.evictions,
+            activation_seconds=self.activation_seconds,
+            last_activation_s=self.last_activation_s,
+            bytes_activated=self.bytes_activated,
+            last_used=self.last_used,
         )
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()
+        if self.weights is not None:
+            self.weights.check_integrity()
+            assert self.weights.mapped == self.resident, (self.name, self.residency)
+        if not self.resident:
+            assert self.kv.allocator.num_mapped_pages == 0, "an offloaded model holds KV pages"
 
     def close(self) -> None:
         for rid in list(self.requests):
             self.abort(rid)
         self.kv.close()
+        if self.weights is not None:
+            self.weights.close()
+        if self.host is not None:
+            self.host.close()

@@ -143,6 +143,14 @@ class BatchScheduler:
         self.waiting.appendleft(req)
         self.num_preemptions += 1
 
+    def preempt_all(self) -> int:
+        """Every running request back to the front of the waiting queue, in admission order, its
+        blocks freed (it recomputes later); returns how many."""
+        n = len(self.running)
+        while self.running:
+            self._preempt(self.running.pop())
+        return n
+
     def _release(self, req: Request) -> None:
         if req.block_table:
             self.blocks.free(req.block_table)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 class Residency(str, enum.Enum):
     RESIDENT = "resident"  # weights on the device, serving
+    OFFLOADED = "offloaded"  # weights only in the host copy; a request activates it
     FAILED = "failed"  # could not be loaded; requests get 503
 
 
@@ -29,6 +30,13 @@ class ModelSnapshot:
     kv_block_bytes: int  # one block over all layers (K and V)
     weight_pages: int  # pool pages holding weights
     weight_bytes: int
+    pinned: bool = False  # never evicted
+    activations: int = 0  # since load
+    evictions: int = 0
+    activation_seconds: float = 0.0  # total time spent activating
+    last_activation_s: float | None = None
+    bytes_activated: int = 0  # host -> device bytes, total
+    last_used: float = 0.0  # when it last ran a step or was activated (time.monotonic())
 
     @property
     def num_requests(self) -> int:

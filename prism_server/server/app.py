@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from prism_server.engine import Engine
+from prism_server.server.admin_routes import AdminRoutes
 from prism_server.server.frontend import Frontend
 from prism_server.server.middlewares import allowed_host_names, client_request_id, middlewares
 from prism_server.server.openai_routes import OpenAIRoutes
@@ -34,6 +35,7 @@ def build_app(engine: Engine, args: ServerArgs) -> web.Application:
         middlewares=middlewares(args.api_key, hosts), client_max_size=args.max_request_bytes
     )
     app[FRONTEND] = frontend
+    AdminRoutes(engine).register(app)
     OpenAIRoutes(frontend).register(app)
 
     async def health(request: web.Request) -> web.Response:

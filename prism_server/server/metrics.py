@@ -8,10 +8,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from scheduler.request import RequestOutput
-from scheduler.snapshot import DeviceSnapshot
+from scheduler.snapshot import DeviceSnapshot, Residency
 
 _LATENCY_BUCKETS = (
     0.001,
@@ -67,6 +67,27 @@ class _SnapshotCollector:
         resident = GaugeMetricFamily(
             "prism:model_resident", "1 if the model is resident.", labels=["model_name"]
         )
+        state = GaugeMetricFamily(
+            "prism:model_state",
+            "1 for the model's residency state.",
+            labels=["model_name", "state"],
+        )
+        lm = ["model_name"]
+        activations = CounterMetricFamily(
+            "prism:model_activations", "Activations (weights copied in) since load.", labels=lm
+        )
+        evictions = CounterMetricFamily(
+            "prism:model_evictions", "Evictions (weights unmapped) since load.", labels=lm
+        )
+        act_seconds = CounterMetricFamily(
+            "prism:model_activation_seconds", "Time spent activating.", labels=lm
+        )
+        act_bytes = CounterMetricFamily(
+            "prism:model_activation_bytes", "Bytes copied host to device by activations.", labels=lm
+        )
+        weight_pages = GaugeMetricFamily(
+            "prism:model_weight_pages", "Pool pages mapped into the model's weights.", labels=lm
+        )
         pool = GaugeMetricFamily(
             "prism:device_pool_pages",
             "Page pool of the device, by state.",
@@ -89,8 +110,15 @@ class _SnapshotCollector:
                 mbytes.add_metric([name, "kv_used"], m.kv_blocks_used * m.kv_block_bytes)
                 mbytes.add_metric([name, "kv_mapped"], m.kv_pages * page)
                 mbytes.add_metric([name, "kv_cached_free"], m.kv_pages_cached_free * page)
-                mbytes.add_metric([name, "weights"], m.weight_bytes)
-                resident.add_metric([name], 1 if m.residency.value == "resident" else 0)
+                mbytes.add_metric([name, "weights"], m.weight_pages * page)
+                resident.add_metric([name], 1 if m.residency is Residency.RESIDENT else 0)
+                for r in (Residency.RESIDENT, Residency.OFFLOADED):
+                    state.add_metric([name, r.value], 1 if m.residency is r else 0)
+                activations.add_metric([name], m.activations)
+                evictions.add_metric([name], m.evictions)
+                act_seconds.add_metric([name], m.activation_seconds)
+                act_bytes.add_metric([name], m.bytes_activated)
+                weight_pages.add_metric([name], m.weight_pages)
             p, dev = snap.pool, snap.device
             pool.add_metric([dev, "capacity"], p.capacity)
             pool.add_metric([dev, "created"], p.created)
@@ -99,7 +127,8 @@ class _SnapshotCollector:
             pbytes.add_metric([dev, "capacity"], p.capacity * page)
             pbytes.add_metric([dev, "owned"], p.owned * page)
             pbytes.add_metric([dev, "free"], p.free * page)
-        yield from (running, waiting, usage, pages, mbytes, resident, pool, pbytes)
+        yield from (running, waiting, usage, pages, mbytes, resident, state, pool, pbytes)
+        yield from (activations, evictions, act_seconds, act_bytes, weight_pages)
 
 
 class Metrics:

@@ -7,7 +7,7 @@ import torch
 
 from prism_server.config import EngineConfig, ModelSpec
 from prism_server.engine import Engine
-from prism_server.memory_budget import default_kv_budget, weight_bytes
+from prism_server.memory_budget import default_pool_budget, weight_bytes
 from scheduler.request import FinishReason
 from scheduler.sampling_params import SamplingParams
 from tests.gpu.common import GPU
@@ -20,12 +20,12 @@ def test_engine_with_the_default_budget_serves_and_accounts_exactly():
     spec = ModelSpec("m", MODEL, max_model_len=1024, max_num_seqs=8)
     device = torch.device("cuda")
     free_before, _ = torch.cuda.mem_get_info()
-    expected = default_kv_budget(device, (spec,))
-    assert 0 < expected < free_before - weight_bytes(spec, device)
+    expected = default_pool_budget(device)  # weights and KV
+    assert weight_bytes(spec, device) < expected < free_before
     with Engine(EngineConfig(models=(spec,), device="cuda")) as e:
         pool = e.pool
         assert pool.backend.device.type == "cuda"
-        # the budget is sized before the weights load; the pool created every page up front
+        # the pool created every page up front; the weights took theirs from it
         assert abs(pool.capacity + 1 - expected // pool.page_bytes) <= 1
         assert pool.stats().created == pool.capacity
         runner = e.worker.models["m"].runner

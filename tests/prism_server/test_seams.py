@@ -145,7 +145,8 @@ def test_snapshots_are_immutable_published_state(two_tiny):
     a = snap.model("a")
     assert a.residency is Residency.RESIDENT and a.num_requests == 0
     assert a.kv_blocks_used == 0 and a.kv_blocks_capacity > 0 and a.weight_bytes > 0
-    assert snap.pool.owned == sum(m.kv_pages for m in snap.models)
+    assert snap.pool.owned == sum(m.kv_pages + m.weight_pages for m in snap.models)
+    assert all(m.weight_pages > 0 for m in snap.models)
     assert snap.pool.created == snap.pool.free + snap.pool.owned
     with pytest.raises(dataclasses.FrozenInstanceError):
         a.num_running = 3

@@ -1,0 +1,43 @@
+"""Admin routes (behind the API key when one is set): move a model in or out of the GPU now.
+
+    POST /v1/models/{id}/activate   -> {"id", "state": "resident", "seconds"}
+    POST /v1/models/{id}/evict      -> {"id", "state": "offloaded", "seconds"}
+
+vLLM's /wake_up and /sleep, llama-swap's /unload. They return once the transition is done; 409
+with the envelope when it cannot be done now (a pinned model, or no room even after evicting every
+idle model)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from aiohttp import web
+
+from prism_server.commands import TransitionRefused
+from prism_server.engine import Engine
+from prism_server.protocol import APIError
+from prism_server.server import serving
+
+
+class AdminRoutes:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    def register(self, app: web.Application) -> None:
+        app.router.add_post("/v1/models/{model_id:.+}/activate", self.activate)
+        app.router.add_post("/v1/models/{model_id:.+}/evict", self.evict)
+
+    async def activate(self, request: web.Request) -> web.Response:
+        return await self._transition(request, self.engine.activate, "resident")
+
+    async def evict(self, request: web.Request) -> web.Response:
+        return await self._transition(request, self.engine.evict, "offloaded")
+
+    async def _transition(self, request: web.Request, fn, state: str) -> web.Response:
+        name = request.match_info["model_id"]
+        serving.lookup(self.engine, name)
+        try:
+            seconds = await asyncio.to_thread(fn, name)
+        except TransitionRefused as e:
+            raise APIError(409, str(e), param="model", code="transition_refused") from None
+        return web.json_response({"id": name, "state": state, "seconds": round(seconds, 6)})
