@@ -184,7 +184,7 @@ def _bind(model: nn.Module, place: Placement, device: torch.device) -> None:
     storage = place([(n, tuple(p.shape), p.dtype) for n, p in params])
     for name, p in params:
         t = storage[name]
-        if t.shape != p.shape or t.dtype != p.dtype or t.device != device:
+        if t.shape != p.shape or t.dtype != p.dtype or t.device.type != device.type:
             raise ValueError(f"placement of {name}: {t.shape} {t.dtype} on {t.device}")
         module, _, attr = name.rpartition(".")
         model.get_submodule(module)._parameters[attr] = nn.Parameter(t, requires_grad=False)

@@ -33,6 +33,9 @@ if [ "$quick" != "--quick" ]; then
   t0=$SECONDS
   timeout 250 python3 scripts/bench_gpu_engine.py --json "$OUT/engine.json" 2>&1 | tee -a "$OUT/bench.log"
   echo "engine bench: $((SECONDS - t0)) s"
+  t0=$SECONDS
+  timeout 240 python3 scripts/bench_gpu_lifecycle.py --json "$OUT/lifecycle.json" 2>&1 | tee -a "$OUT/bench.log"
+  echo "lifecycle bench: $((SECONDS - t0)) s"
 fi
 
 # Keep the JIT-compiled FlashInfer modules for the next run (carry them as .fiaot/fi_aot.tgz).

@@ -1,0 +1,132 @@
+"""Model lifecycle on the GPU: activation from the pinned host copy against the H2D bandwidth
+measured in the same run, and time to first token for requests that each find their model
+offloaded (two 8B models that cannot both be resident, alternating).
+
+    python3 scripts/bench_gpu_lifecycle.py [--json out.json] [--switches 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import queue
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from kvpool import HostCopy  # noqa: E402
+from prism_server.config import EngineConfig, ModelSpec  # noqa: E402
+from prism_server.engine import Engine  # noqa: E402
+from prism_server.memory_budget import weight_pool_bytes  # noqa: E402
+from scheduler.sampling_params import SamplingParams  # noqa: E402
+
+GiB = 1 << 30
+PRESETS = ("llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b", "qwen2.5-14b")
+
+
+def h2d_gbs(nbytes: int = 8 * GiB) -> float:
+    """Pinned host -> device, chunked on a side stream: the ceiling activation is compared to."""
+    host = HostCopy(nbytes, torch.device("cuda"))
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    host.load(dst)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(3):
+        t = time.perf_counter()
+        host.load(dst)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    host.close()
+    return nbytes / min(times) / 1e9
+
+
+def spec(name: str, preset: str) -> ModelSpec:
+    return ModelSpec(name, f"dummy:{preset}", max_model_len=4096, max_num_seqs=16)
+
+
+def activation(preset: str, bw: float, repeats: int = 5) -> dict:
+    s = spec("m", preset)
+    with Engine(EngineConfig(models=(s,), device="cuda", kv_budget_bytes=4 * GiB)) as e:
+        nbytes = e.model_snapshot("m").weight_bytes
+        seconds = []
+        for _ in range(repeats):
+            e.evict("m")
+            seconds.append(e.activate("m"))
+        e.check_integrity()
+    best, med = min(seconds), statistics.median(seconds)
+    floor = nbytes / (bw * 1e9)
+    print(
+        f"{preset}: {nbytes / GiB:.2f} GiB, activate median {med * 1e3:.0f} ms (best "
+        f"{best * 1e3:.0f}), floor {floor * 1e3:.0f} ms at {bw:.1f} GB/s -> {floor / med:.0%}",
+        flush=True,
+    )
+    return {"bytes": nbytes, "median_s": med, "best_s": best, "floor_s": floor}
+
+
+def switching_ttft(switches: int) -> dict:
+    """A and B (8B each) share a pool that holds one of them plus KV: every request finds its
+    model offloaded, evicts the other and activates its own. TTFT from arrival."""
+    a, b = spec("a", "llama-3.1-8b"), spec("b", "llama-3.1-8b")
+    w = weight_pool_bytes(a, torch.device("cuda"), 128 << 20)
+    cfg = EngineConfig(models=(a, b), device="cuda", pool_budget_bytes=w + 6 * GiB)
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(300, 120000, (1024,), generator=g).tolist()
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    with Engine(cfg) as e:
+        for n in ("a", "b"):  # warm-up: both have run once
+            e.generate(n, [prompt], params)
+        ttfts = []
+        for i in range(switches):
+            name = "ab"[i % 2]
+            q: queue.SimpleQueue = queue.SimpleQueue()
+            t0 = time.perf_counter()
+            first: list[float] = []
+
+            def sink(out, first=first, q=q):
+                if out.new_token_ids and not first:
+                    first.append(time.perf_counter())
+                if out.finished:
+                    q.put(out)
+
+            e.add_request(name, prompt, params, sink)
+            out = q.get(timeout=120)
+            assert out.error is None, out.error
+            ttfts.append(first[0] - t0)
+        snap = {m.name: m for m in e.worker.snapshot_now().models}
+        e.check_integrity()
+    ttfts.sort()
+    p50 = statistics.median(ttfts)
+    p99 = ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))]
+    acts = snap["a"].activations + snap["b"].activations
+    print(
+        f"switching 8B, 1k prompt: TTFT p50 {p50 * 1e3:.0f} ms, p99 {p99 * 1e3:.0f} ms "
+        f"over {switches} switches ({acts} activations)",
+        flush=True,
+    )
+    return {"p50_s": p50, "p99_s": p99, "switches": switches, "activations": acts}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--switches", type=int, default=20)
+    args = ap.parse_args()
+    out: dict = {"device": torch.cuda.get_device_name()}
+    out["h2d_gbs"] = bw = h2d_gbs()
+    print(f"pinned H2D, chunked on a copy stream: {bw:.1f} GB/s", flush=True)
+    for p in PRESETS:
+        out[p] = activation(p, bw)
+        if args.json:
+            args.json.write_text(json.dumps(out, indent=1))
+    out["switching"] = switching_ttft(args.switches)
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
