@@ -153,6 +153,8 @@ class PagePool:
             o = self._owners[owner]
             short = n - self.num_available
             if short > 0:
+                if short > self.reclaimable(exclude=owner):
+                    return None  # reclaiming could not cover it: take nobody's pages for nothing
                 self._reclaim_from_others(owner, short)
                 if n > self.num_available:
                     return None

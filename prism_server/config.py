@@ -31,6 +31,8 @@ class ModelSpec:
     ttft_slo_ms: float | None = None  # time-to-first-token target
     tpot_slo_ms: float | None = None  # time-per-output-token target
     pinned: bool = False  # always resident (never evicted)
+    keep_alive_s: float | None = None  # evict after this long idle (None: only under pressure)
+    max_wait_s: float = 120.0  # a request whose model cannot be made ready by then: 503
     max_queued_requests: int = 256  # accepted but not started; beyond it: 503
 
     def __post_init__(self):
@@ -43,7 +45,7 @@ class ModelSpec:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_queued_requests"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive")
-        for name in ("ttft_slo_ms", "tpot_slo_ms"):
+        for name in ("ttft_slo_ms", "tpot_slo_ms", "keep_alive_s", "max_wait_s"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
 
@@ -75,6 +77,9 @@ class EngineConfig:
     # them resident); neither: a default per device kind (memory_budget.py).
     pool_budget_bytes: int | None = None
     kv_budget_bytes: int | None = None
+    # host memory for the models' host copies (the source of truth while offloaded); None = half
+    # of the machine's RAM. Checked at start-up.
+    host_budget_bytes: int | None = None
     # vmm: pages mapped on demand (the balloon); tensor: one plain allocation per buffer, fully
     # backed (the reference that measures what VMM costs; not for serving many models)
     memory_backend: Literal["vmm", "tensor"] = "vmm"

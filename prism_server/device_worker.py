@@ -150,6 +150,8 @@ class DeviceWorker:
             return True
         if not m.can_activate():
             self.make_room(m.can_activate, now, keep=frozenset({m.name}))
+            if not m.can_activate():
+                return False
         if not m.activate(now):
             return False
         log.info("activated %s in %.3f s", m.name, m.last_activation_s)
@@ -187,6 +189,23 @@ class DeviceWorker:
         self.snapshot = snap = self._take_snapshot()
         return snap
 
+    def _expire(self, now: float) -> float | None:
+        """Evict models idle past their keep-alive; returns the next such deadline."""
+        nxt = None
+        for m in self.models.values():
+            until = m.idle_until()
+            if until is None:
+                continue
+            if until <= now:
+                try:
+                    m.evict()
+                    log.info("evicted %s: idle past its keep-alive", m.name)
+                except Exception:
+                    log.exception("keep-alive eviction of %s failed", m.name)
+            else:
+                nxt = until if nxt is None else min(nxt, until)
+        return nxt
+
     def _loop(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # once, for this thread
@@ -194,10 +213,15 @@ class DeviceWorker:
             self._wake.clear()
             self._drain()
             ran = self.step()
+            expiry = self._expire(time.monotonic())
             self._publish()
             if ran:
                 continue
             busy = any(m.has_work for m in self.models.values())
-            self._wake.wait(timeout=_BLOCKED_POLL_S if busy else None)
+            timeout = _BLOCKED_POLL_S if busy else None
+            if expiry is not None:
+                left = max(expiry - time.monotonic(), 0.0)
+                timeout = left if timeout is None else min(timeout, left)
+            self._wake.wait(timeout=timeout)
         self._drain()
         self._publish()

@@ -20,7 +20,7 @@ from prism_server.commands import Abort, Activate, AddModel, Evict, RemoveModel,
 from prism_server.completion import Completion
 from prism_server.config import EngineConfig, ModelSpec
 from prism_server.device_worker import DeviceWorker
-from prism_server.memory_budget import make_backend, pool_budget
+from prism_server.memory_budget import check_host_budget, make_backend, pool_budget
 from prism_server.model_worker import ModelWorker
 from prism_server.served_model import ModelFailed, ModelNotFound, ServedModel
 from scheduler.balloon import reclaim_order
@@ -39,6 +39,7 @@ class Engine:
         self.device = config.torch_device()
         if self.device.type == "cpu" and envs.cpu_threads():
             torch.set_num_threads(envs.cpu_threads())
+        check_host_budget(config, self.device)
         budget = pool_budget(config, self.device)
         # On a GPU the pool creates every handle now (creating is the slow driver call) and
         # keeps them; on the host it creates them on demand.
@@ -118,6 +119,7 @@ class Engine:
                 weights=weights,
                 host=host,
                 pinned=spec.pinned,
+                keep_alive_s=spec.keep_alive_s,
             )
         except BaseException:
             if "weights" in box:

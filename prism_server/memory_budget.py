@@ -3,6 +3,8 @@ the budget (free memory minus a reserve by default)."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from kvpool import CpuBackend, CudaBackend, MemoryBackend, TensorBackend, WeightLayout
@@ -81,3 +83,27 @@ def pool_budget(config, device: torch.device) -> int:
         except Exception:  # a model that cannot even be sized fails (and is reported) at load
             continue
     return kv + weights
+
+
+def host_budget(config) -> int:
+    if config.host_budget_bytes:
+        return config.host_budget_bytes
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+
+
+def check_host_budget(config, device: torch.device) -> None:
+    """Every model keeps a host copy of its weights: refuse, listing models and sizes, a config
+    whose copies do not fit the host budget."""
+    sizes = {}
+    for s in config.models:
+        try:
+            sizes[s.name] = weight_bytes(s, device)
+        except Exception:  # it fails (and is reported) at load
+            continue
+    budget = host_budget(config)
+    if sum(sizes.values()) > budget:
+        listing = ", ".join(f"{n} {b / 2**30:.2f} GiB" for n, b in sizes.items())
+        raise ValueError(
+            f"the host copies of the models' weights need {sum(sizes.values()) / 2**30:.2f} GiB "
+            f"but host_budget_bytes allows {budget / 2**30:.2f} GiB ({listing})"
+        )

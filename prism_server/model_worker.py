@@ -39,11 +39,13 @@ class ModelWorker:
         weights: WeightBuffer | None = None,
         host: HostCopy | None = None,
         pinned: bool = False,
+        keep_alive_s: float | None = None,
     ):
         """weights / host: the model's parameters live in `weights` (mapped now) and `host` holds
         their copy; without them the model cannot be evicted (tests, benchmarks)."""
         self.name = name
         self.weights, self.host, self.pinned = weights, host, pinned
+        self.keep_alive_s = keep_alive_s
         self.residency = Residency.RESIDENT
         self.activations = self.evictions = self.bytes_activated = 0
         self.activation_seconds = 0.0
@@ -60,7 +62,9 @@ class ModelWorker:
             pool.page_bytes,
             pool.backend.granularity,
         )
-        self.kv = PagedKV(pool, name, layout, pool.capacity + 1, max_cached_pages)
+        # the pages it can address: the whole pool but its own weights (+ the null page)
+        own = weights.num_pages if weights is not None else 0
+        self.kv = PagedKV(pool, name, layout, pool.capacity + 1 - own, max_cached_pages)
         self.scheduler = BatchScheduler(sched, self.kv.allocator)
         self.runner = ModelRunner(model, self.kv.cache, self.device)
         self.sampler = Sampler(self.device)
@@ -79,6 +83,13 @@ class ModelWorker:
     @property
     def evictable(self) -> bool:
         return self.weights is not None and self.host is not None and not self.pinned
+
+    def idle_until(self) -> float | None:
+        """When its keep-alive runs out (it is then evicted although nothing needs its pages);
+        None if that never happens now."""
+        if self.keep_alive_s is None or not self.resident or not self.evictable or self.requests:
+            return None
+        return self.last_used + self.keep_alive_s
 
     # ---- residency ------------------------------------------------------------------------------
     def evict(self) -> None:

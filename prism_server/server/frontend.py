@@ -129,14 +129,23 @@ class RequestStream:
         self.first_token: float | None = None
         self.last_token: float | None = None
         self.queued = True  # no output yet
+        self.ready = asyncio.Event()  # set at the first output
         self.finished = False
         self.closed = False
+
+    @property
+    def has_output(self) -> bool:
+        return self.ready.is_set()
+
+    def _put(self, out: RequestOutput) -> None:
+        self.ready.set()
+        self.queue.put_nowait(out)
 
     def sink(self, out: RequestOutput) -> None:  # engine thread
         if self.loop.is_closed():  # the server is gone (shutdown): nobody is listening
             return
         with contextlib.suppress(RuntimeError):  # closed between the check and the call
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, out)
+            self.loop.call_soon_threadsafe(self._put, out)
 
     def __aiter__(self) -> RequestStream:
         return self

@@ -18,7 +18,7 @@ from prism_server.completion import Completion
 from prism_server.engine import Engine
 from prism_server.protocol import APIError, stream_error, usage, validation_error
 from prism_server.served_model import ModelFailed, ModelNotFound, RequestRejected, ServedModel
-from prism_server.server.frontend import Frontend, RequestStream
+from prism_server.server.frontend import Frontend, RequestStream, overloaded
 from prism_server.server.middlewares import client_request_id
 from prism_server.server.sse import SSEWriter
 
@@ -164,6 +164,7 @@ async def respond(
     however this ends."""
     try:
         if not req.stream:
+            await _first_output(choices, idle=None)
             await asyncio.gather(*(_collect(c) for c in choices))
             failed = [c for c in choices if c.completion.error]
             if failed:
@@ -176,6 +177,34 @@ async def respond(
     finally:
         for c in choices:
             c.stream.close()
+
+
+KEEPALIVE_S = 1.0  # a comment line this often while a model activates (proxies keep the stream)
+
+
+async def _first_output(choices: list[Choice], idle) -> None:
+    """Wait until some choice has output, calling idle() each KEEPALIVE_S meanwhile; past the
+    model's max_wait_s (time enough to activate it, even after evictions) 503 + Retry-After."""
+    stream = choices[0].stream
+    limit = stream.served.spec.max_wait_s
+    while not any(c.stream.has_output for c in choices):
+        waited = time.monotonic() - stream.arrival
+        if waited >= limit:
+            raise overloaded(
+                f"`{stream.model}` could not be made ready within {limit:g} s; retry later."
+            )
+        waiters = [asyncio.ensure_future(c.stream.ready.wait()) for c in choices]
+        try:
+            await asyncio.wait(
+                waiters,
+                timeout=min(KEEPALIVE_S, limit - waited),
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+        finally:
+            for w in waiters:
+                w.cancel()
+        if idle is not None and not any(c.stream.has_output for c in choices):
+            await idle()
 
 
 async def _collect(c: Choice) -> None:
@@ -207,6 +236,12 @@ async def _stream(request, req, choices: list[Choice], shapes, prompt_tokens: in
 
 
 async def _send_stream(sse: SSEWriter, req, choices, shapes, prompt_tokens: int, merged) -> None:
+    try:
+        await _first_output(choices, idle=lambda: sse.comment("loading"))
+    except APIError as e:  # the 200 went out: the SSE way
+        await sse.send(e.body())
+        await sse.done()
+        return
     for first in shapes.first([c.index for c in choices]):
         await sse.send(shapes.chunk([first]))
     remaining = len(choices)

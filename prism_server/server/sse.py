@@ -44,6 +44,10 @@ class SSEWriter:
         data = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
         await self.response.write(f"data: {data}\n\n".encode())
 
+    async def comment(self, text: str) -> None:
+        """A comment line (`: text`): clients ignore it, proxies see a live stream."""
+        await self.response.write(f": {text}\n\n".encode())
+
     async def done(self) -> None:
         self.done_sent = True
         await self.response.write(b"data: [DONE]\n\n")

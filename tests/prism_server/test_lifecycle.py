@@ -5,6 +5,7 @@ models now, and every accepted request completes with the tokens of an all-resid
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 
@@ -12,7 +13,7 @@ import aiohttp
 import httpx
 import pytest
 
-from prism_server.commands import TransitionRefused
+from prism_server.commands import Call, TransitionRefused
 from prism_server.config import EngineConfig, ModelSpec
 from prism_server.engine import Engine
 from prism_server.memory_budget import weight_pool_bytes
@@ -200,3 +201,74 @@ def test_streams_to_every_model_at_once_all_finish(srv):
     states_now = {m.name: m.residency for m in srv.engine.worker.snapshot_now().models}
     assert states_now["a"] is Residency.RESIDENT  # pinned
     srv.engine.check_integrity()
+
+
+def test_keep_alive_evicts_an_idle_model_without_pressure(reference):
+    s = tuple(
+        ModelSpec(
+            n, "dummy:tiny-llama", block_size=4, seed=i, keep_alive_s=0.3 if n == "b" else None
+        )
+        for i, n in enumerate(("a", "b"))
+    )
+    cfg = EngineConfig(models=s, device=CPU, page_bytes=PAGE, kv_budget_bytes=16 * PAGE)
+    with Engine(cfg) as e:
+        assert [c.token_ids for c in e.generate("b", PROMPTS, GREEDY)] == reference["b"]
+        deadline = time.monotonic() + 10
+        while states(e)["b"] != "offloaded":
+            assert time.monotonic() < deadline, "b was never evicted"
+            time.sleep(0.05)
+        assert states(e)["a"] == "resident"  # no keep-alive: stays
+        assert [c.token_ids for c in e.generate("b", PROMPTS, GREEDY)] == reference["b"]
+        e.check_integrity()
+
+
+def test_the_host_budget_is_checked_at_start_up():
+    with pytest.raises(ValueError, match=r"host_budget_bytes allows .* \(a 0.00 GiB, b"):
+        Engine(
+            EngineConfig(
+                models=specs()[:2], device=CPU, page_bytes=PAGE, host_budget_bytes=100 << 10
+            )
+        )
+
+
+@pytest.fixture()
+def crowded():
+    """One model fits at a time; b waits at most 2.5 s to be made ready."""
+    s = (
+        ModelSpec("a", "dummy:tiny-llama", block_size=4, seed=0),
+        ModelSpec("b", "dummy:tiny-llama", block_size=4, seed=1, max_wait_s=2.5),
+    )
+    w = weight_pool_bytes(s[0], __import__("torch").device(CPU), PAGE)
+    cfg = EngineConfig(models=s, device=CPU, page_bytes=PAGE, pool_budget_bytes=w + 7 * PAGE)
+    srv = serve_in_thread(Engine(cfg))
+    yield srv
+    srv.close()
+
+
+def test_a_waiting_stream_gets_keep_alives_then_503_past_max_wait(crowded):
+    assert states(crowded.engine) == {"a": "resident", "b": "offloaded"}
+    gate = threading.Event()
+    crowded.engine.worker.send(Call(gate.wait))  # the device is busy: b cannot be made ready
+    body = {"model": "b", "prompt": [5, 6], "max_tokens": 2, "stream": True}
+    try:
+        t0 = time.monotonic()
+        with httpx.stream("POST", crowded.url + "/v1/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            lines = [x for x in r.iter_lines() if x]
+        took = time.monotonic() - t0
+        assert lines.count(": loading") >= 2 and 2.4 < took < 5, (lines, took)
+        assert json.loads(lines[-2][6:])["error"]["code"] == "server_is_overloaded"
+        assert lines[-1] == "data: [DONE]"
+        r = httpx.post(crowded.url + "/v1/completions", json={**body, "stream": False}, timeout=60)
+        assert r.status_code == 503 and r.headers["Retry-After"] == "1"
+        assert r.json()["error"]["code"] == "server_is_overloaded"
+    finally:
+        gate.set()
+    r = httpx.post(crowded.url + "/v1/completions", json={**body, "stream": False}, timeout=60)
+    assert r.status_code == 200  # the device is free: b activates, evicting idle a
+    assert states(crowded.engine) == {"a": "offloaded", "b": "resident"}
+    deadline = time.monotonic() + 10  # the abandoned requests were aborted: nothing waits
+    while crowded.engine.model_snapshot("b", now=False).num_requests:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    crowded.engine.check_integrity()
