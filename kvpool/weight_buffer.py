@@ -75,7 +75,7 @@ class WeightBuffer:
         return self.mapped or self.pages.can_map(self.num_pages)
 
     def map(self) -> bool:
-        """Back every page (one batched map); False, with nothing mapped, if the pool has too few."""
+        """Back every page (one batched map); False, nothing mapped, if the pool has too few."""
         if self.mapped:
             return True
         return self.pages.map_pages(list(range(self.num_pages)))
