@@ -25,11 +25,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
+import httpx
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from prism_server.config import EngineConfig, ModelSpec  # noqa: E402
 from prism_server.engine import Engine  # noqa: E402
+from prism_server.memory_budget import weight_pool_bytes  # noqa: E402
 from prism_server.server.app import serve_in_thread  # noqa: E402
 from scheduler.sampling_params import SamplingParams  # noqa: E402
 
@@ -71,6 +74,10 @@ class SoakConfig:
     page_bytes: int = 64 << 10
     budget_pages: int = 7  # shared by every model: forces preemption and page movement
     embedded: bool = False  # add SmolLM2 to the tiny dummy models
+    # eviction churn: the pool holds the weights of two of the three tiny models (LRU pressure),
+    # and a random model is evicted through the admin API every `evict_every_s`
+    evict_churn: bool = False
+    evict_every_s: float = 1.0
     seed: int = 0
 
 
@@ -85,6 +92,9 @@ class SoakReport:
     pages_released: int = 0
     pages_reclaimed: int = 0
     leaked_blocks: int = 0
+    activations: int = 0
+    evictions: int = 0
+    admin_evicts: int = 0
     integrity: str = "ok"
 
     @property
@@ -123,6 +133,8 @@ class SoakReport:
                 f"wrong outputs: {len(self.wrong)}; errors logged: {len(self.errors)}",
                 f"churn: {self.preemptions} preemptions, {self.pages_acquired} pages mapped, "
                 f"{self.pages_released} unmapped, {self.pages_reclaimed} taken from another model",
+                f"residency: {self.activations} activations, {self.evictions} evictions "
+                f"({self.admin_evicts} through the admin API)",
                 f"leaked blocks: {self.leaked_blocks}; integrity: {self.integrity}",
                 f"RSS MiB: start {self.rss_mib[0]:.0f}, end {self.rss_mib[-1]:.0f}, "
                 f"growth after warm-up {self.rss_growth_mib:+.1f}",
@@ -149,17 +161,25 @@ class Soak:
         if cfg.embedded:
             specs.append(ModelSpec("smollm2-135m", "smollm2-135m", max_cached_pages=1))
         page = cfg.page_bytes if not cfg.embedded else 4 << 20
+        kv = (cfg.budget_pages + 1) * page
+        budget = {"kv_budget_bytes": kv}
+        if cfg.evict_churn:
+            w = weight_pool_bytes(specs[0], torch.device("cpu"), page)
+            budget = {"pool_budget_bytes": kv + 2 * w}
         self.engine = Engine(
-            EngineConfig(
-                models=tuple(specs),
-                device="cpu",
-                page_bytes=page,
-                kv_budget_bytes=(cfg.budget_pages + 1) * page,
-            )
+            EngineConfig(models=tuple(specs), device="cpu", page_bytes=page, **budget)
         )
         self.models = [s.name for s in specs]
-        self.chaos: list = []  # callables run every few seconds (e.g. evict a model)
+        self.chaos: list = [self._admin_evict] if cfg.evict_churn else []  # run every so often
+        self.chaos_every_s = cfg.evict_every_s if cfg.evict_churn else 3.0
+        self.chaos_rng = random.Random(cfg.seed + 1)
         self.report = SoakReport()
+
+    def _admin_evict(self) -> None:
+        name = self.chaos_rng.choice(self.models)
+        r = httpx.post(f"{self.url}/v1/models/{name}/evict", json={}, timeout=60)
+        assert r.status_code in (200, 409), r.text
+        self.report.admin_evicts += r.status_code == 200
 
     def _start_server(self) -> None:
         self.server = serve_in_thread(self.engine)
@@ -226,9 +246,9 @@ class Soak:
         last_chaos = time.monotonic()
         while time.monotonic() < deadline:
             self.report.rss_mib.append(rss_bytes() / 2**20)
-            if self.chaos and time.monotonic() - last_chaos > 3:
+            if self.chaos and time.monotonic() - last_chaos > self.chaos_every_s:
                 for action in self.chaos:
-                    action(self)
+                    await asyncio.to_thread(action)
                 last_chaos = time.monotonic()
             await asyncio.sleep(0.5)
         self.report.rss_mib.append(rss_bytes() / 2**20)
@@ -258,6 +278,8 @@ class Soak:
         r.pages_acquired, r.pages_released = pool.acquired_total, pool.released_total
         r.pages_reclaimed = pool.reclaimed_total
         r.leaked_blocks = sum(m.kv_blocks_used for m in models)
+        r.activations = sum(m.activations for m in models)
+        r.evictions = sum(m.evictions for m in models)
         try:
             self.engine.check_integrity()
         except AssertionError as e:
@@ -287,9 +309,18 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=12)
     ap.add_argument("--embedded", action="store_true", help="add SmolLM2 to the tiny models")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--evict-churn",
+        action="store_true",
+        help="a pool for two of the three tiny models, and random admin evicts every second",
+    )
     args = ap.parse_args()
     cfg = SoakConfig(
-        seconds=args.minutes * 60, clients=args.clients, embedded=args.embedded, seed=args.seed
+        seconds=args.minutes * 60,
+        clients=args.clients,
+        embedded=args.embedded,
+        evict_churn=args.evict_churn,
+        seed=args.seed,
     )
     t = time.monotonic()
     report = Soak(cfg).run()

@@ -14,3 +14,15 @@ def test_short_soak_loses_nothing_and_leaks_nothing():
     assert not report.errors, report.errors[:3]
     assert report.leaked_blocks == 0 and report.integrity == "ok"
     assert report.ok, report.summary()
+
+
+def test_short_soak_with_eviction_churn_loses_nothing_and_leaks_nothing():
+    """Two of the three models fit; random admin evicts every second on top of LRU pressure."""
+    report = Soak(SoakConfig(seconds=15, clients=10, seed=4, evict_churn=True)).run()
+    print(report.summary())
+    assert report.completed > 50
+    assert report.admin_evicts >= 5 and report.activations >= 5 and report.evictions >= 5
+    assert not report.wrong, report.wrong[:3]
+    assert not report.errors, report.errors[:3]
+    assert report.leaked_blocks == 0 and report.integrity == "ok"
+    assert report.ok, report.summary()
