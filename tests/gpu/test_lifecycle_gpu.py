@@ -1,0 +1,60 @@
+"""The lifecycle on the GPU: two architectures that cannot both be resident take turns; greedy
+tokens after every reactivation equal those before the first eviction, with CUDA graphs on, and
+nothing is captured again after start-up."""
+
+from __future__ import annotations
+
+import torch
+
+from prism_server.config import EngineConfig, ModelSpec
+from prism_server.cuda_graph_runner import CudaGraphRunner
+from prism_server.engine import Engine
+from prism_server.memory_budget import weight_pool_bytes
+from scheduler.sampling_params import SamplingParams
+from tests.gpu.common import GPU
+
+pytestmark = GPU
+GiB = 1 << 30
+CYCLES = 100  # evict/activate pairs under traffic
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(300, 30000, (n,), generator=g).tolist()
+
+
+def test_greedy_tokens_survive_eviction_for_two_architectures(monkeypatch):
+    captures = {"n": 0}
+    original = CudaGraphRunner.capture
+
+    def counting(self):
+        captures["n"] += 1
+        return original(self)
+
+    monkeypatch.setattr(CudaGraphRunner, "capture", counting)
+    llama = ModelSpec("llama", "dummy:llama-3.2-3b", max_model_len=1024, max_num_seqs=8)
+    qwen = ModelSpec("qwen", "dummy:qwen2.5-7b", max_model_len=1024, max_num_seqs=8)
+    dev = torch.device("cuda")
+    budget = weight_pool_bytes(qwen, dev, 128 << 20) + 4 * GiB  # one of the two at a time
+    with Engine(EngineConfig(models=(llama, qwen), device="cuda", pool_budget_bytes=budget)) as e:
+        at_start = captures["n"]
+        assert at_start == 2  # one runner each, captured once at load
+        snap = {m.name: m.residency.value for m in e.worker.snapshot_now().models}
+        assert snap == {"llama": "resident", "qwen": "offloaded"}
+        for m in e.worker.models.values():
+            assert m.runner.graphs is not None and m.runner.graphs.graphs
+        prompts = [prompt(200 + 37 * i, i) for i in range(4)]
+        params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+        ref = {n: [c.token_ids for c in e.generate(n, prompts, params)] for n in ("llama", "qwen")}
+        assert ref["llama"] != ref["qwen"]
+        short = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+        for i in range(CYCLES):
+            name = ("llama", "qwen")[i % 2]
+            got = [c.token_ids for c in e.generate(name, prompts[:2], short)]
+            assert got == [t[:6] for t in ref[name][:2]], (i, name)
+        for name in ("llama", "qwen"):  # and the long answers, once more
+            assert [c.token_ids for c in e.generate(name, prompts, params)] == ref[name]
+        snap = {m.name: m for m in e.worker.snapshot_now().models}
+        assert snap["llama"].activations + snap["qwen"].activations >= CYCLES
+        assert captures["n"] == at_start  # graphs survive eviction: never recaptured
+        e.check_integrity()
