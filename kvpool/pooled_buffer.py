@@ -65,7 +65,8 @@ class PooledBuffer:
         self._shared.add(page)
 
     def _check_free(self, pages: list[int]) -> None:
-        bad = [p for p in pages if not 0 <= p < self.num_pages or p in self._owned | self._shared]
+        taken = self._owned | self._shared
+        bad = [p for p in pages if not 0 <= p < self.num_pages or p in taken]
         if bad or len(set(pages)) != len(pages):
             raise RuntimeError(f"slots {bad or pages} are taken or out of range")
 

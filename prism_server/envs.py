@@ -28,7 +28,8 @@ def gguf_cache_dir() -> Path:
 
 
 def kv_budget_bytes() -> int | None:
-    """Page pool budget per device in bytes (PRISM_KV_BUDGET_BYTES); unset = per-device default."""
+    """KV room per device beside every configured model's weights, in bytes
+    (PRISM_KV_BUDGET_BYTES, as EngineConfig.kv_budget_bytes); unset = the per-device default."""
     return _int("PRISM_KV_BUDGET_BYTES", None)
 
 

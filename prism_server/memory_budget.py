@@ -3,6 +3,7 @@ the budget (free memory minus a reserve by default)."""
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -32,7 +33,10 @@ def make_backend(device: torch.device, kind: str = "vmm") -> MemoryBackend:
     raise NotImplementedError(f"no page-pool backend for device {device}")
 
 
+@functools.lru_cache(maxsize=64)
 def _meta_model(spec: ModelSpec, device: torch.device):
+    """A meta-device build of `spec` (no memory); cached: start-up sizes each model for the host
+    budget and for the pool budget."""
     cfg = read_config(ModelSource.parse(resolve_source(spec.source)), envs.gguf_cache_dir())
     with torch.device("meta"):
         return get_model_class(cfg.hf_architecture)(cfg).to(spec.torch_dtype(device))

@@ -27,6 +27,37 @@ def prism(*args: str, **kw) -> subprocess.Popen:
     )
 
 
+def startup_lines(p: subprocess.Popen) -> list[str]:
+    """What the server prints until it is ready: "Prism serves ... at URL" (after any failed
+    model's line), then "Try: curl URL ... -d 'BODY'"."""
+    lines = []
+    for line in p.stdout:
+        lines.append(line)
+        if line.startswith("Try: curl"):
+            break
+    return lines
+
+
+def url_of(lines: list[str]) -> str:
+    return re.search(r"at (http://\S+)", "".join(lines)).group(1)
+
+
+def stream_in_thread(url: str, req: dict, events: list[str], started: threading.Event):
+    """Stream a completion from a thread: non-empty lines go to `events`; `started` is set at
+    the first."""
+
+    def run() -> None:
+        with httpx.stream("POST", url + "/v1/completions", json=req, timeout=120) as s:
+            for ln in s.iter_lines():
+                if ln:
+                    events.append(ln)
+                    started.set()
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
 def test_generate_prints_the_answer_and_its_speed():
     p = prism(
         "generate",
@@ -46,12 +77,8 @@ def test_generate_prints_the_answer_and_its_speed():
 def test_quick_start_serves_the_embedded_models_and_drains_on_sigterm():
     p = prism("--port", "0")
     try:
-        lines = []
-        for line in p.stdout:  # "Prism serves ... at URL", then "Try: curl URL ... -d 'BODY'"
-            lines.append(line)
-            if line.startswith("Try: curl"):
-                break
-        url = re.search(r"at (http://\S+)", "".join(lines)).group(1)
+        lines = startup_lines(p)
+        url = url_of(lines)
         assert "smollm2-135m, gemma3-270m" in lines[0]
         curl = lines[-1]
         path = re.search(r"curl http://[^/]+(\S+)", curl).group(1)
@@ -61,23 +88,14 @@ def test_quick_start_serves_the_embedded_models_and_drains_on_sigterm():
 
         events: list[str] = []
         started = threading.Event()
-
-        def stream() -> None:
-            req = {
-                "model": "gemma3-270m",
-                "prompt": "Once upon a time",
-                "max_tokens": 48,
-                "ignore_eos": True,
-                "stream": True,
-            }
-            with httpx.stream("POST", url + "/v1/completions", json=req, timeout=120) as s:
-                for ln in s.iter_lines():
-                    if ln:
-                        events.append(ln)
-                        started.set()
-
-        t = threading.Thread(target=stream)
-        t.start()
+        req = {
+            "model": "gemma3-270m",
+            "prompt": "Once upon a time",
+            "max_tokens": 48,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        t = stream_in_thread(url, req, events, started)
         assert started.wait(120)
         p.send_signal(signal.SIGTERM)  # in flight: must finish, not be cut off
         t.join(timeout=120)
@@ -109,14 +127,10 @@ def test_a_model_that_fails_to_load_does_not_stop_the_others(tmp_path):
     )
     p = prism("--config", str(cfg))
     try:
-        lines = []
-        for line in p.stdout:
-            lines.append(line)
-            if line.startswith("Try: curl"):
-                break
+        lines = startup_lines(p)
         text = "".join(lines)
         assert "Model bad failed to load" in text and "no-such-preset" in text
-        url = re.search(r"at (http://\S+)", text).group(1)
+        url = url_of(lines)
         r = httpx.post(
             url + "/v1/completions",
             json={"model": "good", "prompt": "x", "max_tokens": 2},
@@ -141,32 +155,24 @@ def test_sigterm_aborts_what_is_still_running_at_the_shutdown_deadline(tmp_path)
     )
     p = prism("--config", str(cfg))
     try:
-        lines = []
-        for line in p.stdout:
-            lines.append(line)
-            if line.startswith("Try: curl"):
-                break
-        url = re.search(r"at (http://\S+)", "".join(lines)).group(1)
+        url = url_of(startup_lines(p))
         events: list[list[str]] = [[], []]
         started = [threading.Event(), threading.Event()]
-
-        def stream(i: int) -> None:
-            req = {
-                "model": "smollm2-135m",
-                "prompt": f"Tell a long story, number {i}.",
-                "max_tokens": 2000,
-                "ignore_eos": True,
-                "stream": True,
-            }
-            with httpx.stream("POST", url + "/v1/completions", json=req, timeout=120) as s:
-                for ln in s.iter_lines():
-                    if ln:
-                        events[i].append(ln)
-                        started[i].set()
-
-        threads = [threading.Thread(target=stream, args=(i,)) for i in range(2)]
-        for t in threads:
-            t.start()
+        threads = [
+            stream_in_thread(
+                url,
+                {
+                    "model": "smollm2-135m",
+                    "prompt": f"Tell a long story, number {i}.",
+                    "max_tokens": 2000,
+                    "ignore_eos": True,
+                    "stream": True,
+                },
+                events[i],
+                started[i],
+            )
+            for i in range(2)
+        ]
         assert all(e.wait(120) for e in started)
         t0 = time.monotonic()
         p.send_signal(signal.SIGTERM)
