@@ -6,7 +6,7 @@ from kvpool.backend import MemoryBackend, PhysicalHandle, Reservation
 from kvpool.block_allocator import BlockAllocator, PageMapper
 from kvpool.cpu_backend import CpuBackend
 from kvpool.cuda_backend import CudaBackend, CudaDriverError
-from kvpool.host_copy import HostCopy
+from kvpool.host_copy import HostCopy, Transfer
 from kvpool.kv_cache import KVCache
 from kvpool.kv_layout import KVLayout
 from kvpool.page_pool import OwnerUsage, PagePool, PoolStats, ReclaimOrder
@@ -22,6 +22,7 @@ __all__ = [
     "CudaBackend",
     "CudaDriverError",
     "HostCopy",
+    "Transfer",
     "KVCache",
     "KVLayout",
     "MemoryBackend",

@@ -44,16 +44,21 @@ class RemoveModel:
 
 @dataclass(frozen=True)
 class Activate:
-    """Make the model resident (evicting idle ones if the pool needs their pages)."""
+    """Make the model resident (evicting idle ones if the pool needs their pages). `done`
+    resolves once it serves, or with TransitionRefused."""
 
     model: str
+    done: Future = field(default_factory=Future)
 
 
 @dataclass(frozen=True)
 class Evict:
-    """Offload the model (its running requests go back to its queue)."""
+    """Offload the model: running requests may finish for up to drain_s seconds, the rest go
+    back to its queue. `done` resolves once it is offloaded, or with TransitionRefused."""
 
     model: str
+    drain_s: float = 0.0
+    done: Future = field(default_factory=Future)
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,8 @@ class ModelSpec:
     pinned: bool = False  # always resident (never evicted)
     keep_alive_s: float | None = None  # evict after this long idle (None: only under pressure)
     max_wait_s: float = 120.0  # a request whose model cannot be made ready by then: 503
+    # an evict lets running requests finish for this long, then requeues the rest (0: at once)
+    drain_timeout_s: float = 5.0
     max_queued_requests: int = 256  # accepted but not started; beyond it: 503
 
     def __post_init__(self):
@@ -48,6 +50,8 @@ class ModelSpec:
         for name in ("ttft_slo_ms", "tpot_slo_ms", "keep_alive_s", "max_wait_s"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
+        if self.drain_timeout_s < 0:
+            raise ValueError("drain_timeout_s must be >= 0")
 
     def torch_dtype(self, device: torch.device) -> torch.dtype:
         if self.dtype == "auto":

@@ -68,8 +68,12 @@ class CudaGraphRunner:
         batch_sizes: Sequence[int],
         max_blocks: int,
         device: torch.device,
+        pool=None,
     ):
+        """pool: a graph memory pool (torch.cuda.graph_pool_handle()) to capture into, shared
+        with other runners whose graphs never replay concurrently; None = a pool of its own."""
         self.model, self.kv_views, self.attention = model, kv_views, attention
+        self.pool = pool
         self.batch_sizes = sorted(set(batch_sizes))
         self.max_blocks, self.device = max_blocks, device
         n = self.batch_sizes[-1]
@@ -85,8 +89,10 @@ class CudaGraphRunner:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every batch size, largest first, into one memory pool."""
-        pool = None
+        """Capture every batch size, largest first, into one memory pool. Only the static
+        outputs (logits) outlive a replay, so graphs sharing the pool never see each other's
+        live data."""
+        pool = self.pool
         for bs in reversed(self.batch_sizes):
             attn = self.attention(self.kv_views, bs, self.max_blocks)
             null_rows = [SeqChunk(0, 1, [0])] * bs  # one-token sequences in the null block

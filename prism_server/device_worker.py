@@ -25,13 +25,16 @@ from prism_server.commands import (
     Submit,
     TransitionRefused,
 )
+from prism_server.model_runner import DeviceResources
 from prism_server.model_worker import ModelWorker
-from scheduler.snapshot import DeviceSnapshot, PoolSnapshot
+from scheduler.snapshot import DeviceSnapshot, PoolSnapshot, Residency
 
 log = logging.getLogger(__name__)
 
-# How long to sleep when some model has work it cannot schedule yet (blocked on memory).
+# How long to sleep when some model has work it cannot schedule yet (blocked on memory), and
+# between polls of an activation's copy when nothing else runs.
 _BLOCKED_POLL_S = 0.005
+_TRANSFER_POLL_S = 0.0005
 
 
 class DeviceWorker:
@@ -39,6 +42,7 @@ class DeviceWorker:
         self.pool = pool
         self.device = pool.backend.device
         self.models: dict[str, ModelWorker] = {}  # engine thread only
+        self.resources = DeviceResources(self.device)  # shared by its models' runners
         self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = False
@@ -64,8 +68,15 @@ class DeviceWorker:
         self._wake.set()
 
     def execute(self, cmd: Command) -> None:
-        """Handle a command on the engine thread and wait for it (errors are raised here)."""
+        """Handle a command on the engine thread and wait for it (errors are raised here); for a
+        transition (Activate, Evict), until it is done."""
         self.call(lambda: self._handle(cmd))
+        done = getattr(cmd, "done", None)
+        if done is not None:
+            while not self._thread.is_alive() and not done.done():
+                self.step()  # no thread (tests): move the transition on here
+                time.sleep(_TRANSFER_POLL_S)
+            done.result()
 
     def call(self, fn) -> Any:
         """Run fn on the engine thread (here, if it is not running) and return its result."""
@@ -93,16 +104,25 @@ class DeviceWorker:
         elif isinstance(cmd, RemoveModel):
             self.models.pop(cmd.model).close()
         elif isinstance(cmd, Activate):
-            if not self.make_resident(self.models[cmd.model], time.monotonic()):
-                raise TransitionRefused(
-                    f"`{cmd.model}` does not fit on {self.device} even with every idle model "
-                    "evicted; retry when others are idle"
+            m = self.models[cmd.model]
+            if self.make_resident(m, time.monotonic()):
+                m.when(Residency.RESIDENT, cmd.done)
+            else:
+                cmd.done.set_exception(
+                    TransitionRefused(
+                        f"`{cmd.model}` does not fit on {self.device} even with every idle model "
+                        "evicted; retry when others are idle"
+                    )
                 )
         elif isinstance(cmd, Evict):
             m = self.models[cmd.model]
-            if m.resident and not m.evictable:
-                raise TransitionRefused(f"`{cmd.model}` is pinned: it is never evicted")
-            m.evict()
+            if m.residency.on_device and not m.evictable:
+                cmd.done.set_exception(
+                    TransitionRefused(f"`{cmd.model}` is pinned: it is never evicted")
+                )
+            else:
+                m.evict(cmd.drain_s)
+                m.when(Residency.OFFLOADED, cmd.done)
         elif isinstance(cmd, Call):
             if cmd.result.set_running_or_notify_cancel():
                 try:
@@ -145,33 +165,34 @@ class DeviceWorker:
             log.info("evicted %s for room", m.name)
         return evicted
 
-    def make_resident(self, m: ModelWorker, now: float) -> bool:
-        if m.resident:
-            return True
+    def make_resident(self, m: ModelWorker, now: float, wait: bool = False) -> bool:
+        """Start m's activation, evicting idle models if the pool needs their pages; False if
+        it cannot have them now. wait: return once it serves."""
         if not m.can_activate():
             self.make_room(m.can_activate, now, keep=frozenset({m.name}))
             if not m.can_activate():
                 return False
-        if not m.activate(now):
-            return False
-        log.info("activated %s in %.3f s", m.name, m.last_activation_s)
-        return True
+        return m.activate(wait=wait)
 
     def step(self) -> bool:
-        """Steps each model that has work once (activating offloaded ones first); True if any
-        ran a batch."""
+        """Moves every model's transition on, starts the activation of offloaded models that
+        have work, and steps each serving model that has work once; True if any ran a batch.
+        An activation's copy runs while the other models step."""
         ran = False
         now = time.monotonic()
         for m in list(self.models.values()):
-            if m.has_work:
-                try:
-                    if not m.resident and not self.make_resident(m, now):
-                        continue  # no room yet: its requests wait
+            try:
+                m.poll()
+                if not m.has_work:
+                    continue
+                if m.residency is Residency.OFFLOADED and not self.make_resident(m, now):
+                    continue  # no room yet: its requests wait
+                if m.serving:
                     ran |= m.step(now)
-                except Exception as e:  # a broken model must not stop the device's thread
-                    log.exception("model %s failed outside its batch", m.name)
-                    m.fail_all(f"{type(e).__name__}: {e}")
-                    ran = True
+            except Exception as e:  # a broken model must not stop the device's thread
+                log.exception("model %s failed outside its batch", m.name)
+                m.fail_all(f"{type(e).__name__}: {e}")
+                ran = True
         return ran
 
     def _take_snapshot(self) -> DeviceSnapshot:
@@ -217,8 +238,11 @@ class DeviceWorker:
             self._publish()
             if ran:
                 continue
-            busy = any(m.has_work for m in self.models.values())
-            timeout = _BLOCKED_POLL_S if busy else None
+            timeout = None
+            if any(m.residency is Residency.ACTIVATING for m in self.models.values()):
+                timeout = _TRANSFER_POLL_S
+            elif any(m.has_work or m.residency is Residency.DRAINING for m in self.models.values()):
+                timeout = _BLOCKED_POLL_S
             if expiry is not None:
                 left = max(expiry - time.monotonic(), 0.0)
                 timeout = left if timeout is None else min(timeout, left)

@@ -120,6 +120,7 @@ class Engine:
                 host=host,
                 pinned=spec.pinned,
                 keep_alive_s=spec.keep_alive_s,
+                resources=self.worker.resources,
             )
         except BaseException:
             if "weights" in box:
@@ -212,11 +213,14 @@ class Engine:
         self.worker.execute(Activate(name))
         return time.perf_counter() - t
 
-    def evict(self, name: str) -> float:
-        """Offload a model now (its running requests are requeued); returns the seconds taken."""
-        self.model(name)
+    def evict(self, name: str, drain_s: float | None = None) -> float:
+        """Offload a model (thread-safe; blocks until done): its running requests may finish for
+        up to drain_s seconds (default: its drain_timeout_s), the rest are requeued; returns the
+        seconds the transition took. TransitionRefused for a pinned model."""
+        served = self.model(name)
         t = time.perf_counter()
-        self.worker.execute(Evict(name))
+        drain = served.spec.drain_timeout_s if drain_s is None else drain_s
+        self.worker.execute(Evict(name, drain))
         return time.perf_counter() - t
 
     def encode(self, model: str, prompt: str | list[int]) -> list[int]:

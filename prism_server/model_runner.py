@@ -20,6 +20,7 @@ from models.attention.base import (
     layer_specs,
 )
 from models.attention.flashinfer_paged import (
+    WORKSPACE_BYTES,
     AttentionShape,
     FlashInferBackend,
     flashinfer_available,
@@ -31,7 +32,33 @@ from scheduler.batch_scheduler import ScheduledChunk
 AttentionFactory = Callable[[list[torch.Tensor], AttentionMetadata], AttentionBackend]
 
 
-def default_attention(model: torch.nn.Module, kv_cache: KVCache, device: torch.device):
+class DeviceResources:
+    """What every model of one device shares, because one engine thread runs their steps one at a
+    time on one stream: FlashInfer's float workspace and the CUDA-graph memory pool. Created on
+    first use (never on CPU)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._workspace: torch.Tensor | None = None
+        self._graph_pool = None
+
+    def workspace(self) -> torch.Tensor:
+        if self._workspace is None:
+            self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+        return self._workspace
+
+    def graph_pool(self):
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        return self._graph_pool
+
+
+def default_attention(
+    model: torch.nn.Module,
+    kv_cache: KVCache,
+    device: torch.device,
+    resources: DeviceResources | None = None,
+):
     """FlashInfer on CUDA when available, else the torch reference."""
     if device.type != "cuda" or not flashinfer_available():
         return TorchPagedAttention
@@ -44,7 +71,8 @@ def default_attention(model: torch.nn.Module, kv_cache: KVCache, device: torch.d
         q_dtype=next(model.parameters()).dtype,
         kv_dtype=lay.dtype,
     )
-    return FlashInferBackend(shape, layer_specs(model), device)
+    workspace = resources.workspace() if resources is not None else None
+    return FlashInferBackend(shape, layer_specs(model), device, workspace)
 
 
 class ModelRunner:
@@ -55,15 +83,17 @@ class ModelRunner:
         device: torch.device,
         attention: AttentionFactory | None = None,
         cuda_graph_sizes: Sequence[int] | None = None,
+        resources: DeviceResources | None = None,
     ):
         """cuda_graph_sizes: decode batch sizes to capture; None = DEFAULT_BATCH_SIZES where the
-        attention backend supports graphs (FlashInfer on CUDA), () = no graphs."""
+        attention backend supports graphs (FlashInfer on CUDA), () = no graphs. resources: the
+        device's shared workspace and graph pool (None: this runner's own)."""
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
-        self.attention = attention or default_attention(model, kv_cache, device)
+        self.attention = attention or default_attention(model, kv_cache, device, resources)
         self.block_size = kv_cache.layout.block_size
         self.graphs: CudaGraphRunner | None = None
         graph_attention = getattr(self.attention, "graph_attention", None)
@@ -72,7 +102,13 @@ class ModelRunner:
             max_len = model.config.max_position_embeddings
             max_blocks = min(kv_cache.capacity_blocks, -(-max_len // self.block_size))
             self.graphs = CudaGraphRunner(
-                model, kv_cache.layer_views, graph_attention, sizes, max_blocks, device
+                model,
+                kv_cache.layer_views,
+                graph_attention,
+                sizes,
+                max_blocks,
+                device,
+                pool=resources.graph_pool() if resources is not None else None,
             )
             self.graphs.capture()
 

@@ -2,26 +2,32 @@
 pages of the device's pool), batch scheduler, model runner, sampler and output processor. It
 publishes what it holds as a ModelSnapshot.
 
-Residency: resident (weights mapped, serving) or offloaded (weights only in the host copy). Evict
-= preempt running requests back to the queue, give every KV page back, unmap the weights (no copy:
-the host copy is the source of truth). Activate = map the weight pages + one chunked host-to-device
-copy. The model object, its CUDA graphs and attention state are kept: addresses never change."""
+Residency (scheduler.snapshot.Residency): offloaded -> activating -> resident -> draining ->
+offloaded. Activate = map the weight pages (one batched call) + start the chunked host-to-device
+copy; the engine thread goes on stepping other models and the model serves once every byte has
+landed. Evict = admit nothing new, let running requests finish for up to the drain time, requeue
+the rest (they recompute after the next activation), give every KV page back, unmap the weights
+(no copy: the host copy is the source of truth). The model object, its CUDA graphs and attention
+state are kept: addresses never change. Each transition is all or nothing: a failed copy leaves
+the model offloaded."""
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
+from concurrent.futures import Future
 
 import torch
 
-from kvpool import HostCopy, KVLayout, PagedKV, PagePool, WeightBuffer
+from kvpool import HostCopy, KVLayout, PagedKV, PagePool, Transfer, WeightBuffer
 from models.layers.causal_lm import weight_bytes
-from prism_server.model_runner import ModelRunner
+from prism_server.model_runner import DeviceResources, ModelRunner
 from prism_server.output_processor import OutputProcessor
 from prism_server.sampler import Sampler
 from scheduler.batch_scheduler import BatchScheduler, ScheduledChunk, SchedulerConfig
 from scheduler.request import FinishReason, Request, RequestOutput
-from scheduler.snapshot import ModelSnapshot, Residency
+from scheduler.snapshot import ACTIVATION_BUCKETS, ModelSnapshot, Residency
 
 log = logging.getLogger(__name__)
 
@@ -40,17 +46,24 @@ class ModelWorker:
         host: HostCopy | None = None,
         pinned: bool = False,
         keep_alive_s: float | None = None,
+        resources: DeviceResources | None = None,
     ):
         """weights / host: the model's parameters live in `weights` (mapped now) and `host` holds
-        their copy; without them the model cannot be evicted (tests, benchmarks)."""
+        their copy; without them the model cannot be evicted (tests, benchmarks). resources: what
+        the device's models share (FlashInfer workspace, CUDA-graph pool)."""
         self.name = name
         self.weights, self.host, self.pinned = weights, host, pinned
         self.keep_alive_s = keep_alive_s
         self.residency = Residency.RESIDENT
+        self.state_since = self.last_used = time.monotonic()
         self.activations = self.evictions = self.bytes_activated = 0
         self.activation_seconds = 0.0
+        self.activation_buckets = [0] * len(ACTIVATION_BUCKETS)
         self.last_activation_s: float | None = None
-        self.last_used = time.monotonic()
+        self.last_eviction_s: float | None = None
+        self._transfer: Transfer | None = None  # the copy of an activation in flight
+        self._activation_started = self._evict_started = self._drain_until = 0.0
+        self._waiters: dict[Residency, list[Future]] = {}  # admin transitions waiting for a state
         cfg = model.config
         self.device = pool.backend.device
         layout = KVLayout(
@@ -66,7 +79,10 @@ class ModelWorker:
         own = weights.num_pages if weights is not None else 0
         self.kv = PagedKV(pool, name, layout, pool.capacity + 1 - own, max_cached_pages)
         self.scheduler = BatchScheduler(sched, self.kv.allocator)
-        self.runner = ModelRunner(model, self.kv.cache, self.device)
+        allocated = _allocated(self.device)
+        self.runner = ModelRunner(model, self.kv.cache, self.device, resources=resources)
+        # device memory it holds outside the pool: attention state, graphs, buffers
+        self.overhead_bytes = _allocated(self.device) - allocated
         self.sampler = Sampler(self.device)
         self.outputs = OutputProcessor(tokenizer, sched.max_model_len)
         self.requests: dict[str, Request] = {}
@@ -81,6 +97,11 @@ class ModelWorker:
         return self.residency is Residency.RESIDENT
 
     @property
+    def serving(self) -> bool:
+        """Whether it runs batches (resident, or draining its running requests)."""
+        return self.residency in (Residency.RESIDENT, Residency.DRAINING)
+
+    @property
     def evictable(self) -> bool:
         return self.weights is not None and self.host is not None and not self.pinned
 
@@ -92,45 +113,109 @@ class ModelWorker:
         return self.last_used + self.keep_alive_s
 
     # ---- residency ------------------------------------------------------------------------------
-    def evict(self) -> None:
-        """Offload: running requests go back to the queue (they recompute after the next
-        activation), every KV page goes back to the pool, the weight pages are unmapped."""
-        if not self.resident:
+    def when(self, state: Residency, done: Future) -> None:
+        """Resolve `done` (with None) when the model is next in `state` (now if it is); a failed
+        transition sets the error instead."""
+        if self.residency is state:
+            done.set_result(None)
+        else:
+            self._waiters.setdefault(state, []).append(done)
+
+    def _enter(self, state: Residency) -> None:
+        self.residency = state
+        self.state_since = time.monotonic()
+        for done in self._waiters.pop(state, ()):
+            if not done.done():
+                done.set_result(None)
+
+    def _fail_waiters(self, error: BaseException) -> None:
+        for waiters in self._waiters.values():
+            for done in waiters:
+                if not done.done():
+                    done.set_exception(error)
+        self._waiters.clear()
+
+    def evict(self, drain_s: float = 0.0) -> None:
+        """Start offloading: nothing new is admitted, running requests may finish for up to
+        `drain_s` seconds, then the rest go back to the queue and every page goes back to the
+        pool (at once if nothing runs or drain_s is 0; else in `poll`)."""
+        if self.residency in (Residency.OFFLOADED, Residency.FAILED):
             return
         if not self.evictable:
             raise RuntimeError(f"model {self.name} cannot be evicted")
+        if self.residency is Residency.ACTIVATING:
+            self._land()  # the copy cannot be stopped half way: let it finish
+        now = time.monotonic()
+        if self.residency is Residency.RESIDENT:
+            self._evict_started, self._drain_until = now, now + drain_s
+            self.scheduler.admitting = False
+            self._enter(Residency.DRAINING)
+        else:  # draining already: the sooner deadline wins
+            self._drain_until = min(self._drain_until, now + drain_s)
+        self.poll()
+
+    def poll(self) -> None:
+        """Moves a transition on: activating -> resident once every byte has landed; draining ->
+        offloaded once nothing runs or its drain time is up."""
+        if self.residency is Residency.ACTIVATING and self._transfer.done():
+            self._land()
+        elif self.residency is Residency.DRAINING and (
+            not self.scheduler.running or time.monotonic() >= self._drain_until
+        ):
+            self._offload()
+
+    def _offload(self) -> None:
         self.scheduler.preempt_all()
         self.kv.allocator.release_all()
         self.weights.unmap()
-        self.residency = Residency.OFFLOADED
+        self.scheduler.admitting = True
         self.evictions += 1
+        self.last_eviction_s = time.monotonic() - self._evict_started
+        self._enter(Residency.OFFLOADED)
 
     def can_activate(self) -> bool:
-        return self.resident or self.weights.can_map()
+        return self.residency.on_device or self.weights.can_map()
 
-    def activate(self, now: float) -> bool:
-        """Map the weight pages and copy the host copy in; False (still offloaded, nothing
-        taken) if the pool cannot give the pages now."""
-        if self.resident:
-            return True
-        t = time.perf_counter()
-        if not self.weights.map():
-            return False
+    def activate(self, wait: bool = True) -> bool:
+        """Map the weight pages and start the copy of the host copy into them; False (still
+        offloaded, nothing taken) if the pool cannot give the pages now. A draining model goes
+        back to resident. wait: return once every byte has landed (else `poll` finishes it)."""
+        if self.residency is Residency.DRAINING:
+            self.scheduler.admitting = True
+            self._enter(Residency.RESIDENT)
+        if self.residency is Residency.OFFLOADED:
+            self._activation_started = time.perf_counter()
+            if not self.weights.map():
+                return False
+            try:
+                self._transfer = self.host.load_async(self.weights.bytes())
+            except BaseException:
+                self.weights.unmap()
+                raise
+            self._enter(Residency.ACTIVATING)
+        if self.residency is Residency.ACTIVATING and wait:
+            self._land()
+        return self.residency.on_device
+
+    def _land(self) -> None:
+        """Finish the activation (waits for the last byte if need be)."""
+        transfer, self._transfer = self._transfer, None
         try:
-            self.host.load(self.weights.bytes())
-            if self.device.type == "cuda":
-                torch.cuda.current_stream(self.device).synchronize()  # timed to the last byte
-        except BaseException:
-            self.weights.unmap()  # all or nothing: back to offloaded
+            transfer.wait()
+        except BaseException as e:  # all or nothing: back to offloaded
+            self.weights.unmap()
+            self._enter(Residency.OFFLOADED)
+            self._fail_waiters(e)
             raise
-        took = time.perf_counter() - t
-        self.residency = Residency.RESIDENT
+        took = time.perf_counter() - self._activation_started
         self.activations += 1
         self.activation_seconds += took
         self.last_activation_s = took
+        self.activation_buckets[bisect.bisect_left(ACTIVATION_BUCKETS, took)] += 1
         self.bytes_activated += self.weights.nbytes
-        self.last_used = now
-        return True
+        self.last_used = time.monotonic()
+        self._enter(Residency.RESIDENT)
+        log.info("activated %s in %.3f s", self.name, took)
 
     @property
     def max_kv_tokens(self) -> int:
@@ -223,17 +308,25 @@ class ModelWorker:
             last_activation_s=self.last_activation_s,
             bytes_activated=self.bytes_activated,
             last_used=self.last_used,
+            state_since=self.state_since,
+            last_eviction_s=self.last_eviction_s,
+            activation_buckets=tuple(self.activation_buckets),
+            overhead_bytes=self.overhead_bytes,
         )
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()
         if self.weights is not None:
             self.weights.check_integrity()
-            assert self.weights.mapped == self.resident, (self.name, self.residency)
-        if not self.resident:
+            assert self.weights.mapped == self.residency.on_device, (self.name, self.residency)
+        if not self.serving:
             assert self.kv.allocator.num_mapped_pages == 0, "an offloaded model holds KV pages"
 
     def close(self) -> None:
+        if self._transfer is not None:  # never free pages a copy is still writing
+            self._transfer.wait()
+            self._transfer = None
+        self._fail_waiters(RuntimeError(f"model {self.name} was removed"))
         for rid in list(self.requests):
             self.abort(rid)
         self.kv.close()
@@ -241,3 +334,7 @@ class ModelWorker:
             self.weights.close()
         if self.host is not None:
             self.host.close()
+
+
+def _allocated(device: torch.device) -> int:
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0

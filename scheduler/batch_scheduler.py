@@ -70,6 +70,7 @@ class BatchScheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.admitting = True  # False while the model drains: waiting requests stay queued
 
     @property
     def has_work(self) -> bool:
@@ -107,7 +108,8 @@ class BatchScheduler:
                 continue
             break
         while (
-            self.waiting
+            self.admitting
+            and self.waiting
             and budget > 0
             and not preempted
             and len(self.running) < self.config.max_num_seqs

@@ -11,9 +11,22 @@ from dataclasses import dataclass
 
 
 class Residency(str, enum.Enum):
-    RESIDENT = "resident"  # weights on the device, serving
+    """offloaded -> activating -> resident -> draining -> offloaded; failed is terminal."""
+
     OFFLOADED = "offloaded"  # weights only in the host copy; a request activates it
+    ACTIVATING = "activating"  # weight pages mapped, the host-to-device copy in flight
+    RESIDENT = "resident"  # weights on the device, serving
+    DRAINING = "draining"  # admits nothing new; running requests finish (or are requeued)
     FAILED = "failed"  # could not be loaded; requests get 503
+
+    @property
+    def on_device(self) -> bool:
+        """Whether its weight pages are mapped (it holds device memory)."""
+        return self in (Residency.ACTIVATING, Residency.RESIDENT, Residency.DRAINING)
+
+
+# upper bounds (seconds) of the activation-time histogram each ModelSnapshot carries
+ACTIVATION_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0, float("inf"))
 
 
 @dataclass(frozen=True)
@@ -37,6 +50,11 @@ class ModelSnapshot:
     last_activation_s: float | None = None
     bytes_activated: int = 0  # host -> device bytes, total
     last_used: float = 0.0  # when it last ran a step or was activated (time.monotonic())
+    state_since: float = 0.0  # when it entered `residency` (time.monotonic())
+    last_eviction_s: float | None = None  # the last drain + unmap, from the evict decision
+    # activations per ACTIVATION_BUCKETS bucket (not cumulative)
+    activation_buckets: tuple[int, ...] = (0,) * len(ACTIVATION_BUCKETS)
+    overhead_bytes: int = 0  # device memory it holds outside the pool (graphs, buffers)
 
     @property
     def num_requests(self) -> int:

@@ -1,6 +1,8 @@
 """Model lifecycle on the GPU: activation from the pinned host copy against the H2D bandwidth
-measured in the same run, and time to first token for requests that each find their model
-offloaded (two 8B models that cannot both be resident, alternating).
+measured in the same run; time to first token for requests that each find their model
+offloaded (two 8B models that cannot both be resident, alternating); evict -> the pages as
+another model's KV; a resident model's TPOT while another activates, against without; start-up
+time of eight models.
 
     python3 scripts/bench_gpu_lifecycle.py [--json out.json] [--switches 20]
 """
@@ -135,7 +137,7 @@ def evict_to_kv(repeats: int = 5) -> dict:
                 assert got is not None, "B could not take A's pages"
                 mb.kv.allocator.free(got)
                 mb.kv.allocator.release_all()
-                assert w.make_resident(w.models["a"], time.monotonic())
+                assert w.make_resident(w.models["a"], time.monotonic(), wait=True)
                 return took
 
             times.append(w.call(move))
@@ -147,6 +149,87 @@ def evict_to_kv(repeats: int = 5) -> dict:
         flush=True,
     )
     return {"median_s": med, "pages": n_pages, "bytes": wa}
+
+
+def tpot_during_activation(rounds: int = 6, batch: int = 16) -> dict:
+    """R (8B) decodes a batch of `batch` while X (8B, both fit) is evicted and activated again
+    and again: R's inter-token times inside X's activations against those between them."""
+    r, x = spec("r", "llama-3.1-8b"), spec("x", "llama-3.1-8b")
+    w = weight_pool_bytes(r, torch.device("cuda"), 128 << 20)
+    cfg = EngineConfig(models=(r, x), device="cuda", pool_budget_bytes=2 * w + 8 * GiB)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(300, 120000, (128,), generator=g).tolist() for _ in range(batch)]
+    params = SamplingParams(max_tokens=3000, temperature=0, ignore_eos=True)
+    with Engine(cfg) as e:
+        e.generate("r", prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+        stamps: list[float] = []
+        reqs = []
+        for i, p in enumerate(prompts):
+
+            def sink(out, i=i):
+                if i == 0 and out.new_token_ids:
+                    stamps.append(time.perf_counter())
+
+            reqs.append(e.add_request("r", p, params, sink))
+        while len(stamps) < 50:  # all admitted and decoding
+            time.sleep(0.01)
+        windows, took = [], []
+        for _ in range(rounds):
+            time.sleep(0.4)  # quiet
+            e.evict("x")
+            t0 = time.perf_counter()
+            took.append(e.activate("x"))
+            windows.append((t0, time.perf_counter()))
+        time.sleep(0.4)
+        end = time.perf_counter()
+        for q in reqs:
+            e.abort("r", q.request_id)
+        e.worker.snapshot_now()
+        e.check_integrity()
+    during, quiet = [], []
+    start = windows[0][0] - 0.4
+    for a, b in zip(stamps, stamps[1:]):
+        if a < start or b > end:
+            continue
+        inside = any(a < w1 and b > w0 for w0, w1 in windows)
+        (during if inside else quiet).append(b - a)
+    d, q = statistics.mean(during), statistics.mean(quiet)
+    print(
+        f"8B decode B={batch} while another 8B activates ({statistics.median(took) * 1e3:.0f} ms "
+        f"each, {rounds}x): TPOT {d * 1e3:.2f} ms vs {q * 1e3:.2f} ms between activations "
+        f"({d / q - 1:+.1%}; {len(during)} / {len(quiet)} steps)",
+        flush=True,
+    )
+    return {"tpot_during_s": d, "tpot_quiet_s": q, "activation_s": statistics.median(took)}
+
+
+def startup(n_models: int = 8, fit: int = 4) -> dict:
+    """Start-up time of an engine with n_models 1B models, `fit` of them resident at once,
+    against one such model loaded alone (x n_models)."""
+    page = 128 << 20
+    specs = tuple(
+        ModelSpec(f"m{i}", "dummy:llama-3.2-1b", seed=i, max_model_len=4096)
+        for i in range(n_models)
+    )
+    w = weight_pool_bytes(specs[0], torch.device("cuda"), page)
+    t = time.perf_counter()
+    with Engine(EngineConfig(models=specs[:1], device="cuda", kv_budget_bytes=4 * GiB)):
+        one = time.perf_counter() - t
+    cfg = EngineConfig(models=specs, device="cuda", pool_budget_bytes=fit * w + 4 * GiB)
+    t = time.perf_counter()
+    with Engine(cfg) as e:
+        took = time.perf_counter() - t
+        snap = e.worker.snapshot_now()
+        resident = sum(m.residency.value == "resident" for m in snap.models)
+        overhead = [m.overhead_bytes for m in snap.models]
+    print(
+        f"start-up, {n_models} x llama-3.2-1b ({resident} resident): {took:.1f} s, against one "
+        f"alone {one:.1f} s (x{n_models} = {one * n_models:.1f} s); per-model memory outside "
+        f"the pool: first {overhead[0] / 2**20:.0f} MiB, then median "
+        f"{statistics.median(overhead[1:]) / 2**20:.0f} MiB",
+        flush=True,
+    )
+    return {"seconds": took, "one_model_s": one, "resident": resident, "overhead": overhead}
 
 
 def main() -> None:
@@ -163,6 +246,8 @@ def main() -> None:
             args.json.write_text(json.dumps(out, indent=1))
     out["switching"] = switching_ttft(args.switches)
     out["evict_to_kv"] = evict_to_kv()
+    out["tpot_during_activation"] = tpot_during_activation()
+    out["startup"] = startup()
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
 

@@ -23,7 +23,7 @@ fi
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.mem --format=csv,noheader
 
 t0=$SECONDS
-timeout 240 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/gpu tests/kvpool 2>&1 | tee "$OUT/pytest.log"
+timeout 420 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/gpu tests/kvpool 2>&1 | tee "$OUT/pytest.log"
 echo "tests: $((SECONDS - t0)) s"
 
 t0=$SECONDS
@@ -34,7 +34,7 @@ if [ "$quick" != "--quick" ]; then
   timeout 250 python3 scripts/bench_gpu_engine.py --json "$OUT/engine.json" 2>&1 | tee -a "$OUT/bench.log"
   echo "engine bench: $((SECONDS - t0)) s"
   t0=$SECONDS
-  timeout 240 python3 scripts/bench_gpu_lifecycle.py --json "$OUT/lifecycle.json" 2>&1 | tee -a "$OUT/bench.log"
+  timeout 420 python3 scripts/bench_gpu_lifecycle.py --json "$OUT/lifecycle.json" 2>&1 | tee -a "$OUT/bench.log"
   echo "lifecycle bench: $((SECONDS - t0)) s"
 fi
 

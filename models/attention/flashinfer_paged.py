@@ -158,16 +158,25 @@ class AppendWriter:
 
 class FlashInferBackend:
     """One model's FlashInfer state: a float workspace shared by all its wrappers, one prefill and
-    one decode wrapper per kind of layer. Calling it is the runner's per-step AttentionFactory."""
+    one decode wrapper per kind of layer. Calling it is the runner's per-step AttentionFactory.
+
+    `workspace` (uint8, >= WORKSPACE_BYTES) may be shared by every model of a device whose steps
+    run one at a time on one stream (the workspace only holds a step's split-kv partials)."""
 
     def __init__(
-        self, shape: AttentionShape, specs: Sequence[LayerAttention], device: torch.device
+        self,
+        shape: AttentionShape,
+        specs: Sequence[LayerAttention],
+        device: torch.device,
+        workspace: torch.Tensor | None = None,
     ):
         import flashinfer
 
         self._fi = flashinfer
         self.shape, self.specs, self.device = shape, list(specs), device
-        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        if workspace is None:
+            workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self.workspace = workspace
         self.prefill = {
             s: flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2")
             for s in self.specs

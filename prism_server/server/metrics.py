@@ -8,10 +8,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 from scheduler.request import RequestOutput
-from scheduler.snapshot import DeviceSnapshot, Residency
+from scheduler.snapshot import ACTIVATION_BUCKETS, DeviceSnapshot, Residency
 
 _LATENCY_BUCKETS = (
     0.001,
@@ -65,7 +66,9 @@ class _SnapshotCollector:
             labels=["model_name", "kind"],
         )
         resident = GaugeMetricFamily(
-            "prism:model_resident", "1 if the model is resident.", labels=["model_name"]
+            "prism:model_resident",
+            "1 if the model's weights are on the device.",
+            labels=["model_name"],
         )
         state = GaugeMetricFamily(
             "prism:model_state",
@@ -79,14 +82,21 @@ class _SnapshotCollector:
         evictions = CounterMetricFamily(
             "prism:model_evictions", "Evictions (weights unmapped) since load.", labels=lm
         )
-        act_seconds = CounterMetricFamily(
-            "prism:model_activation_seconds", "Time spent activating.", labels=lm
+        act_seconds = HistogramMetricFamily(
+            "prism:model_activation_seconds",
+            "Activation time, from the decision to map to the last byte landed.",
+            labels=lm,
         )
         act_bytes = CounterMetricFamily(
             "prism:model_activation_bytes", "Bytes copied host to device by activations.", labels=lm
         )
         weight_pages = GaugeMetricFamily(
             "prism:model_weight_pages", "Pool pages mapped into the model's weights.", labels=lm
+        )
+        since = GaugeMetricFamily(
+            "prism:model_state_since_seconds",
+            "Seconds since the model entered its residency state.",
+            labels=lm,
         )
         pool = GaugeMetricFamily(
             "prism:device_pool_pages",
@@ -111,12 +121,18 @@ class _SnapshotCollector:
                 mbytes.add_metric([name, "kv_mapped"], m.kv_pages * page)
                 mbytes.add_metric([name, "kv_cached_free"], m.kv_pages_cached_free * page)
                 mbytes.add_metric([name, "weights"], m.weight_pages * page)
-                resident.add_metric([name], 1 if m.residency is Residency.RESIDENT else 0)
-                for r in (Residency.RESIDENT, Residency.OFFLOADED):
+                mbytes.add_metric([name, "overhead"], m.overhead_bytes)
+                resident.add_metric([name], 1 if m.residency.on_device else 0)
+                for r in Residency:
                     state.add_metric([name, r.value], 1 if m.residency is r else 0)
+                since.add_metric([name], max(snap.time - m.state_since, 0.0))
                 activations.add_metric([name], m.activations)
                 evictions.add_metric([name], m.evictions)
-                act_seconds.add_metric([name], m.activation_seconds)
+                buckets, total = [], 0
+                for le, n in zip(ACTIVATION_BUCKETS, m.activation_buckets):
+                    total += n
+                    buckets.append((floatToGoString(le), total))
+                act_seconds.add_metric([name], buckets, m.activation_seconds)
                 act_bytes.add_metric([name], m.bytes_activated)
                 weight_pages.add_metric([name], m.weight_pages)
             p, dev = snap.pool, snap.device
@@ -128,7 +144,7 @@ class _SnapshotCollector:
             pbytes.add_metric([dev, "owned"], p.owned * page)
             pbytes.add_metric([dev, "free"], p.free * page)
         yield from (running, waiting, usage, pages, mbytes, resident, state, pool, pbytes)
-        yield from (activations, evictions, act_seconds, act_bytes, weight_pages)
+        yield from (activations, evictions, act_seconds, act_bytes, weight_pages, since)
 
 
 class Metrics:

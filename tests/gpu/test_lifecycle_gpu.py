@@ -4,6 +4,7 @@ nothing is captured again after start-up."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from prism_server.config import EngineConfig, ModelSpec
@@ -15,7 +16,6 @@ from tests.gpu.common import GPU
 
 pytestmark = GPU
 GiB = 1 << 30
-CYCLES = 100  # evict/activate pairs under traffic
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -23,7 +23,15 @@ def prompt(n: int, seed: int) -> list[int]:
     return torch.randint(300, 30000, (n,), generator=g).tolist()
 
 
-def test_greedy_tokens_survive_eviction_for_two_architectures(monkeypatch):
+@pytest.mark.parametrize(
+    "presets, cycles",
+    [
+        (("llama-3.2-3b", "qwen2.5-7b"), 100),
+        (("llama-3.2-1b", "gemma-3-1b"), 1000),  # small models: 1,000 cycles in ~2 minutes
+    ],
+    ids=["3b-7b", "1b-gemma-1000"],
+)
+def test_greedy_tokens_survive_eviction_for_two_architectures(monkeypatch, presets, cycles):
     captures = {"n": 0}
     original = CudaGraphRunner.capture
 
@@ -32,10 +40,12 @@ def test_greedy_tokens_survive_eviction_for_two_architectures(monkeypatch):
         return original(self)
 
     monkeypatch.setattr(CudaGraphRunner, "capture", counting)
-    llama = ModelSpec("llama", "dummy:llama-3.2-3b", max_model_len=1024, max_num_seqs=8)
-    qwen = ModelSpec("qwen", "dummy:qwen2.5-7b", max_model_len=1024, max_num_seqs=8)
+    llama = ModelSpec("llama", f"dummy:{presets[0]}", max_model_len=1024, max_num_seqs=8)
+    qwen = ModelSpec("qwen", f"dummy:{presets[1]}", max_model_len=1024, max_num_seqs=8)
     dev = torch.device("cuda")
-    budget = weight_pool_bytes(qwen, dev, 128 << 20) + 4 * GiB  # one of the two at a time
+    page = 128 << 20
+    small, big = sorted(weight_pool_bytes(m, dev, page) for m in (llama, qwen))
+    budget = big + min(small - 2 * page, 4 * GiB)  # one of the two at a time, and KV
     with Engine(EngineConfig(models=(llama, qwen), device="cuda", pool_budget_bytes=budget)) as e:
         at_start = captures["n"]
         assert at_start == 2  # one runner each, captured once at load
@@ -52,13 +62,13 @@ def test_greedy_tokens_survive_eviction_for_two_architectures(monkeypatch):
             ref[n] = [c.token_ids for c in e.generate(n, prompts, params)]
             ref_short[n] = [c.token_ids for c in e.generate(n, prompts[:2], short)]
         assert ref["llama"] != ref["qwen"]
-        for i in range(CYCLES):
+        for i in range(cycles):
             name = ("llama", "qwen")[i % 2]
             got = [c.token_ids for c in e.generate(name, prompts[:2], short)]
             assert got == ref_short[name], (i, name)
         for name in ("llama", "qwen"):  # and the long answers, once more
             assert [c.token_ids for c in e.generate(name, prompts, params)] == ref[name]
         snap = {m.name: m for m in e.worker.snapshot_now().models}
-        assert snap["llama"].activations + snap["qwen"].activations >= CYCLES
+        assert snap["llama"].activations + snap["qwen"].activations >= cycles
         assert captures["n"] == at_start  # graphs survive eviction: never recaptured
         e.check_integrity()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import queue
 import threading
 import time
 
@@ -119,8 +120,6 @@ def test_an_admin_evict_under_load_loses_nothing(reference):
         results: dict[int, list[int]] = {}
         long = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
         want = e.generate("a", PROMPTS[:3], long)  # resident, no eviction: the reference
-        import queue
-
         q: queue.SimpleQueue = queue.SimpleQueue()
         for i, p in enumerate(PROMPTS[:3]):
             toks: list[int] = []
@@ -135,12 +134,142 @@ def test_an_admin_evict_under_load_loses_nothing(reference):
         deadline = time.monotonic() + 60
         while not any(m.num_running for m in e.worker.snapshot_now().models):
             assert time.monotonic() < deadline
-        e.evict("a")  # mid-decode: preempted back to the queue, then it comes back
+        e.evict("a", drain_s=0)  # mid-decode: preempted back to the queue, then it comes back
         for _ in range(3):
             assert q.get(timeout=120).value == "length"
         assert [results[i] for i in range(3)] == [w.token_ids for w in want]
         snap = e.model_snapshot("a")
         assert snap.evictions >= 1 and snap.activations >= 1 and snap.num_preemptions >= 1
+        e.check_integrity()
+
+
+def _stream_into(e: Engine, model: str, prompts, params) -> tuple[dict, queue.SimpleQueue]:
+    """Queues each prompt; returns {i: tokens} filled as they finish, and a queue of reasons."""
+    results: dict[int, list[int]] = {}
+    q: queue.SimpleQueue = queue.SimpleQueue()
+    for i, p in enumerate(prompts):
+        toks: list[int] = []
+
+        def sink(out, toks=toks, i=i):
+            toks.extend(out.new_token_ids)
+            if out.finished:
+                results[i] = toks
+                q.put(out.finish_reason.value)
+
+        e.add_request(model, p, params, sink)
+    return results, q
+
+
+def _until(cond, what: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.002)
+
+
+def test_a_drain_lets_running_requests_finish_and_queues_new_ones(reference):
+    """evict with a drain: running requests finish (none preempted), a request arriving while
+    the model drains waits in the queue and brings the model back once it is offloaded."""
+    with Engine(two_at_a_time()) as e:
+        long = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+        want = [c.token_ids for c in e.generate("a", PROMPTS[:2], long)]
+        before = e.model_snapshot("a")
+        results, q = _stream_into(e, "a", PROMPTS[:2], long)
+        _until(lambda: e.model_snapshot("a").num_running == 2, "never ran")
+        evicted = {}
+        t = threading.Thread(target=lambda: evicted.update(s=e.evict("a", drain_s=120)))
+        t.start()
+        _until(lambda: states(e)["a"] == "draining", "never drained")
+        late, late_q = _stream_into(e, "a", PROMPTS[2:3], GREEDY)  # arrives while it drains
+        snap = e.model_snapshot("a")
+        assert snap.residency is Residency.DRAINING and snap.num_waiting == 1
+        t.join(timeout=120)
+        assert evicted["s"] > 0 and q.get(timeout=1) == q.get(timeout=1) == "length"
+        assert [results[i] for i in range(2)] == want
+        assert late_q.get(timeout=120) == "length" and late[0] == reference["a"][2]
+        snap = e.model_snapshot("a")
+        assert snap.num_preemptions == 0
+        assert snap.evictions == before.evictions + 1
+        assert snap.activations == before.activations + 1
+        assert snap.last_eviction_s is not None and snap.last_eviction_s > 0
+        e.check_integrity()
+
+
+def test_a_drain_past_its_time_requeues_the_rest(reference):
+    with Engine(two_at_a_time()) as e:
+        long = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+        results, q = _stream_into(e, "a", PROMPTS[:2], long)
+        _until(lambda: e.model_snapshot("a").num_running == 2, "never ran")
+        assert e.evict("a", drain_s=0.05) < 30
+        assert e.model_snapshot("a").num_preemptions >= 1
+        assert q.get(timeout=120) == q.get(timeout=120) == "length"
+        again = [c.token_ids for c in e.generate("a", PROMPTS[:2], long)]
+        assert [results[i] for i in range(2)] == again
+        e.check_integrity()
+
+
+@pytest.fixture()
+def hold_copies(monkeypatch):
+    """hold() makes later activation copies wait for the gate it returns (then run for real)."""
+    import kvpool.host_copy
+
+    gate, real = threading.Event(), kvpool.host_copy.copy_chunks
+
+    def held(dst, src, chunk_bytes):
+        assert gate.wait(120)
+        real(dst, src, chunk_bytes)
+
+    def hold() -> threading.Event:
+        monkeypatch.setattr(kvpool.host_copy, "copy_chunks", held)
+        return gate
+
+    yield hold
+    gate.set()
+
+
+def test_requests_arriving_while_a_model_activates_share_it_and_others_keep_serving(
+    reference, hold_copies
+):
+    with Engine(two_at_a_time()) as e:
+        gate = hold_copies()
+        first, q1 = _stream_into(e, "c", PROMPTS[:3], GREEDY)
+        _until(lambda: states(e)["c"] == "activating", "never activated")
+        second, q2 = _stream_into(e, "c", PROMPTS[3:], GREEDY)  # arrives mid-activation
+        # the resident model keeps serving while c's copy is in flight (the other made room)
+        (other,) = (n for n, st in states(e).items() if st == "resident")
+        assert [x.token_ids for x in e.generate(other, PROMPTS, GREEDY)] == reference[other]
+        assert states(e)["c"] == "activating" and e.model_snapshot("c").num_waiting == 6
+        gate.set()
+        for _ in range(3):
+            assert q1.get(timeout=120) == q2.get(timeout=120) == "length"
+        assert [first[i] for i in range(3)] + [second[i] for i in range(3)] == reference["c"]
+        snap = e.model_snapshot("c")
+        assert snap.activations == 1 and snap.residency is Residency.RESIDENT
+        assert sum(snap.activation_buckets) == 1
+        e.check_integrity()
+
+
+def test_a_failed_copy_leaves_the_model_offloaded_and_the_next_request_retries(
+    reference, monkeypatch
+):
+    import kvpool.host_copy
+
+    real, calls = kvpool.host_copy.copy_chunks, []
+
+    def flaky(*args):
+        calls.append(1)
+        if len(calls) == 1:
+            raise OSError("copy failed")
+        real(*args)
+
+    with Engine(two_at_a_time()) as e:
+        monkeypatch.setattr(kvpool.host_copy, "copy_chunks", flaky)
+        with pytest.raises(OSError, match="copy failed"):
+            e.activate("c")
+        assert states(e)["c"] == "offloaded"
+        e.check_integrity()
+        assert [x.token_ids for x in e.generate("c", PROMPTS, GREEDY)] == reference["c"]
+        assert e.model_snapshot("c").activations == 1
         e.check_integrity()
 
 
@@ -272,3 +401,44 @@ def test_a_waiting_stream_gets_keep_alives_then_503_past_max_wait(crowded):
         assert time.monotonic() < deadline
         time.sleep(0.02)
     crowded.engine.check_integrity()
+
+
+def test_shutdown_during_an_activation_finishes_the_streams_waiting_for_it(hold_copies):
+    """SIGTERM's path (the server's stop event) while a model's copy is in flight: the server
+    drains, the activation lands, the waiting stream gets all its tokens and [DONE]."""
+    srv = serve_in_thread(Engine(two_at_a_time()))
+    try:
+        gate = hold_copies()
+        body = {
+            "model": "c",
+            "prompt": PROMPTS[0],
+            "max_tokens": 12,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        lines: list[str] = []
+
+        def client() -> None:
+            with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=120) as r:
+                assert r.status_code == 200
+                lines.extend(x for x in r.iter_lines() if x)
+
+        t = threading.Thread(target=client)
+        t.start()
+        _until(lambda: states(srv.engine)["c"] == "activating", "never activated")
+        closer = threading.Thread(target=srv.close, kwargs={"close_engine": False})
+        closer.start()
+        _until(lambda: httpx.get(srv.url + "/health").status_code == 503, "never drained")
+        gate.set()
+        t.join(120)
+        closer.join(120)
+        assert not t.is_alive() and not closer.is_alive()
+        events = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+        assert lines[-1] == "data: [DONE]" and not any("error" in ev for ev in events)
+        assert [c["finish_reason"] for ev in events for c in ev["choices"]][-1] == "length"
+        assert events[-1]["usage"]["completion_tokens"] == 12
+        srv.engine.check_integrity()
+    finally:
+        srv.engine.close()
