@@ -5,6 +5,8 @@ shapes."""
 
 from __future__ import annotations
 
+import functools
+import re
 import time
 from typing import Any, Literal
 
@@ -72,6 +74,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[Any] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -106,6 +110,39 @@ class _SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    logit_bias: dict[str, float] | None = None  # OpenAI's: token id (as a string) -> bias
+    repetition_penalty: float | None = Field(None, gt=0, le=2)
+    min_p: float | None = Field(None, ge=0, le=1)
+    # Accepted by OpenAI-shaped clients but not honoured (yet): refused with 400 when set to
+    # anything but their no-op value, never dropped in silence. See `check`.
+    priority: int = 0
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
+    prediction: Any = None
+    audio: Any = None
+    modalities: list[str] | None = None
+    web_search_options: Any = None
+    guided_json: Any = None  # vLLM's structured-output extensions
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v):
+        if v is None:
+            return v
+        if len(v) > 300:
+            raise ValueError("at most 300 tokens may be biased")
+        for key, bias in v.items():
+            if not key.isdigit():
+                raise ValueError(f"keys must be token ids, got {key!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"biases must be in [-100, 100], got {bias} for token {key}")
+        return v
 
     @field_validator("stop")
     @classmethod
@@ -122,11 +159,31 @@ class _SamplingFields(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
     def check(self) -> None:
-        """Field combinations OpenAI refuses (after each field has validated on its own)."""
+        """Field combinations OpenAI refuses (after each field has validated on its own), and
+        fields Prism does not honour set to something that would need it."""
         if self.stream_options is not None and not self.stream:
             raise APIError(
                 400, "stream_options is only allowed when stream is true.", param="stream_options"
             )
+        unsupported = {
+            "tools": bool(self.tools),
+            "tool_choice": self.tool_choice not in (None, "none"),
+            "functions": bool(self.functions),
+            "function_call": self.function_call not in (None, "none"),
+            "response_format": (self.response_format or {}).get("type", "text") != "text",
+            "prediction": self.prediction is not None,
+            "audio": self.audio is not None,
+            "modalities": self.modalities not in (None, ["text"]),
+            "web_search_options": self.web_search_options is not None,
+            "guided_json": self.guided_json is not None,
+            "guided_regex": self.guided_regex is not None,
+            "guided_choice": self.guided_choice is not None,
+            "guided_grammar": self.guided_grammar is not None,
+            "priority": self.priority != 0,
+        }
+        for name, used in unsupported.items():
+            if used:
+                raise APIError(400, f"{name} is not supported by this server.", param=name)
 
     def sampling_params(
         self, max_tokens: int, logprobs: int | None, index: int = 0
@@ -149,6 +206,9 @@ class _SamplingFields(BaseModel):
                 frequency_penalty=self.frequency_penalty,
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 skip_special_tokens=self.skip_special_tokens,
+                repetition_penalty=self.repetition_penalty or 1.0,
+                min_p=self.min_p or 0.0,
+                logit_bias=tuple((int(k), float(b)) for k, b in (self.logit_bias or {}).items()),
             )
         except ValueError as e:
             raise APIError(400, str(e)) from None
@@ -176,6 +236,13 @@ class ChatCompletionRequest(_SamplingFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def chat_messages(self) -> list[dict[str, str]]:
+        for i, m in enumerate(self.messages):
+            if m.role == "tool" or m.tool_calls:
+                raise APIError(
+                    400,
+                    "tool calls and tool messages are not supported by this server.",
+                    param=f"messages.{i}",
+                )
         try:
             return [{"role": m.role, "content": m.text()} for m in self.messages]
         except ValueError as e:
@@ -190,6 +257,23 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=20)
     max_tokens: int | None = Field(16, ge=1)
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
+    suffix: str | None = None
+
+    def check(self) -> None:
+        super().check()
+        if self.best_of is not None and self.best_of != self.n:
+            raise APIError(
+                400,
+                "best_of is only supported equal to n (each choice is returned).",
+                param="best_of",
+            )
+        if self.suffix:
+            raise APIError(400, "suffix is not supported by this server.", param="suffix")
+        if self.echo and self.logprobs is not None:
+            raise APIError(
+                400, "echo with logprobs (prompt logprobs) is not supported.", param="echo"
+            )
 
     @field_validator("prompt")
     @classmethod
@@ -211,6 +295,31 @@ class CompletionRequest(_SamplingFields):
         if all(isinstance(x, int) for x in p):
             return [list(p)]
         return list(p)
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt, or chat messages through the model's template."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise APIError(400, "Give either prompt or messages.", param="prompt")
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str
+    tokens: list[int]
+
+    def check(self) -> None:
+        pass
 
 
 # ---- responses ---------------------------------------------------------------------------------
@@ -244,7 +353,7 @@ class LogprobFormatter:
     def chat(self, lps: list[TokenLogprob]) -> dict[str, Any]:
         def entry(tid: int, lp: float) -> dict[str, Any]:
             s = self._tok(tid)
-            return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+            return {"token": s, "logprob": lp, "bytes": list(token_bytes(self.tokenizer, tid))}
 
         return {
             "content": [
@@ -266,6 +375,39 @@ class LogprobFormatter:
             "top_logprobs": [{self._tok(t): v for t, v in x.top} for x in lps],
             "text_offset": offsets,
         }
+
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+@functools.cache
+def _byte_level_decoder() -> dict[str, int]:
+    """GPT-2's byte alphabet, inverted: printable bytes stand for themselves, the other 68 for
+    chr(256 + k) in byte order (the byte-level BPE convention)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    table = {chr(b): b for b in keep}
+    extra = (b for b in range(256) if b not in set(keep))
+    table.update({chr(256 + k): b for k, b in enumerate(extra)})
+    return table
+
+
+def token_bytes(tokenizer, token_id: int) -> bytes:
+    """The raw bytes a token stands for, also when it holds part of a UTF-8 character (its decoded
+    text then has a replacement character): byte-level BPE pieces map back through GPT-2's byte
+    alphabet, SentencePiece byte-fallback pieces (<0xE2>) are one byte, '▁' is a space."""
+    piece = tokenizer.convert_ids_to_tokens(token_id)
+    if isinstance(piece, str):
+        m = _BYTE_PIECE.fullmatch(piece)
+        if m:
+            return bytes([int(m.group(1), 16)])
+        decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+        if type(decoder).__name__ == "ByteLevel":
+            table = _byte_level_decoder()
+            if all(c in table for c in piece):
+                return bytes(table[c] for c in piece)
+        elif "\u2581" in piece or type(decoder).__name__ in ("Sequence", "Metaspace"):
+            return piece.replace("\u2581", " ").encode()
+    return tokenizer.decode([token_id]).encode()
 
 
 def stream_error(message: str) -> dict:

@@ -1,7 +1,10 @@
-"""Token sampling for one step: greedy fast path; temperature, top-k, top-p, penalties, min_tokens,
+"""Token sampling for one step: greedy fast path; logit bias, min_tokens, repetition / frequency /
+presence penalties (batched over the rows that need them), temperature, min-p, top-k, top-p,
 per-request seeds, and logprobs (of the model's raw distribution, as vLLM reports them)."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -32,32 +35,28 @@ class Sampler:
         if not reqs:  # a step of prefill chunks that all stop short of their prompt's end
             return [], []
         raw = logits
-        if any(r.params.needs_penalties or r.num_output_tokens < r.params.min_tokens for r in reqs):
+        adjust = [
+            i
+            for i, r in enumerate(reqs)
+            if r.params.adjusts_logits or r.num_output_tokens < r.params.min_tokens
+        ]
+        if adjust:
             logits = logits.clone()
-            for i, r in enumerate(reqs):
-                self._adjust(logits[i], r)
+            _adjust(logits, [(i, reqs[i]) for i in adjust])
         if all(r.params.greedy for r in reqs):
             tokens = logits.argmax(dim=-1).tolist()
         else:
             tokens = [self._sample_row(logits[i], r) for i, r in enumerate(reqs)]
         return tokens, self._logprobs(raw, tokens, reqs)
 
-    def _adjust(self, row: torch.Tensor, r: Request) -> None:
-        p = r.params
-        if r.num_output_tokens < p.min_tokens:
-            banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(r.eos_token_ids))
-            row[list(banned)] = float("-inf")
-        if p.needs_penalties and r.output_token_ids:
-            ids, counts = torch.tensor(r.output_token_ids, device=row.device).unique(
-                return_counts=True
-            )
-            row[ids] -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty
-
     def _sample_row(self, row: torch.Tensor, r: Request) -> int:
         p = r.params
         if p.greedy:
             return int(row.argmax())
         row = row / p.temperature
+        if p.min_p > 0:
+            # p(t) < min_p * p_max  <=>  logit(t) < logit_max + log(min_p)
+            row = row.masked_fill(row < row.max() + math.log(p.min_p), float("-inf"))
         if 0 < p.top_k < row.numel():
             kth = torch.topk(row, p.top_k).values[-1]
             row = row.masked_fill(row < kth, float("-inf"))
@@ -86,3 +85,50 @@ class Sampler:
             top = list(zip(top_i[j, :n].tolist(), top_v[j, :n].tolist())) if n else []
             out[i] = TokenLogprob(tokens[i], chosen[j], top)
         return out
+
+
+def _token_matrix(rows: list[list[int]], pad: int, device) -> torch.Tensor:
+    """[len(rows), longest] int64, padded with `pad` (a column past the vocabulary)."""
+    width = max(map(len, rows), default=0)
+    return torch.tensor([r + [pad] * (width - len(r)) for r in rows], device=device).long()
+
+
+def _adjust(logits: torch.Tensor, rows: list[tuple[int, Request]]) -> None:
+    """In place, batched over the rows that need it (vLLM's order): logit bias, min_tokens' ban
+    on stop tokens, then repetition, frequency and presence penalties."""
+    dev, vocab = logits.device, logits.shape[-1]
+    where, cols, vals = [], [], []
+    for i, r in rows:
+        p = r.params
+        for tok, bias in p.logit_bias:
+            where.append(i), cols.append(tok), vals.append(bias)
+    if where:
+        idx = (torch.tensor(where, device=dev), torch.tensor(cols, device=dev))
+        logits.index_put_(idx, torch.tensor(vals, device=dev, dtype=logits.dtype), accumulate=True)
+    where, cols = [], []
+    for i, r in rows:
+        p = r.params
+        if r.num_output_tokens < p.min_tokens:
+            banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(r.eos_token_ids))
+            where.extend([i] * len(banned)), cols.extend(banned)
+    if where:
+        logits[torch.tensor(where, device=dev), torch.tensor(cols, device=dev)] = float("-inf")
+    rep = [(i, r) for i, r in rows if r.params.repetition_penalty != 1.0]
+    if rep:  # vLLM's rule: over prompt and output, positive logits divided, negative multiplied
+        idx = torch.tensor([i for i, _ in rep], device=dev)
+        seen = torch.zeros(len(rep), vocab + 1, dtype=torch.bool, device=dev)
+        seen.scatter_(1, _token_matrix([r.all_token_ids for _, r in rep], vocab, dev), True)
+        pen = torch.tensor([r.params.repetition_penalty for _, r in rep], device=dev)[:, None]
+        sub = logits[idx]
+        hit = torch.where(sub > 0, sub / pen, sub * pen)
+        logits[idx] = torch.where(seen[:, :vocab], hit, sub)
+    pens = [(i, r) for i, r in rows if r.params.needs_penalties and r.output_token_ids]
+    if pens:
+        idx = torch.tensor([i for i, _ in pens], device=dev)
+        ids = _token_matrix([list(r.output_token_ids) for _, r in pens], vocab, dev)
+        counts = torch.zeros(len(pens), vocab + 1, device=dev, dtype=logits.dtype)
+        counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=logits.dtype))
+        counts = counts[:, :vocab]
+        freq = torch.tensor([r.params.frequency_penalty for _, r in pens], device=dev)[:, None]
+        pres = torch.tensor([r.params.presence_penalty for _, r in pens], device=dev)[:, None]
+        logits[idx] -= freq * counts + pres * (counts > 0)

@@ -73,7 +73,12 @@ class ServedModel:
             raise RequestRejected(f"Token ids must be in [0, {self.vocab_size}).", "prompt")
         return list(prompt)
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+
+    def encode_chat(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> list[int]:
         """The chat template applied (with the generation prompt) and tokenized."""
         if not self.has_chat_template:
             raise RequestRejected(
@@ -82,7 +87,9 @@ class ServedModel:
             )
         tok = self.tokenizer
         try:
-            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = tok.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False
+            )
         except Exception as e:  # jinja errors: roles the template refuses, etc.
             raise RequestRejected(
                 f"The messages do not fit the model's chat template: {e}", "messages"
@@ -91,6 +98,13 @@ class ServedModel:
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids)
+
+    def check_params(self, params) -> None:
+        """Token ids the sampling parameters name (stop_token_ids, logit_bias) exist."""
+        for t in params.token_ids:
+            if not 0 <= t < self.vocab_size:
+                param = "stop_token_ids" if t in params.stop_token_ids else "logit_bias"
+                raise RequestRejected(f"Token id {t} is not in [0, {self.vocab_size}).", param)
 
     # ---- limits ---------------------------------------------------------------------------------
     def check(self, num_prompt_tokens: int, max_tokens: int | None) -> int:

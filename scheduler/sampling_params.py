@@ -19,6 +19,9 @@ class SamplingParams:
     logprobs: int | None = None  # None = off; k >= 0 = chosen token plus its top k alternatives
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # > 1 discourages every token of the prompt and output
+    min_p: float = 0.0  # drop tokens less likely than min_p x the most likely one
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
 
@@ -40,6 +43,15 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if not 0 < self.repetition_penalty <= 2:
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        for tok, bias in self.logit_bias:
+            if tok < 0 or not -100 <= bias <= 100:
+                raise ValueError(
+                    f"logit_bias: token {tok} bias {bias} (ids >= 0, bias in [-100, 100])"
+                )
 
     @property
     def greedy(self) -> bool:
@@ -48,3 +60,14 @@ class SamplingParams:
     @property
     def needs_penalties(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether the sampler changes this request's logits before choosing (bias, penalties;
+        min_tokens is per step)."""
+        return self.needs_penalties or self.repetition_penalty != 1.0 or bool(self.logit_bias)
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        """Every token id the parameters name (checked against the vocabulary)."""
+        return self.stop_token_ids + tuple(t for t, _ in self.logit_bias)

@@ -5,12 +5,16 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from prism_server import __version__
 from prism_server.protocol import (
+    APIError,
     ChatCompletionRequest,
     ChatShapes,
     CompletionRequest,
     CompletionShapes,
+    DetokenizeRequest,
     LogprobFormatter,
+    TokenizeRequest,
     model_card,
     now,
 )
@@ -30,6 +34,9 @@ class OpenAIRoutes:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.list_models)
         app.router.add_get("/v1/models/{model_id:.+}", self.get_model)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
+        app.router.add_get("/version", self.version)
 
     # ---- models ---------------------------------------------------------------------------------
     def _card(self, served: ServedModel, residency: dict[str, str]) -> dict:
@@ -58,6 +65,47 @@ class OpenAIRoutes:
             raise serving.not_found(name)
         return web.json_response(self._card(served, self._residency()))
 
+    # ---- vLLM's utility endpoints ----------------------------------------------------------------
+    async def tokenize(self, request: web.Request) -> web.Response:
+        req = await serving.parse(request, TokenizeRequest)
+        served = serving.lookup(self.engine, req.model)
+        if req.messages is not None:
+            messages = ChatCompletionRequest.model_construct(messages=req.messages).chat_messages()
+            special = bool(req.add_special_tokens)
+
+            def encode() -> list[int]:
+                ids = served.encode_chat(messages, req.add_generation_prompt)
+                if special and served.tokenizer.bos_token_id is not None:
+                    ids = [served.tokenizer.bos_token_id, *ids]
+                return ids
+
+        else:
+            special = req.add_special_tokens is not False
+
+            def encode() -> list[int]:
+                return served.tokenize(req.prompt, special)
+
+        ids = await serving.off_loop(encode)
+        strs = served.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+        body = {
+            "count": len(ids),
+            "max_model_len": served.max_model_len,
+            "tokens": ids,
+            "token_strs": strs,
+        }
+        return web.json_response(body)
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        req = await serving.parse(request, DetokenizeRequest)
+        served = serving.lookup(self.engine, req.model)
+        if any(not 0 <= t < served.vocab_size for t in req.tokens):
+            raise APIError(400, f"Token ids must be in [0, {served.vocab_size}).", param="tokens")
+        text = await serving.off_loop(lambda: served.decode(req.tokens))
+        return web.json_response({"prompt": text})
+
+    async def version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": __version__})
+
     # ---- generation -----------------------------------------------------------------------------
     async def chat(self, request: web.Request) -> web.StreamResponse:
         req = await serving.parse(request, ChatCompletionRequest)
@@ -84,6 +132,7 @@ class OpenAIRoutes:
         )
         rid = serving.response_id(request, "cmpl")
         fmt = LogprobFormatter(served.tokenizer)
-        echo = [served.decode(p) if req.echo else "" for p in prompts]
+        # echo: the prompt as sent (text as it came, token ids decoded; no BOS added)
+        echo = [(p if isinstance(p, str) else served.decode(p)) if req.echo else "" for p in raw]
         shapes = CompletionShapes(rid, req.model, fmt, req.logprobs is not None, echo, req.n)
         return await serving.respond(request, req, choices, shapes, sum(map(len, prompts)))

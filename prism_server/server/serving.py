@@ -142,6 +142,10 @@ def submit_choices(
 ) -> list[Choice]:
     """n choices per prompt, submitted together: all accepted, or none (503 frees the rest)."""
     frontend.check_batch(served, len(prompts) * req.n)
+    try:
+        served.check_params(req.sampling_params(max_tokens[0], logprobs))
+    except RequestRejected as e:
+        raise rejected(e) from None
     choices: list[Choice] = []
     try:
         for p_i, ids in enumerate(prompts):

@@ -89,3 +89,65 @@ def test_logprobs_are_the_raw_distribution_with_top_alternatives():
     assert math.isclose(lp.logprob, ref[tokens[0]].item(), abs_tol=1e-5)
     assert [t for t, _ in lp.top] == torch.topk(ref, 3).indices.tolist()
     assert lps[1] is None
+
+
+def test_logit_bias_rows_are_batched_and_only_touch_their_row():
+    x = logits(3, 50)
+    top = x.argmax(-1).tolist()
+    reqs = [
+        req("a", temperature=0, logit_bias=((top[0], -100.0),)),
+        req("b", temperature=0),
+        req("c", temperature=0, logit_bias=((7, 100.0), (top[2], -100.0))),
+    ]
+    tokens, _ = Sampler(torch.device("cpu")).sample(x, reqs)
+    masked = x[0].clone()
+    masked[top[0]] -= 100
+    assert tokens == [int(masked.argmax()), top[1], 7]
+
+
+def test_repetition_penalty_follows_vllms_rule_over_prompt_and_output():
+    x = torch.tensor([[2.0, -1.0, 1.9, 0.5, -3.0]])
+    r = Request(
+        "a",
+        [0],
+        SamplingParams(temperature=0, repetition_penalty=1.5),
+        eos_token_ids=frozenset(),
+        arrival_time=0.0,
+    )
+    r.output_token_ids.append(1)
+    r.all_token_ids.append(1)
+    s = Sampler(torch.device("cpu"))
+    # token 0 (prompt): 2.0 / 1.5 = 1.33 < 1.9, so token 2 wins; token 1 (output): -1.5
+    assert s.sample(x, [r])[0] == [2]
+    adjusted = x.clone()
+    from prism_server.sampler import _adjust
+
+    _adjust(adjusted, [(0, r)])
+    assert torch.allclose(adjusted, torch.tensor([[2.0 / 1.5, -1.5, 1.9, 0.5, -3.0]]))
+
+
+def test_frequency_and_presence_penalties_batched_match_the_definition():
+    x = logits(2, 20)
+    rs = []
+    for i, (fp, pp) in enumerate([(0.5, 0.25), (1.0, -0.5)]):
+        r = req(f"r{i}", temperature=0, frequency_penalty=fp, presence_penalty=pp)
+        for t in (3, 3, 5 + i):
+            r.output_token_ids.append(t)
+        rs.append(r)
+    from prism_server.sampler import _adjust
+
+    got = x.clone()
+    _adjust(got, [(0, rs[0]), (1, rs[1])])
+    want = x.clone()
+    for i, r in enumerate(rs):
+        for t in set(r.output_token_ids):
+            n = r.output_token_ids.count(t)
+            want[i, t] -= r.params.frequency_penalty * n + r.params.presence_penalty
+    assert torch.allclose(got, want)
+
+
+def test_min_p_keeps_only_tokens_near_the_most_likely():
+    x = torch.log(torch.tensor([[0.5, 0.3, 0.1, 0.06, 0.04]]))
+    s = Sampler(torch.device("cpu"))
+    r = req("a", temperature=1.0, min_p=0.15, seed=3)  # keeps p >= 0.075: tokens 0, 1, 2
+    assert {s.sample(x, [r])[0][0] for _ in range(300)} == {0, 1, 2}

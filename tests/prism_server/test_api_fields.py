@@ -1,0 +1,144 @@
+"""Request fields: the sampling fields clients send work (a test shows each one's effect), the
+ones Prism does not honour are refused with 400 and the envelope (never dropped in silence), and
+vLLM's utility endpoints (/tokenize, /detokenize, /version)."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from prism_server import __version__
+
+CHAT = "smollm2-135m"
+Q = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def post(server, path: str, body: dict) -> httpx.Response:
+    return httpx.post(server.url + path, json=body, timeout=120)
+
+
+def chat(server, **fields) -> dict:
+    body = {"model": CHAT, "messages": Q, "max_tokens": 6, "temperature": 0, **fields}
+    r = post(server, "/v1/chat/completions", body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def first_token(server, text: str) -> int:
+    r = post(server, "/tokenize", {"model": CHAT, "prompt": text, "add_special_tokens": False})
+    return r.json()["tokens"][0]
+
+
+def test_logit_bias_against_the_greedy_answers_first_token_changes_it(server):
+    plain = chat(server)["choices"][0]["message"]["content"]
+    tok = first_token(server, plain)
+    biased = chat(server, logit_bias={str(tok): -100})["choices"][0]["message"]["content"]
+    assert biased and first_token(server, biased) != tok, (plain, biased)
+    forced = chat(server, logit_bias={"28": 100}, max_tokens=3)  # one token, every step
+    text = forced["choices"][0]["message"]["content"]
+    r = post(server, "/detokenize", {"model": CHAT, "tokens": [28, 28, 28]})
+    assert text == r.json()["prompt"]
+
+
+def test_repetition_penalty_and_min_p_change_what_is_sampled(server):
+    long = {"max_tokens": 40, "ignore_eos": True}
+    plain = chat(server, **long)["choices"][0]["message"]["content"]
+    penalized = chat(server, repetition_penalty=2.0, **long)["choices"][0]["message"]["content"]
+    assert penalized != plain
+    # min_p = 1 keeps only the most likely token: sampling at temperature 2 is then greedy
+    hot = chat(server, temperature=2.0, min_p=1.0, seed=5, **long)
+    assert hot["choices"][0]["message"]["content"] == plain
+
+
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"functions": [{"name": "f"}]}, "functions"),
+        ({"priority": 3}, "priority"),
+        ({"guided_json": {"type": "object"}}, "guided_json"),
+        ({"modalities": ["text", "audio"]}, "modalities"),
+        ({"logit_bias": {"abc": 1}}, "logit_bias"),
+        ({"logit_bias": {"5": 101}}, "logit_bias"),
+        ({"logit_bias": {"99999999": 5}}, "logit_bias"),
+        ({"stop_token_ids": [99999999], "min_tokens": 2}, "stop_token_ids"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"min_p": 1.5}, "min_p"),
+        (
+            {
+                "messages": [
+                    *Q,
+                    {"role": "assistant", "tool_calls": [{"id": "c", "type": "function"}]},
+                ]
+            },
+            "messages.1",
+        ),
+        ({"messages": [*Q, {"role": "tool", "content": "4", "tool_call_id": "c"}]}, "messages.1"),
+    ],
+)
+def test_fields_it_cannot_honour_are_refused_with_400(server, fields, param):
+    body = {"model": CHAT, "messages": Q, "max_tokens": 4, **fields}
+    r = post(server, "/v1/chat/completions", body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == param, err
+
+
+def test_their_no_op_values_are_accepted(server):
+    chat(server, tool_choice="none", response_format={"type": "text"}, priority=0, tools=[])
+
+
+@pytest.mark.parametrize(
+    "fields, param", [({"best_of": 3}, "best_of"), ({"suffix": "end"}, "suffix")]
+)
+def test_completion_fields_it_cannot_honour_are_refused(server, fields, param):
+    body = {"model": CHAT, "prompt": "The sky is", "max_tokens": 4, **fields}
+    r = post(server, "/v1/completions", body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    r = post(server, "/v1/completions", {**body, **{k: None for k in fields}, "best_of": 1})
+    assert r.status_code == 200, r.text
+
+
+def test_tokenize_and_detokenize_round_trip_and_match_the_prompt_tokens(server):
+    r = post(
+        server, "/tokenize", {"model": CHAT, "prompt": "Hello world", "return_token_strs": True}
+    )
+    body = r.json()
+    assert r.status_code == 200 and body["count"] == len(body["tokens"]) > 0
+    assert body["max_model_len"] > 0 and len(body["token_strs"]) == body["count"]
+    back = post(server, "/detokenize", {"model": CHAT, "tokens": body["tokens"]}).json()
+    assert back["prompt"].endswith("Hello world")
+    r = post(server, "/tokenize", {"model": CHAT, "messages": Q})
+    usage = chat(server)["usage"]
+    assert r.json()["count"] == usage["prompt_tokens"]  # what the chat endpoint prefills
+    assert post(server, "/tokenize", {"model": CHAT}).status_code == 400
+    assert post(server, "/tokenize", {"model": "nope", "prompt": "x"}).status_code == 404
+    r = post(server, "/detokenize", {"model": CHAT, "tokens": [-1]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
+    v = httpx.get(server.url + "/version").json()
+    assert v == {"version": __version__}
+
+
+def test_echo_returns_the_prompt_as_sent_without_bos(server):
+    body = {"model": "gemma3-270m", "prompt": "The sky is", "max_tokens": 3, "echo": True}
+    text = post(server, "/v1/completions", body).json()["choices"][0]["text"]
+    assert text.startswith("The sky is") and "<bos>" not in text, text
+    ids = post(server, "/tokenize", {"model": "gemma3-270m", "prompt": "The sky is"}).json()
+    r = post(server, "/v1/completions", {**body, "prompt": ids["tokens"]})
+    assert r.json()["choices"][0]["text"].startswith("<bos>The sky is")  # ids echoed as sent
+    r = post(server, "/v1/completions", {**body, "logprobs": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
+
+
+@pytest.mark.parametrize("model", [CHAT, "gemma3-270m"])
+def test_logprob_bytes_are_each_tokens_raw_bytes(server, model):
+    from prism_server.protocol import token_bytes
+
+    tok = server.engine.model(model).tokenizer
+    text = "héllo Paris € 日本"
+    ids = tok(text, add_special_tokens=False).input_ids
+    assert b"".join(token_bytes(tok, i) for i in ids) == text.encode()
+    partial = [i for i in ids if "\ufffd" in tok.decode([i])]
+    assert model != CHAT or partial  # SmolLM2 splits a character: decoded text cannot say it
