@@ -106,8 +106,12 @@ class BlockAllocator:
                 self._num_cached -= 1
             take = min(free, n - len(out))
             base = page * stride
-            out.extend(base + s for s in reversed(slots[free - take :]))
-            del slots[free - take :]
+            if take == self.bpp:  # a whole free page: its blocks in order, in one go
+                out.extend(range(base, base + take))
+                slots.clear()
+            else:
+                out.extend(base + s for s in reversed(slots[free - take :]))
+                del slots[free - take :]
         self._num_used += n
         return out
 

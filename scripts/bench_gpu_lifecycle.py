@@ -4,7 +4,7 @@ offloaded (two 8B models that cannot both be resident, alternating); evict -> th
 another model's KV; a resident model's TPOT while another activates, against without; start-up
 time of eight models.
 
-    python3 scripts/bench_gpu_lifecycle.py [--json out.json] [--switches 20]
+    python3 scripts/bench_gpu_lifecycle.py [--json out.json] [--switches 20] [--only a,b]
 """
 
 from __future__ import annotations
@@ -232,24 +232,39 @@ def startup(n_models: int = 8, fit: int = 4) -> dict:
     return {"seconds": took, "one_model_s": one, "resident": resident, "overhead": overhead}
 
 
+SECTIONS = ("activation", "switching", "evict_to_kv", "tpot_during_activation", "startup")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", type=Path)
     ap.add_argument("--switches", type=int, default=20)
+    ap.add_argument("--only", default=",".join(SECTIONS), help="comma-separated sections")
     args = ap.parse_args()
+    only = set(args.only.split(","))
+    if only - set(SECTIONS):
+        ap.error(f"unknown sections {sorted(only - set(SECTIONS))}; choose from {SECTIONS}")
     out: dict = {"device": torch.cuda.get_device_name()}
-    out["h2d_gbs"] = bw = h2d_gbs()
-    print(f"pinned H2D, chunked on a copy stream: {bw:.1f} GB/s", flush=True)
-    for p in PRESETS:
-        out[p] = activation(p, bw)
+
+    def save() -> None:
         if args.json:
             args.json.write_text(json.dumps(out, indent=1))
-    out["switching"] = switching_ttft(args.switches)
-    out["evict_to_kv"] = evict_to_kv()
-    out["tpot_during_activation"] = tpot_during_activation()
-    out["startup"] = startup()
-    if args.json:
-        args.json.write_text(json.dumps(out, indent=1))
+
+    if "activation" in only:
+        out["h2d_gbs"] = bw = h2d_gbs()
+        print(f"pinned H2D, chunked on a copy stream: {bw:.1f} GB/s", flush=True)
+        for p in PRESETS:
+            out[p] = activation(p, bw)
+            save()
+    if "switching" in only:
+        out["switching"] = switching_ttft(args.switches)
+    if "evict_to_kv" in only:
+        out["evict_to_kv"] = evict_to_kv()
+    if "tpot_during_activation" in only:
+        out["tpot_during_activation"] = tpot_during_activation()
+    if "startup" in only:
+        out["startup"] = startup()
+    save()
 
 
 if __name__ == "__main__":
