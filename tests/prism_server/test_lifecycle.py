@@ -300,6 +300,12 @@ def test_models_list_their_state_and_admin_routes_move_them(srv):
     metrics = httpx.get(srv.url + "/metrics").text
     assert 'prism:model_state{model_name="c",state="offloaded"} 1.0' in metrics
     assert 'prism:model_activations_total{model_name="c"} 1.0' in metrics
+    assert 'prism:model_activation_seconds_count{model_name="c"} 1.0' in metrics
+    assert 'prism:model_activation_seconds_bucket{le="+Inf",model_name="c"} 1.0' in metrics
+    for state in ("activating", "draining"):
+        assert f'prism:model_state{{model_name="c",state="{state}"}} 0.0' in metrics
+    assert 'prism:model_memory_bytes{kind="overhead",model_name="c"} 0.0' in metrics  # CPU
+    assert 'prism:model_state_since_seconds{model_name="c"}' in metrics
     # evicted once after its load (no room at start-up), once now
     assert 'prism:model_evictions_total{model_name="c"} 2.0' in metrics
     srv.engine.check_integrity()
