@@ -190,3 +190,55 @@ def test_sigterm_aborts_what_is_still_running_at_the_shutdown_deadline(tmp_path)
             p.kill()
         _, err = p.communicate()
     assert "Event loop is closed" not in err and "Traceback" not in err, err[-3000:]
+
+
+def test_sigterm_while_a_request_waits_for_its_models_activation(tmp_path):
+    """A pool for one of two tiny models: a long stream keeps `a` busy, so `b`'s stream waits
+    for its activation; SIGTERM then drains both: `a` finishes, `b` is activated (evicting the
+    now idle `a`), its stream completes, and the process exits 0."""
+    page = 64 << 10
+    cfg = tmp_path / "prism.toml"
+    models = "".join(
+        f"[[engine.models]]\nname = '{n}'\nsource = 'dummy:tiny-llama'\nblock_size = 4\n"
+        f"seed = {i}\n"
+        for i, n in enumerate("ab")
+    )
+    cfg.write_text(
+        f"port = 0\n[engine]\ndevice = 'cpu'\npage_bytes = {page}\n"
+        f"pool_budget_bytes = {17 * page}\n{models}"  # 9 pages of weights each, 8 of KV (896 tokens)
+    )
+    p = prism("--config", str(cfg))
+    try:
+        url = url_of(startup_lines(p))
+        models_now = {m["id"]: m["status"] for m in httpx.get(url + "/v1/models").json()["data"]}
+        assert models_now == {"a": "resident", "b": "offloaded"}
+        events: dict[str, list[str]] = {"a": [], "b": []}
+        started = {n: threading.Event() for n in "ab"}
+        body = {"prompt": [5, 6, 7], "ignore_eos": True, "stream": True, "temperature": 0}
+        ta = stream_in_thread(
+            url, {**body, "model": "a", "max_tokens": 880}, events["a"], started["a"]
+        )
+        assert started["a"].wait(120)
+        tb = stream_in_thread(
+            url, {**body, "model": "b", "max_tokens": 8}, events["b"], started["b"]
+        )
+        deadline = time.monotonic() + 30
+        while (
+            'prism:num_requests_waiting{model_name="b"} 1.0' not in httpx.get(url + "/metrics").text
+        ):
+            assert time.monotonic() < deadline, "b's request never queued"
+            time.sleep(0.01)
+        assert not events["b"] or events["b"] == [": loading"] * len(events["b"])
+        p.send_signal(signal.SIGTERM)
+        ta.join(timeout=120)
+        tb.join(timeout=120)
+        assert p.wait(timeout=60) == 0
+        for n in "ab":
+            ev = events[n]
+            assert ev[-1] == "data: [DONE]", (n, ev[-3:])
+            assert json.loads(ev[-2][6:])["choices"][0]["finish_reason"] == "length", n
+    finally:
+        if p.poll() is None:
+            p.kill()
+        _, err = p.communicate()
+    assert "Traceback" not in err, err[-3000:]
