@@ -42,6 +42,7 @@ class BlockAllocator:
         self._unmapped = list(range(max_pages - 1, 0, -1))  # stack: lowest page index on top
         self._num_used = 0
         self._num_cached = 0  # mapped pages whose blocks are all free
+        self.quota_pages: int | None = None  # the most pages it may map (None: max_pages - 1)
 
     # ---- queries --------------------------------------------------------------------------------
     @property
@@ -66,24 +67,38 @@ class BlockAllocator:
 
     @property
     def capacity_blocks(self) -> int:
-        """Blocks this model could hold if it had every page it can address."""
-        return (self.max_pages - 1) * self.bpp
+        """Blocks this model could hold if it had every page it can address (within its
+        quota)."""
+        return self._max_mapped * self.bpp
+
+    @property
+    def _max_mapped(self) -> int:
+        cap = self.max_pages - 1
+        return cap if self.quota_pages is None else min(cap, self.quota_pages)
+
+    def set_quota(self, pages: int | None) -> None:
+        """Cap the pages it maps (a fixed partition); mapped pages above a new cap stay until
+        their blocks are freed and the pages are reclaimed."""
+        self.quota_pages = pages
 
     def _pages_needed(self, n: int) -> int:
         return max(0, -(-(n - self.num_free_blocks) // self.bpp))
+
+    def _within_quota(self, pages: int) -> bool:
+        return pages <= len(self._unmapped) and self.num_mapped_pages + pages <= self._max_mapped
 
     def can_allocate(self, n: int) -> bool:
         pages = self._pages_needed(n)
         if pages == 0:
             return True
-        return pages <= len(self._unmapped) and self.pages.can_map(pages)
+        return self._within_quota(pages) and self.pages.can_map(pages)
 
     # ---- allocate / free ------------------------------------------------------------------------
     def allocate(self, n: int) -> list[int] | None:
         """n global block indices, or None (nothing taken) if the pages cannot be had."""
         pages = self._pages_needed(n)
         if pages:
-            if pages > len(self._unmapped):
+            if not self._within_quota(pages):
                 return None
             new = [self._unmapped.pop() for _ in range(pages)]
             if not self.pages.map_pages(new):

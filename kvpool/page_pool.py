@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -44,6 +46,18 @@ class OwnerUsage:
 ReclaimOrder = Callable[[Sequence[OwnerUsage], str], list[str]]
 
 
+@dataclass(frozen=True)
+class PageMove:
+    """Pages that went from one owner to another (or back to the pool: taker None), and why."""
+
+    seq: int
+    time: float  # time.monotonic()
+    giver: str
+    taker: str | None
+    pages: int
+    reason: str  # "reserve" (cached KV taken for another's grant), "evict", "keep-alive", ...
+
+
 @dataclass
 class _Owner:
     name: str
@@ -61,6 +75,7 @@ class PoolStats:
     free: int
     owned: dict[str, int]
     owned_by_kind: dict[str, int]  # "kv" / "weights" -> pages
+    moved: dict[tuple[str, str, str], int]  # (giver, taker or "", reason) -> pages, in all
 
 
 class PagePool:
@@ -91,6 +106,9 @@ class PagePool:
         self.acquired_total = 0
         self.released_total = 0
         self.reclaimed_total = 0  # pages taken back from one owner's reserve for another
+        self.moves: deque[PageMove] = deque(maxlen=256)  # the latest page moves
+        self._moved: dict[tuple[str, str, str], int] = {}
+        self._move_seq = itertools.count(1)
         self._lock = threading.RLock()
         self.precreate(precreate)
 
@@ -186,6 +204,18 @@ class PagePool:
             got = o.reclaim.reclaim_pages(short)
             self.reclaimed_total += got
             short -= got
+            if got:
+                self.record_move(name, owner, got, "reserve")
+
+    def record_move(self, giver: str, taker: str | None, pages: int, reason: str) -> None:
+        """Log a page move (the pool logs reclaims itself; evictions are logged by whoever
+        decided them, with their reason)."""
+        with self._lock:
+            self.moves.append(
+                PageMove(next(self._move_seq), time.monotonic(), giver, taker, pages, reason)
+            )
+            key = (giver, taker or "", reason)
+            self._moved[key] = self._moved.get(key, 0) + pages
 
     # ---- checks -------------------------------------------------------------------------------
     def stats(self) -> PoolStats:
@@ -200,6 +230,7 @@ class PagePool:
                 len(self._free),
                 {o.name: o.pages for o in self._owners.values()},
                 by_kind,
+                dict(self._moved),
             )
 
     def check_integrity(self) -> None:

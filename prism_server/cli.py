@@ -31,6 +31,11 @@ def _serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, help="port (default 8000)")
     p.add_argument("--api-key", help="require Authorization: Bearer <key>")
     p.add_argument("--device", help="auto, cpu or cuda[:N]")
+    p.add_argument(
+        "--policy",
+        choices=["prism", "static", "swap"],
+        help="prism (default), or a baseline: static partitions, or whole-model swapping",
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -118,10 +123,12 @@ def serve(args: argparse.Namespace) -> int:
         sargs = load_server_args(
             args.config, args.models, host=args.host, port=args.port, api_key=args.api_key
         )
-        if args.device:
-            from dataclasses import replace
+        from dataclasses import replace
 
-            sargs = replace(sargs, engine=replace(sargs.engine, device=args.device))
+        for field in ("device", "policy"):
+            if getattr(args, field):
+                eng = replace(sargs.engine, **{field: getattr(args, field)})
+                sargs = replace(sargs, engine=eng)
         engine = Engine(sargs.engine, strict=False)  # a broken model must not stop the rest
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

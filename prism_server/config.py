@@ -58,8 +58,9 @@ class ModelSpec:
             return torch.bfloat16 if device.type == "cuda" else torch.float32
         return _DTYPES[self.dtype]
 
-    def scheduler_config(self, model_limit: int) -> SchedulerConfig:
+    def scheduler_config(self, model_limit: int, reserve_output_tokens: int = 0) -> SchedulerConfig:
         return SchedulerConfig(
+            reserve_output_tokens=reserve_output_tokens,
             block_size=self.block_size,
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
@@ -87,6 +88,18 @@ class EngineConfig:
     # vmm: pages mapped on demand (the balloon); tensor: one plain allocation per buffer, fully
     # backed (the reference that measures what VMM costs; not for serving many models)
     memory_backend: Literal["vmm", "tensor"] = "vmm"
+    # prism (arbitrator, balloon, planner), or a baseline: static (every model resident, fixed
+    # equal KV quotas, FCFS), swap (only models with queued work resident, FCFS)
+    policy: Literal["prism", "static", "swap"] = "prism"
+    # how long each model's latency profile may take at load (0: learn from traffic only;
+    # None: 1 s on a GPU, 0.25 s on the CPU)
+    profile_budget_s: float | None = None
+    # admission reserves KV for up to this many output tokens of each request (None: the
+    # policy's, 1024 for prism, 0 for the baselines; 0: greedy admission, preempting when the
+    # blocks run out)
+    reserve_output_tokens: int | None = None
+    # how often the control loop re-plans residency (prism policy)
+    plan_interval_s: float = 0.5
 
     def __post_init__(self):
         names = [m.name for m in self.models]
@@ -97,6 +110,12 @@ class EngineConfig:
             raise ValueError("page_bytes must be positive")
         if self.pool_budget_bytes is not None and self.kv_budget_bytes is not None:
             raise ValueError("set pool_budget_bytes or kv_budget_bytes, not both")
+        if self.reserve_output_tokens is not None and self.reserve_output_tokens < 0:
+            raise ValueError("reserve_output_tokens must be >= 0")
+        if self.profile_budget_s is not None and self.profile_budget_s < 0:
+            raise ValueError("profile_budget_s must be >= 0")
+        if self.plan_interval_s <= 0:
+            raise ValueError("plan_interval_s must be positive")
         if self.memory_backend not in ("vmm", "tensor"):
             raise ValueError(f"memory_backend must be vmm or tensor, got {self.memory_backend!r}")
 

@@ -27,21 +27,30 @@ from prism_server.commands import (
 )
 from prism_server.model_runner import DeviceResources
 from prism_server.model_worker import ModelWorker
-from scheduler.snapshot import DeviceSnapshot, PoolSnapshot, Residency
+from scheduler.arbitrator import arbitrate
+from scheduler.balloon import reclaim_order
+from scheduler.policy import POLICIES, Policy
+from scheduler.snapshot import DeviceSnapshot, PageMove, PoolSnapshot, Residency
 
 log = logging.getLogger(__name__)
 
 # How long to sleep when some model has work it cannot schedule yet (blocked on memory), and
 # between polls of an activation's copy when nothing else runs.
 _BLOCKED_POLL_S = 0.005
+_NOBODY = object()  # a swap turn for no model
 _TRANSFER_POLL_S = 0.0005
 
 
 class DeviceWorker:
-    def __init__(self, pool: PagePool):
+    def __init__(self, pool: PagePool, policy: Policy = POLICIES["prism"]):
         self.pool = pool
+        self.policy = policy
         self.device = pool.backend.device
         self.models: dict[str, ModelWorker] = {}  # engine thread only
+        # the balloon: idle models' reserves go first; static partitions reclaim nothing
+        pool.reclaim_order = self._reclaim_order if policy.balloon else None
+        self._starved: frozenset[str] = frozenset()  # models whose new work waits for memory
+        self.balloon_preemptions = 0
         self.resources = DeviceResources(self.device)  # shared by its models' runners
         self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -143,57 +152,185 @@ class DeviceWorker:
             except Exception:
                 log.exception("engine command %s failed", type(cmd).__name__)
 
-    # ---- residency (a simple policy: the control plane replaces it) ---------------------------
-    def make_room(self, fits, now: float, keep: frozenset[str] = frozenset()) -> list[str]:
-        """Evict idle models, least recently used first, until `fits()`; never one with
-        requests, a pinned one, or one in `keep`. Returns the evicted names (fits() may still be
-        false when nothing else could go)."""
+    def _reclaim_order(self, usage, requester: str) -> list[str]:
+        busy = frozenset(m.name for m in self.models.values() if m.requests)
+        return reclaim_order(usage, requester, busy)
+
+    # ---- residency ------------------------------------------------------------------------------
+    def make_room(
+        self,
+        fits,
+        now: float,
+        keep: frozenset[str] = frozenset(),
+        taker: str | None = None,
+        limit: int | None = None,
+        stalled: bool = False,
+    ) -> list[str]:
+        """Evict idle models, least recently used first, until `fits()` (at most `limit`);
+        never one with requests (stalled: with running requests; one whose requests all wait
+        for memory may go, they wait for its next activation), a pinned one, or one in `keep`.
+        Returns the evicted names (fits() may still be false when nothing else could go)."""
         evicted: list[str] = []
         idle = sorted(
             (
                 m
                 for m in self.models.values()
-                if m.resident and m.evictable and not m.requests and m.name not in keep
+                if m.resident
+                and m.evictable
+                and m.name not in keep
+                and not (m.scheduler.running if stalled else m.requests)
             ),
             key=lambda m: m.last_used,
         )
         for m in idle:
-            if fits():
+            if fits() or (limit is not None and len(evicted) >= limit):
                 break
-            m.evict()
+            self._evict(m, "evict", taker)
             evicted.append(m.name)
             log.info("evicted %s for room", m.name)
         return evicted
+
+    def _evict(self, m: ModelWorker, reason: str, taker: str | None = None) -> None:
+        pages = m.kv.allocator.num_mapped_pages + (m.weights.num_pages if m.weights else 0)
+        m.evict()
+        self.pool.record_move(m.name, taker, pages, reason)
 
     def make_resident(self, m: ModelWorker, now: float, wait: bool = False) -> bool:
         """Start m's activation, evicting idle models if the pool needs their pages; False if
         it cannot have them now. wait: return once it serves."""
         if not m.can_activate():
-            self.make_room(m.can_activate, now, keep=frozenset({m.name}))
+            self.make_room(m.can_activate, now, keep=frozenset({m.name}), taker=m.name)
             if not m.can_activate():
                 return False
         return m.activate(wait=wait)
 
     def step(self) -> bool:
         """Moves every model's transition on, starts the activation of offloaded models that
-        have work, and steps each serving model that has work once; True if any ran a batch.
-        An activation's copy runs while the other models step."""
-        ran = False
+        have work, and runs batches: the one the arbitrator picks (prism), or one of each
+        serving model with work (round-robin baselines); True if any ran. An activation's copy
+        runs while the other models step."""
         now = time.monotonic()
+        serving: list[ModelWorker] = []
+        starved: list[ModelWorker] = []  # new work that waits for memory
+        turn = self._swap_turn()
         for m in list(self.models.values()):
+            if turn is not None and m.residency is Residency.OFFLOADED and m is not turn:
+                continue  # time sharing: not its turn
+            if self._guard(m, lambda m=m: self._prepare(m, now)):
+                serving.append(m)
+            elif m.residency is Residency.OFFLOADED and m.has_work:
+                starved.append(m)
+        ran = False
+        # while a model waits for memory for new work, the others admit nothing new, so the
+        # pages the balloon frees go to it
+        frozen = self._starved
+
+        def admit(m: ModelWorker, order):
+            return () if frozen and m.name not in frozen else order
+
+        if serving and self.policy.arbitrate and (len(serving) > 1 or serving[0].scheduler.waiting):
+            pick = None
             try:
-                m.poll()
-                if not m.has_work:
-                    continue
-                if m.residency is Residency.OFFLOADED and not self.make_resident(m, now):
-                    continue  # no room yet: its requests wait
-                if m.serving:
-                    ran |= m.step(now)
-            except Exception as e:  # a broken model must not stop the device's thread
-                log.exception("model %s failed outside its batch", m.name)
-                m.fail_all(f"{type(e).__name__}: {e}")
-                ran = True
+                pick = arbitrate([m.work() for m in serving], now)
+            except Exception:
+                log.exception("the arbitrator failed: round-robin this step")
+            if pick is not None:
+                deferred = set(pick.deferred)
+                for m in serving:
+                    m.num_deferred = sum(r.request_id in deferred for r in m.scheduler.waiting)
+                chosen = self.models[pick.model]
+                order = admit(chosen, pick.admit)
+                ran = self._guard(chosen, lambda: chosen.step(now, order, pick.token_budget))
+        if not ran:  # round-robin (or the pick could not run: blocked on memory)
+            for m in serving:
+                ran |= self._guard(m, lambda m=m: m.step(now, admit(m, None)))
+        blocked = [m for m in serving if m.scheduler.blocked]
+        starved += [m for m in blocked if m.scheduler.has_new_work]
+        # only models the balloon can help: their pages exist once others' KV is freed
+        starved = [m for m in starved if self._within_reach(m)]
+        self._starved = frozenset(m.name for m in starved)
+        if self.policy.evict_for_kv:
+            for m in dict.fromkeys(starved + blocked):
+                self._balloon(m, serving, starved, now)
         return ran
+
+    def _within_reach(self, m: ModelWorker) -> bool:
+        """Whether m's next need (its weights if offloaded, and the KV of its first new request)
+        is at most what the pool could give if every other model's KV pages and every idle
+        model's weights came back."""
+        a = m.kv.allocator
+        first = next((r for r in m.scheduler.waiting if r.first_scheduled_time is None), None)
+        blocks = m.scheduler.blocks_needed(first.num_tokens + 1) if first is not None else 1
+        need = -(-max(blocks - a.num_free_blocks, 0) // a.bpp)
+        if m.residency is Residency.OFFLOADED:
+            need += m.weights.num_pages
+        reach = self.pool.num_available
+        for o in self.models.values():
+            if o is m or not o.residency.on_device:
+                continue
+            reach += o.kv.allocator.num_mapped_pages
+            if not o.requests and o.evictable and o.weights is not None:
+                reach += o.weights.num_pages
+        return need <= reach
+
+    def _balloon(
+        self, m: ModelWorker, serving: list[ModelWorker], starved: list[ModelWorker], now: float
+    ) -> None:
+        """The last resorts for m, which waits for pages the pool has not got (free pages and
+        other models' reserves are gone): evict an idle or stalled model (least recently used;
+        two stalled models must not wait for each other forever); else, for
+        new work only, preempt one running request of a model that is not itself waiting for
+        memory, the one with the fewest computed tokens (the least work to recompute). One move
+        per step."""
+        if self.make_room(lambda: False, now, frozenset({m.name}), m.name, limit=1, stalled=True):
+            return
+        if m not in starved:  # a recompute or a running request's growth: no preemption
+            return
+        victims = [
+            (r, o) for o in serving if o is not m and o not in starved for r in o.scheduler.running
+        ]
+        if not victims:
+            return
+        req, owner = min(
+            victims, key=lambda v: (v[0].num_computed_tokens, -v[0].arrival_time, v[0].request_id)
+        )
+        before = owner.kv.allocator.num_mapped_pages
+        owner.scheduler.preempt(req)
+        self.balloon_preemptions += 1
+        freed = before - owner.kv.allocator.num_mapped_pages
+        self.pool.record_move(owner.name, m.name, freed, "preempt")
+        log.info("preempted %s of %s for %s's new work", req.request_id, owner.name, m.name)
+
+    def _swap_turn(self) -> ModelWorker | None:
+        """Under a cap on resident models: the offloaded model that may activate now (the one
+        whose request has waited longest, once a place is free); None without a cap."""
+        cap = self.policy.max_resident
+        if cap is None:
+            return None
+        on = sum(m.residency.on_device for m in self.models.values())
+        waiting = [
+            m for m in self.models.values() if m.residency is Residency.OFFLOADED and m.has_work
+        ]
+        if on >= cap or not waiting:
+            return _NOBODY
+        return min(waiting, key=lambda m: min(r.arrival_time for r in m.requests.values()))
+
+    def _prepare(self, m: ModelWorker, now: float) -> bool:
+        """Moves m's transition on; True if it can step now."""
+        m.poll()
+        if not m.has_work:
+            return False
+        if m.residency is Residency.OFFLOADED and not self.make_resident(m, now):
+            return False  # no room yet: its requests wait
+        return m.serving
+
+    def _guard(self, m: ModelWorker, fn) -> bool:
+        try:
+            return fn()
+        except Exception as e:  # a broken model must not stop the device's thread
+            log.exception("model %s failed outside its batch", m.name)
+            m.fail_all(f"{type(e).__name__}: {e}")
+            return False
 
     def _take_snapshot(self) -> DeviceSnapshot:
         s = self.pool.stats()
@@ -204,6 +341,12 @@ class DeviceWorker:
             time=time.monotonic(),
             pool=PoolSnapshot(s.page_bytes, s.capacity, s.created, s.free, sum(s.owned.values())),
             models=tuple(m.snapshot() for m in self.models.values()),
+            policy=self.policy.name,
+            moves=tuple(
+                PageMove(mv.seq, mv.time, mv.giver, mv.taker, mv.pages, mv.reason)
+                for mv in list(self.pool.moves)[-32:]
+            ),
+            moved=tuple(sorted((g, t, r, n) for (g, t, r), n in s.moved.items())),
         )
 
     def _publish(self) -> DeviceSnapshot:
@@ -214,12 +357,12 @@ class DeviceWorker:
         """Evict models idle past their keep-alive; returns the next such deadline."""
         nxt = None
         for m in self.models.values():
-            until = m.idle_until()
+            until = m.idle_until(0.0 if self.policy.evict_idle else None)
             if until is None:
                 continue
             if until <= now:
                 try:
-                    m.evict()
+                    self._evict(m, "keep-alive")
                     log.info("evicted %s: idle past its keep-alive", m.name)
                 except Exception:
                     log.exception("keep-alive eviction of %s failed", m.name)

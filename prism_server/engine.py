@@ -9,6 +9,7 @@ import logging
 import queue
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -23,7 +24,7 @@ from prism_server.device_worker import DeviceWorker
 from prism_server.memory_budget import check_host_budget, make_backend, pool_budget
 from prism_server.model_worker import ModelWorker
 from prism_server.served_model import ModelFailed, ModelNotFound, ServedModel
-from scheduler.balloon import reclaim_order
+from scheduler.policy import policy, static_quota
 from scheduler.request import Request, RequestOutput
 from scheduler.sampling_params import SamplingParams
 from scheduler.snapshot import DeviceSnapshot
@@ -49,9 +50,9 @@ class Engine:
             config.page_bytes,
             budget,
             precreate,
-            reclaim_order=reclaim_order,
         )
-        self.worker = DeviceWorker(self.pool)
+        self.policy = policy(config.policy)
+        self.worker = DeviceWorker(self.pool, self.policy)
         self.worker.start()
         self.served: dict[str, ServedModel] = {}  # config order, failed models included
         self._ids = itertools.count()
@@ -64,6 +65,38 @@ class Engine:
                     raise
                 log.error("model %s failed to load: %s", spec.name, e)
                 self.served[spec.name] = ServedModel(spec, error=f"{type(e).__name__}: {e}")
+        if self.policy.all_resident:
+            self._partition()
+
+    def _profile_budget(self) -> float:
+        b = self.config.profile_budget_s
+        return b if b is not None else (1.0 if self.device.type == "cuda" else 0.25)
+
+    def _partition(self) -> None:
+        """static: the KV room the weights leave, split into fixed equal quotas that are never
+        reclaimed (each model keeps what it maps)."""
+        loaded = [n for n, s in self.served.items() if not s.failed]
+
+        def split() -> int:
+            ws = [self.worker.models[n] for n in loaded]
+            quota = static_quota(self.pool.capacity, [w.weights.num_pages for w in ws])
+            for w in ws:
+                w.kv.allocator.set_quota(quota)
+                w.kv.allocator.max_cached_pages = quota
+            return quota
+
+        quota = self.worker.call(split)
+        if loaded and quota < 1:
+            self.close()
+            raise MemoryError(
+                f"the static policy needs every model resident with KV room: the weights of "
+                f"{', '.join(loaded)} leave no page of the {self.pool.capacity} in the pool"
+            )
+        for n in loaded:
+            w = self.worker.models[n]
+            s = self.served[n]
+            self.served[n] = replace(s, max_kv_tokens=w.max_kv_tokens)
+        log.info("static partition: %d KV pages for each of %d models", quota, len(loaded))
 
     @property
     def workers(self) -> list[DeviceWorker]:
@@ -85,6 +118,11 @@ class Engine:
             box["evicted"] = self.worker.call(
                 lambda: self.worker.make_room(wb.can_map, time.monotonic())
             )
+            if box["evicted"] and self.policy.all_resident:
+                raise MemoryError(
+                    f"the static policy keeps every model resident, and {spec.name} does not "
+                    f"fit beside {', '.join(self.served)}; raise pool_budget_bytes"
+                )
             if not self.worker.call(wb.map):
                 raise MemoryError(
                     f"the page pool ({self.pool.capacity} pages of {self.pool.page_bytes} bytes) "
@@ -104,7 +142,10 @@ class Engine:
                 place=place,
             )
             cfg, tok = loaded.config, loaded.tokenizer
-            sched = spec.scheduler_config(cfg.max_position_embeddings)
+            reserve = self.config.reserve_output_tokens
+            if reserve is None:
+                reserve = self.policy.reserve_output_tokens
+            sched = spec.scheduler_config(cfg.max_position_embeddings, reserve)
             weights = box["weights"]
             host = HostCopy(weights.nbytes, self.device)
             host.save(weights.bytes())
@@ -118,9 +159,12 @@ class Engine:
                 spec.max_cached_pages,
                 weights=weights,
                 host=host,
-                pinned=spec.pinned,
+                pinned=spec.pinned or self.policy.all_resident,
                 keep_alive_s=spec.keep_alive_s,
                 resources=self.worker.resources,
+                ttft_slo_s=spec.ttft_slo_ms / 1e3 if spec.ttft_slo_ms else None,
+                tpot_slo_s=spec.tpot_slo_ms / 1e3 if spec.tpot_slo_ms else None,
+                profile_budget_s=self._profile_budget(),
             )
         except BaseException:
             if "weights" in box:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future
 
 import torch
@@ -24,12 +25,17 @@ from kvpool import HostCopy, KVLayout, PagedKV, PagePool, Transfer, WeightBuffer
 from models.layers.causal_lm import weight_bytes
 from prism_server.model_runner import DeviceResources, ModelRunner
 from prism_server.output_processor import OutputProcessor
+from prism_server.profiler import profile_steps
 from prism_server.sampler import Sampler
+from scheduler.arbitrator import Job, ModelWork, Running
 from scheduler.batch_scheduler import BatchScheduler, ScheduledChunk, SchedulerConfig
+from scheduler.latency_model import LatencyModel, StepShape
 from scheduler.request import FinishReason, Request, RequestOutput
-from scheduler.snapshot import ACTIVATION_BUCKETS, ModelSnapshot, Residency
+from scheduler.snapshot import ACTIVATION_BUCKETS, LatencySnapshot, ModelSnapshot, Residency
 
 log = logging.getLogger(__name__)
+
+SLO_SCALE = 5.0  # an unset SLO: this many times the standalone estimate (the field's habit)
 
 
 class ModelWorker:
@@ -47,10 +53,17 @@ class ModelWorker:
         pinned: bool = False,
         keep_alive_s: float | None = None,
         resources: DeviceResources | None = None,
+        ttft_slo_s: float | None = None,
+        tpot_slo_s: float | None = None,
+        profile_budget_s: float = 0.0,
+        kv_pages: int | None = None,
     ):
         """weights / host: the model's parameters live in `weights` (mapped now) and `host` holds
         their copy; without them the model cannot be evicted (tests, benchmarks). resources: what
-        the device's models share (FlashInfer workspace, CUDA-graph pool)."""
+        the device's models share (FlashInfer workspace, CUDA-graph pool). ttft/tpot_slo_s: its
+        SLOs (None: SLO_SCALE x the latency model's standalone estimate of each request).
+        profile_budget_s: how long the latency profile may take now (0: learn online only).
+        kv_pages: the most KV pages it may map (None: the whole pool but its weights)."""
         self.name = name
         self.weights, self.host, self.pinned = weights, host, pinned
         self.keep_alive_s = keep_alive_s
@@ -77,7 +90,8 @@ class ModelWorker:
         )
         # the pages it can address: the whole pool but its own weights (+ the null page)
         own = weights.num_pages if weights is not None else 0
-        self.kv = PagedKV(pool, name, layout, pool.capacity + 1 - own, max_cached_pages)
+        addressable = pool.capacity + 1 - own if kv_pages is None else kv_pages + 1
+        self.kv = PagedKV(pool, name, layout, addressable, max_cached_pages)
         self.scheduler = BatchScheduler(sched, self.kv.allocator)
         allocated = _allocated(self.device)
         self.runner = ModelRunner(model, self.kv.cache, self.device, resources=resources)
@@ -87,6 +101,22 @@ class ModelWorker:
         self.outputs = OutputProcessor(tokenizer, sched.max_model_len)
         self.requests: dict[str, Request] = {}
         self.weight_bytes = weight_bytes(model)
+        self.ttft_slo_s, self.tpot_slo_s = ttft_slo_s, tpot_slo_s
+        self.requests_total = 0
+        self.slo = {k: [0, 0] for k in ("ttft", "tpot")}  # [met, missed] of finished requests
+        self.num_deferred = 0  # waiting requests the arbitrator last deferred
+        self.latency = LatencyModel()  # kept across evictions: a reactivation does not profile
+        if profile_budget_s > 0:
+            t = time.perf_counter()
+            self.latency.fit_profile(profile_steps(self.runner, self.scheduler, profile_budget_s))
+            a = self.kv.allocator
+            a.reclaim_pages(a.num_cached_pages)  # what the profile mapped goes back to the pool
+            log.info(
+                "profiled %s in %.2f s: %d shapes",
+                name,
+                time.perf_counter() - t,
+                len(self.latency.profile),
+            )
 
     @property
     def has_work(self) -> bool:
@@ -105,12 +135,13 @@ class ModelWorker:
     def evictable(self) -> bool:
         return self.weights is not None and self.host is not None and not self.pinned
 
-    def idle_until(self) -> float | None:
-        """When its keep-alive runs out (it is then evicted although nothing needs its pages);
-        None if that never happens now."""
-        if self.keep_alive_s is None or not self.resident or not self.evictable or self.requests:
+    def idle_until(self, keep_alive_s: float | None = None) -> float | None:
+        """When its keep-alive (or the given one) runs out: it is then evicted although nothing
+        needs its pages; None if that never happens now."""
+        keep = self.keep_alive_s if keep_alive_s is None else keep_alive_s
+        if keep is None or not self.resident or not self.evictable or self.requests:
             return None
-        return self.last_used + self.keep_alive_s
+        return self.last_used + keep
 
     # ---- residency ------------------------------------------------------------------------------
     def when(self, state: Residency, done: Future) -> None:
@@ -224,8 +255,50 @@ class ModelWorker:
 
     # ---- commands -------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
+        n = req.num_prompt_tokens
+        if req.ttft_slo is None:
+            req.ttft_slo = self.ttft_slo_s or SLO_SCALE * self.latency.prefill_s(n)
+        if req.tpot_slo is None:
+            req.tpot_slo = self.tpot_slo_s or SLO_SCALE * self.latency.decode_s(1, n)
         self.requests[req.request_id] = req
+        self.requests_total += 1
         self.scheduler.add(req)
+
+    def work(self) -> ModelWork:
+        """What the device's arbitrator needs of this model now."""
+        lat, s = self.latency, self.scheduler
+        jobs = []
+        for r in s.waiting:
+            cached, todo = r.num_computed_tokens, r.num_tokens - r.num_computed_tokens
+            jobs.append(
+                Job(
+                    r.request_id,
+                    self.name,
+                    r.arrival_time,
+                    r.deadline,
+                    lat.prefill_s(todo, cached),
+                    r.priority,
+                    cached,
+                    todo,
+                )
+            )
+        running = Running()
+        if s.running:
+            running = Running(
+                deadline=min(r.deadline for r in s.running),
+                ready_since=min(r.last_token_time or r.arrival_time for r in s.running),
+                num=len(s.running),
+                context_tokens=sum(r.num_computed_tokens for r in s.running),
+            )
+        cfg = s.config
+        return ModelWork(
+            self.name,
+            lat,
+            running,
+            tuple(jobs),
+            max_tokens=cfg.max_num_batched_tokens,
+            min_tokens=min(cfg.max_num_batched_tokens, max(16, cfg.block_size)),
+        )
 
     def abort(self, request_id: str) -> None:
         req = self.requests.get(request_id)
@@ -238,15 +311,21 @@ class ModelWorker:
             self._finish(req, self.outputs.final(req, FinishReason.ERROR, error))
 
     # ---- the step -------------------------------------------------------------------------------
-    def step(self, now: float) -> bool:
-        """Runs one batch of this model; False if nothing could be scheduled."""
-        batch = self.scheduler.schedule(now)
+    def step(
+        self, now: float, admit: Sequence[str] | None = None, token_budget: int | None = None
+    ) -> bool:
+        """Runs one batch of this model; False if nothing could be scheduled. admit and
+        token_budget: the arbitrator's pick (None: FCFS, the configured budget)."""
+        batch = self.scheduler.schedule(now, admit, token_budget)
         if not batch:
             return False
         self.last_used = now
         try:
+            t = time.perf_counter()
             logits = self.runner.execute(batch)
             tokens, logprobs = self.sampler.sample(logits, [c.request for c in batch if c.samples])
+            took = time.perf_counter() - t  # sampling synchronizes: the step has run
+            self.latency.observe(StepShape.of((c.start, c.num_new) for c in batch), took)
         except Exception as e:  # a failed step fails its requests, not the engine
             log.exception("step of model %s failed", self.name)
             error = f"{type(e).__name__}: {e}"
@@ -259,10 +338,17 @@ class ModelWorker:
 
     def _publish(self, batch: list[ScheduledChunk], tokens, logprobs) -> None:
         it = iter(zip(tokens, logprobs))
+        now = time.monotonic()
         for c in batch:
             if not c.samples:
                 continue
             tok, lp = next(it)
+            req = c.request
+            if req.first_token_time is None:
+                req.first_token_time = now
+                if req.ttft_slo is not None:
+                    self.slo["ttft"][now - req.arrival_time > req.ttft_slo] += 1
+            req.last_token_time = now
             out = self.outputs.process(c.request, tok, lp)
             if out.finished:
                 self._finish(c.request, out)
@@ -270,6 +356,10 @@ class ModelWorker:
                 self._emit(c.request, out)
 
     def _finish(self, req: Request, out: RequestOutput) -> None:
+        n = req.num_output_tokens
+        if n > 1 and req.tpot_slo is not None and req.first_token_time is not None:
+            tpot = (req.last_token_time - req.first_token_time) / (n - 1)
+            self.slo["tpot"][tpot > req.tpot_slo] += 1
         self.scheduler.finish(req)
         self.sampler.forget(req.request_id)
         self.requests.pop(req.request_id, None)
@@ -285,7 +375,7 @@ class ModelWorker:
 
     # ---- what it publishes ----------------------------------------------------------------------
     def snapshot(self) -> ModelSnapshot:
-        a, s = self.kv.allocator, self.scheduler
+        a, s, lat = self.kv.allocator, self.scheduler, self.latency
         lay = self.kv.layout
         cached = a.num_cached_pages
         return ModelSnapshot(
@@ -312,6 +402,19 @@ class ModelWorker:
             last_eviction_s=self.last_eviction_s,
             activation_buckets=tuple(self.activation_buckets),
             overhead_bytes=self.overhead_bytes,
+            requests_total=self.requests_total,
+            num_deferred=self.num_deferred,
+            ttft_slo_s=self.ttft_slo_s,
+            tpot_slo_s=self.tpot_slo_s,
+            slo_met=tuple((k, met, missed) for k, (met, missed) in self.slo.items()),
+            latency=LatencySnapshot(
+                prefill_1k_s=lat.prefill_s(1024),
+                decode_b1_s=lat.decode_s(1, 1024),
+                decode_b16_s=lat.decode_s(16, 16 * 1024),
+                error=lat.error,
+                profiled_shapes=len(lat.profile),
+                observed_steps=lat.observed,
+            ),
         )
 
     def check_integrity(self) -> None:

@@ -6,7 +6,9 @@ request has `num_tokens` (prompt + output so far) and `num_computed_tokens` (K/V
 computes up to `num_tokens - num_computed_tokens` of its tokens within the step's token budget.
 Running requests go first, in admission order; when blocks run out, the most recently admitted
 running request is preempted (blocks freed, back to the front of the waiting queue, recomputed
-later). Waiting requests are admitted FCFS while budget, sequence slots and blocks allow.
+later). Waiting requests are admitted while budget, sequence slots and blocks allow: FCFS, or in
+the order the device's arbitrator gives (and only those it names). The step's token budget may
+be smaller than the configured one when the arbitrator chunks a prefill.
 
 Pure decision code: blocks come through the `BlockPool` protocol (the kvpool allocator satisfies
 it), and the time is passed in.
@@ -15,6 +17,7 @@ it), and the time is passed in.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -31,6 +34,9 @@ class BlockPool(Protocol):
     def allocate(self, n: int) -> list[int] | None:
         """n block ids, or None with nothing taken."""
 
+    def can_allocate(self, n: int) -> bool:
+        """Whether n more blocks could be had now."""
+
     def free(self, blocks: list[int]) -> None: ...
 
 
@@ -40,6 +46,10 @@ class SchedulerConfig:
     max_num_seqs: int = 64  # requests in one batch
     max_num_batched_tokens: int = 2048  # tokens computed in one step
     max_model_len: int = 4096
+    # admission reserves KV for this many of each request's output tokens (capped at its
+    # max_tokens), for the running ones too, so that admitted work rarely needs preemption; 0:
+    # admit while the prompt fits (vLLM's greedy admission, preempting when blocks run out)
+    reserve_output_tokens: int = 0
 
     def __post_init__(self):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -71,6 +81,7 @@ class BatchScheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.admitting = True  # False while the model drains: waiting requests stay queued
+        self.blocked = False  # the last step left a request waiting for blocks
 
     @property
     def has_work(self) -> bool:
@@ -87,8 +98,15 @@ class BatchScheduler:
         return self.blocks_needed(num_tokens) <= self.blocks.capacity_blocks
 
     # ---- one step -----------------------------------------------------------------------------
-    def schedule(self, now: float) -> list[ScheduledChunk]:
+    def schedule(
+        self, now: float, admit: Sequence[str] | None = None, token_budget: int | None = None
+    ) -> list[ScheduledChunk]:
+        """This step's chunks. admit: the waiting request ids that may start, in order (None:
+        all, FCFS); token_budget: at most this many tokens (None: max_num_batched_tokens)."""
         budget = self.config.max_num_batched_tokens
+        if token_budget is not None:
+            budget = max(1, min(budget, token_budget))
+        self.blocked = False
         out: list[ScheduledChunk] = []
         preempted = False
         i = 0
@@ -107,18 +125,29 @@ class BatchScheduler:
                 i += 1
                 continue
             break
-        while (
-            self.admitting
-            and self.waiting
-            and budget > 0
-            and not preempted
-            and len(self.running) < self.config.max_num_seqs
-        ):
-            req = self.waiting[0]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self._grow(req, req.num_computed_tokens + num_new):
+        if preempted:
+            self.blocked = True
+        reserved = self._reserved() if self.config.reserve_output_tokens else 0
+        for req in self._candidates(admit):
+            if (
+                not self.admitting
+                or budget <= 0
+                or preempted
+                or len(self.running) >= self.config.max_num_seqs
+            ):
                 break
-            self.waiting.popleft()
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if self.config.reserve_output_tokens:
+                mine = self._future_blocks(req)
+                if not self.blocks.can_allocate(reserved + mine):
+                    self.blocked = True
+                    break
+            if not self._grow(req, req.num_computed_tokens + num_new):
+                self.blocked = True
+                break
+            if self.config.reserve_output_tokens:
+                reserved += self._future_blocks(req)
+            self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
@@ -126,6 +155,23 @@ class BatchScheduler:
             out.append(ScheduledChunk.of(req, num_new))
             budget -= num_new
         return out
+
+    def _future_blocks(self, req: Request) -> int:
+        """Blocks req will still take for its prompt and its reserved output."""
+        out = min(req.params.max_tokens, self.config.reserve_output_tokens)
+        target = max(req.num_prompt_tokens + out, req.num_tokens)
+        return max(self.blocks_needed(target) - len(req.block_table), 0)
+
+    def _reserved(self) -> int:
+        return sum(self._future_blocks(r) for r in self.running)
+
+    def _candidates(self, admit: Sequence[str] | None) -> Iterator[Request]:
+        if admit is None:  # FCFS: the head, as long as the caller admits it
+            while self.waiting:
+                yield self.waiting[0]
+            return
+        by_id = {r.request_id: r for r in self.waiting}
+        yield from (by_id[k] for k in admit if k in by_id)
 
     def _grow(self, req: Request, num_tokens: int) -> bool:
         need = self.blocks_needed(num_tokens) - len(req.block_table)
@@ -144,6 +190,17 @@ class BatchScheduler:
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)
         self.num_preemptions += 1
+
+    def preempt(self, req: Request) -> None:
+        """One running request back to the front of the waiting queue, its blocks freed (it
+        recomputes later): the balloon's last resort for another model's new work."""
+        self.running.remove(req)
+        self._preempt(req)
+
+    @property
+    def has_new_work(self) -> bool:
+        """Whether a request that never ran waits (not a preempted one's recompute)."""
+        return any(r.first_scheduled_time is None for r in self.waiting)
 
     def preempt_all(self) -> int:
         """Every running request back to the front of the waiting queue, in admission order, its

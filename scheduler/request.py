@@ -63,6 +63,11 @@ class Request:
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
     first_scheduled_time: float | None = None  # when the batch scheduler first admitted it
+    priority: int = 0  # lower goes first among equal deadlines (vLLM's convention)
+    ttft_slo: float | None = None  # seconds; set when its model queues it
+    tpot_slo: float | None = None
+    first_token_time: float | None = None  # when its first output token was sampled
+    last_token_time: float | None = None  # when its latest output token was sampled
 
     def __post_init__(self):
         self.all_token_ids = list(self.prompt_token_ids) + self.output_token_ids
@@ -82,6 +87,18 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    @property
+    def ttft_deadline(self) -> float:
+        return self.arrival_time + (self.ttft_slo if self.ttft_slo is not None else float("inf"))
+
+    @property
+    def deadline(self) -> float:
+        """When its next token is due: its TTFT deadline until the first token, then the last
+        token's time plus the TPOT SLO."""
+        if self.last_token_time is None:
+            return self.ttft_deadline
+        return self.last_token_time + (self.tpot_slo if self.tpot_slo is not None else float("inf"))
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -30,6 +30,18 @@ ACTIVATION_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0, 
 
 
 @dataclass(frozen=True)
+class LatencySnapshot:
+    """What the model's latency model predicts now, and how wrong it has been."""
+
+    prefill_1k_s: float = 0.0  # a 1,024-token prompt
+    decode_b1_s: float = 0.0  # a decode step of 1 sequence over 1,024 tokens of context
+    decode_b16_s: float = 0.0  # 16 sequences of 1,024 tokens each
+    error: float | None = None  # EWMA of |estimate - measured| / measured over recent steps
+    profiled_shapes: int = 0
+    observed_steps: int = 0
+
+
+@dataclass(frozen=True)
 class ModelSnapshot:
     name: str
     residency: Residency
@@ -55,6 +67,13 @@ class ModelSnapshot:
     # activations per ACTIVATION_BUCKETS bucket (not cumulative)
     activation_buckets: tuple[int, ...] = (0,) * len(ACTIVATION_BUCKETS)
     overhead_bytes: int = 0  # device memory it holds outside the pool (graphs, buffers)
+    requests_total: int = 0  # queued on it since load
+    num_deferred: int = 0  # waiting requests the arbitrator last deferred (would be late)
+    ttft_slo_s: float | None = None  # configured (None: derived per request)
+    tpot_slo_s: float | None = None
+    # finished requests that met / missed their SLOs (TTFT at the first token, TPOT at the end)
+    slo_met: tuple[tuple[str, int, int], ...] = ()  # (kind, met, missed)
+    latency: LatencySnapshot = LatencySnapshot()
 
     @property
     def num_requests(self) -> int:
@@ -80,12 +99,29 @@ class PoolSnapshot:
 
 
 @dataclass(frozen=True)
+class PageMove:
+    """Pages that went from one model to another (taker None: back to the pool), and why:
+    "reserve" (cached KV pages reclaimed for another's grant), "evict" (a whole model evicted
+    for another), "keep-alive" (idle past its keep-alive, or at once under `swap`)."""
+
+    seq: int
+    time: float
+    giver: str
+    taker: str | None
+    pages: int
+    reason: str
+
+
+@dataclass(frozen=True)
 class DeviceSnapshot:
     device: str
     seq: int  # increases with every publication
     time: float  # when it was taken (time.monotonic())
     pool: PoolSnapshot
     models: tuple[ModelSnapshot, ...]
+    policy: str = "prism"
+    moves: tuple[PageMove, ...] = ()  # the latest page moves, oldest first
+    moved: tuple[tuple[str, str, str, int], ...] = ()  # (giver, taker or "", reason, pages) in all
 
     def model(self, name: str) -> ModelSnapshot | None:
         return next((m for m in self.models if m.name == name), None)

@@ -36,6 +36,9 @@ if [ "$quick" != "--quick" ]; then
   t0=$SECONDS
   timeout 420 python3 scripts/bench_gpu_lifecycle.py --json "$OUT/lifecycle.json" 2>&1 | tee -a "$OUT/bench.log"
   echo "lifecycle bench: $((SECONDS - t0)) s"
+  t0=$SECONDS
+  timeout 300 python3 scripts/bench_gpu_arbitrator.py --json "$OUT/arbitrator.json" 2>&1 | tee -a "$OUT/bench.log"
+  echo "arbitrator bench: $((SECONDS - t0)) s"
 fi
 
 # Keep the JIT-compiled FlashInfer modules for the next run (carry them as .fiaot/fi_aot.tgz).

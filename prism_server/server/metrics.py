@@ -108,10 +108,52 @@ class _SnapshotCollector:
             "Bytes of the device's page pool, by state.",
             labels=["device", "state"],
         )
+        policy = GaugeMetricFamily(
+            "prism:policy_info", "The serving policy of each device.", labels=["device", "policy"]
+        )
+        estimate = GaugeMetricFamily(
+            "prism:latency_estimate_seconds",
+            "The latency model's step-time estimate, by step shape.",
+            labels=lm + ["shape"],
+        )
+        est_error = GaugeMetricFamily(
+            "prism:latency_estimate_error_ratio",
+            "EWMA of |estimate - measured| / measured over the model's recent steps.",
+            labels=lm,
+        )
+        deferred = GaugeMetricFamily(
+            "prism:num_requests_deferred",
+            "Waiting requests the arbitrator deferred (they would miss their TTFT deadline).",
+            labels=lm,
+        )
+        deadlines = CounterMetricFamily(
+            "prism:request_deadlines",
+            "Requests that met or missed the deadlines the arbitrator scheduled by (configured "
+            "SLOs, or derived from the latency model).",
+            labels=lm + ["slo", "outcome"],
+        )
+        moved = CounterMetricFamily(
+            "prism:page_moves_pages",
+            "Pool pages moved from one model to another (taker empty: back to the pool).",
+            labels=["device", "giver", "taker", "reason"],
+        )
         for snap in self.snapshots():
             page = snap.pool.page_bytes
+            policy.add_metric([snap.device, snap.policy], 1)
+            for giver, taker, reason, n in snap.moved:
+                moved.add_metric([snap.device, giver, taker, reason], n)
             for m in snap.models:
                 name = m.name
+                lat = m.latency
+                estimate.add_metric([name, "prefill_1k"], lat.prefill_1k_s)
+                estimate.add_metric([name, "decode_b1_ctx1k"], lat.decode_b1_s)
+                estimate.add_metric([name, "decode_b16_ctx1k"], lat.decode_b16_s)
+                if lat.error is not None:
+                    est_error.add_metric([name], lat.error)
+                deferred.add_metric([name], m.num_deferred)
+                for kind, met, missed in m.slo_met:
+                    deadlines.add_metric([name, kind, "met"], met)
+                    deadlines.add_metric([name, kind, "missed"], missed)
                 running.add_metric([name], m.num_running)
                 waiting.add_metric([name], m.num_waiting)
                 usage.add_metric([name], m.kv_usage)
@@ -145,6 +187,7 @@ class _SnapshotCollector:
             pbytes.add_metric([dev, "free"], p.free * page)
         yield from (running, waiting, usage, pages, mbytes, resident, state, pool, pbytes)
         yield from (activations, evictions, act_seconds, act_bytes, weight_pages, since)
+        yield from (policy, estimate, est_error, deferred, deadlines, moved)
 
 
 class Metrics:

@@ -47,6 +47,7 @@ class OpenAIRoutes:
             self.created,
             max_model_len=served.max_model_len,
             status=residency.get(served.name, "loading"),
+            policy=self.engine.config.policy,
         )
 
     def _residency(self) -> dict[str, str]:

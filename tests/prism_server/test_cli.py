@@ -205,7 +205,7 @@ def test_sigterm_while_a_request_waits_for_its_models_activation(tmp_path):
     )
     cfg.write_text(
         f"port = 0\n[engine]\ndevice = 'cpu'\npage_bytes = {page}\n"
-        f"pool_budget_bytes = {17 * page}\n{models}"  # 9 pages of weights each, 8 of KV (896 tokens)
+        f"pool_budget_bytes = {17 * page}\n{models}"  # 9 weight pages each, 8 of KV: 896 tokens
     )
     p = prism("--config", str(cfg))
     try:

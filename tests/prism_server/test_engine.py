@@ -41,11 +41,15 @@ def prompts() -> list[str]:
     ]
 
 
-def smol_engine(budget_pages: int, **spec) -> Engine:
+def smol_engine(budget_pages: int, reserve_output_tokens: int | None = None, **spec) -> Engine:
     spec = ModelSpec(SMOL, SMOL, **spec)
     return Engine(
         EngineConfig(
-            models=(spec,), device="cpu", page_bytes=PAGE, kv_budget_bytes=budget_pages * PAGE
+            models=(spec,),
+            device="cpu",
+            page_bytes=PAGE,
+            kv_budget_bytes=budget_pages * PAGE,
+            reserve_output_tokens=reserve_output_tokens,
         )
     )
 
@@ -72,8 +76,9 @@ def test_batched_equals_sequential(sequential):
 
 def test_batched_equals_sequential_under_preemption_and_chunked_prefill(sequential):
     # 5 usable pages = 400 tokens of KV for 16 requests of ~20-60 + 20 tokens each; prompts are
-    # prefilled in chunks of at most 32 tokens.
-    with smol_engine(6, max_num_batched_tokens=32) as e:
+    # prefilled in chunks of at most 32 tokens. Greedy admission (no output reserved), so that
+    # blocks run out mid-decode.
+    with smol_engine(6, reserve_output_tokens=0, max_num_batched_tokens=32) as e:
         outs = e.generate(SMOL, prompts(), GREEDY)
         assert [o.token_ids for o in outs] == sequential
         assert e.model_snapshot(SMOL).num_preemptions > 0

@@ -118,7 +118,7 @@ def test_an_exception_outside_the_batch_fails_the_models_requests(faulty):
     sched = faulty.engine.worker.models["good"].scheduler
     original = sched.schedule
 
-    def broken(now):
+    def broken(*args):
         sched.schedule = original
         raise RuntimeError("scheduler fault")
 

@@ -25,6 +25,9 @@ class Blocks:
         self.used.update(out)
         return out
 
+    def can_allocate(self, n: int) -> bool:
+        return n <= len(self.free_ids)
+
     def free(self, blocks: list[int]) -> None:
         assert self.used.issuperset(blocks), "freed a block that is not in use"
         self.used.difference_update(blocks)
@@ -128,3 +131,31 @@ def test_fits_is_against_every_block_the_pool_can_address():
     s, kv = make(pages=2, blocks_per_page=2)  # 4 blocks of 4 tokens
     assert s.fits(16) and not s.fits(17)
     kv.check_integrity()
+
+
+def _drain(s: BatchScheduler, max_tokens: int) -> int:
+    """Runs steps until every request has max_tokens outputs (finishing them); returns the most
+    requests that ran at once."""
+    most = 0
+    while s.has_work:
+        run_step(s)
+        most = max(most, len(s.running))
+        for r in list(s.running):
+            if r.num_output_tokens >= max_tokens:
+                s.finish(r)
+    return most
+
+
+def test_reserving_the_output_admits_only_what_can_finish_without_preemption():
+    # 8 pages of 4 blocks of 4 tokens = 128 tokens; each request: 8 prompt + 24 output = 32
+    for reserve, preempts in ((0, True), (64, False)):
+        s, kv = make(pages=8, reserve_output_tokens=reserve)
+        for i in range(8):
+            r = Request(f"r{i}", list(range(1, 9)), SamplingParams(max_tokens=24), frozenset(), 0)
+            s.add(r)
+        most = _drain(s, 24)
+        assert (s.num_preemptions > 0) is preempts, (reserve, s.num_preemptions)
+        if reserve:
+            assert most == 4  # 4 x 32 tokens fill the pool exactly
+        kv.check_integrity()
+        assert not kv.used

@@ -1,0 +1,201 @@
+"""The arbitrator of one device: which model's batch runs next, which waiting requests it admits,
+and how many tokens its step may compute.
+
+The device runs one model's batch at a time. Each request carries a deadline: a waiting request
+its TTFT deadline (arrival + TTFT SLO); a running one its next-token deadline (last token + TPOT
+SLO, or its TTFT deadline until its first token).
+
+- Admission (all models of the device at once): Moore-Hodgson over the waiting requests, each
+  taking its estimated prefill time: in deadline order, and whenever the sequence would finish a
+  request late, drop the longest one admitted so far. The kept set is the largest set of requests
+  that can all meet their TTFT deadlines run one after the other; the dropped ones are deferred
+  (admitted only once no on-time request of another model waits; the frontend gives them 503 +
+  Retry-After past their hold limit). Ties in deadline go to the lower `priority` value (vLLM's
+  convention), then the earlier arrival.
+- Which model: when some model would miss a deadline if another model's step ran first, the one
+  with the least slack (latest start = deadline - its step) runs; otherwise the model whose work
+  has waited longest (FCFS across models), so a light load is served in arrival order.
+- Chunking: the chosen model's step may take no longer than the slack of every running request
+  on the device (its own: the step must end by their deadline; other models': by their deadline
+  less their own next step), so another model's long prompt is prefilled in chunks between their
+  decode steps instead of making them late.
+
+Pure: plain data in, a Pick out; `now` passed in.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from scheduler.latency_model import LatencyModel, StepShape
+
+
+@dataclass(frozen=True)
+class Job:
+    """A waiting request as the arbitrator sees it."""
+
+    key: str
+    model: str
+    arrival: float
+    deadline: float  # its TTFT deadline
+    duration: float  # estimated prefill seconds
+    priority: int = 0  # lower runs first among equal deadlines
+    cached: int = 0  # prompt tokens already in its KV (recompute after preemption: 0)
+    tokens: int = 1  # prompt tokens to prefill
+
+
+def _edf_key(j: Job):
+    return (j.deadline, j.priority, j.arrival, j.key)
+
+
+def moore_hodgson(jobs: Sequence[Job], start: float) -> tuple[list[Job], list[Job]]:
+    """(on time in deadline order, late in deadline order) for jobs run one after the other from
+    `start`: the on-time set is as large as any sequence of these jobs can make it."""
+    ordered = sorted(jobs, key=_edf_key)
+    kept: list[Job] = []
+    longest: list[tuple] = []  # max-heap by duration over `kept`
+    late: list[Job] = []
+    t = start
+    for j in ordered:
+        kept.append(j)
+        t += j.duration
+        # the longest goes first; among equals the least important, then the latest
+        heapq.heappush(longest, (-j.duration, -j.priority, -j.arrival, _neg(j.key), j))
+        if t > j.deadline:
+            *_, drop = heapq.heappop(longest)
+            kept.remove(drop)
+            late.append(drop)
+            t -= drop.duration
+    return kept, sorted(late, key=_edf_key)
+
+
+class _neg(str):
+    """A string that sorts in reverse (for the max-heap's last tie-break)."""
+
+    def __lt__(self, other):
+        return str.__gt__(self, other)
+
+
+@dataclass(frozen=True)
+class Running:
+    """What the running requests of one model need next."""
+
+    deadline: float | None = None  # the earliest deadline among them (None: nothing runs)
+    ready_since: float | None = None  # when the oldest of them became ready to step
+    num: int = 0
+    context_tokens: int = 0  # KV tokens they attend
+
+
+@dataclass(frozen=True)
+class ModelWork:
+    name: str
+    latency: LatencyModel
+    running: Running
+    waiting: tuple[Job, ...] = ()
+    max_tokens: int = 2048  # its step's token limit (max_num_batched_tokens)
+    min_tokens: int = 16  # the smallest prefill chunk worth a step (progress is guaranteed)
+
+    @property
+    def base(self) -> StepShape:
+        r = self.running
+        return StepShape.decode(r.num, r.context_tokens) if r.num else StepShape()
+
+    @property
+    def decode_s(self) -> float:
+        return self.latency.estimate(self.base) if self.running.num else 0.0
+
+
+@dataclass(frozen=True)
+class Pick:
+    model: str
+    admit: tuple[str, ...]  # waiting keys to admit, in this order (on time, then deferred)
+    token_budget: int
+    deferred: tuple[str, ...] = ()  # every deferred key on the device
+
+
+def arbitrate(models: Sequence[ModelWork], now: float) -> Pick | None:
+    """The next step of the device, or None if no model has work."""
+    active = [m for m in models if m.running.num or m.waiting]
+    if not active:
+        return None
+    jobs = [j for m in active for j in m.waiting]
+    on_time, late = moore_hodgson(jobs, now)
+    first_on_time: dict[str, Job] = {}
+    for j in on_time:
+        first_on_time.setdefault(j.model, j)
+    step_s = {m.name: _step_estimate(m, first_on_time.get(m.name)) for m in active}
+    # the shortest step each could take (its decodes, a min_tokens chunk): what another model
+    # must wait for at least, since longer prefills are chunked to its slack
+    min_step_s = {
+        m.name: _step_estimate(m, first_on_time.get(m.name), m.min_tokens) for m in active
+    }
+
+    def latest_start(m: ModelWork) -> float:
+        starts = []
+        if m.running.deadline is not None:
+            starts.append(m.running.deadline - step_s[m.name])
+        j = first_on_time.get(m.name)
+        if j is not None:
+            starts.append(j.deadline - j.duration)
+        return min(starts, default=float("inf"))
+
+    def urgent(m: ModelWork) -> bool:
+        others = max((min_step_s[o.name] for o in active if o is not m), default=0.0)
+        return latest_start(m) - now < others
+
+    on_time_keys = {j.key for j in on_time}
+
+    def ready_since(m: ModelWork) -> float:
+        times = [j.arrival for j in m.waiting if j.key in on_time_keys]
+        if m.running.ready_since is not None:
+            times.append(m.running.ready_since)
+        return min(times or [j.arrival for j in m.waiting] or [float("inf")])
+
+    # deferred-only models run when nothing on time waits elsewhere (work conserving)
+    candidates = [m for m in active if m.running.num or m.name in first_on_time] or active
+    hurried = [m for m in candidates if urgent(m)]
+    if hurried:
+        pick = min(hurried, key=lambda m: (latest_start(m), m.name))
+    else:
+        pick = min(candidates, key=lambda m: (ready_since(m), m.name))
+    mine_on_time = [j for j in on_time if j.model == pick.name]
+    mine_late = [j for j in late if j.model == pick.name]
+    admit = mine_on_time + (mine_late if not on_time or not _others_wait(on_time, pick) else [])
+    budget = _token_budget(pick, active, step_s, admit, now)
+    return Pick(pick.name, tuple(j.key for j in admit), budget, tuple(j.key for j in late))
+
+
+def _others_wait(on_time: list[Job], pick: ModelWork) -> bool:
+    return any(j.model != pick.name for j in on_time)
+
+
+def _step_estimate(m: ModelWork, first: Job | None, chunk: int | None = None) -> float:
+    """Its next step: its running requests, plus a chunk (at most `chunk` tokens, else its
+    token limit) of its first on-time prefill."""
+    shape = m.base
+    if first is not None:
+        n = min(first.tokens, m.max_tokens if chunk is None else chunk)
+        shape = shape + StepShape.prefill(n, first.cached)
+    return m.latency.estimate(shape)
+
+
+def _token_budget(
+    m: ModelWork, active: list[ModelWork], step_s: dict[str, float], admit: list[Job], now: float
+) -> int:
+    """The most tokens m's step may compute without making a running request of the device late
+    (never fewer than its decodes plus min_tokens: progress over perfection)."""
+    limit = float("inf")
+    if m.running.deadline is not None:
+        limit = m.running.deadline - now
+    for o in active:
+        if o is not m and o.running.deadline is not None:
+            limit = min(limit, o.running.deadline - now - o.decode_s)
+    if limit == float("inf"):
+        return m.max_tokens
+    cached = admit[0].cached if admit else 0
+    extra = m.latency.max_new_tokens(limit, m.base, cached, m.max_tokens)
+    return max(
+        min(m.running.num + extra, m.max_tokens), min(m.running.num + m.min_tokens, m.max_tokens)
+    )

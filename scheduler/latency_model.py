@@ -1,0 +1,181 @@
+"""The latency model of one model on one device: how long a step takes, from its shape.
+
+A step computes `tokens` new tokens over `seqs` sequences; its attention work is the number of
+(query, key) pairs it scores, `attn` = sum over sequences of new * (cached + (new + 1) / 2). The
+model is linear in those features:
+
+    seconds = c0 + c_tok * tokens + c_seq * seqs + c_attn * attn
+
+which covers prefill (tokens dominate, attention grows with the prompt), chunked prefill (cached
+context), and decode (one token per sequence, attention over each context). The coefficients are
+fitted by non-negative least squares on a short profile taken at the first activation, and kept
+current online: every measured step joins a window of recent samples and the fit is redone every
+few steps, so the model follows the device (clocks, another model's copy, contention). The relative
+error of each estimate before its measurement is tracked as an EWMA and published.
+
+Pure: no clock; callers pass measured durations in.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+_ATTN_SCALE = 1e-3  # attn is counted in thousands of pairs (keeps the normal equations tame)
+
+
+@dataclass(frozen=True)
+class StepShape:
+    tokens: int = 0
+    seqs: int = 0
+    attn: float = 0.0  # (query, key) pairs scored
+
+    @classmethod
+    def of(cls, chunks: Iterable[tuple[int, int]]) -> StepShape:
+        """chunks: (cached, new) tokens of each sequence in the step."""
+        tokens = seqs = 0
+        attn = 0.0
+        for cached, new in chunks:
+            tokens += new
+            seqs += 1
+            attn += new * (cached + (new + 1) / 2)
+        return cls(tokens, seqs, attn)
+
+    @classmethod
+    def prefill(cls, new: int, cached: int = 0) -> StepShape:
+        return cls.of([(cached, new)])
+
+    @classmethod
+    def decode(cls, batch: int, context_tokens: int) -> StepShape:
+        """batch sequences of one new token each, over context_tokens cached tokens in all."""
+        return cls(batch, batch, float(context_tokens + batch))
+
+    def __add__(self, other: StepShape) -> StepShape:
+        return StepShape(self.tokens + other.tokens, self.seqs + other.seqs, self.attn + other.attn)
+
+    def features(self) -> tuple[float, float, float, float]:
+        return (1.0, float(self.tokens), float(self.seqs), self.attn * _ATTN_SCALE)
+
+
+# Before any measurement: a GPU-class guess (2 ms a step, 20 us a token), replaced by the profile
+DEFAULT_COEFFICIENTS = (2e-3, 2e-5, 1e-5, 1e-6)
+
+
+class LatencyModel:
+    def __init__(
+        self,
+        coefficients: Sequence[float] = DEFAULT_COEFFICIENTS,
+        window: int = 256,
+        refit_every: int = 16,
+        error_alpha: float = 0.1,
+    ):
+        self.coefficients = tuple(float(c) for c in coefficients)
+        self.profile: list[tuple[StepShape, float]] = []  # kept for good: they anchor the fit
+        self.recent: deque[tuple[StepShape, float]] = deque(maxlen=window)
+        self.refit_every = refit_every
+        self.error_alpha = error_alpha
+        self.error: float | None = None  # EWMA of |estimate - measured| / measured
+        self.observed = 0  # online samples since creation
+        self._since_fit = 0
+
+    @property
+    def profiled(self) -> bool:
+        return bool(self.profile)
+
+    # ---- estimates ----------------------------------------------------------------------------
+    def estimate(self, shape: StepShape) -> float:
+        return sum(c * f for c, f in zip(self.coefficients, shape.features()))
+
+    def prefill_s(self, tokens: int, cached: int = 0) -> float:
+        return self.estimate(StepShape.prefill(tokens, cached))
+
+    def decode_s(self, batch: int, context_tokens: int) -> float:
+        return self.estimate(StepShape.decode(batch, context_tokens))
+
+    def max_new_tokens(self, budget_s: float, base: StepShape, cached: int, cap: int) -> int:
+        """The most prefill tokens (one sequence, `cached` tokens already in its KV) that a step
+        already holding `base` can add and still take at most budget_s; 0..cap."""
+        if self.estimate(base + StepShape.prefill(1, cached)) > budget_s:
+            return 0
+        lo, hi = 1, cap  # estimate is increasing in the chunk: bisect the largest that fits
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.estimate(base + StepShape.prefill(mid, cached)) <= budget_s:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    # ---- learning -----------------------------------------------------------------------------
+    def fit_profile(self, samples: Iterable[tuple[StepShape, float]]) -> None:
+        """Replace the profile with these measured steps and refit."""
+        self.profile = [(s, float(t)) for s, t in samples if t > 0]
+        self._refit()
+
+    def observe(self, shape: StepShape, seconds: float) -> None:
+        """A measured step: track the estimate's error, and refit every refit_every samples."""
+        if seconds <= 0:
+            return
+        rel = abs(self.estimate(shape) - seconds) / seconds
+        a = self.error_alpha
+        self.error = rel if self.error is None else (1 - a) * self.error + a * rel
+        self.recent.append((shape, seconds))
+        self.observed += 1
+        self._since_fit += 1
+        if self._since_fit >= self.refit_every:
+            self._refit()
+
+    def _refit(self) -> None:
+        self._since_fit = 0
+        # the profile covers shapes the traffic may not (long prefills): it stays in the fit, but
+        # counts less as the window of measured steps fills, so the model follows the device
+        w = max(0.1, 1.0 - len(self.recent) / (self.recent.maxlen or 1))
+        samples = [(s, t, w) for s, t in self.profile] + [(s, t, 1.0) for s, t in self.recent]
+        if len(samples) >= 2:
+            # relative least squares: each sample weighted by 1/t, so short decode steps count
+            # as much as long prefills
+            rows = [[wt * f / t for f in s.features()] for s, t, wt in samples]
+            self.coefficients = tuple(nnls(rows, [wt for *_, wt in samples]))
+
+
+def nnls(rows: Sequence[Sequence[float]], y: Sequence[float]) -> list[float]:
+    """Non-negative least squares, min |A x - y| with x >= 0, for a few columns: solve the normal
+    equations on the free columns, clamp the most negative to zero, repeat."""
+    n = len(rows[0])
+    free = list(range(n))
+    x = [0.0] * n
+    while free:
+        ata = [[sum(r[i] * r[j] for r in rows) for j in free] for i in free]
+        aty = [sum(r[i] * v for r, v in zip(rows, y)) for i in free]
+        sol = _solve(ata, aty)
+        if sol is None:  # singular (columns without signal): drop the last free column
+            free.pop()
+            continue
+        worst = min(range(len(free)), key=lambda k: sol[k])
+        if sol[worst] >= 0:
+            for k, i in enumerate(free):
+                x[i] = sol[k]
+            return x
+        free.pop(worst)
+    return x
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
+    """Gaussian elimination with partial pivoting; None if singular."""
+    n = len(b)
+    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    scale = max((abs(v) for row in a for v in row), default=0.0) or 1.0
+    for col in range(n):
+        piv = max(range(col, n), key=lambda r: abs(m[r][col]))
+        if abs(m[piv][col]) <= 1e-12 * scale:
+            return None
+        m[col], m[piv] = m[piv], m[col]
+        for r in range(col + 1, n):
+            f = m[r][col] / m[col][col]
+            for c in range(col, n + 1):
+                m[r][c] -= f * m[col][c]
+    x = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        x[r] = (m[r][n] - sum(m[r][c] * x[c] for c in range(r + 1, n))) / m[r][r]
+    return x

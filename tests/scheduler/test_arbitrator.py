@@ -1,0 +1,178 @@
+"""The arbitrator: Moore-Hodgson admission against brute force, EDF order, no starvation,
+determinism, model choice and prefill chunking."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+from scheduler.arbitrator import Job, ModelWork, Running, arbitrate, moore_hodgson
+from scheduler.latency_model import LatencyModel
+
+
+def _feasible(jobs: list[Job], start: float) -> bool:
+    t = start
+    for j in sorted(jobs, key=lambda j: j.deadline):
+        t += j.duration
+        if t > j.deadline + 1e-12:
+            return False
+    return True
+
+
+def _brute_force(jobs: list[Job], start: float) -> int:
+    for k in range(len(jobs), -1, -1):
+        if any(_feasible(list(c), start) for c in itertools.combinations(jobs, k)):
+            return k
+    return 0
+
+
+def _random_jobs(rng: random.Random, n: int, models: int = 3) -> list[Job]:
+    return [
+        Job(
+            key=f"j{i}",
+            model=f"m{rng.randrange(models)}",
+            arrival=rng.uniform(0, 1),
+            deadline=rng.uniform(0.5, 4.0),
+            duration=rng.choice([0.1, 0.25, 0.5, 1.0]) * rng.uniform(0.5, 2),
+            priority=rng.randrange(2),
+        )
+        for i in range(n)
+    ]
+
+
+def test_moore_hodgson_admits_as_many_on_time_as_the_brute_force_optimum():
+    rng = random.Random(7)
+    for _ in range(1200):
+        jobs = _random_jobs(rng, rng.randint(0, 7))
+        start = rng.uniform(0, 1)
+        kept, late = moore_hodgson(jobs, start)
+        assert sorted(j.key for j in kept + late) == sorted(j.key for j in jobs)
+        assert _feasible(kept, start), "an admitted request would be late"
+        assert len(kept) == _brute_force(jobs, start)
+
+
+def test_admitted_requests_are_in_deadline_order_with_priority_breaking_ties():
+    rng = random.Random(3)
+    for _ in range(300):
+        jobs = _random_jobs(rng, rng.randint(1, 12))
+        kept, late = moore_hodgson(jobs, 0.0)
+        for seq in (kept, late):
+            keys = [(j.deadline, j.priority, j.arrival) for j in seq]
+            assert keys == sorted(keys)
+    tie = [Job("a", "m", 0.0, 1.0, 0.1, priority=1), Job("b", "m", 0.5, 1.0, 0.1, priority=0)]
+    assert [j.key for j in moore_hodgson(tie, 0.0)[0]] == ["b", "a"]
+
+
+def test_the_longest_request_is_dropped_to_save_the_others():
+    jobs = [
+        Job("short1", "m", 0, deadline=1.0, duration=0.3),
+        Job("long", "m", 0, deadline=1.1, duration=0.9),
+        Job("short2", "m", 0, deadline=1.2, duration=0.3),
+    ]
+    kept, late = moore_hodgson(jobs, 0.0)
+    assert [j.key for j in kept] == ["short1", "short2"] and [j.key for j in late] == ["long"]
+
+
+def _lat(step_s: float = 0.01, per_token: float = 1e-4) -> LatencyModel:
+    return LatencyModel((step_s, per_token, 0.0, 0.0))
+
+
+def _work(name, jobs=(), running: Running | None = None, lat=None, max_tokens=2048):
+    return ModelWork(name, lat or _lat(), running or Running(), tuple(jobs), max_tokens=max_tokens)
+
+
+def _job(key, model, arrival, deadline, tokens, lat=None, priority=0):
+    return Job(
+        key, model, arrival, deadline, (lat or _lat()).prefill_s(tokens), priority, 0, tokens
+    )
+
+
+def test_pick_is_deterministic_whatever_the_input_order():
+    rng = random.Random(11)
+    for _ in range(200):
+        names = [f"m{i}" for i in range(rng.randint(1, 4))]
+        works = []
+        for n in names:
+            jobs = [
+                _job(f"{n}-{k}", n, rng.uniform(0, 1), rng.uniform(0.5, 3), rng.randint(1, 4000))
+                for k in range(rng.randint(0, 4))
+            ]
+            run = (
+                Running(rng.uniform(1, 1.2), rng.uniform(0, 1), rng.randint(1, 8), 500)
+                if rng.random() < 0.5
+                else Running()
+            )
+            works.append(_work(n, jobs, run))
+        a = arbitrate(works, 1.0)
+        shuffled = [
+            _work(w.name, rng.sample(list(w.waiting), len(w.waiting)), w.running) for w in works
+        ]
+        rng.shuffle(shuffled)
+        assert arbitrate(shuffled, 1.0) == a
+
+
+def test_nothing_starves_every_request_is_admitted_in_bounded_time():
+    """A device simulated step by step: whatever is admitted is prefilled (its estimated time),
+    decodes run; with arrivals over, every request gets admitted, the late ones too."""
+    rng = random.Random(5)
+    for _ in range(100):
+        lat = _lat()
+        names = [f"m{i}" for i in range(3)]
+        waiting = {
+            n: [
+                _job(f"{n}-{k}", n, 0.0, rng.uniform(0.05, 0.5), rng.randint(10, 3000), lat)
+                for k in range(rng.randint(0, 6))
+            ]
+            for n in names
+        }
+        total = sum(len(v) for v in waiting.values())
+        bound = sum(j.duration for v in waiting.values() for j in v) + 0.01 * total + 1.0
+        now, admitted = 0.0, 0
+        for _ in range(10 * total + 10):
+            pick = arbitrate([_work(n, waiting[n], lat=lat) for n in names], now)
+            if pick is None:
+                break
+            assert pick.admit, "a pick with nothing to run"
+            key = pick.admit[0]
+            j = next(j for j in waiting[pick.model] if j.key == key)
+            waiting[pick.model].remove(j)
+            now += j.duration
+            admitted += 1
+        assert admitted == total and now <= bound
+
+
+def test_a_light_load_is_served_in_arrival_order_across_models():
+    a = _work("a", [_job("a1", "a", 0.2, 10.0, 100)])
+    b = _work("b", [_job("b1", "b", 0.1, 10.0, 100)])
+    assert arbitrate([a, b], 0.3).model == "b"
+
+
+def test_a_decode_about_to_be_late_runs_before_an_older_prefill():
+    lat = _lat(step_s=0.01)
+    prefill = _work("p", [_job("p1", "p", 0.0, 10.0, 4000, lat)], lat=lat)
+    # its next token is due in 15 ms: the 0.41 s prefill first would make it late
+    decoding = _work("d", running=Running(1.015, 0.9, 4, 100), lat=lat)
+    pick = arbitrate([prefill, decoding], 1.0)
+    assert pick.model == "d"
+
+
+def test_a_long_prompt_is_chunked_so_the_other_models_decodes_stay_on_time():
+    lat = _lat(step_s=0.005, per_token=1e-4)  # 2048 tokens: 0.21 s
+    prefill = _work("p", [_job("p1", "p", 0.0, 1.9, 8000, lat)], lat=lat)
+    decoding = _work("d", running=Running(1.05, 1.0, 4, 100), lat=lat)
+    pick = arbitrate([prefill, decoding], 1.0)
+    assert pick.model == "p"  # it waited longest, and a chunk of it leaves d on time
+    # the chunk must leave d its 50 ms less its own 5 ms step
+    assert 16 <= pick.token_budget <= (0.045 - 0.005) / 1e-4 + 1
+    alone = arbitrate([prefill], 1.0)
+    assert alone.token_budget == 2048
+
+
+def test_deferred_requests_wait_while_another_models_on_time_request_waits():
+    lat = _lat(step_s=0.01)
+    hopeless = _job("late", "a", 0.0, 0.05, 4000, lat)  # 0.41 s of prefill, due in 50 ms
+    on_time = _job("ok", "b", 0.0, 5.0, 100, lat)
+    pick = arbitrate([_work("a", [hopeless], lat=lat), _work("b", [on_time], lat=lat)], 0.0)
+    assert pick.model == "b" and pick.admit == ("ok",) and pick.deferred == ("late",)
+    alone = arbitrate([_work("a", [hopeless], lat=lat)], 0.0)
+    assert alone.admit == ("late",), "with nothing on time elsewhere it runs (work conserving)"

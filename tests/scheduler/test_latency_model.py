@@ -1,0 +1,66 @@
+"""The latency model: its fit recovers a known cost law, follows a change online, reports its
+error, and sizes prefill chunks within a time budget."""
+
+from __future__ import annotations
+
+import random
+
+from scheduler.latency_model import LatencyModel, StepShape, nnls
+
+TRUE = (3e-3, 4e-5, 2e-5, 5e-7)  # c0, per token, per sequence, per 1k attention pairs
+
+
+def _time(shape: StepShape, coef=TRUE, noise: float = 0.0, rng=None) -> float:
+    t = sum(c * f for c, f in zip(coef, shape.features()))
+    return t * (1 + (rng.uniform(-noise, noise) if rng else 0.0))
+
+
+def _profile_shapes() -> list[StepShape]:
+    shapes = [StepShape.prefill(n) for n in (16, 128, 512, 2048)]
+    shapes += [StepShape.decode(b, b * ctx) for b in (1, 4, 16, 64) for ctx in (128, 1024)]
+    return shapes
+
+
+def test_the_profile_fit_recovers_the_cost_law():
+    lm = LatencyModel()
+    lm.fit_profile([(s, _time(s)) for s in _profile_shapes()])
+    assert lm.profiled
+    for s in [StepShape.prefill(1000, 3000), StepShape.decode(32, 32 * 700)]:
+        assert abs(lm.estimate(s) - _time(s)) / _time(s) < 1e-6
+
+
+def test_online_samples_follow_a_slower_device_and_the_error_falls():
+    rng = random.Random(0)
+    lm = LatencyModel()
+    lm.fit_profile([(s, _time(s)) for s in _profile_shapes()])
+    slow = tuple(c * 1.5 for c in TRUE)
+    errors = []
+    for _ in range(400):
+        s = StepShape.decode(rng.randint(1, 64), rng.randint(64, 4096) * 8)
+        lm.observe(s, _time(s, slow, 0.02, rng))
+        errors.append(lm.error)
+    assert errors[20] > 0.2  # right after the change the estimates are a third short
+    assert lm.error < 0.05
+    s = StepShape.decode(8, 8000)
+    assert abs(lm.estimate(s) - _time(s, slow)) / _time(s, slow) < 0.05
+    assert lm.observed == 400
+
+
+def test_nnls_keeps_coefficients_non_negative():
+    rows = [[1.0, x, 0.0] for x in range(10)]
+    y = [5.0 - 0.1 * x for x in range(10)]  # a falling line: the slope would be negative
+    x = nnls(rows, y)
+    assert all(v >= 0 for v in x) and x[1] == 0.0
+
+
+def test_max_new_tokens_is_the_largest_chunk_within_the_budget():
+    lm = LatencyModel(TRUE)
+    base = StepShape.decode(4, 4000)
+    for budget in (0.004, 0.01, 0.05, 0.2):
+        n = lm.max_new_tokens(budget, base, cached=500, cap=8192)
+        if n:
+            assert lm.estimate(base + StepShape.prefill(n, 500)) <= budget
+        if n < 8192:
+            assert lm.estimate(base + StepShape.prefill(n + 1, 500)) > budget
+    assert lm.max_new_tokens(0.0, base, 0, 100) == 0
+    assert lm.max_new_tokens(100.0, base, 0, 100) == 100
