@@ -131,6 +131,7 @@ class DeviceWorker:
                 )
             else:
                 m.evict(cmd.drain_s)
+                m.evicted_for = "admin"
                 m.when(Residency.OFFLOADED, cmd.done)
         elif isinstance(cmd, Call):
             if cmd.result.set_running_or_notify_cancel():
@@ -193,7 +194,31 @@ class DeviceWorker:
     def _evict(self, m: ModelWorker, reason: str, taker: str | None = None) -> None:
         pages = m.kv.allocator.num_mapped_pages + (m.weights.num_pages if m.weights else 0)
         m.evict()
+        m.evicted_for = reason
         self.pool.record_move(m.name, taker, pages, reason)
+
+    # ---- the control loop's moves (sent as Call commands) ---------------------------------------
+    def plan_evict(self, name: str) -> bool:
+        """Evict a resident model the plan offloads, if it is still idle."""
+        m = self.models.get(name)
+        if m is None or not m.resident or not m.evictable or m.requests:
+            return False
+        self._evict(m, "plan")
+        log.info("evicted %s: the plan gives its memory to models with demand", name)
+        return True
+
+    def prefetch(self, name: str) -> bool:
+        """Activate an offloaded model the plan places, ahead of its next request, if it left
+        for room (not by an admin or its keep-alive) and the pool has its pages free."""
+        m = self.models.get(name)
+        if m is None or m.residency is not Residency.OFFLOADED:
+            return False
+        if m.evicted_for not in ("evict", "plan", "preempt") or not m.can_activate():
+            return False
+        if self.policy.max_resident is not None:
+            return False
+        log.info("prefetching %s: the plan places it and its pages are free", name)
+        return m.activate(wait=False)
 
     def make_resident(self, m: ModelWorker, now: float, wait: bool = False) -> bool:
         """Start m's activation, evicting idle models if the pool needs their pages; False if

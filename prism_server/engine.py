@@ -20,6 +20,7 @@ from prism_server import envs
 from prism_server.commands import Abort, Activate, AddModel, Evict, RemoveModel, Submit
 from prism_server.completion import Completion
 from prism_server.config import EngineConfig, ModelSpec
+from prism_server.control_loop import ControlLoop, PlanView
 from prism_server.device_worker import DeviceWorker
 from prism_server.memory_budget import check_host_budget, make_backend, pool_budget
 from prism_server.model_worker import ModelWorker
@@ -67,6 +68,14 @@ class Engine:
                 self.served[spec.name] = ServedModel(spec, error=f"{type(e).__name__}: {e}")
         if self.policy.all_resident:
             self._partition()
+        self.control: ControlLoop | None = None
+        if self.policy.plan:
+            self.control = ControlLoop(self, config.plan_interval_s)
+            self.control.start()
+
+    def plan_view(self) -> PlanView | None:
+        """The control loop's last plan (None: no planner, or none yet)."""
+        return self.control.last if self.control is not None else None
 
     def _profile_budget(self) -> float:
         b = self.config.profile_budget_s
@@ -299,6 +308,8 @@ class Engine:
         self.pool.check_integrity()
 
     def close(self) -> None:
+        if getattr(self, "control", None) is not None:
+            self.control.stop()
         for name, served in list(self.served.items()):
             if not served.failed:
                 self.worker.execute(RemoveModel(name))

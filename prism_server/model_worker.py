@@ -74,6 +74,7 @@ class ModelWorker:
         self.activation_buckets = [0] * len(ACTIVATION_BUCKETS)
         self.last_activation_s: float | None = None
         self.last_eviction_s: float | None = None
+        self.evicted_for: str | None = None  # why it was last evicted (None: resident since)
         self._transfer: Transfer | None = None  # the copy of an activation in flight
         self._activation_started = self._evict_started = self._drain_until = 0.0
         self._waiters: dict[Residency, list[Future]] = {}  # admin transitions waiting for a state
@@ -245,6 +246,7 @@ class ModelWorker:
         self.activation_buckets[bisect.bisect_left(ACTIVATION_BUCKETS, took)] += 1
         self.bytes_activated += self.weights.nbytes
         self.last_used = time.monotonic()
+        self.evicted_for = None
         self._enter(Residency.RESIDENT)
         log.info("activated %s in %.3f s", self.name, took)
 

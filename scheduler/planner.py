@@ -199,6 +199,9 @@ class _Fleet:
     def unserved(self, models: Iterable[ModelDemand]) -> int:
         return sum(1 for m in models if m.name not in self.spots)
 
+    def unserved_demand(self, models: Iterable[ModelDemand]) -> float:
+        return math.fsum(m.demand for m in models if m.name not in self.spots)
+
     def placement(self, models: Iterable[ModelDemand]) -> Placement:
         names = sorted(m.name for m in models)
         return Placement(
@@ -230,19 +233,21 @@ def _place_active(
     """The greedy over the models with demand (given in priority order). With `promote_unplaced`,
     models a pass could not place go first in the next pass (in priority order among themselves),
     until a pass places them all or leaves no model unplaced that was not already promoted; the
-    pass leaving the fewest models unplaced wins (ties: the lower max KVPR, then the earlier)."""
+    pass leaving the least demand unplaced wins (ties: fewer models unplaced, the lower max
+    KVPR, then the earlier)."""
     promoted: list[ModelDemand] = []
-    best: tuple[int, float, _Fleet] | None = None
+    best: tuple[float, int, float, _Fleet] | None = None
     while True:
         first = {m.name for m in promoted}
         order = promoted + [m for m in active if m.name not in first]
         fleet = _greedy(order, devices, min_room)
         unplaced = [m for m in active if m.name not in fleet.spots]
-        if best is None or (len(unplaced), fleet.max_kvpr()) < best[:2]:
-            best = (len(unplaced), fleet.max_kvpr(), fleet)
+        key = (fleet.unserved_demand(active), len(unplaced), fleet.max_kvpr())
+        if best is None or key < best[:3]:
+            best = (*key, fleet)
         new = [m for m in unplaced if m.name not in first]
         if not (promote_unplaced and new):
-            return best[2]
+            return best[3]
         promoted = sorted(promoted + new, key=_priority)
 
 
@@ -310,7 +315,7 @@ def plan(
     room on every device; a model that fits nowhere is offloaded. With `promote_unplaced` (the
     default) such a model gets another pass in which it goes first (see `_place_active`), so that a
     large model of low demand per byte is not crowded out by the small ones; the pass leaving the
-    fewest models unplaced wins. Then the idle models (zero rate), most recently used first (ties by
+    least demand unplaced wins. Then the idle models (zero rate), most recently used first (ties by
     name), go by the same rule, but only where every device they touch keeps at least
     `idle_kv_fraction` of its capacity as KV room; the others are offloaded. idle_kv_fraction=0
     keeps every idle model that fits.
@@ -320,9 +325,11 @@ def plan(
     greedy order) while its devices keep `min_kv_bytes`; those without a valid spot (new, newly
     demanded, on a device that is gone, or no longer fitting) are then placed by the greedy onto
     what is left; the idle models stay where they are while the idle rule holds there, and are
-    otherwise placed as in a fresh placement. The fresh placement is adopted only when it leaves
-    fewer models with demand unplaced, or as many and its max KVPR is below the kept one's times
-    (1 - threshold); otherwise the kept placement is returned. Under stationary demand the fresh
+    otherwise placed as in a fresh placement. The fresh placement is adopted only when the demand
+    it leaves unplaced is below the kept one's times (1 - threshold), or no more than it and its
+    max KVPR is below the kept one's times (1 - threshold); otherwise the kept placement is
+    returned (so a model with more demand takes the place of one with less, but near-ties do not
+    swap). Under stationary demand the fresh
     placement equals the kept one, so feeding each result back as `current` never moves a model.
     """
     _check(models, devices, threshold, min_kv_bytes, idle_kv_fraction)
@@ -353,9 +360,9 @@ def plan(
         else:
             kept.place(m, idle_room)
 
-    fresh_key, kept_key = fresh.unserved(active), kept.unserved(active)
-    if fresh_key < kept_key or (
-        fresh_key == kept_key and fresh.max_kvpr() < kept.max_kvpr() * (1 - threshold)
+    fresh_left, kept_left = fresh.unserved_demand(active), kept.unserved_demand(active)
+    if fresh_left < kept_left * (1 - threshold) or (
+        fresh_left <= kept_left and fresh.max_kvpr() < kept.max_kvpr() * (1 - threshold)
     ):
         return fresh.placement(models)
     return kept.placement(models)

@@ -32,7 +32,7 @@ def overloaded(message: str) -> APIError:
 class Frontend:
     def __init__(self, engine: Engine, max_queued_requests: int):
         self.engine = engine
-        self.metrics = Metrics(engine.snapshots)
+        self.metrics = Metrics(engine.snapshots, engine.plan_view)
         self.max_queued = max_queued_requests
         self._queued: dict[str, int] = defaultdict(int)  # accepted, no output yet, per model
         self._open: set[RequestStream] = set()  # accepted, not yet released

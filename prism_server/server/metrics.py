@@ -40,8 +40,9 @@ _LATENCY_BUCKETS = (
 class _SnapshotCollector:
     """Scrape-time gauges from the latest device snapshots."""
 
-    def __init__(self, snapshots: Callable[[], Sequence[DeviceSnapshot]]):
+    def __init__(self, snapshots: Callable[[], Sequence[DeviceSnapshot]], plan=None):
         self.snapshots = snapshots
+        self.plan = plan  # () -> the control loop's last PlanView, or None
 
     def collect(self):
         running = GaugeMetricFamily(
@@ -188,12 +189,32 @@ class _SnapshotCollector:
         yield from (running, waiting, usage, pages, mbytes, resident, state, pool, pbytes)
         yield from (activations, evictions, act_seconds, act_bytes, weight_pages, since)
         yield from (policy, estimate, est_error, deferred, deadlines, moved)
+        view = self.plan() if self.plan is not None else None
+        if view is not None:
+            kvpr = GaugeMetricFamily(
+                "prism:device_kvpr",
+                "The planner's KV pressure ratio: demand over the KV room beside the weights "
+                "(per GiB).",
+                labels=["device"],
+            )
+            for dev, v in view.placement.kvpr.items():
+                kvpr.add_metric([dev], v * (1 << 30) if v != float("inf") else v)
+            rate = GaugeMetricFamily(
+                "prism:model_request_rate", "EWMA request rate (requests/s).", labels=lm
+            )
+            demand = GaugeMetricFamily(
+                "prism:model_demand", "Request rate over TTFT SLO (the planner's d_i).", labels=lm
+            )
+            for name, r in view.rates.items():
+                rate.add_metric([name], r)
+                demand.add_metric([name], view.demand[name])
+            yield from (kvpr, rate, demand)
 
 
 class Metrics:
-    def __init__(self, snapshots: Callable[[], Sequence[DeviceSnapshot]]):
+    def __init__(self, snapshots: Callable[[], Sequence[DeviceSnapshot]], plan=None):
         self.registry = r = CollectorRegistry()
-        r.register(_SnapshotCollector(snapshots))
+        r.register(_SnapshotCollector(snapshots, plan))
         lm = ["model_name"]
         self.prompt_tokens = Counter(
             "prism:prompt_tokens", "Prefill tokens processed.", lm, registry=r

@@ -398,3 +398,16 @@ def test_silence_decays_the_rate_to_exactly_zero():
     t.observe("m", end + 3600)
     assert t.rate("m", end + 3600) == pytest.approx(math.log(2) / 30)
     assert t.rate("m", end + 3600) > ZERO_RATE
+
+
+def test_where_only_one_fits_the_model_with_more_demand_takes_the_place():
+    dev = [DeviceCapacity("gpu0", 30 * GB)]
+
+    def fleet(rate_a: float, rate_b: float) -> list[ModelDemand]:
+        return [ModelDemand("a", 16 * GB, 0.5, rate_a), ModelDemand("b", 16 * GB, 0.5, rate_b)]
+
+    got = plan(fleet(6.0, 1.0), dev, current={"b": "gpu0", "a": None})
+    assert got.assignment == {"a": ("gpu0",)} and got.offloaded == ("b",)
+    # a near tie (within the threshold) keeps the model that is there
+    kept = plan(fleet(1.1, 1.0), dev, current={"b": "gpu0", "a": None}, threshold=0.2)
+    assert kept.assignment == {"b": ("gpu0",)}

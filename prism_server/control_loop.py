@@ -1,0 +1,105 @@
+"""The control loop: every few hundred milliseconds it reads the device snapshots, updates each
+model's request rate (from the arrival counters the snapshots carry), runs the KVPR planner, and
+sends its moves to the device workers as commands:
+
+- a resident model the plan offloads, and that has no request, is evicted (its pages go to the
+  models with demand before their requests have to wait for them);
+- an offloaded model the plan places, that has demand and was evicted for room (not by an admin
+  or its keep-alive), is activated ahead of its next request when its device has the room free
+  (it evicts nobody: a request would).
+
+It decides nothing itself (scheduler.planner does) and touches no engine-thread object: snapshots
+in, commands out. `tick(now)` is one round, callable directly (tests)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+from prism_server.commands import Call
+from prism_server.model_worker import SLO_SCALE
+from scheduler.planner import DeviceCapacity, ModelDemand, Placement, RateTracker, plan
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PlanView:
+    """The last plan, for /metrics and the status view."""
+
+    time: float
+    placement: Placement
+    rates: dict[str, float]  # requests/s
+    demand: dict[str, float]  # rate / TTFT SLO
+
+
+class ControlLoop:
+    def __init__(self, engine, interval_s: float, threshold: float = 0.2):
+        self.engine = engine
+        self.interval_s = interval_s
+        self.threshold = threshold
+        self.rates = RateTracker()
+        self._seen: dict[str, int] = {}
+        self.last: PlanView | None = None
+        self.moves_sent = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="prism-control", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.tick(time.monotonic())
+            except Exception:
+                log.exception("the control loop's round failed")
+
+    def tick(self, now: float) -> PlanView:
+        workers = {str(w.device): w for w in self.engine.workers}
+        models, devices, current, where = [], [], {}, {}
+        for snap in self.engine.snapshots():
+            devices.append(DeviceCapacity(snap.device, snap.pool.capacity * snap.pool.page_bytes))
+            for m in snap.models:
+                new = m.requests_total - self._seen.get(m.name, 0)
+                self._seen[m.name] = m.requests_total
+                if new > 0:
+                    self.rates.observe(m.name, now, new)
+                slo = m.ttft_slo_s or max(SLO_SCALE * m.latency.prefill_1k_s, 1e-3)
+                models.append(
+                    ModelDemand(
+                        m.name,
+                        max(m.weight_bytes, 1),
+                        slo,
+                        self.rates.rate(m.name, now),
+                        last_used=m.last_used,
+                    )
+                )
+                current[m.name] = (snap.device,) if m.residency.on_device else None
+                where[m.name] = (snap.device, m)
+        placement = plan(models, devices, current, self.threshold, idle_kv_fraction=0.0)
+        for name, src, dst in placement.moves(current):
+            device, m = where[name]
+            w = workers[device]
+            if dst is None and not m.num_requests and not m.pinned:
+                w.send(Call(lambda w=w, n=name: w.plan_evict(n)))
+                self.moves_sent += 1
+            elif src is None and dst is not None:
+                demand = next(x.demand for x in models if x.name == name)
+                if demand > 0:
+                    w.send(Call(lambda w=w, n=name: w.prefetch(n)))
+                    self.moves_sent += 1
+        self.last = PlanView(
+            now,
+            placement,
+            {x.name: x.rate for x in models},
+            {x.name: x.demand for x in models},
+        )
+        return self.last
