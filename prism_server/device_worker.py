@@ -51,6 +51,10 @@ class DeviceWorker:
         pool.reclaim_order = self._reclaim_order if policy.balloon else None
         self._starved: frozenset[str] = frozenset()  # models whose new work waits for memory
         self.balloon_preemptions = 0
+        # host time between the end of one model step and the end of the next, less that step
+        # (EWMA over busy stretches): what the arbitrator adds to every step it plans
+        self.step_overhead_s = 0.0
+        self._last_step_end: float | None = None
         self.resources = DeviceResources(self.device)  # shared by its models' runners
         self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -256,7 +260,7 @@ class DeviceWorker:
         if serving and self.policy.arbitrate and (len(serving) > 1 or serving[0].scheduler.waiting):
             pick = None
             try:
-                pick = arbitrate([m.work() for m in serving], now)
+                pick = arbitrate([m.work() for m in serving], now, self.step_overhead_s)
             except Exception:
                 log.exception("the arbitrator failed: round-robin this step")
             if pick is not None:
@@ -265,7 +269,9 @@ class DeviceWorker:
                     m.num_deferred = sum(r.request_id in deferred for r in m.scheduler.waiting)
                 chosen = self.models[pick.model]
                 order = admit(chosen, pick.admit)
+                t = time.perf_counter()
                 ran = self._guard(chosen, lambda: chosen.step(now, order, pick.token_budget))
+                self._track_overhead(ran, t)
         if not ran:  # round-robin (or the pick could not run: blocked on memory)
             for m in serving:
                 ran |= self._guard(m, lambda m=m: m.step(now, admit(m, None)))
@@ -339,6 +345,14 @@ class DeviceWorker:
         if on >= cap or not waiting:
             return _NOBODY
         return min(waiting, key=lambda m: min(r.arrival_time for r in m.requests.values()))
+
+    def _track_overhead(self, ran: bool, started: float) -> None:
+        end = time.perf_counter()
+        last, self._last_step_end = self._last_step_end, end if ran else None
+        if ran and last is not None:
+            gap = started - last  # the host work since the previous step ended
+            if gap < 0.05:  # busy back to back (not an idle wait)
+                self.step_overhead_s += 0.1 * (gap - self.step_overhead_s)
 
     def _prepare(self, m: ModelWorker, now: float) -> bool:
         """Moves m's transition on; True if it can step now."""

@@ -286,11 +286,16 @@ class ModelWorker:
             )
         running = Running()
         if s.running:
+            decoding = [r for r in s.running if r.num_tokens - r.num_computed_tokens <= 1]
+            prefilling = [r for r in s.running if r.num_tokens - r.num_computed_tokens > 1]
             running = Running(
                 deadline=min(r.deadline for r in s.running),
+                decode_deadline=min((r.deadline for r in decoding), default=None),
                 ready_since=min(r.last_token_time or r.arrival_time for r in s.running),
-                num=len(s.running),
-                context_tokens=sum(r.num_computed_tokens for r in s.running),
+                num=len(decoding),
+                context_tokens=sum(r.num_computed_tokens for r in decoding),
+                prefilling=len(prefilling),
+                prefill_cached=prefilling[0].num_computed_tokens if prefilling else 0,
             )
         cfg = s.config
         return ModelWork(
@@ -326,6 +331,8 @@ class ModelWorker:
             t = time.perf_counter()
             logits = self.runner.execute(batch)
             tokens, logprobs = self.sampler.sample(logits, [c.request for c in batch if c.samples])
+            if not tokens and self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()  # nothing sampled: no sync
             took = time.perf_counter() - t  # sampling synchronizes: the step has run
             self.latency.observe(StepShape.of((c.start, c.num_new) for c in batch), took)
         except Exception as e:  # a failed step fails its requests, not the engine

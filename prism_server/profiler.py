@@ -37,6 +37,7 @@ def _shapes(max_tokens: int, max_seqs: int, max_len: int) -> list[tuple[str, int
         ("decode", 64, 1024),
         ("prefill", 2048, 0),
         ("decode", 16, 4096),
+        ("prefill", 1024, 6144),  # a late chunk of a long prompt: attention dominates more
     ):
         if kind == "prefill":
             a = min(a, max_tokens, max_len - b - 1)

@@ -15,10 +15,12 @@ SLO, or its TTFT deadline until its first token).
 - Which model: when some model would miss a deadline if another model's step ran first, the one
   with the least slack (latest start = deadline - its step) runs; otherwise the model whose work
   has waited longest (FCFS across models), so a light load is served in arrival order.
-- Chunking: the chosen model's step may take no longer than the slack of every running request
-  on the device (its own: the step must end by their deadline; other models': by their deadline
-  less their own next step), so another model's long prompt is prefilled in chunks between their
-  decode steps instead of making them late.
+- Chunking: the chosen model's step may take no longer than the slack of every decoding request
+  on the device (its own: the step must end by their next-token deadline; other models': by
+  their deadline less their own next step), so another model's long prompt is prefilled in
+  chunks between their decode steps instead of making them late. A late prefill is not a limit
+  (smaller chunks would only make it later), nor are decodes that would be late even beside
+  no prefill at all.
 
 Pure: plain data in, a Pick out; `now` passed in.
 """
@@ -30,6 +32,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from scheduler.latency_model import LatencyModel, StepShape
+
+SAFETY = 0.1  # a chunk is sized to its slack / (1 + max(estimate error, SAFETY))
 
 
 @dataclass(frozen=True)
@@ -83,9 +87,18 @@ class Running:
     """What the running requests of one model need next."""
 
     deadline: float | None = None  # the earliest deadline among them (None: nothing runs)
+    # the earliest next-token deadline of the decoding ones: what a prefill chunk must respect
+    # (a late prefill is not helped by smaller chunks)
+    decode_deadline: float | None = None
     ready_since: float | None = None  # when the oldest of them became ready to step
-    num: int = 0
-    context_tokens: int = 0  # KV tokens they attend
+    num: int = 0  # decoding (one token a step)
+    context_tokens: int = 0  # KV tokens the decoding ones attend
+    prefilling: int = 0  # admitted requests still in (chunked) prefill
+    prefill_cached: int = 0  # KV tokens of the oldest of those (its next chunk attends them)
+
+    @property
+    def any(self) -> bool:
+        return bool(self.num or self.prefilling)
 
 
 @dataclass(frozen=True)
@@ -115,9 +128,10 @@ class Pick:
     deferred: tuple[str, ...] = ()  # every deferred key on the device
 
 
-def arbitrate(models: Sequence[ModelWork], now: float) -> Pick | None:
-    """The next step of the device, or None if no model has work."""
-    active = [m for m in models if m.running.num or m.waiting]
+def arbitrate(models: Sequence[ModelWork], now: float, overhead_s: float = 0.0) -> Pick | None:
+    """The next step of the device, or None if no model has work. overhead_s: the device's host
+    time between two steps (scheduling, publishing), which every step pays beside its own."""
+    active = [m for m in models if m.running.any or m.waiting]
     if not active:
         return None
     jobs = [j for m in active for j in m.waiting]
@@ -142,8 +156,10 @@ def arbitrate(models: Sequence[ModelWork], now: float) -> Pick | None:
         return min(starts, default=float("inf"))
 
     def urgent(m: ModelWork) -> bool:
-        others = max((min_step_s[o.name] for o in active if o is not m), default=0.0)
-        return latest_start(m) - now < others
+        others = max(
+            (min_step_s[o.name] * (1 + _err(o)) for o in active if o is not m), default=0.0
+        )
+        return latest_start(m) - now < others + overhead_s
 
     on_time_keys = {j.key for j in on_time}
 
@@ -154,7 +170,7 @@ def arbitrate(models: Sequence[ModelWork], now: float) -> Pick | None:
         return min(times or [j.arrival for j in m.waiting] or [float("inf")])
 
     # deferred-only models run when nothing on time waits elsewhere (work conserving)
-    candidates = [m for m in active if m.running.num or m.name in first_on_time] or active
+    candidates = [m for m in active if m.running.any or m.name in first_on_time] or active
     hurried = [m for m in candidates if urgent(m)]
     if hurried:
         pick = min(hurried, key=lambda m: (latest_start(m), m.name))
@@ -163,8 +179,12 @@ def arbitrate(models: Sequence[ModelWork], now: float) -> Pick | None:
     mine_on_time = [j for j in on_time if j.model == pick.name]
     mine_late = [j for j in late if j.model == pick.name]
     admit = mine_on_time + (mine_late if not on_time or not _others_wait(on_time, pick) else [])
-    budget = _token_budget(pick, active, step_s, admit, now)
+    budget = _token_budget(pick, active, step_s, admit, now, overhead_s)
     return Pick(pick.name, tuple(j.key for j in admit), budget, tuple(j.key for j in late))
+
+
+def _err(m: ModelWork) -> float:
+    return max(m.latency.error or 0.0, SAFETY)
 
 
 def _others_wait(on_time: list[Job], pick: ModelWork) -> bool:
@@ -172,29 +192,43 @@ def _others_wait(on_time: list[Job], pick: ModelWork) -> bool:
 
 
 def _step_estimate(m: ModelWork, first: Job | None, chunk: int | None = None) -> float:
-    """Its next step: its running requests, plus a chunk (at most `chunk` tokens, else its
-    token limit) of its first on-time prefill."""
+    """Its next step: its decodes, plus a chunk (at most `chunk` tokens, else its token limit)
+    of the prefill in progress or else of its first on-time request."""
     shape = m.base
-    if first is not None:
-        n = min(first.tokens, m.max_tokens if chunk is None else chunk)
-        shape = shape + StepShape.prefill(n, first.cached)
+    cap = m.max_tokens if chunk is None else chunk
+    if m.running.prefilling:
+        shape = shape + StepShape.prefill(cap, m.running.prefill_cached)
+    elif first is not None:
+        shape = shape + StepShape.prefill(min(first.tokens, cap), first.cached)
     return m.latency.estimate(shape)
 
 
 def _token_budget(
-    m: ModelWork, active: list[ModelWork], step_s: dict[str, float], admit: list[Job], now: float
+    m: ModelWork,
+    active: list[ModelWork],
+    step_s: dict[str, float],
+    admit: list[Job],
+    now: float,
+    overhead_s: float = 0.0,
 ) -> int:
     """The most tokens m's step may compute without making a running request of the device late
     (never fewer than its decodes plus min_tokens: progress over perfection)."""
     limit = float("inf")
-    if m.running.deadline is not None:
-        limit = m.running.deadline - now
-    for o in active:
-        if o is not m and o.running.deadline is not None:
-            limit = min(limit, o.running.deadline - now - o.decode_s)
+    if m.running.decode_deadline is not None:
+        limit = m.running.decode_deadline - now - overhead_s
+    for o in active:  # their next step follows this one; its estimate may be short too
+        if o is not m and o.running.decode_deadline is not None:
+            after = o.decode_s * (1 + _err(o)) + 2 * overhead_s
+            limit = min(limit, o.running.decode_deadline - now - after)
     if limit == float("inf"):
         return m.max_tokens
-    cached = admit[0].cached if admit else 0
+    # the chunk continues the prefill in progress if there is one (it attends that context)
+    cached = m.running.prefill_cached if m.running.prefilling else (admit[0].cached if admit else 0)
+    limit /= 1 + _err(m)  # leave room for the estimate's own error
+    if m.running.num and limit < m.latency.estimate(m.base):
+        # its own decodes are late even if this step prefills nothing: small chunks would only
+        # slow everything down (and make them later still); run a full step
+        return m.max_tokens
     extra = m.latency.max_new_tokens(limit, m.base, cached, m.max_tokens)
     return max(
         min(m.running.num + extra, m.max_tokens), min(m.running.num + m.min_tokens, m.max_tokens)

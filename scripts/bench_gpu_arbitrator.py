@@ -52,7 +52,7 @@ def run(e: Engine) -> dict:
         _stream(
             e,
             "decoder",
-            [100 + (i * 13 + j) % 30000 for j in range(DECODE_PROMPT)],
+            [10 + (i * 13 + j) % 500 for j in range(DECODE_PROMPT)],
             DECODE_OUT,
             t,
             done,
@@ -62,7 +62,7 @@ def run(e: Engine) -> dict:
     burst_times = [[] for _ in range(BURSTS)]
     arrival = time.monotonic()
     for i, t in enumerate(burst_times):
-        _stream(e, "burst", [200 + (i * 7 + j) % 30000 for j in range(BURST_PROMPT)], 4, t, done)
+        _stream(e, "burst", [10 + (i * 7 + j) % 500 for j in range(BURST_PROMPT)], 4, t, done)
     for _ in range(DECODERS + BURSTS):
         o = done.get(timeout=600)
         assert o.error is None, o.error
@@ -88,6 +88,53 @@ def run(e: Engine) -> dict:
     }
 
 
+def trace_steps() -> list:
+    """Records every model step (model, token budget, tokens run, seconds, estimate): where the
+    time between the decoder's tokens goes."""
+    from prism_server.model_worker import ModelWorker
+    from scheduler.latency_model import StepShape
+
+    steps: list = []
+    step = ModelWorker.step
+
+    def traced(self, now, admit=None, token_budget=None):
+        sched = self.scheduler
+        before = {id(r): r.num_computed_tokens for r in sched.running}
+        t = time.perf_counter()
+        ran = step(self, now, admit, token_budget)
+        took = time.perf_counter() - t
+        if ran:
+            chunks = [
+                (before.get(id(r), 0), r.num_computed_tokens - before.get(id(r), 0))
+                for r in sched.running
+            ]
+            shape = StepShape.of(c for c in chunks if c[1] > 0)
+            steps.append(
+                (self.name, token_budget, shape.tokens, took, self.latency.estimate(shape))
+            )
+        return ran
+
+    ModelWorker.step = traced
+    return steps
+
+
+def summarize(steps: list) -> dict:
+    out = {}
+    for name in sorted({s[0] for s in steps}):
+        mine = [s for s in steps if s[0] == name]
+        big = [s for s in mine if s[2] > 64]
+        out[name] = {
+            "steps": len(mine),
+            "budget_none": sum(s[1] is None for s in mine),
+            "prefill_steps": len(big),
+            "prefill_tokens_p50": statistics.median([s[2] for s in big]) if big else None,
+            "prefill_ms_p50": 1e3 * statistics.median([s[3] for s in big]) if big else None,
+            "prefill_est_ms_p50": 1e3 * statistics.median([s[4] for s in big]) if big else None,
+            "budget_p50": statistics.median([s[1] for s in big if s[1]] or [0]),
+        }
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--json")
@@ -111,13 +158,17 @@ def main() -> None:
         ),
     )
     out = {}
+    steps = trace_steps()
     with Engine(EngineConfig(models=specs, device="cuda", kv_budget_bytes=40 * GiB)) as e:
         prism = e.worker.policy
         for name, pol in (("arbitrator", prism), ("round-robin", replace(prism, arbitrate=False))):
             e.worker.policy = pol
             run(e)  # warm-up of this policy (graphs, allocator)
+            steps.clear()
             out[name] = run(e)
+            out[name]["steps"] = summarize(steps)
         e.worker.policy = prism
+        out["step_overhead_ms"] = 1e3 * e.worker.step_overhead_s
         snap = {m.name: m.latency for m in e.snapshots()[0].models}
         out["latency_model"] = {
             n: {
@@ -142,6 +193,8 @@ def main() -> None:
             f"{x['gap_max_ms']:.1f} ms  burst TTFT p50 {x['burst_ttft_p50_s']:.2f} s max "
             f"{x['burst_ttft_max_s']:.2f} s"
         )
+        print(f"    steps: {x['steps']}")
+    print(f"  host time between steps (EWMA): {out['step_overhead_ms']:.2f} ms")
     for n, lat in out["latency_model"].items():
         print(f"  latency model {n}: {lat}")
     if args.json:
