@@ -258,6 +258,7 @@ class ModelWorker:
     # ---- commands -------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
         n = req.num_prompt_tokens
+        req.priority = req.params.priority
         if req.ttft_slo is None:
             req.ttft_slo = self.ttft_slo_s or SLO_SCALE * self.latency.prefill_s(n)
         if req.tpot_slo is None:

@@ -179,7 +179,6 @@ class _SamplingFields(BaseModel):
             "guided_regex": self.guided_regex is not None,
             "guided_choice": self.guided_choice is not None,
             "guided_grammar": self.guided_grammar is not None,
-            "priority": self.priority != 0,
         }
         for name, used in unsupported.items():
             if used:
@@ -209,6 +208,7 @@ class _SamplingFields(BaseModel):
                 repetition_penalty=self.repetition_penalty or 1.0,
                 min_p=self.min_p or 0.0,
                 logit_bias=tuple((int(k), float(b)) for k, b in (self.logit_bias or {}).items()),
+                priority=self.priority,
             )
         except ValueError as e:
             raise APIError(400, str(e)) from None

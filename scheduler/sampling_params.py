@@ -24,6 +24,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    priority: int = 0  # lower is served first among requests with equal deadlines (vLLM's)
 
     def __post_init__(self):
         if self.max_tokens < 1:

@@ -57,7 +57,6 @@ def test_repetition_penalty_and_min_p_change_what_is_sampled(server):
         ({"tool_choice": "required"}, "tool_choice"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"functions": [{"name": "f"}]}, "functions"),
-        ({"priority": 3}, "priority"),
         ({"guided_json": {"type": "object"}}, "guided_json"),
         ({"modalities": ["text", "audio"]}, "modalities"),
         ({"logit_bias": {"abc": 1}}, "logit_bias"),
@@ -88,6 +87,7 @@ def test_fields_it_cannot_honour_are_refused_with_400(server, fields, param):
 
 def test_their_no_op_values_are_accepted(server):
     chat(server, tool_choice="none", response_format={"type": "text"}, priority=0, tools=[])
+    chat(server, priority=3)  # honoured: it breaks ties between equal deadlines
 
 
 @pytest.mark.parametrize(
