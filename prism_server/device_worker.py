@@ -134,8 +134,12 @@ class DeviceWorker:
                     TransitionRefused(f"`{cmd.model}` is pinned: it is never evicted")
                 )
             else:
+                on = m.residency.on_device
+                pages = m.kv.allocator.num_mapped_pages + (m.weights.num_pages if on else 0)
                 m.evict(cmd.drain_s)
                 m.evicted_for = "admin"
+                if on:
+                    self.pool.record_move(m.name, None, pages, "admin")
                 m.when(Residency.OFFLOADED, cmd.done)
         elif isinstance(cmd, Call):
             if cmd.result.set_running_or_notify_cancel():

@@ -308,7 +308,19 @@ def test_models_list_their_state_and_admin_routes_move_them(srv):
     assert 'prism:model_state_since_seconds{model_name="c"}' in metrics
     # evicted once after its load (no room at start-up), once now
     assert 'prism:model_evictions_total{model_name="c"} 2.0' in metrics
+    # the control plane's view: policy, latency model, deadlines, page moves
+    dev = srv.engine.snapshots()[0].device
+    assert f'prism:policy_info{{device="{dev}",policy="prism"}} 1.0' in metrics
+    assert 'prism:latency_estimate_seconds{model_name="c",shape="prefill_1k"}' in metrics
+    assert 'prism:num_requests_deferred{model_name="c"} 0.0' in metrics
+    assert 'prism:request_deadlines_total{model_name="c",outcome="met",slo="ttft"}' in metrics
+    assert f'prism:page_moves_pages_total{{device="{dev}",giver="c",reason="admin"' in metrics
+    assert listed_policy(srv) == {"prism"}
     srv.engine.check_integrity()
+
+
+def listed_policy(srv) -> set[str]:
+    return {m["policy"] for m in httpx.get(srv.url + "/v1/models").json()["data"]}
 
 
 def test_streams_to_every_model_at_once_all_finish(srv):
