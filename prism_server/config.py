@@ -98,6 +98,9 @@ class EngineConfig:
     # policy's, 1024 for prism, 0 for the baselines; 0: greedy admission, preempting when the
     # blocks run out)
     reserve_output_tokens: int | None = None
+    # devices, each with its own page pool and engine thread; on the CPU, more than one are
+    # emulated (for the multi-device control plane); several GPUs are not supported yet
+    devices: int = 1
     # how often the control loop re-plans residency (prism policy)
     plan_interval_s: float = 0.5
 
@@ -114,6 +117,8 @@ class EngineConfig:
             raise ValueError("reserve_output_tokens must be >= 0")
         if self.profile_budget_s is not None and self.profile_budget_s < 0:
             raise ValueError("profile_budget_s must be >= 0")
+        if self.devices < 1:
+            raise ValueError("devices must be at least 1")
         if self.plan_interval_s <= 0:
             raise ValueError("plan_interval_s must be positive")
         if self.memory_backend not in ("vmm", "tensor"):

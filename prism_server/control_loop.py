@@ -63,7 +63,7 @@ class ControlLoop:
                 log.exception("the control loop's round failed")
 
     def tick(self, now: float) -> PlanView:
-        workers = {str(w.device): w for w in self.engine.workers}
+        workers = {w.name: w for w in self.engine.workers}
         models, devices, current, where = [], [], {}, {}
         for snap in self.engine.snapshots():
             devices.append(DeviceCapacity(snap.device, snap.pool.capacity * snap.pool.page_bytes))

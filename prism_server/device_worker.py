@@ -42,10 +42,11 @@ _TRANSFER_POLL_S = 0.0005
 
 
 class DeviceWorker:
-    def __init__(self, pool: PagePool, policy: Policy = POLICIES["prism"]):
+    def __init__(self, pool: PagePool, policy: Policy = POLICIES["prism"], name: str | None = None):
         self.pool = pool
         self.policy = policy
         self.device = pool.backend.device
+        self.name = name or str(self.device)  # the device's name in snapshots and plans
         self.models: dict[str, ModelWorker] = {}  # engine thread only
         # the balloon: idle models' reserves go first; static partitions reclaim nothing
         pool.reclaim_order = self._reclaim_order if policy.balloon else None
@@ -61,7 +62,7 @@ class DeviceWorker:
         self._stop = False
         self._seq = 0
         self._thread = threading.Thread(
-            target=self._loop, name=f"prism-engine-{self.device}", daemon=True
+            target=self._loop, name=f"prism-engine-{self.name}", daemon=True
         )
         self.snapshot = self._take_snapshot()  # replaced (never mutated) after every step
 
@@ -379,7 +380,7 @@ class DeviceWorker:
         s = self.pool.stats()
         self._seq += 1
         return DeviceSnapshot(
-            device=str(self.device),
+            device=self.name,
             seq=self._seq,
             time=time.monotonic(),
             pool=PoolSnapshot(s.page_bytes, s.capacity, s.created, s.free, sum(s.owned.values())),

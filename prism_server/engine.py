@@ -22,9 +22,10 @@ from prism_server.completion import Completion
 from prism_server.config import EngineConfig, ModelSpec
 from prism_server.control_loop import ControlLoop, PlanView
 from prism_server.device_worker import DeviceWorker
-from prism_server.memory_budget import check_host_budget, make_backend, pool_budget
+from prism_server.memory_budget import check_host_budget, make_backend, pool_budget, weight_bytes
 from prism_server.model_worker import ModelWorker
 from prism_server.served_model import ModelFailed, ModelNotFound, ServedModel
+from scheduler.planner import DeviceCapacity, ModelDemand, plan
 from scheduler.policy import policy, static_quota
 from scheduler.request import Request, RequestOutput
 from scheduler.sampling_params import SamplingParams
@@ -41,20 +42,30 @@ class Engine:
         self.device = config.torch_device()
         if self.device.type == "cpu" and envs.cpu_threads():
             torch.set_num_threads(envs.cpu_threads())
+        if config.devices > 1 and self.device.type != "cpu":
+            raise ValueError("devices > 1 is only supported on the CPU (emulated devices) so far")
         check_host_budget(config, self.device)
         budget = pool_budget(config, self.device)
         # On a GPU the pool creates every handle now (creating is the slow driver call) and
         # keeps them; on the host it creates them on demand.
         precreate = budget // config.page_bytes if self.device.type == "cuda" else 0
-        self.pool = PagePool(
-            make_backend(self.device, config.memory_backend),
-            config.page_bytes,
-            budget,
-            precreate,
-        )
         self.policy = policy(config.policy)
-        self.worker = DeviceWorker(self.pool, self.policy)
-        self.worker.start()
+        # one page pool and one engine thread per device; several CPU devices are emulated
+        # (each its own pool and thread), for the multi-device control plane on any machine
+        self._workers: list[DeviceWorker] = []
+        for i in range(config.devices):
+            pool = PagePool(
+                make_backend(self.device, config.memory_backend),
+                config.page_bytes,
+                budget,
+                precreate,
+            )
+            name = str(self.device) if config.devices == 1 else f"{self.device.type}:{i}"
+            w = DeviceWorker(pool, self.policy, name=name)
+            w.start()
+            self._workers.append(w)
+        self.worker, self.pool = self._workers[0], self._workers[0].pool  # the first device
+        self._where: dict[str, DeviceWorker] = {}  # model -> the worker of its device
         self.served: dict[str, ServedModel] = {}  # config order, failed models included
         self._ids = itertools.count()
         for spec in config.models:
@@ -84,32 +95,61 @@ class Engine:
     def _partition(self) -> None:
         """static: the KV room the weights leave, split into fixed equal quotas that are never
         reclaimed (each model keeps what it maps)."""
-        loaded = [n for n, s in self.served.items() if not s.failed]
+        for dev in self._workers:
+            loaded = [n for n, s in self.served.items() if not s.failed and self._where[n] is dev]
 
-        def split() -> int:
-            ws = [self.worker.models[n] for n in loaded]
-            quota = static_quota(self.pool.capacity, [w.weights.num_pages for w in ws])
-            for w in ws:
-                w.kv.allocator.set_quota(quota)
-                w.kv.allocator.max_cached_pages = quota
-            return quota
+            def split(dev=dev, loaded=loaded) -> int:
+                ws = [dev.models[n] for n in loaded]
+                quota = static_quota(dev.pool.capacity, [w.weights.num_pages for w in ws])
+                for w in ws:
+                    w.kv.allocator.set_quota(quota)
+                    w.kv.allocator.max_cached_pages = quota
+                return quota
 
-        quota = self.worker.call(split)
-        if loaded and quota < 1:
-            self.close()
-            raise MemoryError(
-                f"the static policy needs every model resident with KV room: the weights of "
-                f"{', '.join(loaded)} leave no page of the {self.pool.capacity} in the pool"
+            quota = dev.call(split)
+            if loaded and quota < 1:
+                self.close()
+                raise MemoryError(
+                    f"the static policy needs every model resident with KV room: the weights of "
+                    f"{', '.join(loaded)} leave no page of the {dev.pool.capacity} in the pool "
+                    f"of {dev.name}"
+                )
+            for n in loaded:
+                self.served[n] = replace(self.served[n], max_kv_tokens=dev.models[n].max_kv_tokens)
+            log.info(
+                "static partition on %s: %d KV pages for each of %d models",
+                dev.name,
+                quota,
+                len(loaded),
             )
-        for n in loaded:
-            w = self.worker.models[n]
-            s = self.served[n]
-            self.served[n] = replace(s, max_kv_tokens=w.max_kv_tokens)
-        log.info("static partition: %d KV pages for each of %d models", quota, len(loaded))
 
     @property
     def workers(self) -> list[DeviceWorker]:
-        return [self.worker]
+        return list(self._workers)
+
+    def _device_for(self, spec: ModelSpec) -> DeviceWorker:
+        """Where a new model goes: the KVPR planner's choice over the devices, every model at
+        the same nominal demand (nothing is known of the traffic yet): the device left with the
+        most KV room beside the weights, config order breaking ties."""
+        if len(self._workers) == 1:
+            return self._workers[0]
+        cap = {w.name: w.pool.capacity * w.pool.page_bytes for w in self._workers}
+        placed = [
+            ModelDemand(n, max(self.model_snapshot(n).weight_bytes, 1), 1.0, 1.0)
+            for n in self._where
+        ]
+        new = ModelDemand(spec.name, max(weight_bytes(spec, self.device), 1), 1.0, 1.0)
+        current = {n: w.name for n, w in self._where.items()}
+        got = plan(
+            [*placed, new],
+            [DeviceCapacity(n, c) for n, c in cap.items()],
+            current,
+            idle_kv_fraction=0.0,
+        ).assignment.get(spec.name)
+        by_name = {w.name: w for w in self._workers}
+        if got:
+            return by_name[got[0]]
+        return max(self._workers, key=lambda w: w.pool.num_available)  # it waits offloaded
 
     def load(self, spec: ModelSpec) -> ServedModel:
         """Load a model into the pool (its weights in pool pages, a host copy beside them). Idle
@@ -118,23 +158,23 @@ class Engine:
         if spec.name in self.served:
             raise ValueError(f"a model named {spec.name!r} is already loaded")
         dtype = spec.torch_dtype(self.device)
+        dev = self._device_for(spec)
+        pool = dev.pool
         box: dict = {}
 
         def place(tensors):
             wb = box["weights"] = WeightBuffer(
-                self.pool, f"{spec.name}/weights", WeightLayout.pack(tensors)
+                pool, f"{spec.name}/weights", WeightLayout.pack(tensors)
             )
-            box["evicted"] = self.worker.call(
-                lambda: self.worker.make_room(wb.can_map, time.monotonic())
-            )
+            box["evicted"] = dev.call(lambda: dev.make_room(wb.can_map, time.monotonic()))
             if box["evicted"] and self.policy.all_resident:
                 raise MemoryError(
                     f"the static policy keeps every model resident, and {spec.name} does not "
                     f"fit beside {', '.join(self.served)}; raise pool_budget_bytes"
                 )
-            if not self.worker.call(wb.map):
+            if not dev.call(wb.map):
                 raise MemoryError(
-                    f"the page pool ({self.pool.capacity} pages of {self.pool.page_bytes} bytes) "
+                    f"the page pool ({pool.capacity} pages of {pool.page_bytes} bytes) "
                     f"cannot hold the {wb.nbytes} bytes of {spec.name}'s weights; raise "
                     "pool_budget_bytes"
                 )
@@ -162,7 +202,7 @@ class Engine:
                 spec.name,
                 loaded.model,
                 tok,
-                self.pool,
+                pool,
                 sched,
                 dtype,
                 spec.max_cached_pages,
@@ -170,28 +210,29 @@ class Engine:
                 host=host,
                 pinned=spec.pinned or self.policy.all_resident,
                 keep_alive_s=spec.keep_alive_s,
-                resources=self.worker.resources,
+                resources=dev.resources,
                 ttft_slo_s=spec.ttft_slo_ms / 1e3 if spec.ttft_slo_ms else None,
                 tpot_slo_s=spec.tpot_slo_ms / 1e3 if spec.tpot_slo_ms else None,
                 profile_budget_s=self._profile_budget(),
             )
         except BaseException:
             if "weights" in box:
-                self.worker.call(box["weights"].close)
+                dev.call(box["weights"].close)
             for name in box.get("evicted", ()):  # as it was before this load
-                self.worker.execute(Activate(name))
+                dev.execute(Activate(name))
             raise
-        self.worker.execute(AddModel(worker))
+        dev.execute(AddModel(worker))
         if box["evicted"]:  # earlier models first: this one waits offloaded
-            self.worker.execute(Evict(spec.name))
+            dev.execute(Evict(spec.name))
             for name in box["evicted"]:
-                self.worker.execute(Activate(name))
+                dev.execute(Activate(name))
         eos = frozenset(cfg.eos_token_ids)
         if tok.eos_token_id is not None:
             eos |= {tok.eos_token_id}
+        self._where[spec.name] = dev
         served = ServedModel(
             spec,
-            device=str(self.device),
+            device=dev.name,
             tokenizer=tok,
             max_model_len=sched.max_model_len,
             max_kv_tokens=worker.max_kv_tokens,
@@ -238,7 +279,7 @@ class Engine:
         rid = f"r{next(self._ids)}"
         arrival = time.monotonic() if arrival_time is None else arrival_time
         req = Request(rid, prompt_ids, params, served.eos_token_ids, arrival, sink)
-        self.worker.send(Submit(served.name, req))
+        self._where[served.name].send(Submit(served.name, req))
         return req
 
     def add_request(
@@ -256,14 +297,16 @@ class Engine:
         return self.submit(served, ids, params, sink)
 
     def abort(self, model: str, request_id: str) -> None:
-        self.worker.send(Abort(model, request_id))
+        w = self._where.get(model)
+        if w is not None:
+            w.send(Abort(model, request_id))
 
     def activate(self, name: str) -> float:
         """Make a model resident now (thread-safe; blocks until done); returns the seconds the
         transition took. TransitionRefused if it cannot be done now."""
         self.model(name)
         t = time.perf_counter()
-        self.worker.execute(Activate(name))
+        self._where[name].execute(Activate(name))
         return time.perf_counter() - t
 
     def evict(self, name: str, drain_s: float | None = None) -> float:
@@ -273,7 +316,7 @@ class Engine:
         served = self.model(name)
         t = time.perf_counter()
         drain = served.spec.drain_timeout_s if drain_s is None else drain_s
-        self.worker.execute(Evict(name, drain))
+        self._where[name].execute(Evict(name, drain))
         return time.perf_counter() - t
 
     def encode(self, model: str, prompt: str | list[int]) -> list[int]:
@@ -305,17 +348,18 @@ class Engine:
         """Pool and every model's KV accounting are exact (call when the engine is idle)."""
         for w in self.workers:
             w.call(lambda w=w: [m.check_integrity() for m in w.models.values()])
-        self.pool.check_integrity()
+            w.pool.check_integrity()
 
     def close(self) -> None:
         if getattr(self, "control", None) is not None:
             self.control.stop()
         for name, served in list(self.served.items()):
-            if not served.failed:
-                self.worker.execute(RemoveModel(name))
+            if not served.failed and name in self._where:
+                self._where.pop(name).execute(RemoveModel(name))
             del self.served[name]
-        self.worker.stop()
-        self.pool.close()
+        for w in self._workers:
+            w.stop()
+            w.pool.close()
 
     def __enter__(self) -> Engine:
         return self
