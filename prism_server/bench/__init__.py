@@ -1,0 +1,2 @@
+"""The lab test bench: workloads and (coming) trace replay over HTTP; imports nothing of the
+engine."""

@@ -1,0 +1,73 @@
+"""Bench workloads: the CSV round trip, scaling, the Azure converter on the real trace, and the
+synthetic generator's burstiness, shifting groups and idle models."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+import pytest
+
+from prism_server.bench.workload import (
+    Row,
+    bursty_groups,
+    clamp_lengths,
+    from_azure,
+    idle_fraction,
+    read_csv,
+    scale_rate,
+    window,
+    write_csv,
+)
+
+TRACES = Path(__file__).resolve().parents[2].parent / "shared" / "traces" / "azure_llm_2023"
+
+
+def test_csv_round_trip_and_bad_rows(tmp_path):
+    rows = [Row(0.5, "a", 10, 5), Row(0.1, "b", 3, 7)]
+    write_csv(rows, tmp_path / "w.csv")
+    assert read_csv(tmp_path / "w.csv") == sorted(rows, key=lambda r: r.arrival_s)
+    (tmp_path / "bad.csv").write_text("arrival_s,model,prompt_len,output_len\n1.0,a,0,5\n")
+    with pytest.raises(ValueError, match="bad.csv:2"):
+        read_csv(tmp_path / "bad.csv")
+    (tmp_path / "cols.csv").write_text("arrival_s,model\n1.0,a\n")
+    with pytest.raises(ValueError, match="missing columns"):
+        read_csv(tmp_path / "cols.csv")
+
+
+def test_rate_scaling_window_and_clamping():
+    rows = [Row(float(i), "a", 100 * i + 1, 50) for i in range(10)]
+    fast = scale_rate(rows, 2.0)
+    assert [r.arrival_s for r in fast] == [i / 2 for i in range(10)]
+    assert [r.arrival_s for r in window(rows, 3.0, 6.0)] == [0.0, 1.0, 2.0]
+    assert max(r.prompt_len for r in clamp_lengths(rows, 256, 8)) == 256
+
+
+@pytest.mark.skipif(not TRACES.exists(), reason="the shared traces are not beside the checkout")
+def test_the_azure_trace_becomes_two_models_rows():
+    rows = from_azure(
+        {
+            "code": TRACES / "AzureLLMInferenceTrace_code.csv.gz",
+            "conv": TRACES / "AzureLLMInferenceTrace_conv.csv.gz",
+        },
+        limit_s=600,
+    )
+    assert {r.model for r in rows} == {"code", "conv"}
+    assert rows[0].arrival_s == 0.0 and all(r.arrival_s < 600 for r in rows)
+    assert all(a.arrival_s <= b.arrival_s for a, b in zip(rows, rows[1:]))
+    code = [r.prompt_len for r in rows if r.model == "code"]
+    assert statistics.median(code) > 500  # code requests carry long contexts
+
+
+def test_bursty_groups_are_bursty_shifting_and_mostly_idle():
+    models = [f"m{i}" for i in range(12)]
+    rows = bursty_groups(models, duration_s=3600, rate=5.0, shifts_per_hour=6, cv=2.0, seed=1)
+    assert abs(len(rows) / 3600 - 5.0) < 0.75
+    gaps = [b.arrival_s - a.arrival_s for a, b in zip(rows, rows[1:])]
+    cv = statistics.pstdev(gaps) / statistics.mean(gaps)
+    assert cv > 1.5  # bursty, not Poisson (CV 1)
+    groups = [{r.model for r in rows if k * 600 <= r.arrival_s < (k + 1) * 600} for k in range(6)]
+    assert all(len(g) <= 4 for g in groups)  # 35% of 12 active at a time
+    assert len(set().union(*groups)) > 4  # the group shifts
+    assert 0.5 <= idle_fraction(rows, models, 600) <= 0.77
+    assert rows == bursty_groups(models, 3600, 5.0, 6, cv=2.0, seed=1)  # deterministic
