@@ -1,4 +1,5 @@
-"""Command line: `python -m prism_server [serve] ...` and `python -m prism_server generate ...`."""
+"""Command line: `python -m prism_server [serve] ...`, `python -m prism_server generate ...` and
+`python -m prism_server bench ...`."""
 
 from __future__ import annotations
 
@@ -61,6 +62,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     g.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     g.add_argument("--dtype", default="auto")
+    from prism_server.bench.__main__ import add_arguments
+
+    add_arguments(sub.add_parser("bench", help="replay a workload against a running server"))
     return p
 
 
@@ -181,4 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "generate":
         return generate(args)
+    if args.command == "bench":
+        from prism_server.bench.__main__ import run
+
+        return run(args)
     return serve(args)

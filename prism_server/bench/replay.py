@@ -1,0 +1,113 @@
+"""Replays a workload against a running server over HTTP (the completions API, streaming) and
+records what each request saw: its arrival, every token's time, its error. Each row becomes one
+request sent at its arrival time (relative to the start), with a token-id prompt of exactly
+`prompt_len` tokens, `max_tokens` = `output_len` and `ignore_eos`, so the lengths are the trace's.
+
+Nothing here imports the engine: a bench measures a server as a client does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from prism_server.bench.workload import Row
+
+
+@dataclass
+class Result:
+    row: Row
+    sent: float = 0.0  # seconds from the start of the replay
+    token_times: list[float] = field(default_factory=list)  # seconds from the start
+    tokens: int = 0
+    status: int = 0
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.tokens >= 1
+
+    @property
+    def ttft(self) -> float | None:
+        return self.token_times[0] - self.sent if self.token_times else None
+
+    @property
+    def gaps(self) -> list[float]:
+        t = self.token_times
+        return [b - a for a, b in zip(t, t[1:])]
+
+    @property
+    def tpot(self) -> float | None:
+        t = self.token_times
+        return (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else None
+
+    @property
+    def e2e(self) -> float | None:
+        return self.token_times[-1] - self.sent if self.token_times else None
+
+
+def prompt_ids(row: Row, index: int, vocab: int = 256) -> list[int]:
+    """A token-id prompt of exactly row.prompt_len tokens (ids in [10, vocab), varied per row so
+    that no two requests share a prefix by accident)."""
+    return [10 + (index * 7919 + j * 31) % (vocab - 10) for j in range(row.prompt_len)]
+
+
+async def _one(session, url: str, i: int, row: Row, res: Result, t0: float, key: str | None):
+    body = {
+        "model": row.model,
+        "prompt": prompt_ids(row, i),
+        "max_tokens": row.output_len,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+        "logprobs": 0,  # each chunk then names its tokens: exact counts whatever the text
+    }
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    res.sent = time.monotonic() - t0
+    try:
+        async with session.post(url + "/v1/completions", json=body, headers=headers) as r:
+            res.status = r.status
+            if r.status != 200:
+                res.error = f"HTTP {r.status}: {(await r.text())[:200]}"
+                return
+            async for raw in r.content:
+                line = raw.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    res.error = str(chunk["error"].get("message"))
+                    continue
+                choice = chunk["choices"][0]
+                lp = choice.get("logprobs") or {}
+                n = len(lp.get("tokens") or ()) or (1 if choice.get("text") else 0)
+                now = time.monotonic() - t0
+                res.token_times.extend([now] * n)
+                res.tokens += n
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        res.error = f"{type(e).__name__}: {e}"
+
+
+async def replay(
+    url: str, rows: Sequence[Row], api_key: str | None = None, timeout_s: float = 600.0
+) -> list[Result]:
+    """Sends every row at its arrival time; returns once all have finished (results in row
+    order)."""
+    results = [Result(r) for r in rows]
+    conn = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
+        t0 = time.monotonic()
+        tasks = []
+        for i, (row, res) in enumerate(zip(rows, results)):
+            delay = row.arrival_s - (time.monotonic() - t0)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(_one(session, url, i, row, res, t0, api_key)))
+        await asyncio.gather(*tasks)
+    return results

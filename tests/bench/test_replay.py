@@ -1,0 +1,73 @@
+"""A replay against a real server in this process (two tiny models): every request streams its
+exact output length, and the report's numbers are those of the recorded per-request data."""
+
+from __future__ import annotations
+
+import asyncio
+
+from prism_server.bench.replay import replay
+from prism_server.bench.report import markdown, percentile, report
+from prism_server.bench.workload import Row
+from prism_server.config import EngineConfig, ModelSpec
+from prism_server.engine import Engine
+from prism_server.server.app import serve_in_thread
+
+
+def test_replay_records_every_token_and_the_report_agrees():
+    specs = tuple(
+        ModelSpec(n, "dummy:tiny-llama", block_size=4, seed=i) for i, n in enumerate("ab")
+    )
+    rows = [Row(0.02 * i, "ab"[i % 2], 5 + 3 * i, 4 + i % 5) for i in range(12)]
+    rows.append(Row(0.3, "nope", 5, 4))  # an unknown model: 404, counted as an error
+    srv = serve_in_thread(Engine(EngineConfig(models=specs, device="cpu", page_bytes=64 << 10)))
+    try:
+        results = asyncio.run(replay(srv.url, rows))
+    finally:
+        srv.close()  # the engine too
+    good = results[:-1]
+    assert all(r.ok and r.tokens == r.row.output_len for r in good), [r.error for r in good]
+    assert all(r.ttft > 0 and len(r.token_times) == r.row.output_len for r in good)
+    assert results[-1].status == 404 and not results[-1].ok
+    slos = {"a": (10.0, 1.0), "b": (10.0, 1.0), "nope": (1.0, 1.0)}
+    rep = report(results, slos, span_s=1.0)
+    assert rep["models"]["a"]["requests"] == 6 and rep["models"]["a"]["attainment"] == 1.0
+    assert rep["overall"]["errors"] == 1 and abs(rep["overall"]["attainment"] - 12 / 13) < 1e-9
+    ttfts = sorted(r.ttft for r in good if r.row.model == "b")
+    assert rep["models"]["b"]["ttft_p50_s"] == percentile(ttfts, 50)
+    assert rep["models"]["b"]["ttft_p99_s"] == ttfts[-1]
+    tight = report(results, {**slos, "a": (0.0, 1.0)}, span_s=1.0)  # no TTFT can meet 0 s
+    assert tight["models"]["a"]["ttft_attainment"] == 0.0
+    table = markdown(rep)
+    assert "| a | 6 | 0 | 100.0%" in table and "| all | 13 | 1 |" in table
+
+
+def test_the_bench_command_writes_the_table(tmp_path, capsys):
+    from prism_server.bench.workload import write_csv
+    from prism_server.cli import main
+
+    specs = (ModelSpec("a", "dummy:tiny-llama", block_size=4),)
+    write_csv([Row(0.01 * i, "a", 6, 3) for i in range(4)], tmp_path / "w.csv")
+    srv = serve_in_thread(Engine(EngineConfig(models=specs, device="cpu", page_bytes=64 << 10)))
+    try:
+        rc = main(
+            [
+                "bench",
+                "--url",
+                srv.url,
+                "--workload",
+                str(tmp_path / "w.csv"),
+                "--json",
+                str(tmp_path / "r.json"),
+                "--markdown",
+                str(tmp_path / "r.md"),
+            ]
+        )
+    finally:
+        srv.close()
+    assert rc == 0
+    import json
+
+    rep = json.loads((tmp_path / "r.json").read_text())
+    assert rep["models"]["a"]["requests"] == 4 and rep["overall"]["errors"] == 0
+    assert "| a | 4 | 0 |" in (tmp_path / "r.md").read_text()
+    assert main(["bench", "--workload", str(tmp_path / "missing.csv")]) == 2
