@@ -51,7 +51,6 @@ class DeviceWorker:
         # the balloon: idle models' reserves go first; static partitions reclaim nothing
         pool.reclaim_order = self._reclaim_order if policy.balloon else None
         self._starved: frozenset[str] = frozenset()  # models whose new work waits for memory
-        self.balloon_preemptions = 0
         # host time between the end of one model step and the end of the next, less that step
         # (EWMA over busy stretches): what the arbitrator adds to every step it plans
         self.step_overhead_s = 0.0
@@ -135,12 +134,7 @@ class DeviceWorker:
                     TransitionRefused(f"`{cmd.model}` is pinned: it is never evicted")
                 )
             else:
-                on = m.residency.on_device
-                pages = m.kv.allocator.num_mapped_pages + (m.weights.num_pages if on else 0)
-                m.evict(cmd.drain_s)
-                m.evicted_for = "admin"
-                if on:
-                    self.pool.record_move(m.name, None, pages, "admin")
+                self._evict(m, "admin", drain_s=cmd.drain_s)
                 m.when(Residency.OFFLOADED, cmd.done)
         elif isinstance(cmd, Call):
             if cmd.result.set_running_or_notify_cancel():
@@ -200,11 +194,16 @@ class DeviceWorker:
             log.info("evicted %s for room", m.name)
         return evicted
 
-    def _evict(self, m: ModelWorker, reason: str, taker: str | None = None) -> None:
-        pages = m.kv.allocator.num_mapped_pages + (m.weights.num_pages if m.weights else 0)
-        m.evict()
+    def _evict(
+        self, m: ModelWorker, reason: str, taker: str | None = None, drain_s: float = 0.0
+    ) -> None:
+        """Evict m and log the pages it gives up (all it holds) as one move, with the reason."""
+        on = m.residency.on_device
+        pages = m.kv.allocator.num_mapped_pages + (m.weights.num_pages if on else 0)
+        m.evict(drain_s)
         m.evicted_for = reason
-        self.pool.record_move(m.name, taker, pages, reason)
+        if on:
+            self.pool.record_move(m.name, taker, pages, reason)
 
     # ---- the control loop's moves (sent as Call commands) ---------------------------------------
     def plan_evict(self, name: str) -> bool:
@@ -332,7 +331,6 @@ class DeviceWorker:
         )
         before = owner.kv.allocator.num_mapped_pages
         owner.scheduler.preempt(req)
-        self.balloon_preemptions += 1
         freed = before - owner.kv.allocator.num_mapped_pages
         self.pool.record_move(owner.name, m.name, freed, "preempt")
         log.info("preempted %s of %s for %s's new work", req.request_id, owner.name, m.name)

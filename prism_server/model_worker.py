@@ -56,14 +56,12 @@ class ModelWorker:
         ttft_slo_s: float | None = None,
         tpot_slo_s: float | None = None,
         profile_budget_s: float = 0.0,
-        kv_pages: int | None = None,
     ):
         """weights / host: the model's parameters live in `weights` (mapped now) and `host` holds
         their copy; without them the model cannot be evicted (tests, benchmarks). resources: what
         the device's models share (FlashInfer workspace, CUDA-graph pool). ttft/tpot_slo_s: its
         SLOs (None: SLO_SCALE x the latency model's standalone estimate of each request).
-        profile_budget_s: how long the latency profile may take now (0: learn online only).
-        kv_pages: the most KV pages it may map (None: the whole pool but its weights)."""
+        profile_budget_s: how long the latency profile may take now (0: learn online only)."""
         self.name = name
         self.weights, self.host, self.pinned = weights, host, pinned
         self.keep_alive_s = keep_alive_s
@@ -91,8 +89,7 @@ class ModelWorker:
         )
         # the pages it can address: the whole pool but its own weights (+ the null page)
         own = weights.num_pages if weights is not None else 0
-        addressable = pool.capacity + 1 - own if kv_pages is None else kv_pages + 1
-        self.kv = PagedKV(pool, name, layout, addressable, max_cached_pages)
+        self.kv = PagedKV(pool, name, layout, pool.capacity + 1 - own, max_cached_pages)
         self.scheduler = BatchScheduler(sched, self.kv.allocator)
         allocated = _allocated(self.device)
         self.runner = ModelRunner(model, self.kv.cache, self.device, resources=resources)

@@ -179,7 +179,7 @@ def arbitrate(models: Sequence[ModelWork], now: float, overhead_s: float = 0.0) 
     mine_on_time = [j for j in on_time if j.model == pick.name]
     mine_late = [j for j in late if j.model == pick.name]
     admit = mine_on_time + (mine_late if not on_time or not _others_wait(on_time, pick) else [])
-    budget = _token_budget(pick, active, step_s, admit, now, overhead_s)
+    budget = _token_budget(pick, active, admit, now, overhead_s)
     return Pick(pick.name, tuple(j.key for j in admit), budget, tuple(j.key for j in late))
 
 
@@ -206,7 +206,6 @@ def _step_estimate(m: ModelWork, first: Job | None, chunk: int | None = None) ->
 def _token_budget(
     m: ModelWork,
     active: list[ModelWork],
-    step_s: dict[str, float],
     admit: list[Job],
     now: float,
     overhead_s: float = 0.0,
