@@ -16,6 +16,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future
 
@@ -35,6 +36,7 @@ from scheduler.snapshot import ACTIVATION_BUCKETS, LatencySnapshot, ModelSnapsho
 
 log = logging.getLogger(__name__)
 
+TRANSITION_LOG = 64  # residency changes a snapshot carries
 SLO_SCALE = 5.0  # an unset SLO: this many times the standalone estimate (the field's habit)
 
 
@@ -67,6 +69,10 @@ class ModelWorker:
         self.keep_alive_s = keep_alive_s
         self.residency = Residency.RESIDENT
         self.state_since = self.last_used = time.monotonic()
+        # the latest residency changes (time entered, state): the status view's timeline
+        self.transitions: deque[tuple[float, Residency]] = deque(
+            [(self.state_since, self.residency)], maxlen=TRANSITION_LOG
+        )
         self.activations = self.evictions = self.bytes_activated = 0
         self.activation_seconds = 0.0
         self.activation_buckets = [0] * len(ACTIVATION_BUCKETS)
@@ -153,6 +159,7 @@ class ModelWorker:
     def _enter(self, state: Residency) -> None:
         self.residency = state
         self.state_since = time.monotonic()
+        self.transitions.append((self.state_since, state))
         for done in self._waiters.pop(state, ()):
             if not done.done():
                 done.set_result(None)
@@ -414,6 +421,7 @@ class ModelWorker:
             ttft_slo_s=self.ttft_slo_s,
             tpot_slo_s=self.tpot_slo_s,
             slo_met=tuple((k, met, missed) for k, (met, missed) in self.slo.items()),
+            transitions=tuple(self.transitions),
             latency=LatencySnapshot(
                 prefill_1k_s=lat.prefill_s(1024),
                 decode_b1_s=lat.decode_s(1, 1024),

@@ -1,51 +1,210 @@
-"""`python -m prism_server bench`: replay a workload against a running Prism over HTTP and print
-the per-model table (and write JSON / markdown)."""
+"""`python -m prism_server bench ...`: the lab test bench, over HTTP only.
+
+bench run         replay a workload against a running server; the per-model table
+bench standalone  each model alone at low load: p99 TTFT / TPOT, and SLOs = k x those
+bench sweep       per policy: start a server, replay at rising rate scales, find the rate
+                  kept at 99% SLO attainment; sweep.json, sweep.md and the plots
+bench workload    write a workload CSV from a public trace or the bursty-groups generator
+bench plot        the plots of a sweep directory
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+import logging
 import sys
 from pathlib import Path
 
-from prism_server.bench.replay import replay
-from prism_server.bench.report import markdown, report
 from prism_server.bench.workload import read_csv, scale_rate
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--url", default="http://127.0.0.1:8000", help="the server to measure")
+def _workload_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--workload", required=True, help="CSV: arrival_s, model, prompt_len, output_len"
     )
-    p.add_argument("--rate-scale", type=float, default=1.0, help="replay at this x the rate")
-    p.add_argument("--ttft-slo-ms", type=float, default=1000.0)
-    p.add_argument("--tpot-slo-ms", type=float, default=100.0)
-    p.add_argument("--api-key")
-    p.add_argument("--json", help="write the report here")
-    p.add_argument("--markdown", help="write the table here")
 
 
-def run(args: argparse.Namespace) -> int:
+def _floats(text: str) -> list[float]:
     try:
-        rows = scale_rate(read_csv(args.workload), args.rate_scale)
-    except (OSError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        vals = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected numbers separated by commas: {text!r}"
+        ) from None
+    if not vals or any(v <= 0 for v in vals):
+        raise argparse.ArgumentTypeError("expected positive numbers")
+    return vals
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="bench_command", required=True)
+
+    r = sub.add_parser("run", help="replay a workload against a running server")
+    r.add_argument("--url", default="http://127.0.0.1:8000", help="the server to measure")
+    _workload_flag(r)
+    r.add_argument("--rate-scale", type=float, default=1.0, help="replay at this x the rate")
+    r.add_argument("--ttft-slo-ms", type=float, default=1000.0)
+    r.add_argument("--tpot-slo-ms", type=float, default=100.0)
+    r.add_argument("--slo-file", help="JSON: model -> {ttft_s, tpot_s} (overrides the flags)")
+    r.add_argument("--api-key")
+    r.add_argument("--json", help="write the report (and every request's record) here")
+    r.add_argument("--markdown", help="write the table here")
+
+    s = sub.add_parser("standalone", help="each model alone: p99 TTFT / TPOT and SLOs")
+    s.add_argument("--url", default="http://127.0.0.1:8000")
+    _workload_flag(s)
+    s.add_argument("--requests", type=int, default=10, help="per model, after a warm-up")
+    s.add_argument("--k", type=float, default=5.0, help="SLO = k x the standalone p99")
+    s.add_argument("--api-key")
+    s.add_argument("--out", help="write {standalone, slos} JSON here")
+
+    w = sub.add_parser("sweep", help="every policy at rising rate scales")
+    _workload_flag(w)
+    w.add_argument("--out", required=True, help="directory for sweep.json, sweep.md, plots")
+    w.add_argument("--config", help="the server's TOML config (the same for every policy)")
+    w.add_argument(
+        "--policies", default="prism,static,swap", help="comma-separated (default: all three)"
+    )
+    w.add_argument("--scales", type=_floats, default=[1.0, 2.0, 4.0], help="e.g. 0.5,1,2,4")
+    w.add_argument("--target", type=float, default=0.99, help="joint SLO attainment to keep")
+    w.add_argument("--refine", type=int, default=0, help="bisection steps after the scales")
+    w.add_argument("--keep-going", type=int, default=0, help="scales tried after a failure")
+    w.add_argument("--k", type=float, default=5.0, help="SLO = k x standalone p99")
+    w.add_argument("--standalone-requests", type=int, default=10)
+    w.add_argument("--slo-file", help="JSON: model -> {ttft_s, tpot_s} (no standalone run)")
+    w.add_argument("--sample-interval", type=float, default=0.25, help="status poll, seconds")
+    w.add_argument("--startup-timeout", type=float, default=900.0)
+    w.add_argument("--settle", type=float, default=1.0, help="quiet seconds between runs")
+    w.add_argument("--no-plots", action="store_true")
+    w.add_argument("--api-key")
+    w.add_argument(
+        "--server-arg", action="append", default=[], help="one more server flag (repeatable)"
+    )
+
+    pl = sub.add_parser("plot", help="the plots of a sweep directory")
+    pl.add_argument("dir")
+
+    from prism_server.bench.traces_cli import add_workload_command
+
+    add_workload_command(sub)
+
+
+def _slo_file(path: str) -> dict[str, dict]:
+    data = json.loads(Path(path).read_text())
+    data = data.get("slos", data)
+    for model, s in data.items():
+        if not {"ttft_s", "tpot_s"} <= set(s):
+            raise ValueError(f"{path}: {model} needs ttft_s and tpot_s")
+    return data
+
+
+def _rows(path: str):
+    rows = read_csv(path)
     if not rows:
-        print("error: the workload has no rows", file=sys.stderr)
-        return 2
+        raise ValueError(f"{path}: the workload has no rows")
+    return rows
+
+
+def _run(args) -> int:
+    from prism_server.bench.replay import replay
+    from prism_server.bench.report import markdown, report
+    from prism_server.bench.sweep import _record
+
+    rows = scale_rate(_rows(args.workload), args.rate_scale)
+    if args.slo_file:
+        given = _slo_file(args.slo_file)
+        slos = {m: (given[m]["ttft_s"], given[m]["tpot_s"]) for m in {r.model for r in rows}}
+    else:
+        slos = {r.model: (args.ttft_slo_ms / 1e3, args.tpot_slo_ms / 1e3) for r in rows}
     results = asyncio.run(replay(args.url, rows, args.api_key))
-    slo = (args.ttft_slo_ms / 1e3, args.tpot_slo_ms / 1e3)
-    rep = report(results, {r.model: slo for r in rows}, rows[-1].arrival_s or 1.0)
+    rep = report(results, slos, rows[-1].arrival_s or 1.0)
     table = markdown(rep)
     print(table)
     if args.json:
+        rep["requests"] = [_record(r) | {"gaps_s": r.gaps} for r in results]
         Path(args.json).write_text(json.dumps(rep, indent=2))
     if args.markdown:
         Path(args.markdown).write_text(table + "\n")
     return 0
+
+
+def _standalone(args) -> int:
+    from prism_server.bench.standalone import slos_from, standalone
+
+    alone = asyncio.run(standalone(args.url, _rows(args.workload), args.requests, args.api_key))
+    slos = slos_from(alone, args.k)
+    for model, m in alone.items():
+        print(
+            f"{model}: {m['requests']} requests, {m['errors']} errors; p99 TTFT "
+            f"{m['ttft_p99_s']:.4f} s, TPOT {m['tpot_p99_s'] or 0:.4f} s -> SLO "
+            f"{slos[model]['ttft_s']:.4f} / {slos[model]['tpot_s']:.4f} s"
+        )
+    if args.out:
+        Path(args.out).write_text(json.dumps({"standalone": alone, "slos": slos, "k": args.k}))
+    return 0
+
+
+def _sweep(args) -> int:
+    from prism_server.bench.sweep import SweepConfig, run_sweep, table
+
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    bad = sorted(set(policies) - {"prism", "static", "swap"})
+    if bad or not policies:
+        raise ValueError(f"--policies: unknown {bad}; choose from prism, static, swap")
+    cfg = SweepConfig(
+        workload=args.workload,
+        out=args.out,
+        policies=policies,
+        scales=args.scales,
+        target=args.target,
+        server_config=args.config,
+        server_args=args.server_arg,
+        slos=_slo_file(args.slo_file) if args.slo_file else None,
+        k=args.k,
+        standalone_requests=args.standalone_requests,
+        refine=args.refine,
+        keep_going=args.keep_going,
+        sample_interval_s=args.sample_interval,
+        startup_timeout_s=args.startup_timeout,
+        settle_s=args.settle,
+        api_key=args.api_key,
+        plots=not args.no_plots,
+        extra={"command": " ".join(sys.argv)},
+    )
+    sweep = asyncio.run(run_sweep(cfg, _rows(args.workload)))
+    print(table(sweep))
+    return 0
+
+
+def _plot(args) -> int:
+    from prism_server.bench.plots import plot_sweep
+
+    d = Path(args.dir)
+    sweep = json.loads((d / "sweep.json").read_text())
+    for name, path in plot_sweep(sweep, d).items():
+        print(f"{name}: {path}")
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    fn = {
+        "run": _run,
+        "standalone": _standalone,
+        "sweep": _sweep,
+        "plot": _plot,
+    }.get(args.bench_command)
+    if fn is None:
+        from prism_server.bench.traces_cli import run_workload_command
+
+        fn = run_workload_command
+    try:
+        return fn(args)
+    except (OSError, ValueError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 def main(argv: list[str] | None = None) -> int:

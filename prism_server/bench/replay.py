@@ -15,7 +15,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
+from tqdm import tqdm
 
+from prism_server.bench.monitor import Monitor
 from prism_server.bench.workload import Row
 
 
@@ -94,20 +96,40 @@ async def _one(session, url: str, i: int, row: Row, res: Result, t0: float, key:
 
 
 async def replay(
-    url: str, rows: Sequence[Row], api_key: str | None = None, timeout_s: float = 600.0
+    url: str,
+    rows: Sequence[Row],
+    api_key: str | None = None,
+    timeout_s: float = 600.0,
+    monitor: Monitor | None = None,
+    progress: bool = True,
 ) -> list[Result]:
     """Sends every row at its arrival time; returns once all have finished (results in row
-    order)."""
+    order). With a monitor, the server's status is sampled from just before the first request to
+    just after the last one finished (its t0 is set to the replay's start). The progress bar
+    (finished requests) shows only on a terminal."""
     results = [Result(r) for r in rows]
     conn = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=timeout_s)
+    bar = tqdm(total=len(rows), unit="req", disable=None if progress else True, leave=False)
     async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
         t0 = time.monotonic()
+        if monitor is not None:
+            monitor.t0 = t0
+            await monitor.poll(session)
+            monitor.start(session)
+
+        async def one(i: int, row: Row, res: Result) -> None:
+            await _one(session, url, i, row, res, t0, api_key)
+            bar.update()
+
         tasks = []
         for i, (row, res) in enumerate(zip(rows, results)):
             delay = row.arrival_s - (time.monotonic() - t0)
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(_one(session, url, i, row, res, t0, api_key)))
+            tasks.append(asyncio.create_task(one(i, row, res)))
         await asyncio.gather(*tasks)
+        if monitor is not None:
+            await monitor.stop(session)
+    bar.close()
     return results

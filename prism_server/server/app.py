@@ -17,6 +17,7 @@ from prism_server.server.admin_routes import AdminRoutes
 from prism_server.server.frontend import Frontend
 from prism_server.server.middlewares import allowed_host_names, client_request_id, middlewares
 from prism_server.server.openai_routes import OpenAIRoutes
+from prism_server.server.status import status
 from prism_server.server_args import ServerArgs
 
 log = logging.getLogger(__name__)
@@ -54,9 +55,13 @@ def build_app(engine: Engine, args: ServerArgs) -> web.Application:
         if rid:
             response.headers.setdefault("X-Request-Id", rid)
 
+    async def status_route(request: web.Request) -> web.Response:
+        return web.json_response(status(engine))
+
     app.on_response_prepare.append(echo_request_id)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/v1/status", status_route)
     return app
 
 

@@ -52,6 +52,7 @@ def test_the_bench_command_writes_the_table(tmp_path, capsys):
         rc = main(
             [
                 "bench",
+                "run",
                 "--url",
                 srv.url,
                 "--workload",
@@ -70,4 +71,6 @@ def test_the_bench_command_writes_the_table(tmp_path, capsys):
     rep = json.loads((tmp_path / "r.json").read_text())
     assert rep["models"]["a"]["requests"] == 4 and rep["overall"]["errors"] == 0
     assert "| a | 4 | 0 |" in (tmp_path / "r.md").read_text()
-    assert main(["bench", "--workload", str(tmp_path / "missing.csv")]) == 2
+    assert main(["bench", "run", "--workload", str(tmp_path / "missing.csv")]) == 2
+    recs = rep["requests"]
+    assert [r["tokens"] for r in recs] == [3] * 4 and all(len(r["gaps_s"]) == 2 for r in recs)

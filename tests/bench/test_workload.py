@@ -71,3 +71,49 @@ def test_bursty_groups_are_bursty_shifting_and_mostly_idle():
     assert len(set().union(*groups)) > 4  # the group shifts
     assert 0.5 <= idle_fraction(rows, models, 600) <= 0.77
     assert rows == bursty_groups(models, 3600, 5.0, 6, cv=2.0, seed=1)  # deterministic
+
+
+@pytest.mark.skipif(not TRACES.exists(), reason="the shared traces are not beside the checkout")
+def test_the_workload_command_writes_what_the_converters_give(tmp_path, capsys):
+    from prism_server.bench.traces import from_mooncake, from_servegen
+    from prism_server.cli import main
+
+    root = TRACES.parent
+    out = tmp_path / "sg.csv"
+    streams = "m-large/c7,m-mid/c3"
+    args = ["bench", "workload", "--source", "servegen", "--models", "x,y", "--out", str(out)]
+    args += ["--traces", str(root), "--duration-s", "1800", "--rate-scale", "0.001"]
+    args += ["--servegen-streams", streams, "--seed", "4", "--time-scale", "0.1"]
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "x <- m-large/c7" in text and "y <- m-mid/c3" in text
+    want = from_servegen(
+        ["x", "y"],
+        duration_s=1800,
+        rate_scale=0.001,
+        seed=4,
+        window_scale=0.1,
+        streams=streams.split(","),
+        root=root / "servegen",
+    )
+    got = read_csv(out)
+    assert len(got) == len(want) > 0
+    assert all(
+        (a.model, a.prompt_len, a.output_len) == (b.model, b.prompt_len, b.output_len)
+        and abs(a.arrival_s - b.arrival_s) < 1e-5
+        for a, b in zip(got, want)
+    )
+    args = ["bench", "workload", "--source", "mooncake", "--models", "p,q", "--out", str(out)]
+    args += ["--traces", str(root), "--duration-s", "120", "--max-prompt", "4096"]
+    assert main(args) == 0
+    rows = read_csv(out)
+    full = [
+        r
+        for r in from_mooncake(
+            ["p", "q"], root / "mooncake_fast25" / "conversation_trace.jsonl.gz", limit_s=120
+        )
+    ]
+    assert len(rows) == len(full) and max(r.prompt_len for r in rows) <= 4096
+    bad = ["bench", "workload", "--source", "azure", "--models", "one", "--out", str(out)]
+    assert main(bad + ["--traces", str(root)]) == 2
+    assert "two models" in capsys.readouterr().err

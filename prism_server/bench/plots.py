@@ -1,0 +1,477 @@
+"""Figures of a sweep's JSON (PNG, Agg, no pyplot): joint SLO attainment against offered rate per
+policy, memory per model over time, TTFT CDFs, and each model's residency timeline.
+
+Every plot is a `figure_<name>(sweep) -> Figure` that a test can read back: the artists carry
+labels and gids (attainment and CDF lines `label=policy`, memory layers `label="<model> weights"`
+/ `"<model> KV"`, residency bars `gid="<policy>/<model>/<state>"`). The pure helpers the figures
+use (`showcase_run`, `residency_segments`, `memory_series`, `ttft_cdf`) are checked directly.
+matplotlib is imported here, at the top, so that importing this module is what fails without it
+(the sweep catches that ImportError and leaves the plots for later); `prism_server.bench` does not
+import this module. Imports nothing of the engine.
+
+    python -m prism_server.bench.plots SWEEP.json OUT_DIR
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from matplotlib import colormaps
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.patches import Patch
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+
+GIB = 2**30
+DPI = 110
+
+# Residency state -> bar colour; offloaded is drawn as nothing (the gap between bars).
+STATE_COLORS = {
+    "resident": "tab:green",
+    "activating": "tab:orange",
+    "draining": "tab:blue",
+    "failed": "tab:red",
+}
+UNDRAWN_STATES = frozenset({"offloaded"})
+_OTHER_STATE_COLOR = "tab:gray"
+
+
+# ---- pure helpers --------------------------------------------------------------------------------
+def showcase_run(policy_entry: Mapping[str, Any]) -> dict | None:
+    """The run a policy is shown by: the one at its sustained scale, else its lowest-scale run
+    (also when the sustained scale names no run); None when it has no runs."""
+    runs = list(policy_entry.get("runs") or [])
+    if not runs:
+        return None
+    scale = policy_entry.get("sustained_scale")
+    if scale is not None:
+        for run in runs:
+            if math.isclose(run["scale"], scale, rel_tol=1e-9, abs_tol=1e-12):
+                return run
+    return min(runs, key=lambda r: r["scale"])
+
+
+def residency_segments(
+    transitions: Sequence[Sequence[Any]], duration_s: float
+) -> list[tuple[float, float, str]]:
+    """(start, length, state) over [0, duration_s] from [[t, state], ...] (each t the time the
+    state was entered): the first state also covers [0, t0), the last lasts to duration_s;
+    consecutive equal states are merged and zero-length segments dropped."""
+    entries = sorted(((float(t), str(s)) for t, s in transitions), key=lambda e: e[0])
+    if not entries or duration_s <= 0:
+        return []
+    raw: list[tuple[float, float, str]] = []
+    for i, (t, state) in enumerate(entries):
+        start = 0.0 if i == 0 else min(max(t, 0.0), duration_s)
+        end = entries[i + 1][0] if i + 1 < len(entries) else duration_s
+        end = min(max(end, 0.0), duration_s)
+        if end > start:
+            raw.append((start, end, state))
+    merged: list[list[Any]] = []
+    for start, end, state in raw:
+        if merged and merged[-1][2] == state:
+            merged[-1][1] = end
+        else:
+            merged.append([start, end, state])
+    return [(s, e - s, st) for s, e, st in merged]
+
+
+def run_transitions(run: Mapping[str, Any], model: str) -> list[list[Any]]:
+    """A model's [[t, state], ...] in a run: its recorded transitions, or when it has none the
+    residency seen in each status sample."""
+    recorded = (run.get("transitions") or {}).get(model)
+    if recorded:
+        return [list(e) for e in recorded]
+    out = []
+    for s in sorted(run.get("samples") or [], key=lambda s: s["t"]):
+        m = (s.get("models") or {}).get(model)
+        if m and m.get("residency"):
+            out.append([s["t"], m["residency"]])
+    return out
+
+
+def memory_series(
+    run: Mapping[str, Any], policy_models: Sequence[str]
+) -> tuple[list[float], dict[str, tuple[list[float], list[float]]]]:
+    """(sample times, {model: (weights GiB, KV GiB) at each time}) from a run's samples, as
+    recorded (a model absent from a sample, or a null size, counts 0)."""
+    samples = sorted(run.get("samples") or [], key=lambda s: s["t"])
+    times = [float(s["t"]) for s in samples]
+    series: dict[str, tuple[list[float], list[float]]] = {}
+    for model in policy_models:
+        w, kv = [], []
+        for s in samples:
+            m = (s.get("models") or {}).get(model) or {}
+            w.append((m.get("weight_bytes") or 0) / GIB)
+            kv.append((m.get("kv_bytes") or 0) / GIB)
+        series[model] = (w, kv)
+    return times, series
+
+
+def ttft_cdf(requests: Iterable[Mapping[str, Any]]) -> tuple[list[float], list[float]]:
+    """xs: the finite TTFTs, sorted; ys[i] = (i + 1) / N over all N requests, so requests with
+    no TTFT (failed) count as infinite and the curve ends at (N - failed) / N."""
+    reqs = list(requests)
+    xs = sorted(
+        float(r["ttft_s"])
+        for r in reqs
+        if r.get("ttft_s") is not None and math.isfinite(r["ttft_s"])
+    )
+    n = len(reqs)
+    return xs, [(i + 1) / n for i in range(len(xs))]
+
+
+def policy_names(sweep: Mapping[str, Any]) -> list[str]:
+    """The policies in the sweep, in the config's order, then any others in the result's."""
+    present = list(sweep.get("policies") or {})
+    order = [p for p in (sweep.get("config") or {}).get("policies") or [] if p in present]
+    return order + [p for p in present if p not in order]
+
+
+def model_names(sweep: Mapping[str, Any], runs: Iterable[Mapping[str, Any] | None] = ()) -> list:
+    """The config's models, then any other model the runs' transitions or samples mention."""
+    models = list((sweep.get("config") or {}).get("models") or [])
+    extra: set[str] = set()
+    for run in runs:
+        if not run:
+            continue
+        extra.update(run.get("transitions") or {})
+        for s in run.get("samples") or []:
+            extra.update(s.get("models") or {})
+    return models + sorted(extra - set(models))
+
+
+def common_scale(sweep: Mapping[str, Any]) -> float | None:
+    """The highest scale that every policy with runs ran, or None."""
+    sets = []
+    for entry in (sweep.get("policies") or {}).values():
+        scales = {round(float(r["scale"]), 9) for r in entry.get("runs") or []}
+        if scales:
+            sets.append(scales)
+    if not sets:
+        return None
+    common = set.intersection(*sets)
+    return max(common) if common else None
+
+
+def cdf_runs(sweep: Mapping[str, Any]) -> tuple[dict[str, dict | None], float | None]:
+    """Per policy the run its TTFT CDF is drawn from: the one at the common highest scale, else
+    (no common scale: None returned as the scale) its showcase run."""
+    scale = common_scale(sweep)
+    out: dict[str, dict | None] = {}
+    for p in policy_names(sweep):
+        entry = sweep["policies"][p]
+        run = None
+        if scale is not None:
+            run = next(
+                (r for r in entry.get("runs") or [] if math.isclose(r["scale"], scale)), None
+            )
+        out[p] = run if run is not None else showcase_run(entry)
+    return out, scale
+
+
+def _attainment(run: Mapping[str, Any]) -> float:
+    a = ((run.get("report") or {}).get("overall") or {}).get("attainment")
+    return math.nan if a is None else 100.0 * a
+
+
+def _run_caption(run: Mapping[str, Any] | None, entry: Mapping[str, Any]) -> str:
+    if run is None:
+        return "no runs"
+    sustained = entry.get("sustained_scale")
+    if sustained is not None and math.isclose(run["scale"], sustained):
+        why = "sustained"
+    else:
+        why = "none sustained, lowest scale"
+    return f"{run['rate_rps']:.3g} req/s (scale {run['scale']:g}, {why})"
+
+
+# ---- figures -------------------------------------------------------------------------------------
+def _figure(**kw: Any) -> Figure:
+    fig = Figure(layout="constrained", **kw)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _colors(names: Sequence[str]) -> dict[str, Any]:
+    cmap = colormaps["tab10"]
+    return {n: cmap(i % 10) for i, n in enumerate(names)}
+
+
+def _rows(fig: Figure, n: int, **kw: Any) -> list[Axes]:
+    axes = fig.subplots(max(n, 1), 1, squeeze=False, **kw)
+    return [row[0] for row in axes]
+
+
+def _empty(ax: Axes, text: str) -> None:
+    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="gray")
+
+
+def figure_attainment(sweep: Mapping[str, Any]) -> Figure:
+    """Joint attainment (%) against offered rate, a line per policy (label=policy), the target
+    dashed (gid "target"), each sustained rate starred (gid "<policy>/sustained")."""
+    cfg = sweep.get("config") or {}
+    policies = policy_names(sweep)
+    colors = _colors(policies)
+    fig = _figure(figsize=(8, 5))
+    ax = fig.add_subplot()
+    target = cfg.get("target")
+    none_passed = []
+    for p in policies:
+        entry = sweep["policies"][p]
+        runs = sorted(entry.get("runs") or [], key=lambda r: r["rate_rps"])
+        xs = [float(r["rate_rps"]) for r in runs]
+        ys = [_attainment(r) for r in runs]
+        ax.plot(xs, ys, marker="o", color=colors[p], label=p, gid=p)
+        rate = entry.get("sustained_rate_rps")
+        if rate is None:
+            none_passed.append(p)
+            continue
+        run = showcase_run(entry)
+        y = _attainment(run) if run is not None else (100.0 * target if target else math.nan)
+        ax.plot(
+            [rate],
+            [y],
+            marker="*",
+            markersize=16,
+            color=colors[p],
+            markeredgecolor="black",
+            linestyle="none",
+            label=f"_{p} sustained",
+            gid=f"{p}/sustained",
+        )
+        ax.annotate(
+            f"{rate:.3g} req/s",
+            (rate, y),
+            textcoords="offset points",
+            xytext=(8, -14),
+            ha="left",
+            color=colors[p],
+            fontsize=9,
+        )
+    if target is not None:
+        ax.axhline(
+            100.0 * target,
+            linestyle="--",
+            color="black",
+            linewidth=1,
+            label=f"target {100 * target:g}%",
+            gid="target",
+        )
+    if none_passed:
+        ax.text(
+            0.02,
+            0.03,
+            "none sustained: " + ", ".join(none_passed),
+            transform=ax.transAxes,
+            fontsize=9,
+            color="gray",
+        )
+    ax.set_xlabel("offered rate (req/s)")
+    ax.set_ylabel("requests meeting TTFT and TPOT SLOs (%)")
+    ax.set_title("SLO attainment vs offered rate (\u2605 = highest rate sustained)")
+    ax.set_ylim(top=101)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower left" if not none_passed else "center left")
+    return fig
+
+
+def figure_memory(sweep: Mapping[str, Any]) -> Figure:
+    """Per policy (rows) its showcase run's memory over time, stacked per model: weights then KV
+    (same colour, KV lighter and hatched; labels "<model> weights" / "<model> KV")."""
+    policies = policy_names(sweep)
+    shows = {p: showcase_run(sweep["policies"][p]) for p in policies}
+    models = model_names(sweep, shows.values())
+    colors = _colors(models)
+    fig = _figure(figsize=(10, 2.8 * max(len(policies), 1) + 0.6))
+    axes = _rows(fig, len(policies), sharey=True)
+    for ax, p in zip(axes, policies):
+        run = shows[p]
+        ax.set_title(f"{p}: {_run_caption(run, sweep['policies'][p])}", fontsize=10)
+        ax.set_ylabel("GiB")
+        times, series = memory_series(run or {}, models)
+        if not times:
+            _empty(ax, "no samples")
+            continue
+        base = [0.0] * len(times)
+        for m in models:
+            w, kv = series[m]
+            top = [b + x for b, x in zip(base, w)]
+            ax.fill_between(
+                times,
+                base,
+                top,
+                color=colors[m],
+                alpha=0.85,
+                linewidth=0,
+                label=f"{m} weights",
+                gid=f"{p}/{m}/weights",
+            )
+            base, top = top, [b + x for b, x in zip(top, kv)]
+            ax.fill_between(
+                times,
+                base,
+                top,
+                facecolor=colors[m],
+                alpha=0.35,
+                hatch="//",
+                edgecolor=colors[m],
+                linewidth=0,
+                label=f"{m} KV",
+                gid=f"{p}/{m}/kv",
+            )
+            base = top
+        ax.plot(times, base, color="black", linewidth=0.8, label="_total", gid=f"{p}/total")
+        ax.set_xlim(times[0], max(times[-1], float((run or {}).get("duration_s") or 0)))
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+    axes[-1].set_xlabel("time in run (s)")
+    if not policies:
+        _empty(axes[0], "no policies")
+    handles = []
+    for m in models:
+        handles.append(Patch(facecolor=colors[m], alpha=0.85, label=f"{m} weights"))
+        handles.append(
+            Patch(facecolor=colors[m], alpha=0.35, hatch="//", edgecolor=colors[m], label=f"{m} KV")
+        )
+    if handles:
+        fig.legend(handles=handles, loc="outside right upper", fontsize=8)
+    fig.suptitle("Memory per model (showcase run per policy)")
+    return fig
+
+
+def figure_ttft_cdf(sweep: Mapping[str, Any]) -> Figure:
+    """TTFT CDF per policy (label=policy, log x) at the highest scale every policy ran, else each
+    policy's showcase run; failed requests count as infinite. The TTFT SLO as a vertical line
+    (gid "ttft_slo") when every model shares one."""
+    cfg = sweep.get("config") or {}
+    policies = policy_names(sweep)
+    colors = _colors(policies)
+    runs, scale = cdf_runs(sweep)
+    fig = _figure(figsize=(8, 5))
+    ax = fig.add_subplot()
+    ax.set_xscale("log")
+    for p in policies:
+        run = runs[p]
+        xs, ys = ttft_cdf((run or {}).get("requests") or [])
+        ax.plot(xs, ys, drawstyle="steps-post", color=colors[p], label=p, gid=p)
+    slos = cfg.get("slos") or {}
+    ttft_slos = {(v or {}).get("ttft_s") for v in slos.values()}
+    if len(ttft_slos) == 1 and None not in ttft_slos:
+        slo = float(next(iter(ttft_slos)))
+        ax.axvline(
+            slo,
+            linestyle="--",
+            color="black",
+            linewidth=1,
+            label=f"TTFT SLO {slo:g}s",
+            gid="ttft_slo",
+        )
+    target = cfg.get("target")
+    if target is not None:
+        ax.axhline(target, linestyle=":", color="gray", linewidth=1, label="_target", gid="target")
+    if scale is not None:
+        rates = {round(float(r["rate_rps"]), 9) for r in runs.values() if r}
+        rate = f", {next(iter(rates)):.3g} req/s" if len(rates) == 1 else ""
+        ax.set_title(f"TTFT CDF at scale {scale:g}{rate} (failed = never)")
+    else:
+        ax.set_title("TTFT CDF, each policy's showcase run (failed = never)")
+    ax.set_xlabel("TTFT (s)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_ylim(0, 1.02)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(loc="upper left")
+    return fig
+
+
+def figure_residency(sweep: Mapping[str, Any]) -> Figure:
+    """Per policy (rows) its showcase run's residency timelines, a row per model: bars per state
+    (gid "<policy>/<model>/<state>"), offloaded left blank."""
+    policies = policy_names(sweep)
+    shows = {p: showcase_run(sweep["policies"][p]) for p in policies}
+    models = model_names(sweep, shows.values())
+    fig = _figure(figsize=(10, (0.45 * max(len(models), 1) + 0.9) * max(len(policies), 1) + 0.6))
+    axes = _rows(fig, len(policies))
+    seen: set[str] = set()
+    for ax, p in zip(axes, policies):
+        run = shows[p]
+        ax.set_title(f"{p}: {_run_caption(run, sweep['policies'][p])}", fontsize=10)
+        if run is None:
+            _empty(ax, "no runs")
+            continue
+        duration = float(run.get("duration_s") or 0.0)
+        for i, m in enumerate(models):
+            segs = residency_segments(run_transitions(run, m), duration)
+            for state in dict.fromkeys(st for _, _, st in segs):
+                seen.add(state)
+                if state in UNDRAWN_STATES:
+                    continue
+                ax.broken_barh(
+                    [(s, n) for s, n, st in segs if st == state],
+                    (i - 0.4, 0.8),
+                    facecolors=STATE_COLORS.get(state, _OTHER_STATE_COLOR),
+                    gid=f"{p}/{m}/{state}",
+                    label=f"_{state}",
+                )
+        ax.set_yticks(range(len(models)), models)
+        ax.set_ylim(len(models) - 0.5, -0.5)
+        ax.set_xlim(0, duration or 1.0)
+        ax.grid(alpha=0.3, axis="x")
+    axes[-1].set_xlabel("time in run (s)")
+    if not policies:
+        _empty(axes[0], "no policies")
+    order = [*STATE_COLORS, *sorted(seen - set(STATE_COLORS) - UNDRAWN_STATES)]
+    handles = [
+        Patch(facecolor=STATE_COLORS.get(s, _OTHER_STATE_COLOR), label=s)
+        for s in order
+        if s in seen or s in ("resident", "activating", "draining")
+    ]
+    handles.append(Patch(facecolor="white", edgecolor="lightgray", label="offloaded"))
+    fig.legend(handles=handles, loc="outside right upper", fontsize=8)
+    fig.suptitle("Residency per model (showcase run per policy)")
+    return fig
+
+
+FIGURES = {
+    "attainment": figure_attainment,
+    "memory": figure_memory,
+    "ttft_cdf": figure_ttft_cdf,
+    "residency": figure_residency,
+}
+
+
+def plot_sweep(sweep: Mapping[str, Any], out_dir: Path) -> dict[str, Path]:
+    """Writes attainment.png, memory.png, ttft_cdf.png, residency.png under out_dir; returns
+    name -> path."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for name, make in FIGURES.items():
+        fig = make(sweep)
+        path = out_dir / f"{name}.png"
+        fig.savefig(path, dpi=DPI)
+        fig.clear()  # no pyplot registry to close it from; drop its artists now
+        paths[name] = path
+    return paths
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) != 2:
+        print("usage: python -m prism_server.bench.plots SWEEP.json OUT_DIR", file=sys.stderr)
+        return 2
+    sweep = json.loads(Path(args[0]).read_text())
+    for path in plot_sweep(sweep, Path(args[1])).values():
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,421 @@
+"""The sweep: for each policy, start a server (its own process, the same config but the policy),
+replay the workload at rising rate scales while sampling its status, find the highest scale that
+keeps the target joint SLO attainment (99%), stop the server; then one JSON (every request of
+every run, the status samples, the residency timelines), one markdown table and the plots.
+
+The policies may be swept in separate invocations into the same directory (one per device call,
+say): each merges its policy into the directory's sweep.json and reuses its SLOs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+from prism_server.bench.monitor import Monitor, state_at
+from prism_server.bench.replay import Result, replay
+from prism_server.bench.report import markdown, percentile, report
+from prism_server.bench.standalone import slos_from, standalone
+from prism_server.bench.workload import Row, scale_rate
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SweepConfig:
+    workload: str  # the CSV replayed
+    out: str  # the directory written
+    policies: Sequence[str] = ("prism", "static", "swap")
+    scales: Sequence[float] = (1.0, 2.0, 4.0)
+    target: float = 0.99  # joint (TTFT and TPOT) attainment a scale must keep
+    server_config: str | None = None  # TOML for python -m prism_server (the same for all)
+    server_args: Sequence[str] = ()  # more flags for it
+    slos: dict[str, dict] | None = None  # model -> {"ttft_s", "tpot_s"}; None: standalone x k
+    k: float = 5.0
+    standalone_requests: int = 10
+    refine: int = 0  # bisection steps between the last passing and the first failing scale
+    keep_going: int = 0  # scales still tried after the first failing one
+    sample_interval_s: float = 0.25
+    startup_timeout_s: float = 900.0
+    settle_s: float = 1.0  # quiet time between runs
+    api_key: str | None = None
+    plots: bool = True
+    extra: dict = field(default_factory=dict)  # recorded as is (the machine, the command)
+
+
+# ---- one server process per policy ---------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`python -m prism_server` under one policy, its output in a log file."""
+
+    def __init__(self, cfg: SweepConfig, policy: str, log_path: Path):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.cmd = [sys.executable, "-m", "prism_server", "--policy", policy]
+        self.cmd += ["--host", "127.0.0.1", "--port", str(self.port)]
+        if cfg.server_config:
+            self.cmd += ["--config", cfg.server_config]
+        if cfg.api_key:
+            self.cmd += ["--api-key", cfg.api_key]
+        self.cmd += list(cfg.server_args)
+        self.log_path = log_path
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        with open(self.log_path, "wb") as logf:  # the child keeps its own descriptor
+            self.proc = subprocess.Popen(
+                self.cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+
+    def _tail(self) -> str:
+        with contextlib.suppress(OSError):
+            return self.log_path.read_text(errors="replace")[-3000:]
+        return ""
+
+    async def ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as s:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(
+                        f"the server exited with {self.proc.returncode}:\n{self._tail()}"
+                    )
+                with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, OSError):
+                    async with s.get(self.url + "/health") as r:
+                        if r.status == 200:
+                            return
+                await asyncio.sleep(0.5)
+        raise RuntimeError(f"the server was not ready within {timeout_s:.0f} s:\n{self._tail()}")
+
+    def stop(self, timeout_s: float = 120.0) -> int | None:
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else None
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+
+async def _quiet(url: str, api_key: str | None, settle_s: float, timeout_s: float = 300) -> None:
+    """Waits until no model has a running or waiting request, then settle_s more."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    deadline = time.monotonic() + timeout_s
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s:
+        while time.monotonic() < deadline:
+            async with s.get(url + "/v1/status", headers=headers) as r:
+                st = await r.json()
+            busy = sum(
+                m["num_running"] + m["num_waiting"] for d in st["devices"] for m in d["models"]
+            )
+            if not busy:
+                break
+            await asyncio.sleep(0.2)
+    await asyncio.sleep(settle_s)
+
+
+# ---- one run: the workload at one rate scale -----------------------------------------------------
+def _record(res: Result, waited: bool | None = None) -> dict:
+    """One request's record (waited: whether its model was not resident when it was sent;
+    None: not known)."""
+    gaps = res.gaps
+    return {
+        "model": res.row.model,
+        "prompt_len": res.row.prompt_len,
+        "output_len": res.row.output_len,
+        "arrival_s": res.row.arrival_s,
+        "sent_s": res.sent,
+        "ttft_s": res.ttft,
+        "tpot_s": res.tpot,
+        "e2e_s": res.e2e,
+        "max_gap_s": max(gaps) if gaps else None,
+        "tokens": res.tokens,
+        "error": res.error,
+    } | ({} if waited is None else {"waited_activation": waited})
+
+
+def _slo_tuples(slos: dict[str, dict], models) -> dict[str, tuple[float, float]]:
+    missing = sorted(set(models) - set(slos))
+    if missing:
+        raise ValueError(f"no SLO for models {missing}")
+    return {m: (slos[m]["ttft_s"], slos[m]["tpot_s"]) for m in models}
+
+
+async def run_once(
+    url: str,
+    rows: Sequence[Row],
+    slos: dict[str, dict],
+    scale: float,
+    base_rate: float,
+    interval_s: float = 0.25,
+    api_key: str | None = None,
+) -> dict:
+    """Replays `rows` at `scale` x their rate, sampling the status; the run's record."""
+    scaled = scale_rate(rows, scale)
+    span = max(scaled[-1].arrival_s, 1e-9)
+    mon = Monitor(url, 0.0, interval_s, api_key)
+    results = await replay(url, scaled, api_key, monitor=mon)
+    timeline = mon.timeline()
+    waited = [
+        state_at(timeline.get(r.row.model, []), r.sent) not in (None, "resident") for r in results
+    ]
+    duration = max([span] + [r.sent + (r.e2e or 0.0) for r in results])
+    rep = report(results, _slo_tuples(slos, {r.model for r in rows}), span)
+    wait_ttfts = [r.ttft for r, w in zip(results, waited) if w and r.ttft is not None]
+    acts, evs = mon.moved()
+    transitions = {}
+    for model, tl in timeline.items():
+        before = [s for t, s in tl if t <= 0]  # the state at the start, then what changed
+        seq = ([[0.0, before[-1]]] if before else []) + [[t, s] for t, s in tl if 0 < t <= duration]
+        transitions[model] = seq
+    return {
+        "scale": scale,
+        "rate_rps": base_rate * scale,
+        "duration_s": duration,
+        "report": rep,
+        "activations": acts,
+        "evictions": evs,
+        "activation_wait": {
+            "requests": sum(waited),
+            "ttft_p50_s": percentile(wait_ttfts, 50),
+            "ttft_p99_s": percentile(wait_ttfts, 99),
+        },
+        "requests": [_record(r, w) for r, w in zip(results, waited)],
+        "samples": mon.samples,
+        "transitions": transitions,
+    }
+
+
+def passed(run: dict, target: float) -> bool:
+    a = run["report"]["overall"]["attainment"]
+    return a is not None and a >= target
+
+
+def sustained(runs: Sequence[dict], target: float) -> dict | None:
+    """The highest-scale run below every failing scale that kept the target (None: none did)."""
+    best = None
+    for run in sorted(runs, key=lambda r: r["scale"]):
+        if not passed(run, target):
+            break
+        best = run
+    return best
+
+
+def _next_scale(runs: Sequence[dict], target: float) -> float | None:
+    """Bisection (geometric) between the sustained scale and the lowest failing one above it."""
+    best = sustained(runs, target)
+    fails = [r["scale"] for r in runs if not passed(r, target)]
+    if not fails:
+        return None
+    hi = min(f for f in fails if best is None or f > best["scale"])
+    lo = best["scale"] if best else None
+    mid = math.sqrt(lo * hi) if lo else hi / 2
+    if lo is not None and hi / lo < 1.05:
+        return None
+    return mid
+
+
+async def sweep_policy(cfg: SweepConfig, policy: str, rows: Sequence[Row], out: Path, slos):
+    """Starts the server under `policy`, measures the SLOs (standalone) if none are set yet, runs
+    every scale; returns (policy entry, slos, standalone figures or None)."""
+    base_rate = len(rows) / max(rows[-1].arrival_s, 1e-9)
+    server = ServerProcess(cfg, policy, out / f"server-{policy}.log")
+    alone = None
+    server.start()
+    try:
+        t_start = time.monotonic()
+        await server.ready(cfg.startup_timeout_s)
+        startup_s = time.monotonic() - t_start
+        log.info("%s: server ready in %.1f s", policy, startup_s)
+        if slos is None:
+            alone = await standalone(server.url, rows, cfg.standalone_requests, cfg.api_key)
+            slos = slos_from(alone, cfg.k)
+            log.info("standalone SLOs (k = %g): %s", cfg.k, slos)
+        runs: list[dict] = []
+        fails = 0
+        for scale in sorted(cfg.scales):
+            await _quiet(server.url, cfg.api_key, cfg.settle_s)
+            run = await run_once(
+                server.url, rows, slos, scale, base_rate, cfg.sample_interval_s, cfg.api_key
+            )
+            runs.append(run)
+            _log_run(policy, run)
+            if not passed(run, cfg.target):
+                fails += 1
+                if fails > cfg.keep_going:
+                    break
+        for _ in range(cfg.refine):
+            scale = _next_scale(runs, cfg.target)
+            if scale is None:
+                break
+            await _quiet(server.url, cfg.api_key, cfg.settle_s)
+            run = await run_once(
+                server.url, rows, slos, scale, base_rate, cfg.sample_interval_s, cfg.api_key
+            )
+            runs.append(run)
+            _log_run(policy, run)
+    finally:
+        rc = await asyncio.to_thread(server.stop)
+    runs.sort(key=lambda r: r["scale"])
+    best = sustained(runs, cfg.target)
+    entry = {
+        "startup_s": startup_s,
+        "server_exit": rc,
+        "sustained_scale": best["scale"] if best else None,
+        "sustained_rate_rps": best["rate_rps"] if best else None,
+        "runs": runs,
+    }
+    return entry, slos, alone
+
+
+def _log_run(policy: str, run: dict) -> None:
+    o = run["report"]["overall"]
+    log.info(
+        "%s x%g (%.2f req/s): attainment %.1f%% (TTFT %.1f%%, TPOT %.1f%%), errors %d, "
+        "activations %d, evictions %d",
+        policy,
+        run["scale"],
+        run["rate_rps"],
+        100 * (o["attainment"] or 0),
+        100 * (o["ttft_attainment"] or 0),
+        100 * (o["tpot_attainment"] or 0),
+        o["errors"],
+        run["activations"],
+        run["evictions"],
+    )
+
+
+# ---- the whole sweep -------------------------------------------------------------------------
+def ratios(policies: dict[str, dict], ref: str = "prism") -> dict[str, dict]:
+    """ref's sustained rate over each other policy's: a number when both sustained one; a lower
+    bound (`at_least`) when the other sustained none of the scales tried."""
+    mine = policies.get(ref, {}).get("sustained_rate_rps")
+    out = {}
+    for name, p in policies.items():
+        if name == ref or mine is None:
+            continue
+        theirs = p.get("sustained_rate_rps")
+        if theirs:
+            out[f"{ref}/{name}"] = {"ratio": mine / theirs}
+        elif p.get("runs"):
+            lowest = min(r["rate_rps"] for r in p["runs"])
+            out[f"{ref}/{name}"] = {"ratio": None, "at_least": mine / lowest}
+    return out
+
+
+def table(sweep: dict) -> str:
+    """The sweep's markdown: one row per policy, then each policy's per-model table at its
+    sustained scale."""
+    target = sweep["config"]["target"]
+    rat = sweep.get("ratios", {})
+    lines = [
+        f"| policy | sustained rate req/s (scale) at {100 * target:g}% | prism ÷ policy "
+        "| attainment per scale | activations / evictions | waited for activation: "
+        "requests, TTFT p99 s |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, p in sweep["policies"].items():
+        best = next((r for r in p["runs"] if r["scale"] == p["sustained_scale"]), None)
+        rate = (
+            f"{p['sustained_rate_rps']:.3f} (x{p['sustained_scale']:g})"
+            if p["sustained_scale"] is not None
+            else "none"
+        )
+        r = rat.get(f"prism/{name}")
+        ratio = "1" if name == "prism" else "-"
+        if r and r["ratio"] is not None:
+            ratio = f"{r['ratio']:.2f}"
+        elif r:
+            ratio = f"> {r['at_least']:.2f}"
+        per_scale = ", ".join(
+            f"x{x['scale']:g}: {100 * (x['report']['overall']['attainment'] or 0):.1f}%"
+            for x in p["runs"]
+        )
+        shown = best or (p["runs"][0] if p["runs"] else None)
+        moves = f"{shown['activations']} / {shown['evictions']}" if shown else "-"
+        aw = shown["activation_wait"] if shown else None
+        waited = (
+            f"{aw['requests']}, {aw['ttft_p99_s']:.3f}"
+            if aw and aw["ttft_p99_s"] is not None
+            else "0, -"
+        )
+        lines.append(f"| {name} | {rate} | {ratio} | {per_scale} | {moves} | {waited} |")
+    out = ["\n".join(lines)]
+    for name, p in sweep["policies"].items():
+        best = next((r for r in p["runs"] if r["scale"] == p["sustained_scale"]), None)
+        shown = best or (p["runs"][0] if p["runs"] else None)
+        if shown:
+            which = "sustained" if best else "lowest, not sustained"
+            head = f"\n**{name}** at x{shown['scale']:g} ({which}):\n\n"
+            out.append(head + markdown(shown["report"]))
+    return "\n".join(out)
+
+
+def load_sweep(out: Path) -> dict | None:
+    path = out / "sweep.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+async def run_sweep(cfg: SweepConfig, rows: Sequence[Row]) -> dict:
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    sweep = load_sweep(out) or {"policies": {}}
+    slos = cfg.slos or sweep.get("config", {}).get("slos")
+    alone = sweep.get("standalone")
+    for policy in cfg.policies:
+        entry, slos, measured = await sweep_policy(cfg, policy, rows, out, slos)
+        alone = measured or alone
+        sweep["policies"][policy] = entry
+        config = asdict(cfg)
+        del config["api_key"]  # never written to disk
+        sweep["config"] = {
+            **config,
+            "slos": slos,
+            "slo_source": "given" if cfg.slos else f"standalone x {cfg.k:g}",
+            "models": sorted({r.model for r in rows}),
+            "requests": len(rows),
+            "span_s": rows[-1].arrival_s,
+            "base_rate_rps": len(rows) / max(rows[-1].arrival_s, 1e-9),
+        }
+        sweep["standalone"] = alone
+        order = [p for p in ("prism", "static", "swap") if p in sweep["policies"]]
+        order += [p for p in sweep["policies"] if p not in order]
+        sweep["policies"] = {p: sweep["policies"][p] for p in order}
+        sweep["ratios"] = ratios(sweep["policies"])
+        write(sweep, out, cfg.plots)  # after each policy: a long sweep keeps what it measured
+    return sweep
+
+
+def write(sweep: dict, out: Path, plots: bool = True) -> list[Path]:
+    (out / "sweep.json").write_text(json.dumps(sweep))
+    (out / "sweep.md").write_text(table(sweep) + "\n")
+    written = [out / "sweep.json", out / "sweep.md"]
+    if plots:
+        try:
+            from prism_server.bench.plots import plot_sweep
+        except ImportError as e:  # matplotlib absent (a bare GPU box): plot later with `plot`
+            log.warning("no plots (%s); run `python -m prism_server bench plot %s`", e, out)
+        else:
+            written += list(plot_sweep(sweep, out).values())
+    return written

@@ -1,0 +1,140 @@
+"""`python -m prism_server bench workload`: a workload CSV from a public trace (Azure LLM 2023,
+ServeGen, Mooncake) or the shifting-bursty-groups generator, windowed, time- and rate-scaled,
+lengths capped; prints how trace streams map to models and what the workload looks like."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from prism_server.bench import workload as wl
+
+SOURCES = ("azure", "servegen", "mooncake", "bursty")
+
+
+def default_traces() -> Path:
+    return Path(os.environ.get("PRISM_TRACES", "../shared/traces"))
+
+
+def add_workload_command(sub) -> None:
+    p = sub.add_parser("workload", help="write a workload CSV from a trace or the generator")
+    p.add_argument("--source", choices=SOURCES, required=True)
+    p.add_argument("--models", required=True, help="comma-separated served model names")
+    p.add_argument("--out", required=True, help="the CSV written")
+    p.add_argument("--traces", type=Path, default=None, help="the traces folder")
+    p.add_argument("--start-s", type=float, default=0.0, help="where the window starts")
+    p.add_argument("--duration-s", type=float, default=600.0, help="how long the window is")
+    p.add_argument(
+        "--time-scale", type=float, default=1.0, help="arrivals x this (0.1: ten times faster)"
+    )
+    p.add_argument("--rate-scale", type=float, default=1.0, help="requests x this (servegen)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-prompt", type=int, default=None, help="cap prompt lengths")
+    p.add_argument("--max-output", type=int, default=None, help="cap output lengths")
+    p.add_argument(
+        "--servegen-models",
+        default="m-large,m-mid,m-small",
+        help="the ServeGen models whose client streams are mapped to served models",
+    )
+    p.add_argument(
+        "--servegen-streams",
+        help="servegen: the stream of each model in order (m-large/c61,...); default: the "
+        "busiest streams in rank order",
+    )
+    p.add_argument("--rate", type=float, default=1.0, help="bursty: requests per second")
+    p.add_argument("--shifts-per-hour", type=float, default=6.0, help="bursty")
+    p.add_argument("--active-fraction", type=float, default=0.35, help="bursty")
+    p.add_argument("--cv", type=float, default=2.0, help="bursty: inter-arrival CV")
+
+
+def build(args: argparse.Namespace) -> tuple[list[wl.Row], dict[str, str]]:
+    """The rows and the mapping (served model -> the trace stream it replays)."""
+    from prism_server.bench import traces
+
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    if not models:
+        raise ValueError("--models: at least one model")
+    root = args.traces or default_traces()
+    end = args.start_s + args.duration_s
+    if args.source == "azure":
+        if len(models) != 2:
+            raise ValueError("--source azure has two services (code, conv): name two models")
+        az = root / "azure_llm_2023"
+        files = {
+            models[0]: az / "AzureLLMInferenceTrace_code.csv.gz",
+            models[1]: az / "AzureLLMInferenceTrace_conv.csv.gz",
+        }
+        rows = wl.window(wl.from_azure(files, limit_s=end), args.start_s, end)
+        mapping = {models[0]: "azure/code", models[1]: "azure/conv"}
+    elif args.source == "servegen":
+        sources = [s.strip() for s in args.servegen_models.split(",") if s.strip()]
+        streams = args.servegen_streams.split(",") if args.servegen_streams else None
+        kw = dict(
+            streams=streams,
+            source_models=sources,
+            start_s=args.start_s,
+            duration_s=args.duration_s,
+            root=root / "servegen",
+        )
+        rows = traces.from_servegen(
+            models, rate_scale=args.rate_scale, seed=args.seed, window_scale=1.0, **kw
+        )
+        mapping = traces.servegen_mapping(models, **kw)
+    elif args.source == "mooncake":
+        path = root / "mooncake_fast25" / "conversation_trace.jsonl.gz"
+        rows = wl.window(
+            traces.from_mooncake(models, path, limit_s=end, seed=args.seed), args.start_s, end
+        )
+        mapping = {
+            m: f"mooncake, prefix-hash share {i + 1}/{len(models)}" for i, m in enumerate(models)
+        }
+    else:
+        rows = wl.bursty_groups(
+            models,
+            args.duration_s,
+            args.rate,
+            shifts_per_hour=args.shifts_per_hour,
+            active_fraction=args.active_fraction,
+            cv=args.cv,
+            seed=args.seed,
+        )
+        mapping = {m: "synthetic" for m in models}
+    if args.time_scale != 1.0:
+        rows = wl.scale_time(rows, args.time_scale)
+    if args.max_prompt or args.max_output:
+        rows = wl.clamp_lengths(rows, args.max_prompt or 1 << 30, args.max_output or 1 << 30)
+    if not rows:
+        raise ValueError("the window holds no request")
+    return rows, mapping
+
+
+def describe(rows: list[wl.Row], models: list[str]) -> str:
+    span = rows[-1].arrival_s
+    per = {m: sum(r.model == m for r in rows) for m in models}
+    bucket = max(span / 20, 1e-9)
+    lines = [
+        f"{len(rows)} requests over {span:.1f} s ({len(rows) / max(span, 1e-9):.2f} req/s); "
+        f"models idle per 1/20 of the span: {100 * wl.idle_fraction(rows, models, bucket):.0f}%",
+    ]
+    for m in models:
+        mine = [r for r in rows if r.model == m]
+        if mine:
+            prompt = sum(r.prompt_len for r in mine) / len(mine)
+            output = sum(r.output_len for r in mine) / len(mine)
+            lines.append(
+                f"  {m}: {per[m]} requests, prompt mean {prompt:.0f}, output mean {output:.0f}"
+            )
+        else:
+            lines.append(f"  {m}: no requests")
+    return "\n".join(lines)
+
+
+def run_workload_command(args: argparse.Namespace) -> int:
+    rows, mapping = build(args)
+    wl.write_csv(rows, args.out)
+    for model, stream in mapping.items():
+        print(f"{model} <- {stream}")
+    print(describe(rows, list(mapping)))
+    print(f"wrote {args.out}")
+    return 0

@@ -1,0 +1,86 @@
+"""`GET /v1/status`: the balloon as JSON, for the status command, the dashboard and the bench.
+
+Built from the devices' published snapshots and the control loop's last plan only (never the
+engine thread's live objects). Times are the server's monotonic clock; `time` is its value now,
+so a client maps them onto its own clock with one offset.
+
+    {"object": "status", "time": 1234.5, "policy": "prism",
+     "devices": [{"device": "cuda:0", "seq": 812, "time": ..., "policy": "prism",
+                  "pool": {"page_bytes", "capacity_pages", "created_pages", "free_pages",
+                           "owned_pages", "capacity_bytes"},
+                  "models": [{"name", "residency", "weight_bytes", "kv_bytes", "kv_used_bytes",
+                              "num_running", "num_waiting", "activations", "evictions",
+                              "transitions": [[time, state], ...], "slo": {...}, ...}],
+                  "moves": [{"seq", "time", "giver", "taker", "pages", "reason"}, ...],
+                  "moved": [{"giver", "taker", "reason", "pages"}, ...]}],
+     "failed": [{"name", "error"}],
+     "plan": {"time", "rates", "demand", "kvpr", "assignment", "offloaded"} | null}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from scheduler.snapshot import DeviceSnapshot, ModelSnapshot
+
+
+def _model(m: ModelSnapshot, page_bytes: int) -> dict:
+    d = dataclasses.asdict(m)
+    d["residency"] = m.residency.value
+    d["transitions"] = [[t, s.value] for t, s in m.transitions]
+    d["slo"] = {k: {"met": met, "missed": missed} for k, met, missed in m.slo_met}
+    del d["slo_met"]
+    d["kv_bytes"] = m.kv_pages * page_bytes
+    d["kv_used_bytes"] = m.kv_pages_in_use * page_bytes
+    d["weight_pool_bytes"] = m.weight_pages * page_bytes
+    return d
+
+
+def _device(s: DeviceSnapshot) -> dict:
+    p = s.pool
+    return {
+        "device": s.device,
+        "seq": s.seq,
+        "time": s.time,
+        "policy": s.policy,
+        "pool": {
+            "page_bytes": p.page_bytes,
+            "capacity_pages": p.capacity,
+            "created_pages": p.created,
+            "free_pages": p.free,
+            "owned_pages": p.owned,
+            "capacity_bytes": p.capacity * p.page_bytes,
+        },
+        "models": [_model(m, p.page_bytes) for m in s.models],
+        "moves": [dataclasses.asdict(mv) for mv in s.moves],
+        "moved": [
+            {"giver": g, "taker": t or None, "reason": r, "pages": n} for g, t, r, n in s.moved
+        ],
+    }
+
+
+def status(engine) -> dict:
+    snaps = engine.snapshots()
+    view = engine.plan_view()
+    plan = None
+    if view is not None:
+        pl = view.placement
+        plan = {
+            "time": view.time,
+            "rates": view.rates,
+            "demand": view.demand,
+            "kvpr": pl.kvpr,
+            "assignment": {k: list(v) for k, v in pl.assignment.items()},
+            "offloaded": list(pl.offloaded),
+        }
+    return {
+        "object": "status",
+        "time": time.monotonic(),
+        "policy": snaps[0].policy if snaps else engine.config.policy,
+        "devices": [_device(s) for s in snaps],
+        "failed": [
+            {"name": name, "error": sm.error} for name, sm in engine.served.items() if sm.failed
+        ],
+        "plan": plan,
+    }

@@ -1,0 +1,217 @@
+"""The bench against real servers: `GET /v1/status` and the monitor that samples it (in this
+process), the standalone SLOs, and the sweep end to end (one server process per policy, the
+embedded models plus tiny random ones, a tiny trace): the table and the plots are checked against
+the recorded per-request data, every policy and every model present."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.request
+
+import pytest
+
+from prism_server.bench.monitor import state_at
+from prism_server.bench.plots import (
+    figure_attainment,
+    figure_memory,
+    figure_residency,
+    figure_ttft_cdf,
+)
+from prism_server.bench.standalone import pick, slos_from, standalone
+from prism_server.bench.sweep import passed, run_once, sustained
+from prism_server.bench.workload import Row, write_csv
+from prism_server.cli import main
+from prism_server.config import EngineConfig, ModelSpec
+from prism_server.engine import Engine
+from prism_server.server.app import serve_in_thread
+
+PAGE = 64 << 10
+
+
+def _server(policy: str, names="ab"):
+    specs = tuple(
+        ModelSpec(n, "dummy:tiny-llama", block_size=4, seed=i) for i, n in enumerate(names)
+    )
+    cfg = EngineConfig(models=specs, device="cpu", page_bytes=PAGE, policy=policy)
+    return serve_in_thread(Engine(cfg))
+
+
+def _get(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return json.loads(r.read())
+
+
+def test_status_reports_the_pool_the_models_and_their_residency_changes():
+    srv = _server("swap")
+    try:
+        asyncio.run(
+            run_once(srv.url, [Row(0.0, "a", 8, 4)], {"a": {"ttft_s": 9, "tpot_s": 9}}, 1, 1)
+        )
+        st = _get(srv.url + "/v1/status")
+        metrics = urllib.request.urlopen(srv.url + "/metrics").read().decode()
+    finally:
+        srv.close()
+    assert st["object"] == "status" and st["policy"] == "swap" and st["failed"] == []
+    (dev,) = st["devices"]
+    pool = dev["pool"]
+    assert pool["page_bytes"] == PAGE and pool["capacity_bytes"] == pool["capacity_pages"] * PAGE
+    models = {m["name"]: m for m in dev["models"]}
+    assert set(models) == {"a", "b"}
+    a = models["a"]
+    # swap: a ran, then left at once (nothing else queued): its timeline says so, in order
+    states = [s for _, s in a["transitions"]]
+    assert states[-4:] == ["activating", "resident", "draining", "offloaded"]
+    times = [t for t, _ in a["transitions"]]
+    assert times == sorted(times) and times[-1] <= st["time"]
+    assert a["residency"] == "offloaded" and a["kv_bytes"] == 0 and a["weight_pool_bytes"] == 0
+    assert a["activations"] >= 1 and a["requests_total"] == 1
+    assert f'prism:model_activations_total{{model_name="a"}} {float(a["activations"])}' in metrics
+    assert sum(m["pages"] for m in dev["moved"] if m["giver"] == "a") >= 1
+
+
+def test_the_monitor_sees_activations_and_which_requests_waited_for_one():
+    srv = _server("swap")
+    rows = [Row(0.0, "a", 8, 6), Row(0.6, "b", 8, 6), Row(1.2, "a", 8, 6), Row(1.25, "a", 8, 6)]
+    slos = {"a": {"ttft_s": 10.0, "tpot_s": 10.0}, "b": {"ttft_s": 10.0, "tpot_s": 10.0}}
+    try:
+        run = asyncio.run(run_once(srv.url, rows, slos, 1.0, len(rows) / 1.25, 0.05))
+        st = _get(srv.url + "/v1/status")
+    finally:
+        srv.close()
+    acts = sum(m["activations"] for m in st["devices"][0]["models"])
+    assert run["activations"] == acts >= 3 and run["evictions"] >= 2
+    reqs = run["requests"]
+    assert [r["tokens"] for r in reqs] == [6] * 4 and all(r["error"] is None for r in reqs)
+    # the first three found their model offloaded (swap evicts at once); each that waited is
+    # one the timeline shows not resident at its send time
+    assert all(r["waited_activation"] for r in reqs[:3])
+    for r in reqs:
+        state = state_at([tuple(x) for x in run["transitions"][r["model"]]], r["sent_s"])
+        assert r["waited_activation"] == (state != "resident")
+    aw = run["activation_wait"]
+    assert aw["requests"] == sum(r["waited_activation"] for r in reqs)
+    assert aw["ttft_p99_s"] == max(r["ttft_s"] for r in reqs if r["waited_activation"])
+    assert run["samples"] and set(run["samples"][-1]["models"]) == {"a", "b"}
+    assert run["report"]["overall"]["attainment"] == 1.0 and passed(run, 0.99)
+
+
+def test_standalone_sets_each_slo_to_k_times_the_p99():
+    srv = _server("prism")
+    rows = [Row(0.1 * i, "ab"[i % 2], 6 + i, 3 + i % 3) for i in range(8)]
+    try:
+        alone = asyncio.run(standalone(srv.url, rows, per_model=3))
+    finally:
+        srv.close()
+    assert set(alone) == {"a", "b"} and all(
+        m["requests"] == 3 and not m["errors"] for m in alone.values()
+    )
+    slos = slos_from(alone, 5.0)
+    for model, m in alone.items():
+        assert slos[model] == {"ttft_s": 5 * m["ttft_p99_s"], "tpot_s": 5 * m["tpot_p99_s"]}
+    assert pick(list(range(10)), 3) == [0, 4, 9] and pick([1, 2], 5) == [1, 2]
+
+
+def test_sustained_is_the_last_pass_below_every_failure():
+    def run(scale, att):
+        return {"scale": scale, "report": {"overall": {"attainment": att}}}
+
+    runs = [run(1, 1.0), run(2, 0.995), run(4, 0.9), run(8, 1.0)]  # a lucky pass above a failure
+    assert sustained(runs, 0.99)["scale"] == 2
+    assert sustained([run(1, 0.5)], 0.99) is None
+
+
+CONFIG = """
+[engine]
+device = "cpu"
+page_bytes = 1048576
+kv_budget_bytes = 33554432
+profile_budget_s = 0.0
+
+[[models]]
+name = "smollm2-135m"
+source = "smollm2-135m"
+
+[[models]]
+name = "gemma3-270m"
+source = "gemma3-270m"
+
+[[models]]
+name = "tiny-a"
+source = "dummy:tiny-llama"
+block_size = 4
+
+[[models]]
+name = "tiny-b"
+source = "dummy:tiny-llama"
+block_size = 4
+seed = 1
+"""
+MODELS = ["gemma3-270m", "smollm2-135m", "tiny-a", "tiny-b"]
+
+
+@pytest.mark.slow
+def test_the_sweep_runs_every_policy_and_its_table_and_plots_are_the_data(tmp_path):
+    (tmp_path / "prism.toml").write_text(CONFIG)
+    rows = [Row(0.25 * i, MODELS[(i // 2) % 4], 12 + 5 * (i % 3), 3 + i % 2) for i in range(12)]
+    write_csv(rows, tmp_path / "w.csv")
+    out = tmp_path / "out"
+    args = ["bench", "sweep", "--workload", str(tmp_path / "w.csv"), "--config"]
+    args += [str(tmp_path / "prism.toml"), "--out", str(out), "--scales", "1,2"]
+    args += ["--keep-going", "1", "--standalone-requests", "2", "--settle", "0.2"]
+    assert main(args) == 0
+    sweep = json.loads((out / "sweep.json").read_text())
+    assert list(sweep["policies"]) == ["prism", "static", "swap"]
+    cfg = sweep["config"]
+    assert cfg["models"] == MODELS and cfg["slo_source"] == "standalone x 5"
+    # the SLOs are k x the standalone p99, written into the run's config
+    for model, m in sweep["standalone"].items():
+        assert cfg["slos"][model]["ttft_s"] == pytest.approx(5 * m["ttft_p99_s"])
+    md = (out / "sweep.md").read_text()
+    for name, p in sweep["policies"].items():
+        assert p["server_exit"] == 0 and (out / f"server-{name}.log").exists()
+        assert [r["scale"] for r in p["runs"]] == [1.0, 2.0]  # keep-going: both ran
+        for run in p["runs"]:
+            reqs = run["requests"]
+            assert len(reqs) == len(rows) and {r["model"] for r in reqs} == set(MODELS)
+            assert all(r["error"] is None and r["tokens"] == r["output_len"] for r in reqs)
+            # the report is the per-request records under the config's SLOs
+            slo = cfg["slos"]
+            met = [
+                r["ttft_s"] <= slo[r["model"]]["ttft_s"]
+                and (r["tpot_s"] is None or r["tpot_s"] <= slo[r["model"]]["tpot_s"])
+                for r in reqs
+            ]
+            assert run["report"]["overall"]["attainment"] == pytest.approx(sum(met) / len(met))
+            assert set(run["report"]["models"]) == set(MODELS)
+            assert run["rate_rps"] == pytest.approx(cfg["base_rate_rps"] * run["scale"])
+            assert {m for s in run["samples"] for m in s["models"]} == set(MODELS)
+            line = f"x{run['scale']:g}: {100 * run['report']['overall']['attainment']:.1f}%"
+            assert line in md
+        best = sustained(p["runs"], 0.99)
+        assert p["sustained_scale"] == (best["scale"] if best else None)
+        row = next(x for x in md.splitlines() if x.startswith(f"| {name} |"))
+        assert (f"(x{best['scale']:g})" in row) if best else ("| none |" in row)
+    # static keeps every model resident for good; swap activated something
+    static_run = sweep["policies"]["static"]["runs"][0]
+    assert static_run["activations"] == 0
+    assert all(tl[-1][1] == "resident" for tl in static_run["transitions"].values())
+    assert sum(r["activations"] for r in sweep["policies"]["swap"]["runs"]) > 0
+    for model in MODELS:
+        assert f"| {model} |" in md
+    # the plots: written, and their artists carry the sweep's numbers
+    for name in ("attainment", "memory", "ttft_cdf", "residency"):
+        assert (out / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    lines = {ln.get_label(): ln for ln in figure_attainment(sweep).axes[0].get_lines()}
+    for name, p in sweep["policies"].items():
+        assert list(lines[name].get_ydata()) == pytest.approx(
+            [100 * r["report"]["overall"]["attainment"] for r in p["runs"]]
+        )
+    cdf = {ln.get_label() for ax in figure_ttft_cdf(sweep).axes for ln in ax.get_lines()}
+    assert {"prism", "static", "swap"} <= cdf
+    labels = {
+        h.get_label() for ax in figure_memory(sweep).axes for h in ax.collections + ax.patches
+    }
+    assert {f"{m} weights" for m in MODELS} <= labels
+    gids = {c.get_gid() for ax in figure_residency(sweep).axes for c in ax.collections}
+    assert {f"static/{m}/resident" for m in MODELS} <= gids
