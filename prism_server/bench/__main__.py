@@ -57,6 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     _workload_flag(s)
     s.add_argument("--requests", type=int, default=10, help="per model, after a warm-up")
     s.add_argument("--k", type=float, default=5.0, help="SLO = k x the standalone p99")
+    s.add_argument("--max-output", type=int, default=64, help="output cap while measuring")
     s.add_argument("--api-key")
     s.add_argument("--out", help="write {standalone, slos} JSON here")
 
@@ -73,6 +74,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--keep-going", type=int, default=0, help="scales tried after a failure")
     w.add_argument("--k", type=float, default=5.0, help="SLO = k x standalone p99")
     w.add_argument("--standalone-requests", type=int, default=10)
+    w.add_argument(
+        "--standalone-max-output", type=int, default=64, help="output cap while measuring alone"
+    )
+    w.add_argument(
+        "--budget-s", type=float, help="wall-clock limit: runs that would end past it are skipped"
+    )
     w.add_argument("--slo-file", help="JSON: model -> {ttft_s, tpot_s} (no standalone run)")
     w.add_argument("--sample-interval", type=float, default=0.25, help="status poll, seconds")
     w.add_argument("--startup-timeout", type=float, default=900.0)
@@ -133,7 +140,9 @@ def _run(args) -> int:
 def _standalone(args) -> int:
     from prism_server.bench.standalone import slos_from, standalone
 
-    alone = asyncio.run(standalone(args.url, _rows(args.workload), args.requests, args.api_key))
+    alone = asyncio.run(
+        standalone(args.url, _rows(args.workload), args.requests, args.api_key, args.max_output)
+    )
     slos = slos_from(alone, args.k)
     for model, m in alone.items():
         print(
@@ -164,6 +173,8 @@ def _sweep(args) -> int:
         slos=_slo_file(args.slo_file) if args.slo_file else None,
         k=args.k,
         standalone_requests=args.standalone_requests,
+        standalone_max_output=args.standalone_max_output,
+        budget_s=args.budget_s,
         refine=args.refine,
         keep_going=args.keep_going,
         sample_interval_s=args.sample_interval,

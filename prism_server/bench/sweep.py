@@ -47,6 +47,7 @@ class SweepConfig:
     slos: dict[str, dict] | None = None  # model -> {"ttft_s", "tpot_s"}; None: standalone x k
     k: float = 5.0
     standalone_requests: int = 10
+    standalone_max_output: int = 64
     refine: int = 0  # bisection steps between the last passing and the first failing scale
     keep_going: int = 0  # scales still tried after the first failing one
     sample_interval_s: float = 0.25
@@ -54,6 +55,9 @@ class SweepConfig:
     settle_s: float = 1.0  # quiet time between runs
     api_key: str | None = None
     plots: bool = True
+    # wall-clock seconds the whole invocation may take (None: no limit): a run that would end
+    # past it is not started, so a sweep under a time limit keeps what it measured
+    budget_s: float | None = None
     extra: dict = field(default_factory=dict)  # recorded as is (the machine, the command)
 
 
@@ -236,9 +240,18 @@ def _next_scale(runs: Sequence[dict], target: float) -> float | None:
     return mid
 
 
-async def sweep_policy(cfg: SweepConfig, policy: str, rows: Sequence[Row], out: Path, slos):
+async def sweep_policy(
+    cfg: SweepConfig,
+    policy: str,
+    rows: Sequence[Row],
+    out: Path,
+    slos,
+    deadline: float | None = None,
+    progress=None,
+):
     """Starts the server under `policy`, measures the SLOs (standalone) if none are set yet, runs
-    every scale; returns (policy entry, slos, standalone figures or None)."""
+    every scale (none that would end past `deadline`, time.monotonic()); returns (policy entry,
+    slos, standalone figures or None). progress(entry, slos, standalone) after each run."""
     base_rate = len(rows) / max(rows[-1].arrival_s, 1e-9)
     server = ServerProcess(cfg, policy, out / f"server-{policy}.log")
     alone = None
@@ -249,44 +262,56 @@ async def sweep_policy(cfg: SweepConfig, policy: str, rows: Sequence[Row], out: 
         startup_s = time.monotonic() - t_start
         log.info("%s: server ready in %.1f s", policy, startup_s)
         if slos is None:
-            alone = await standalone(server.url, rows, cfg.standalone_requests, cfg.api_key)
+            alone = await standalone(
+                server.url, rows, cfg.standalone_requests, cfg.api_key, cfg.standalone_max_output
+            )
             slos = slos_from(alone, cfg.k)
             log.info("standalone SLOs (k = %g): %s", cfg.k, slos)
         runs: list[dict] = []
-        fails = 0
-        for scale in sorted(cfg.scales):
+        entry = {"startup_s": startup_s, "server_exit": None, "stopped": None, "runs": runs}
+
+        async def one(scale: float) -> bool:
+            """Runs `scale` unless it would end past the deadline; False if not run."""
+            expected = (runs[-1]["duration_s"] if runs else rows[-1].arrival_s / scale) + 10
+            if deadline is not None and time.monotonic() + cfg.settle_s + expected > deadline:
+                entry["stopped"] = f"time budget: x{scale:g} not run"
+                log.warning("%s: %s", policy, entry["stopped"])
+                return False
             await _quiet(server.url, cfg.api_key, cfg.settle_s)
             run = await run_once(
                 server.url, rows, slos, scale, base_rate, cfg.sample_interval_s, cfg.api_key
             )
             runs.append(run)
             _log_run(policy, run)
-            if not passed(run, cfg.target):
+            _summarise(entry, cfg.target)
+            if progress is not None:
+                progress(entry, slos, alone)
+            return True
+
+        fails = 0
+        for scale in sorted(cfg.scales):
+            if not await one(scale):
+                break
+            if not passed(runs[-1], cfg.target):
                 fails += 1
                 if fails > cfg.keep_going:
                     break
         for _ in range(cfg.refine):
             scale = _next_scale(runs, cfg.target)
-            if scale is None:
+            if scale is None or not await one(scale):
                 break
-            await _quiet(server.url, cfg.api_key, cfg.settle_s)
-            run = await run_once(
-                server.url, rows, slos, scale, base_rate, cfg.sample_interval_s, cfg.api_key
-            )
-            runs.append(run)
-            _log_run(policy, run)
     finally:
         rc = await asyncio.to_thread(server.stop)
-    runs.sort(key=lambda r: r["scale"])
-    best = sustained(runs, cfg.target)
-    entry = {
-        "startup_s": startup_s,
-        "server_exit": rc,
-        "sustained_scale": best["scale"] if best else None,
-        "sustained_rate_rps": best["rate_rps"] if best else None,
-        "runs": runs,
-    }
+    entry["server_exit"] = rc
+    _summarise(entry, cfg.target)
     return entry, slos, alone
+
+
+def _summarise(entry: dict, target: float) -> None:
+    entry["runs"].sort(key=lambda r: r["scale"])
+    best = sustained(entry["runs"], target)
+    entry["sustained_scale"] = best["scale"] if best else None
+    entry["sustained_rate_rps"] = best["rate_rps"] if best else None
 
 
 def _log_run(policy: str, run: dict) -> None:
@@ -383,27 +408,43 @@ async def run_sweep(cfg: SweepConfig, rows: Sequence[Row]) -> dict:
     sweep = load_sweep(out) or {"policies": {}}
     slos = cfg.slos or sweep.get("config", {}).get("slos")
     alone = sweep.get("standalone")
-    for policy in cfg.policies:
-        entry, slos, measured = await sweep_policy(cfg, policy, rows, out, slos)
-        alone = measured or alone
+    deadline = time.monotonic() + cfg.budget_s if cfg.budget_s else None
+
+    def merge(policy: str, entry: dict, slos, measured, plots: bool) -> None:
         sweep["policies"][policy] = entry
         config = asdict(cfg)
         del config["api_key"]  # never written to disk
         sweep["config"] = {
             **config,
             "slos": slos,
-            "slo_source": "given" if cfg.slos else f"standalone x {cfg.k:g}",
+            "slo_source": sweep.get("config", {}).get("slo_source")
+            if not cfg.slos and not measured and sweep.get("config")
+            else ("given" if cfg.slos else f"standalone x {cfg.k:g}"),
             "models": sorted({r.model for r in rows}),
             "requests": len(rows),
             "span_s": rows[-1].arrival_s,
             "base_rate_rps": len(rows) / max(rows[-1].arrival_s, 1e-9),
         }
-        sweep["standalone"] = alone
+        sweep["standalone"] = measured or alone
         order = [p for p in ("prism", "static", "swap") if p in sweep["policies"]]
         order += [p for p in sweep["policies"] if p not in order]
         sweep["policies"] = {p: sweep["policies"][p] for p in order}
         sweep["ratios"] = ratios(sweep["policies"])
-        write(sweep, out, cfg.plots)  # after each policy: a long sweep keeps what it measured
+        write(sweep, out, plots)
+
+    for policy in cfg.policies:
+        entry, slos, measured = await sweep_policy(
+            cfg,
+            policy,
+            rows,
+            out,
+            slos,
+            deadline,
+            # after each run: a sweep cut short keeps what it measured (plots at the end)
+            progress=lambda e, s, a, p=policy: merge(p, e, s, a, plots=False),
+        )
+        alone = measured or alone
+        merge(policy, entry, slos, measured, cfg.plots)
     return sweep
 
 

@@ -100,7 +100,7 @@ def test_standalone_sets_each_slo_to_k_times_the_p99():
     srv = _server("prism")
     rows = [Row(0.1 * i, "ab"[i % 2], 6 + i, 3 + i % 3) for i in range(8)]
     try:
-        alone = asyncio.run(standalone(srv.url, rows, per_model=3))
+        alone = asyncio.run(standalone(srv.url, rows, per_model=3, max_output=2))
     finally:
         srv.close()
     assert set(alone) == {"a", "b"} and all(
@@ -109,7 +109,9 @@ def test_standalone_sets_each_slo_to_k_times_the_p99():
     slos = slos_from(alone, 5.0)
     for model, m in alone.items():
         assert slos[model] == {"ttft_s": 5 * m["ttft_p99_s"], "tpot_s": 5 * m["tpot_p99_s"]}
-    assert pick(list(range(10)), 3) == [0, 4, 9] and pick([1, 2], 5) == [1, 2]
+    by_len = [Row(0.0, "a", n, 9) for n in (50, 10, 30, 20, 40)]
+    assert [r.prompt_len for r in pick(by_len, 3)] == [10, 30, 50]
+    assert [r.prompt_len for r in pick(by_len[:2], 5)] == [10, 50]
 
 
 def test_sustained_is_the_last_pass_below_every_failure():

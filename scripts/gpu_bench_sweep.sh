@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The multi-model sweep on one GPU (docs/bench/h200: twelve dummy models, a ServeGen workload),
+# one policy per call so that each fits the device's limit per command:
+#
+#   bash scripts/gpu_bench_sweep.sh prism "1,2,4,8,16"
+#   bash scripts/gpu_bench_sweep.sh static "0.25,0.5,1,2,4"
+#
+# Results go to $OUT/sweep (sweep.json, sweep.md, plots, server logs). A sweep.json already in
+# docs/bench/h200 is the starting point: its SLOs (measured standalone by the first call) are
+# reused and the new policy's runs are merged in. BUDGET_S (default 520) bounds the sweep's time.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+policy=$1
+scales=$2
+OUT=${OUT:-/tmp/prism-gpu-sweep}
+out=$OUT/sweep
+mkdir -p "$out"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+export PYTHONPATH=$PWD:/tmp/site FLASHINFER_CUDA_ARCH_LIST=9.0a PYTHONUNBUFFERED=1
+export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/fi-ws}
+aot=/tmp/site/flashinfer/data/aot
+if [ -f .fiaot/fi_aot.tgz ]; then mkdir -p "$aot" && tar -xzf .fiaot/fi_aot.tgz -C "$aot"; fi
+[ -f docs/bench/h200/sweep.json ] && cp docs/bench/h200/sweep.json "$out/"
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
+python3 -m prism_server bench sweep \
+  --workload docs/bench/h200/workload.csv --config docs/bench/h200/prism.toml --out "$out" \
+  --policies "$policy" --scales "$scales" --refine 1 --standalone-requests 5 \
+  --sample-interval 0.5 --budget-s "${BUDGET_S:-520}" --startup-timeout 300 2>&1 | tee "$out/sweep-$policy.log"
+tail -5 "$out/server-$policy.log"
