@@ -37,6 +37,11 @@ def _serve_flags(p: argparse.ArgumentParser) -> None:
         choices=["prism", "static", "swap"],
         help="prism (default), or a baseline: static partitions, or whole-model swapping",
     )
+    p.add_argument(
+        "--slo-file",
+        help="per-model TTFT / TPOT SLOs, JSON {model: {ttft_s, tpot_s}} (as `bench standalone` "
+        "writes them), over the config's",
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -129,6 +134,10 @@ def serve(args: argparse.Namespace) -> int:
         )
         from dataclasses import replace
 
+        from prism_server.server_args import apply_slo_file
+
+        if args.slo_file:
+            sargs = apply_slo_file(sargs, args.slo_file)
         for field in ("device", "policy"):
             if getattr(args, field):
                 eng = replace(sargs.engine, **{field: getattr(args, field)})

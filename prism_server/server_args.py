@@ -116,3 +116,38 @@ def load_server_args(
     if not args.models:
         args = replace(args, engine=replace(args.engine, models=DEFAULT_MODELS))
     return args
+
+
+def apply_slo_file(args: ServerArgs, path: str) -> ServerArgs:
+    """Per-model SLOs from a JSON file, `{model: {"ttft_s", "tpot_s"}}` (or that under "slos",
+    as `bench standalone --out` and a sweep write them), over the config's. A model the config
+    does not serve is an error."""
+    import json
+
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"--slo-file {path}: no such file") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"--slo-file {path}: not valid JSON: {e}") from None
+    data = data.get("slos", data) if isinstance(data, dict) else data
+    if not isinstance(data, dict):
+        raise ConfigError(f"--slo-file {path}: expected an object of model -> SLOs")
+    names = {m.name for m in args.models}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ConfigError(f"--slo-file {path}: no such models {unknown}")
+    models = []
+    for m in args.models:
+        slo = data.get(m.name)
+        if slo is None:
+            models.append(m)
+            continue
+        try:
+            ttft, tpot = float(slo["ttft_s"]), float(slo["tpot_s"])
+            models.append(replace(m, ttft_slo_ms=1e3 * ttft, tpot_slo_ms=1e3 * tpot))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ConfigError(
+                f"--slo-file {path}: {m.name} needs positive ttft_s and tpot_s ({e})"
+            ) from None
+    return replace(args, engine=replace(args.engine, models=tuple(models)))

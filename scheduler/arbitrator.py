@@ -9,8 +9,9 @@ SLO, or its TTFT deadline until its first token).
   taking its estimated prefill time: in deadline order, and whenever the sequence would finish a
   request late, drop the longest one admitted so far. The kept set is the largest set of requests
   that can all meet their TTFT deadlines run one after the other; the dropped ones are deferred
-  (admitted only once no on-time request of another model waits; the frontend gives them 503 +
-  Retry-After past their hold limit). Ties in deadline go to the lower `priority` value (vLLM's
+  (admitted once no on-time request of another model waits, then served like any other work, so
+  a late request is late, not starved behind other models' decodes; the frontend gives them 503
+  + Retry-After past their hold limit). Ties in deadline go to the lower `priority` value (vLLM's
   convention), then the earlier arrival.
 - Which model: when some model would miss a deadline if another model's step ran first, the one
   with the least slack (latest start = deadline - its step) runs; otherwise the model whose work
@@ -169,8 +170,10 @@ def arbitrate(models: Sequence[ModelWork], now: float, overhead_s: float = 0.0) 
             times.append(m.running.ready_since)
         return min(times or [j.arrival for j in m.waiting] or [float("inf")])
 
-    # deferred-only models run when nothing on time waits elsewhere (work conserving)
-    candidates = [m for m in active if m.running.any or m.name in first_on_time] or active
+    # a model with only deferred requests competes once no on-time request waits anywhere
+    # (work conserving: running decodes elsewhere do not hold it back; their deadlines make
+    # them urgent when they must go first, and the chunk budget protects them)
+    candidates = [m for m in active if m.running.any or m.name in first_on_time or not on_time]
     hurried = [m for m in candidates if urgent(m)]
     if hurried:
         pick = min(hurried, key=lambda m: (latest_start(m), m.name))

@@ -85,6 +85,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--startup-timeout", type=float, default=900.0)
     w.add_argument("--settle", type=float, default=1.0, help="quiet seconds between runs")
     w.add_argument("--no-plots", action="store_true")
+    w.add_argument(
+        "--no-server-slos",
+        action="store_true",
+        help="do not pass the SLOs to the servers (they derive per-request deadlines)",
+    )
     w.add_argument("--api-key")
     w.add_argument(
         "--server-arg", action="append", default=[], help="one more server flag (repeatable)"
@@ -182,6 +187,7 @@ def _sweep(args) -> int:
         settle_s=args.settle,
         api_key=args.api_key,
         plots=not args.no_plots,
+        server_slos=not args.no_server_slos,
         extra={"command": " ".join(sys.argv)},
     )
     sweep = asyncio.run(run_sweep(cfg, _rows(args.workload)))

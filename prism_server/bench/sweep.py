@@ -55,6 +55,10 @@ class SweepConfig:
     settle_s: float = 1.0  # quiet time between runs
     api_key: str | None = None
     plots: bool = True
+    # the servers are told the SLOs (--slo-file), as an operator configures them: the prism
+    # policy's arbitrator schedules to the deadlines the bench measures (the baselines ignore
+    # them); False: servers derive their own per-request deadlines
+    server_slos: bool = True
     # wall-clock seconds the whole invocation may take (None: no limit): a run that would end
     # past it is not started, so a sweep under a time limit keeps what it measured
     budget_s: float | None = None
@@ -71,7 +75,7 @@ def _free_port() -> int:
 class ServerProcess:
     """`python -m prism_server` under one policy, its output in a log file."""
 
-    def __init__(self, cfg: SweepConfig, policy: str, log_path: Path):
+    def __init__(self, cfg: SweepConfig, policy: str, log_path: Path, slo_file: Path | None = None):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.cmd = [sys.executable, "-m", "prism_server", "--policy", policy]
@@ -80,6 +84,8 @@ class ServerProcess:
             self.cmd += ["--config", cfg.server_config]
         if cfg.api_key:
             self.cmd += ["--api-key", cfg.api_key]
+        if slo_file is not None:
+            self.cmd += ["--slo-file", str(slo_file)]
         self.cmd += list(cfg.server_args)
         self.log_path = log_path
         self.proc: subprocess.Popen | None = None
@@ -253,20 +259,30 @@ async def sweep_policy(
     every scale (none that would end past `deadline`, time.monotonic()); returns (policy entry,
     slos, standalone figures or None). progress(entry, slos, standalone) after each run."""
     base_rate = len(rows) / max(rows[-1].arrival_s, 1e-9)
-    server = ServerProcess(cfg, policy, out / f"server-{policy}.log")
     alone = None
+    if slos is None:  # measured on a server of its own, which knows no SLOs yet
+        probe = ServerProcess(cfg, policy, out / f"server-{policy}-standalone.log")
+        probe.start()
+        try:
+            await probe.ready(cfg.startup_timeout_s)
+            alone = await standalone(
+                probe.url, rows, cfg.standalone_requests, cfg.api_key, cfg.standalone_max_output
+            )
+        finally:
+            await asyncio.to_thread(probe.stop)
+        slos = slos_from(alone, cfg.k)
+        log.info("standalone SLOs (k = %g): %s", cfg.k, slos)
+    slo_file = None
+    if cfg.server_slos:
+        slo_file = out / "slos.json"
+        slo_file.write_text(json.dumps({"slos": slos}))
+    server = ServerProcess(cfg, policy, out / f"server-{policy}.log", slo_file)
     server.start()
     try:
         t_start = time.monotonic()
         await server.ready(cfg.startup_timeout_s)
         startup_s = time.monotonic() - t_start
         log.info("%s: server ready in %.1f s", policy, startup_s)
-        if slos is None:
-            alone = await standalone(
-                server.url, rows, cfg.standalone_requests, cfg.api_key, cfg.standalone_max_output
-            )
-            slos = slos_from(alone, cfg.k)
-            log.info("standalone SLOs (k = %g): %s", cfg.k, slos)
         runs: list[dict] = []
         entry = {"startup_s": startup_s, "server_exit": None, "stopped": None, "runs": runs}
 

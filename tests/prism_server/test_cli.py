@@ -242,3 +242,25 @@ def test_sigterm_while_a_request_waits_for_its_models_activation(tmp_path):
             p.kill()
         _, err = p.communicate()
     assert "Traceback" not in err, err[-3000:]
+
+
+def test_an_slo_file_sets_the_models_slos_and_names_what_is_wrong(tmp_path):
+    import json
+
+    import pytest
+
+    from prism_server.server_args import ConfigError, apply_slo_file, load_server_args
+
+    args = load_server_args(None, ["a=dummy:tiny-llama", "b=dummy:tiny-llama"])
+    f = tmp_path / "slos.json"
+    f.write_text(json.dumps({"slos": {"a": {"ttft_s": 0.25, "tpot_s": 0.02}}}))
+    got = {m.name: (m.ttft_slo_ms, m.tpot_slo_ms) for m in apply_slo_file(args, str(f)).models}
+    assert got == {"a": (250.0, 20.0), "b": (None, None)}
+    for bad, why in (
+        ({"c": {"ttft_s": 1, "tpot_s": 1}}, "no such models"),
+        ({"a": {"ttft_s": 1}}, "needs positive ttft_s and tpot_s"),
+        ({"a": {"ttft_s": -1, "tpot_s": 1}}, "needs positive"),
+    ):
+        f.write_text(json.dumps(bad))
+        with pytest.raises(ConfigError, match=why):
+            apply_slo_file(args, str(f))

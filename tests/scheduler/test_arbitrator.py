@@ -178,6 +178,23 @@ def test_deferred_requests_wait_while_another_models_on_time_request_waits():
     assert alone.admit == ("late",), "with nothing on time elsewhere it runs (work conserving)"
 
 
+def test_a_deferred_request_is_not_starved_behind_another_models_decodes():
+    lat = _lat(step_s=0.01)
+    hopeless = _job("late", "a", 0.0, 0.05, 4000, lat)  # deferred: it cannot be on time
+    # b decodes with plenty of slack, and will again after every step: a must still get its turn
+    decoding = Running(
+        deadline=1.5, decode_deadline=1.5, ready_since=0.9, num=4, context_tokens=4096
+    )
+    pick = arbitrate([_work("a", [hopeless], lat=lat), _work("b", running=decoding, lat=lat)], 1.0)
+    assert pick.model == "a" and pick.admit == ("late",)
+    # unless b's next token is due before another step can run: then b goes first
+    due = Running(
+        deadline=1.012, decode_deadline=1.012, ready_since=0.9, num=4, context_tokens=4096
+    )
+    pick = arbitrate([_work("a", [hopeless], lat=lat), _work("b", running=due, lat=lat)], 1.0)
+    assert pick.model == "b"
+
+
 def test_a_late_prefill_of_its_own_does_not_shrink_the_chunk():
     lat = _lat(step_s=0.005, per_token=1e-4)
     # its own request in prefill is past its TTFT deadline; nothing decodes anywhere
