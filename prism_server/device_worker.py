@@ -1,7 +1,7 @@
 """The engine thread of one device. It owns every model on the device and the only way in is its
 inbox of typed commands (commands.py); the only way out is the request sinks and the immutable
-DeviceSnapshot it publishes after each step, so the event loop never blocks on model work and
-never reads the thread's live objects."""
+DeviceSnapshot it publishes as it steps (at least every 5 ms while busy, and before it waits),
+so the event loop never blocks on model work and never reads the thread's live objects."""
 
 from __future__ import annotations
 
@@ -30,7 +30,13 @@ from prism_server.model_worker import ModelWorker
 from scheduler.arbitrator import arbitrate
 from scheduler.balloon import reclaim_order
 from scheduler.policy import POLICIES, Policy
-from scheduler.snapshot import DeviceSnapshot, PageMove, PoolSnapshot, Residency
+from scheduler.snapshot import (
+    DeviceSnapshot,
+    EngineCounters,
+    PageMove,
+    PoolSnapshot,
+    Residency,
+)
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +45,7 @@ log = logging.getLogger(__name__)
 _BLOCKED_POLL_S = 0.005
 _NOBODY = object()  # a swap turn for no model
 _TRANSFER_POLL_S = 0.0005
+_PUBLISH_S = 0.005  # the most a busy device's snapshot lags its state
 
 
 class DeviceWorker:
@@ -55,6 +62,10 @@ class DeviceWorker:
         # (EWMA over busy stretches): what the arbitrator adds to every step it plans
         self.step_overhead_s = 0.0
         self._last_step_end: float | None = None
+        # since start: model steps run, the seconds in them, the host seconds between
+        # back-to-back ones (the device's utilisation and the engine's overhead, for the status)
+        self.steps = 0
+        self.step_seconds = self.host_seconds = 0.0
         self.resources = DeviceResources(self.device)  # shared by its models' runners
         self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -63,7 +74,7 @@ class DeviceWorker:
         self._thread = threading.Thread(
             target=self._loop, name=f"prism-engine-{self.name}", daemon=True
         )
-        self.snapshot = self._take_snapshot()  # replaced (never mutated) after every step
+        self.snapshot = self._take_snapshot()  # replaced (never mutated) as the steps run
 
     def start(self) -> None:
         self._thread.start()
@@ -273,12 +284,10 @@ class DeviceWorker:
                     m.num_deferred = sum(r.request_id in deferred for r in m.scheduler.waiting)
                 chosen = self.models[pick.model]
                 order = admit(chosen, pick.admit)
-                t = time.perf_counter()
-                ran = self._guard(chosen, lambda: chosen.step(now, order, pick.token_budget))
-                self._track_overhead(ran, t)
+                ran = self._timed(chosen, lambda: chosen.step(now, order, pick.token_budget))
         if not ran:  # round-robin (or the pick could not run: blocked on memory)
             for m in serving:
-                ran |= self._guard(m, lambda m=m: m.step(now, admit(m, None)))
+                ran |= self._timed(m, lambda m=m: m.step(now, admit(m, None)))
         blocked = [m for m in serving if m.scheduler.blocked]
         starved += [m for m in blocked if m.scheduler.has_new_work]
         # only models the balloon can help: their pages exist once others' KV is freed
@@ -349,13 +358,23 @@ class DeviceWorker:
             return _NOBODY
         return min(waiting, key=lambda m: min(r.arrival_time for r in m.requests.values()))
 
-    def _track_overhead(self, ran: bool, started: float) -> None:
+    def _timed(self, m: ModelWorker, fn) -> bool:
+        """Runs one step of m (guarded) and accounts for it: the time in model steps, and the
+        host time since the previous step ended when they run back to back."""
+        start = time.perf_counter()
+        ran = self._guard(m, fn)
         end = time.perf_counter()
         last, self._last_step_end = self._last_step_end, end if ran else None
-        if ran and last is not None:
-            gap = started - last  # the host work since the previous step ended
+        if not ran:
+            return False
+        self.steps += 1
+        self.step_seconds += end - start
+        if last is not None:
+            gap = start - last  # the host work since the previous step ended
             if gap < 0.05:  # busy back to back (not an idle wait)
+                self.host_seconds += gap
                 self.step_overhead_s += 0.1 * (gap - self.step_overhead_s)
+        return True
 
     def _prepare(self, m: ModelWorker, now: float) -> bool:
         """Moves m's transition on; True if it can step now."""
@@ -389,6 +408,9 @@ class DeviceWorker:
                 for mv in list(self.pool.moves)[-32:]
             ),
             moved=tuple(sorted((g, t, r, n) for (g, t, r), n in s.moved.items())),
+            engine=EngineCounters(
+                self.steps, self.step_seconds, self.host_seconds, self.step_overhead_s
+            ),
         )
 
     def _publish(self) -> DeviceSnapshot:
@@ -419,8 +441,12 @@ class DeviceWorker:
             self._wake.clear()
             self._drain()
             ran = self.step()
-            expiry = self._expire(time.monotonic())
-            self._publish()
+            now = time.monotonic()
+            expiry = self._expire(now)
+            # back-to-back steps publish at most every _PUBLISH_S (a snapshot of every model
+            # costs host time each step would pay); before it waits, always
+            if not ran or now - self.snapshot.time >= _PUBLISH_S:
+                self._publish()
             if ran:
                 continue
             timeout = None

@@ -28,7 +28,7 @@ from prism_server.model_runner import DeviceResources, ModelRunner
 from prism_server.output_processor import OutputProcessor
 from prism_server.profiler import profile_steps
 from prism_server.sampler import Sampler
-from scheduler.arbitrator import Job, ModelWork, Running
+from scheduler.arbitrator import ModelWork, model_work
 from scheduler.batch_scheduler import BatchScheduler, ScheduledChunk, SchedulerConfig
 from scheduler.latency_model import LatencyModel, StepShape
 from scheduler.request import FinishReason, Request, RequestOutput
@@ -273,44 +273,7 @@ class ModelWorker:
 
     def work(self) -> ModelWork:
         """What the device's arbitrator needs of this model now."""
-        lat, s = self.latency, self.scheduler
-        jobs = []
-        for r in s.waiting:
-            cached, todo = r.num_computed_tokens, r.num_tokens - r.num_computed_tokens
-            jobs.append(
-                Job(
-                    r.request_id,
-                    self.name,
-                    r.arrival_time,
-                    r.deadline,
-                    lat.prefill_s(todo, cached),
-                    r.priority,
-                    cached,
-                    todo,
-                )
-            )
-        running = Running()
-        if s.running:
-            decoding = [r for r in s.running if r.num_tokens - r.num_computed_tokens <= 1]
-            prefilling = [r for r in s.running if r.num_tokens - r.num_computed_tokens > 1]
-            running = Running(
-                deadline=min(r.deadline for r in s.running),
-                decode_deadline=min((r.deadline for r in decoding), default=None),
-                ready_since=min(r.last_token_time or r.arrival_time for r in s.running),
-                num=len(decoding),
-                context_tokens=sum(r.num_computed_tokens for r in decoding),
-                prefilling=len(prefilling),
-                prefill_cached=prefilling[0].num_computed_tokens if prefilling else 0,
-            )
-        cfg = s.config
-        return ModelWork(
-            self.name,
-            lat,
-            running,
-            tuple(jobs),
-            max_tokens=cfg.max_num_batched_tokens,
-            min_tokens=min(cfg.max_num_batched_tokens, max(16, cfg.block_size)),
-        )
+        return model_work(self.name, self.scheduler, self.latency)
 
     def abort(self, request_id: str) -> None:
         req = self.requests.get(request_id)

@@ -32,6 +32,7 @@ import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from scheduler.batch_scheduler import BatchScheduler
 from scheduler.latency_model import LatencyModel, StepShape
 
 SAFETY = 0.1  # a chunk is sized to its slack / (1 + max(estimate error, SAFETY))
@@ -119,6 +120,49 @@ class ModelWork:
     @property
     def decode_s(self) -> float:
         return self.latency.estimate(self.base) if self.running.num else 0.0
+
+
+def model_work(name: str, sched: BatchScheduler, lat: LatencyModel) -> ModelWork:
+    """What the arbitrator needs of one model: its waiting requests as jobs (their prefill
+    estimated by its latency model) and what its running ones need next."""
+    jobs = []
+    for r in sched.waiting:
+        cached, todo = r.num_computed_tokens, r.num_tokens - r.num_computed_tokens
+        jobs.append(
+            Job(
+                r.request_id,
+                name,
+                r.arrival_time,
+                r.deadline,
+                lat.prefill_s(todo, cached),
+                r.priority,
+                cached,
+                todo,
+            )
+        )
+    running = Running()
+    if sched.running:
+        decoding = [r for r in sched.running if r.num_tokens - r.num_computed_tokens <= 1]
+        prefilling = [r for r in sched.running if r.num_tokens - r.num_computed_tokens > 1]
+        running = Running(
+            deadline=min(r.deadline for r in sched.running),
+            decode_deadline=min((r.deadline for r in decoding), default=None),
+            ready_since=min(r.last_token_time or r.arrival_time for r in sched.running),
+            num=len(decoding),
+            context_tokens=sum(r.num_computed_tokens for r in decoding),
+            prefilling=len(prefilling),
+            prefill_cached=prefilling[0].num_computed_tokens if prefilling else 0,
+        )
+    cfg = sched.config
+    floor = max(16, cfg.block_size, lat.knee_tokens())  # the smallest chunk worth a step
+    return ModelWork(
+        name,
+        lat,
+        running,
+        tuple(jobs),
+        max_tokens=cfg.max_num_batched_tokens,
+        min_tokens=min(cfg.max_num_batched_tokens, floor),
+    )
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ Pure: no clock; callers pass measured durations in.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -92,6 +93,15 @@ class LatencyModel:
 
     def decode_s(self, batch: int, context_tokens: int) -> float:
         return self.estimate(StepShape.decode(batch, context_tokens))
+
+    def knee_tokens(self) -> int:
+        """The smallest prefill chunk whose tokens cost at least the step's fixed cost (the
+        step's own and its sequence's): below it a chunked prefill spends more on steps than on
+        tokens, so it is the smallest chunk worth a step."""
+        c0, c_tok, c_seq, _ = self.coefficients
+        if c_tok <= 0:
+            return 1
+        return max(1, math.ceil((c0 + c_seq) / c_tok))
 
     def max_new_tokens(self, budget_s: float, base: StepShape, cached: int, cap: int) -> int:
         """The most prefill tokens (one sequence, `cached` tokens already in its KV) that a step

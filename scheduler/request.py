@@ -9,6 +9,9 @@ from dataclasses import dataclass, field
 
 from scheduler.sampling_params import SamplingParams
 
+# the longest gap between two tokens of a stream that a plan may make, in TPOT SLOs
+MAX_GAP_SLOS = 4.0
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -94,11 +97,17 @@ class Request:
 
     @property
     def deadline(self) -> float:
-        """When its next token is due: its TTFT deadline until the first token, then the last
-        token's time plus the TPOT SLO."""
-        if self.last_token_time is None:
+        """When its next token is due: its TTFT deadline until the first token; then the time
+        that keeps its mean TPOT (what the SLO bounds: (last - first) / (n - 1)) within the SLO,
+        first token + tokens so far x TPOT SLO. Slack a fast stream banks lets another model's
+        long step run, but a gap is never planned past MAX_GAP_SLOS x the SLO after its latest
+        token (a stream that stalls for seconds is broken, whatever its mean)."""
+        if self.last_token_time is None or self.first_token_time is None:
             return self.ttft_deadline
-        return self.last_token_time + (self.tpot_slo if self.tpot_slo is not None else float("inf"))
+        if self.tpot_slo is None:
+            return float("inf")
+        banked = self.first_token_time + self.num_output_tokens * self.tpot_slo
+        return min(banked, self.last_token_time + MAX_GAP_SLOS * self.tpot_slo)
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -115,6 +115,16 @@ class PageMove:
 
 
 @dataclass(frozen=True)
+class EngineCounters:
+    """What the device's engine thread has done since it started."""
+
+    steps: int = 0  # model steps run
+    step_seconds: float = 0.0  # in model steps (host preparation, the device's work, sampling)
+    host_seconds: float = 0.0  # between back-to-back steps (scheduling, publishing)
+    step_overhead_s: float = 0.0  # the recent host time between two steps (an EWMA)
+
+
+@dataclass(frozen=True)
 class DeviceSnapshot:
     device: str
     seq: int  # increases with every publication
@@ -124,6 +134,7 @@ class DeviceSnapshot:
     policy: str = "prism"
     moves: tuple[PageMove, ...] = ()  # the latest page moves, oldest first
     moved: tuple[tuple[str, str, str, int], ...] = ()  # (giver, taker or "", reason, pages) in all
+    engine: EngineCounters = EngineCounters()
 
     def model(self, name: str) -> ModelSnapshot | None:
         return next((m for m in self.models if m.name == name), None)

@@ -27,6 +27,8 @@ class Monitor:
     transitions: dict[str, dict[float, str]] = field(default_factory=dict)
     # per poll, per model: (activations, evictions) so far
     counts: list[dict[str, tuple[int, int]]] = field(default_factory=list)
+    # per poll: (its time on the replay's clock, per device its engine counters)
+    engines: list[tuple[float, dict[str, dict]]] = field(default_factory=list)
     _offset: float | None = None  # server clock - client clock
     _rtt: float = float("inf")
     _task: asyncio.Task | None = None
@@ -41,6 +43,7 @@ class Monitor:
         if c1 - c0 < self._rtt:
             self._rtt, self._offset = c1 - c0, st["time"] - (c0 + c1) / 2
         models, counts = {}, {}
+        engines = {dev["device"]: dev["engine"] for dev in st["devices"] if "engine" in dev}
         for dev in st["devices"]:
             for m in dev["models"]:
                 name = m["name"]
@@ -59,6 +62,7 @@ class Monitor:
                     log[t] = state
         self.samples.append({"t": (c0 + c1) / 2 - self.t0, "models": models})
         self.counts.append(counts)
+        self.engines.append(((c0 + c1) / 2 - self.t0, engines))
 
     async def _run(self, session: aiohttp.ClientSession) -> None:
         while True:
@@ -98,6 +102,27 @@ class Monitor:
         acts = sum(a - first.get(m, (0, 0))[0] for m, (a, _) in last.items())
         evs = sum(e - first.get(m, (0, 0))[1] for m, (_, e) in last.items())
         return acts, evs
+
+    def engine(self) -> dict[str, dict]:
+        """Per device, between the first and the last poll: the model steps run, the fraction
+        of the time spent in them (busy), and the host time between back-to-back steps (mean
+        per step, and as a fraction of the time)."""
+        if len(self.engines) < 2:
+            return {}
+        (t0, first), (t1, last) = self.engines[0], self.engines[-1]
+        wall = max(t1 - t0, 1e-9)
+        out = {}
+        for dev, e in last.items():
+            b = first.get(dev, {})
+            steps = e["steps"] - b.get("steps", 0)
+            host = e["host_seconds"] - b.get("host_seconds", 0.0)
+            out[dev] = {
+                "steps": steps,
+                "busy": (e["step_seconds"] - b.get("step_seconds", 0.0)) / wall,
+                "host": host / wall,
+                "host_per_step_s": host / steps if steps else None,
+            }
+        return out
 
 
 def state_at(timeline: list[tuple[float, str]], t: float) -> str | None:

@@ -211,6 +211,7 @@ async def run_once(
             "ttft_p50_s": percentile(wait_ttfts, 50),
             "ttft_p99_s": percentile(wait_ttfts, 99),
         },
+        "engine": mon.engine(),
         "requests": [_record(r, w) for r, w in zip(results, waited)],
         "samples": mon.samples,
         "transitions": transitions,
@@ -409,8 +410,20 @@ def table(sweep: dict) -> str:
         if shown:
             which = "sustained" if best else "lowest, not sustained"
             head = f"\n**{name}** at x{shown['scale']:g} ({which}):\n\n"
-            out.append(head + markdown(shown["report"]))
+            out.append(head + markdown(shown["report"]) + _engine_line(shown.get("engine")))
     return "\n".join(out)
+
+
+def _engine_line(engine: dict | None) -> str:
+    """The engine's share of the run, per device: busy in model steps, and host time between."""
+    parts = []
+    for dev, e in sorted((engine or {}).items()):
+        per = e["host_per_step_s"]
+        parts.append(
+            f"{dev}: {e['steps']} steps, busy {100 * e['busy']:.1f}% of the time, host between "
+            f"steps {100 * e['host']:.1f}%" + (f" ({1e3 * per:.2f} ms a step)" if per else "")
+        )
+    return "\n\nEngine: " + "; ".join(parts) + "." if parts else ""
 
 
 def load_sweep(out: Path) -> dict | None:

@@ -12,7 +12,8 @@ so a client maps them onto its own clock with one offset.
                               "num_running", "num_waiting", "activations", "evictions",
                               "transitions": [[time, state], ...], "slo": {...}, ...}],
                   "moves": [{"seq", "time", "giver", "taker", "pages", "reason"}, ...],
-                  "moved": [{"giver", "taker", "reason", "pages"}, ...]}],
+                  "moved": [{"giver", "taker", "reason", "pages"}, ...],
+                  "engine": {"steps", "step_seconds", "host_seconds", "step_overhead_s"}}],
      "failed": [{"name", "error"}],
      "plan": {"time", "rates", "demand", "kvpr", "assignment", "offloaded"} | null}
 """
@@ -57,6 +58,7 @@ def _device(s: DeviceSnapshot) -> dict:
         "moved": [
             {"giver": g, "taker": t or None, "reason": r, "pages": n} for g, t, r, n in s.moved
         ],
+        "engine": dataclasses.asdict(s.engine),
     }
 
 

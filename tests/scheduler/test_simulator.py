@@ -1,0 +1,85 @@
+"""The device simulator (the engine's decisions in simulated time), and what it shows of the
+arbitrator: a long prompt beside other models' decodes is chunked into steps worth running, and
+streams keep their mean TPOT through it."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler.latency_model import LatencyModel
+from scheduler.request import MAX_GAP_SLOS, Request
+from scheduler.sampling_params import SamplingParams
+from scheduler.simulator import SimArrival, SimModel, simulate
+
+
+def _lat(c0: float, per_token: float) -> LatencyModel:
+    return LatencyModel((c0, per_token, 2e-5, 2e-6))
+
+
+# H200-like steps: an 8B model (7 ms a decode step, 28 us a prefill token) and smaller ones
+MODELS = [
+    SimModel("big", _lat(7e-3, 28e-6), ttft_slo_s=0.635, tpot_slo_s=0.038),
+    SimModel("mid", _lat(7.5e-3, 29e-6), ttft_slo_s=0.32, tpot_slo_s=0.040),
+    SimModel("small", _lat(5e-3, 8e-6), ttft_slo_s=0.167, tpot_slo_s=0.027),
+    SimModel("tiny", _lat(4e-3, 3e-6), ttft_slo_s=0.20, tpot_slo_s=0.022),
+]
+
+
+def test_one_request_alone_takes_its_prefill_then_one_step_a_token():
+    lat = _lat(5e-3, 1e-5)
+    sim = simulate([SimModel("m", lat, 1.0, 1.0)], [SimArrival(1.0, "m", 1000, 5)])
+    (r,) = sim.results
+    assert r.ttft_s == pytest.approx(lat.prefill_s(1000))
+    assert r.tpot_s == pytest.approx(lat.decode_s(1, 1001), rel=0.01)
+    assert [s.prefill_tokens for s in sim.steps] == [1000, 0, 0, 0, 0]
+    assert sim.attainment() == 1.0
+
+
+def test_a_long_prompt_beside_three_models_decodes_keeps_every_slo():
+    """Three streams decode when a 4096-token prompt of the big model arrives, then two more
+    prompts: the prompt is prefilled in chunks worth a step (never below the latency model's
+    knee), the streams spend the slack they banked and none stalls past MAX_GAP_SLOS x its SLO.
+    (Chunks sized to every stream's next-token deadline made this prompt wait 2.7 s in 16-token
+    chunks and stalled the streams for 2.2 s.)"""
+    arrivals = [
+        SimArrival(0.0, "mid", 400, 300),
+        SimArrival(0.01, "small", 200, 300),
+        SimArrival(0.02, "tiny", 300, 300),
+        SimArrival(0.3, "big", 4096, 20),
+        SimArrival(0.35, "small", 768, 60),
+        SimArrival(0.4, "tiny", 1325, 15),
+    ]
+    sim = simulate(MODELS, arrivals)
+    assert sim.attainment() == 1.0, [r for r in sim.results if not (r.met_ttft and r.met_tpot)]
+    slo = {m.name: m for m in MODELS}
+    for r in sim.results:
+        assert r.max_gap_s <= MAX_GAP_SLOS * slo[r.arrival.model].tpot_slo_s + 0.02
+    big = next(r for r in sim.results if r.arrival.model == "big")
+    alone = MODELS[0].device_latency.prefill_s(4096)
+    assert big.ttft_s < 2.5 * alone
+    knee = MODELS[0].device_latency.knee_tokens()
+    chunks = [s.prefill_tokens for s in sim.steps if s.model == "big" and s.prefill_tokens]
+    assert sum(chunks) == 4096 and all(c >= knee for c in chunks[:-1]), chunks
+
+
+def test_the_deadline_of_a_stream_keeps_its_mean_tpot_and_caps_its_gap():
+    r = Request("r", [1, 2, 3], SamplingParams(max_tokens=100), frozenset(), arrival_time=0.0)
+    r.ttft_slo, r.tpot_slo = 0.5, 0.1
+    assert r.deadline == 0.5  # before its first token: the TTFT deadline
+    r.append_token(7)
+    r.first_token_time = r.last_token_time = 0.2
+    assert r.deadline == pytest.approx(0.3)  # the second token: one SLO after the first
+    for _ in range(9):  # nine more, fast (10 ms each): they bank 90 ms each
+        r.append_token(7)
+        r.last_token_time += 0.01
+    assert r.last_token_time == pytest.approx(0.29)
+    # mean-keeping deadline: first + 10 x 0.1 = 1.2; capped at the latest + 4 SLOs = 0.69
+    assert r.deadline == pytest.approx(0.29 + MAX_GAP_SLOS * 0.1)
+    r.last_token_time = 1.0  # one slow gap later: the banked budget binds
+    assert r.deadline == pytest.approx(1.2)
+
+
+def test_the_knee_is_where_a_chunks_tokens_cost_what_its_step_does():
+    lat = LatencyModel((6e-3, 3e-5, 0.0, 0.0))
+    assert lat.knee_tokens() == 200
+    assert LatencyModel((6e-3, 0.0, 0.0, 0.0)).knee_tokens() == 1
