@@ -3,6 +3,7 @@ file and command-line flags. A bad value gives a message naming the field."""
 
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -85,6 +86,16 @@ def parse_model_flag(flag: str) -> dict:
     return {"name": name, "source": source}
 
 
+def _read(path: str, origin: str, loads, decode_error: type[Exception], kind: str):
+    """The parsed contents of a file; a ConfigError naming `origin` if it is missing or bad."""
+    try:
+        return loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{origin}: no such file") from None
+    except decode_error as e:
+        raise ConfigError(f"{origin}: not valid {kind}: {e}") from None
+
+
 def load_server_args(
     config_path: str | None = None, models: list[str] | None = None, **overrides
 ) -> ServerArgs:
@@ -93,12 +104,7 @@ def load_server_args(
     origin = "flags"
     if config_path:
         origin = f"config {config_path}"
-        try:
-            data = tomllib.loads(Path(config_path).read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"{origin}: no such file") from None
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"{origin}: not valid TOML: {e}") from None
+        data = _read(config_path, origin, tomllib.loads, tomllib.TOMLDecodeError, "TOML")
         if "models" in data:  # top-level [[models]] is accepted as a shortcut for engine.models
             data.setdefault("engine", {})
             if not isinstance(data["engine"], dict):
@@ -122,14 +128,7 @@ def apply_slo_file(args: ServerArgs, path: str) -> ServerArgs:
     """Per-model SLOs from a JSON file, `{model: {"ttft_s", "tpot_s"}}` (or that under "slos",
     as `bench standalone --out` and a sweep write them), over the config's. A model the config
     does not serve is an error."""
-    import json
-
-    try:
-        data = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"--slo-file {path}: no such file") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"--slo-file {path}: not valid JSON: {e}") from None
+    data = _read(path, f"--slo-file {path}", json.loads, json.JSONDecodeError, "JSON")
     data = data.get("slos", data) if isinstance(data, dict) else data
     if not isinstance(data, dict):
         raise ConfigError(f"--slo-file {path}: expected an object of model -> SLOs")

@@ -1,8 +1,8 @@
 """One device's decisions replayed in simulated time: the batch schedulers, the arbitrator and
 the requests' deadlines exactly as the engine runs them, with each step lasting what a latency
-model says. It answers "what would this policy do to these SLOs on this device" in milliseconds,
-without a GPU: the bench checks the arbitrator against it, and a change to a decision can be
-tried on a trace before it meets the device.
+model says. It answers "what would these decisions do to these SLOs on this device" in
+milliseconds, without a GPU, so a change to a decision can be tried on a trace (with step costs
+measured on the device) before it meets the device.
 
 Pure: no clock, no torch; every model's KV is a plain block count (no memory pressure)."""
 

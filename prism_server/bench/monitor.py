@@ -43,7 +43,7 @@ class Monitor:
         if c1 - c0 < self._rtt:
             self._rtt, self._offset = c1 - c0, st["time"] - (c0 + c1) / 2
         models, counts = {}, {}
-        engines = {dev["device"]: dev["engine"] for dev in st["devices"] if "engine" in dev}
+        engines = {dev["device"]: dev["engine"] for dev in st["devices"]}
         for dev in st["devices"]:
             for m in dev["models"]:
                 name = m["name"]
