@@ -58,6 +58,9 @@ class DeviceWorker:
         # the balloon: idle models' reserves go first; static partitions reclaim nothing
         pool.reclaim_order = self._reclaim_order if policy.balloon else None
         self._starved: frozenset[str] = frozenset()  # models whose new work waits for memory
+        # the one starved model that may take memory from others (evict, preempt, activate) until
+        # its new work runs: two starved models taking from each other would thrash
+        self._taker: str | None = None
         # host time between the end of one model step and the end of the next, less that step
         # (EWMA over busy stretches): what the arbitrator adds to every step it plans
         self.step_overhead_s = 0.0
@@ -234,8 +237,8 @@ class DeviceWorker:
             return False
         if m.evicted_for not in ("evict", "plan", "preempt") or not m.can_activate():
             return False
-        if self.policy.max_resident is not None:
-            return False
+        if self.policy.max_resident is not None or self._taker is not None:
+            return False  # time sharing, or a starved model has the memory first
         log.info("prefetching %s: the plan places it and its pages are free", name)
         return m.activate(wait=False)
 
@@ -266,8 +269,8 @@ class DeviceWorker:
                 starved.append(m)
         ran = False
         # while a model waits for memory for new work, the others admit nothing new, so the
-        # pages the balloon frees go to it
-        frozen = self._starved
+        # pages the balloon frees go to it (to the taker, when one takes in turn)
+        frozen = self._starved if self._taker is None else frozenset({self._taker})
 
         def admit(m: ModelWorker, order):
             return () if frozen and m.name not in frozen else order
@@ -293,10 +296,33 @@ class DeviceWorker:
         # only models the balloon can help: their pages exist once others' KV is freed
         starved = [m for m in starved if self._within_reach(m)]
         self._starved = frozenset(m.name for m in starved)
+        self._taker = self._next_taker(starved) if self.policy.evict_for_kv else None
         if self.policy.evict_for_kv:
             for m in dict.fromkeys(starved + blocked):
                 self._balloon(m, serving, starved, now)
         return ran
+
+    def _next_taker(self, starved: list[ModelWorker]) -> str | None:
+        """The starved model that takes memory first. The current one keeps its turn while it
+        has work and nothing of it runs (it activates, or the arbitrator has not stepped it
+        since), or while it is starved; else a resident one (its activation is paid) before an
+        offloaded one, then the one whose new request came first."""
+        held = self.models.get(self._taker) if self._taker is not None else None
+        if (
+            held is not None
+            and held.has_work
+            and (held.name in self._starved or not held.scheduler.running)
+        ):
+            return held.name
+        if not starved:
+            return None
+
+        def key(m: ModelWorker):
+            new = [r.arrival_time for r in m.scheduler.waiting if r.first_scheduled_time is None]
+            first = min(new or [r.arrival_time for r in m.requests.values()] or [float("inf")])
+            return (not m.residency.on_device, first, m.name)
+
+        return min(starved, key=key).name
 
     def _within_reach(self, m: ModelWorker) -> bool:
         """Whether m's next need (its weights if offloaded, and the KV of its first new request)
@@ -326,7 +352,10 @@ class DeviceWorker:
         new work only, preempt one running request of a model that is not itself waiting for
         memory, the one with the fewest computed tokens (the least work to recompute). One move
         per step."""
-        if self.make_room(lambda: False, now, frozenset({m.name}), m.name, limit=1, stalled=True):
+        if m in starved and m.name != self._taker:
+            return  # its turn comes when the taker's new work runs
+        keep = frozenset({m.name, self._taker} - {None})
+        if self.make_room(lambda: False, now, keep, m.name, limit=1, stalled=True):
             return
         if m not in starved:  # a recompute or a running request's growth: no preemption
             return
@@ -381,8 +410,11 @@ class DeviceWorker:
         m.poll()
         if not m.has_work:
             return False
-        if m.residency is Residency.OFFLOADED and not self.make_resident(m, now):
-            return False  # no room yet: its requests wait
+        if m.residency is Residency.OFFLOADED:
+            if self._taker not in (None, m.name):
+                return False  # another starved model has the memory first
+            if not self.make_resident(m, now):
+                return False  # no room yet: its requests wait
         return m.serving
 
     def _guard(self, m: ModelWorker, fn) -> bool:

@@ -4,7 +4,8 @@ nothing else.
 
 - `prism`: the arbitrator (Moore-Hodgson admission, slack-aware model choice, chunked prefill),
   the balloon (KV pages move between models; idle owners give first; a model blocked on KV may
-  evict idle models, or preempt other models' requests for new work), admission that reserves
+  evict idle models, or preempt other models' requests for new work; one starved model takes at
+  a time, so two never take from each other), admission that reserves
   KV for the output it admits (so a burst is not preempted and recomputed), and planner-driven
   residency.
 - `static`: the static-partition baseline (MuxServe style): every model resident for good, the

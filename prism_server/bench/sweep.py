@@ -289,7 +289,7 @@ async def sweep_policy(
 
         async def one(scale: float) -> bool:
             """Runs `scale` unless it would end past the deadline; False if not run."""
-            expected = (runs[-1]["duration_s"] if runs else rows[-1].arrival_s / scale) + 10
+            expected = expected_run_s(rows[-1].arrival_s, scale, runs)
             if deadline is not None and time.monotonic() + cfg.settle_s + expected > deadline:
                 entry["stopped"] = f"time budget: x{scale:g} not run"
                 log.warning("%s: %s", policy, entry["stopped"])
@@ -322,6 +322,13 @@ async def sweep_policy(
     entry["server_exit"] = rc
     _summarise(entry, cfg.target)
     return entry, slos, alone
+
+
+def expected_run_s(span_s: float, scale: float, runs: list[dict]) -> float:
+    """How long a run at `scale` should take: the arrivals' span at that scale (span_s at x1),
+    plus the longest drain (the time past the last arrival) of the runs so far, plus 10 s."""
+    drain = max((r["duration_s"] - span_s / r["scale"] for r in runs), default=0.0)
+    return span_s / scale + max(drain, 0.0) + 10
 
 
 def _summarise(entry: dict, target: float) -> None:

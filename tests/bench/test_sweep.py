@@ -19,7 +19,7 @@ from prism_server.bench.plots import (
     figure_ttft_cdf,
 )
 from prism_server.bench.standalone import pick, slos_from, standalone
-from prism_server.bench.sweep import passed, run_once, sustained
+from prism_server.bench.sweep import expected_run_s, passed, run_once, sustained
 from prism_server.bench.workload import Row, write_csv
 from prism_server.cli import main
 from prism_server.config import EngineConfig, ModelSpec
@@ -225,3 +225,12 @@ def test_the_sweep_runs_every_policy_and_its_table_and_plots_are_the_data(tmp_pa
     assert {f"{m} weights" for m in MODELS} <= labels
     gids = {c.get_gid() for ax in figure_residency(sweep).axes for c in ax.collections}
     assert {f"static/{m}/resident" for m in MODELS} <= gids
+
+
+def test_the_time_budget_expects_a_run_to_span_its_arrivals_plus_the_drain_seen():
+    # 60 s of arrivals at x1: x0.25 spans 240 s; it took 245 s, so x0.5 should take 120 + 5 + 10
+    assert expected_run_s(60.0, 0.25, []) == pytest.approx(250.0)
+    runs = [{"scale": 0.25, "duration_s": 245.0}]
+    assert expected_run_s(60.0, 0.5, runs) == pytest.approx(135.0)
+    runs.append({"scale": 0.5, "duration_s": 150.0})  # a slow drain: 30 s past the last arrival
+    assert expected_run_s(60.0, 1.0, runs) == pytest.approx(100.0)

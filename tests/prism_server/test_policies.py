@@ -108,6 +108,20 @@ def test_prism_meets_more_deadlines_than_static_and_swap(capsys):
     assert p[2] > s[2] and p[2] > w[2], results  # both
 
 
+def test_models_starved_at_once_take_memory_in_turn_without_thrashing():
+    """Four bursts at once on a pool that holds about two of them: every starved model would take
+    the others' pages (evict the stalled, preempt the running), and two of them taking from each
+    other evicted each other hundreds of times. One taker at a time: each model activates a few
+    times and every request finishes."""
+    with _engine("prism") as e:
+        recs = _replay(e, [(0.0, "abcd")])
+        models = e.worker.snapshot_now().models
+        e.check_integrity()
+    assert sorted(r.model for r in recs) == sorted(NAMES * BURST)
+    assert all(len(r.times) == OUTPUT for r in recs)
+    assert all(m.activations <= 5 for m in models), {m.name: m.activations for m in models}
+
+
 @pytest.mark.parametrize("policy", ["prism", "static", "swap"])
 def test_the_policy_is_visible_in_the_snapshot(policy):
     with _engine(policy) as e:
