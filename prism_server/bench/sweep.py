@@ -255,10 +255,13 @@ async def sweep_policy(
     slos,
     deadline: float | None = None,
     progress=None,
+    earlier: Sequence[dict] = (),
 ):
     """Starts the server under `policy`, measures the SLOs (standalone) if none are set yet, runs
     every scale (none that would end past `deadline`, time.monotonic()); returns (policy entry,
-    slos, standalone figures or None). progress(entry, slos, standalone) after each run."""
+    slos, standalone figures or None). progress(entry, slos, standalone) after each run.
+    earlier: this policy's runs from a previous sweep under the same SLOs; they stay in the
+    entry (a scale run again replaces its earlier run)."""
     base_rate = len(rows) / max(rows[-1].arrival_s, 1e-9)
     alone = None
     if slos is None:  # measured on a server of its own, which knows no SLOs yet
@@ -284,38 +287,39 @@ async def sweep_policy(
         await server.ready(cfg.startup_timeout_s)
         startup_s = time.monotonic() - t_start
         log.info("%s: server ready in %.1f s", policy, startup_s)
-        runs: list[dict] = []
+        runs: list[dict] = list(earlier)
         entry = {"startup_s": startup_s, "server_exit": None, "stopped": None, "runs": runs}
 
-        async def one(scale: float) -> bool:
-            """Runs `scale` unless it would end past the deadline; False if not run."""
+        async def one(scale: float) -> dict | None:
+            """Runs `scale` unless it would end past the deadline; None if not run."""
             expected = expected_run_s(rows[-1].arrival_s, scale, runs)
             if deadline is not None and time.monotonic() + cfg.settle_s + expected > deadline:
                 entry["stopped"] = f"time budget: x{scale:g} not run"
                 log.warning("%s: %s", policy, entry["stopped"])
-                return False
+                return None
             await _quiet(server.url, cfg.api_key, cfg.settle_s)
             run = await run_once(
                 server.url, rows, slos, scale, base_rate, cfg.sample_interval_s, cfg.api_key
             )
-            runs.append(run)
+            runs[:] = [r for r in runs if r["scale"] != scale] + [run]
             _log_run(policy, run)
             _summarise(entry, cfg.target)
             if progress is not None:
                 progress(entry, slos, alone)
-            return True
+            return run
 
         fails = 0
         for scale in sorted(cfg.scales):
-            if not await one(scale):
+            run = await one(scale)
+            if run is None:
                 break
-            if not passed(runs[-1], cfg.target):
+            if not passed(run, cfg.target):
                 fails += 1
                 if fails > cfg.keep_going:
                     break
         for _ in range(cfg.refine):
             scale = _next_scale(runs, cfg.target)
-            if scale is None or not await one(scale):
+            if scale is None or await one(scale) is None:
                 break
     finally:
         rc = await asyncio.to_thread(server.stop)
@@ -469,6 +473,8 @@ async def run_sweep(cfg: SweepConfig, rows: Sequence[Row]) -> dict:
         write(sweep, out, plots)
 
     for policy in cfg.policies:
+        same_slos = slos is not None and slos == sweep.get("config", {}).get("slos")
+        earlier = sweep["policies"].get(policy, {}).get("runs", []) if same_slos else []
         entry, slos, measured = await sweep_policy(
             cfg,
             policy,
@@ -478,6 +484,7 @@ async def run_sweep(cfg: SweepConfig, rows: Sequence[Row]) -> dict:
             deadline,
             # after each run: a sweep cut short keeps what it measured (plots at the end)
             progress=lambda e, s, a, p=policy: merge(p, e, s, a, plots=False),
+            earlier=earlier,
         )
         alone = measured or alone
         merge(policy, entry, slos, measured, cfg.plots)

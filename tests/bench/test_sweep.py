@@ -225,6 +225,24 @@ def test_the_sweep_runs_every_policy_and_its_table_and_plots_are_the_data(tmp_pa
     assert {f"{m} weights" for m in MODELS} <= labels
     gids = {c.get_gid() for ax in figure_residency(sweep).axes for c in ax.collections}
     assert {f"static/{m}/resident" for m in MODELS} <= gids
+    # a later call for one policy (the GPU runs one per call) adds its runs to that policy's and
+    # keeps the others' and the SLOs: a scale run again replaces its earlier run
+    again = ["bench", "sweep", "--workload", str(tmp_path / "w.csv"), "--config"]
+    again += [str(tmp_path / "prism.toml"), "--out", str(out), "--policies", "prism"]
+    assert main([*again, "--scales", "2,4", "--keep-going", "1", "--settle", "0.2"]) == 0
+    merged = json.loads((out / "sweep.json").read_text())
+    assert (
+        merged["config"]["slos"] == cfg["slos"]
+        and merged["config"]["slo_source"] == "standalone x 5"
+    )
+    runs = merged["policies"]["prism"]["runs"]
+    assert [r["scale"] for r in runs] == [1.0, 2.0, 4.0]
+    assert runs[0] == sweep["policies"]["prism"]["runs"][0]
+    assert runs[1]["requests"] != sweep["policies"]["prism"]["runs"][1]["requests"]  # re-run
+    assert merged["policies"]["static"] == sweep["policies"]["static"]
+    assert "x4: " in next(
+        x for x in (out / "sweep.md").read_text().splitlines() if x.startswith("| prism |")
+    )
 
 
 def test_the_time_budget_expects_a_run_to_span_its_arrivals_plus_the_drain_seen():
