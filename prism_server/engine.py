@@ -22,6 +22,7 @@ from prism_server.completion import Completion
 from prism_server.config import EngineConfig, ModelSpec
 from prism_server.control_loop import ControlLoop, PlanView
 from prism_server.device_worker import DeviceWorker
+from prism_server.grammar import Grammars
 from prism_server.memory_budget import check_host_budget, make_backend, pool_budget, weight_bytes
 from prism_server.model_worker import ModelWorker
 from prism_server.served_model import ModelFailed, ModelNotFound, ServedModel
@@ -238,6 +239,7 @@ class Engine:
             max_kv_tokens=worker.max_kv_tokens,
             vocab_size=cfg.vocab_size,
             eos_token_ids=eos,
+            grammars=Grammars(tok, cfg.vocab_size, eos),
         )
         self.served[spec.name] = served
         return served

@@ -326,7 +326,7 @@ class ModelWorker:
                 if req.ttft_slo is not None:
                     self.slo["ttft"][now - req.arrival_time > req.ttft_slo] += 1
             req.last_token_time = now
-            out = self.outputs.process(c.request, tok, lp)
+            out = self.outputs.process(c.request, tok, lp, req.request_id in self.sampler.completed)
             if out.finished:
                 self._finish(c.request, out)
             else:

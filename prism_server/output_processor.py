@@ -41,10 +41,19 @@ class OutputProcessor:
             return FinishReason.LENGTH, True
         return None, True
 
-    def process(self, req: Request, tok: int, logprob: TokenLogprob | None) -> RequestOutput:
-        """Append a sampled token; return the delta (with finish_reason set if it finished)."""
+    def process(
+        self, req: Request, tok: int, logprob: TokenLogprob | None, complete: bool = False
+    ) -> RequestOutput:
+        """Append a sampled token; return the delta (with finish_reason set if it finished).
+        complete: the request's grammar is complete with this token (its output ends)."""
         req.append_token(tok)
         reason, visible = self._token_stop(req, tok)
+        if complete and reason is None:  # the grammar's end: its stop token is not text
+            p = req.params
+            reason, visible = (
+                FinishReason.STOP,
+                tok not in req.eos_token_ids | set(p.stop_token_ids),
+            )
         st = self._state(req)
         new = st.detok.step([tok]) if visible else ""
         if reason is not None:

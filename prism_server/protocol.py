@@ -6,6 +6,7 @@ shapes."""
 from __future__ import annotations
 
 import functools
+import json
 import re
 import time
 from typing import Any, Literal
@@ -13,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from prism_server.completion import Completion
+from prism_server.grammar import GrammarSpec
 from scheduler.request import FinishReason, RequestOutput, TokenLogprob
 from scheduler.sampling_params import SamplingParams
 
@@ -116,19 +118,19 @@ class _SamplingFields(BaseModel):
     # Accepted by OpenAI-shaped clients but not honoured (yet): refused with 400 when set to
     # anything but their no-op value, never dropped in silence. See `check`.
     priority: int = 0
+    response_format: dict[str, Any] | None = None  # text, json_object, json_schema
+    guided_json: Any = None  # vLLM's structured-output extensions (a schema, dict or JSON text)
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None  # EBNF
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
-    response_format: dict[str, Any] | None = None
     prediction: Any = None
     audio: Any = None
     modalities: list[str] | None = None
     web_search_options: Any = None
-    guided_json: Any = None  # vLLM's structured-output extensions
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -170,24 +172,84 @@ class _SamplingFields(BaseModel):
             "tool_choice": self.tool_choice not in (None, "none"),
             "functions": bool(self.functions),
             "function_call": self.function_call not in (None, "none"),
-            "response_format": (self.response_format or {}).get("type", "text") != "text",
             "prediction": self.prediction is not None,
             "audio": self.audio is not None,
             "modalities": self.modalities not in (None, ["text"]),
             "web_search_options": self.web_search_options is not None,
-            "guided_json": self.guided_json is not None,
-            "guided_regex": self.guided_regex is not None,
-            "guided_choice": self.guided_choice is not None,
-            "guided_grammar": self.guided_grammar is not None,
         }
         for name, used in unsupported.items():
             if used:
                 raise APIError(400, f"{name} is not supported by this server.", param=name)
+        spec = self.grammar_spec()
+        if spec is not None and self.min_tokens:
+            raise APIError(
+                400, "min_tokens cannot be combined with structured output.", param="min_tokens"
+            )
+
+    def grammar_spec(self) -> GrammarSpec | None:
+        """The structured output asked for (response_format or one of vLLM's guided_* fields),
+        or None; 400 for a malformed one or for more than one."""
+        specs = []
+        rf = self.response_format
+        if rf is not None:
+            kind = rf.get("type")
+            if kind == "json_object":
+                specs.append(GrammarSpec("json"))
+            elif kind == "json_schema":
+                js = rf.get("json_schema")
+                schema = js.get("schema") if isinstance(js, dict) else None
+                if not isinstance(schema, dict):
+                    raise APIError(
+                        400,
+                        "response_format json_schema needs json_schema.schema, a JSON schema "
+                        "object.",
+                        param="response_format",
+                    )
+                strict = js.get("strict")
+                specs.append(GrammarSpec("json_schema", json.dumps(schema), strict=bool(strict)))
+            elif kind != "text":
+                raise APIError(
+                    400,
+                    f"response_format type must be text, json_object or json_schema, got {kind!r}.",
+                    param="response_format",
+                )
+        if self.guided_json is not None:
+            g = self.guided_json
+            try:
+                text = g if isinstance(g, str) else json.dumps(g)
+                if not isinstance(json.loads(text), dict):
+                    raise ValueError
+            except (TypeError, ValueError):
+                raise APIError(
+                    400, "guided_json must be a JSON schema object.", param="guided_json"
+                ) from None
+            specs.append(GrammarSpec("json_schema", text, strict=False, param="guided_json"))
+        if self.guided_regex is not None:
+            specs.append(GrammarSpec("regex", self.guided_regex, param="guided_regex"))
+        if self.guided_choice is not None:
+            if not self.guided_choice or any(not c for c in self.guided_choice):
+                raise APIError(
+                    400, "guided_choice must be non-empty strings.", param="guided_choice"
+                )
+            specs.append(
+                GrammarSpec("choice", choices=tuple(self.guided_choice), param="guided_choice")
+            )
+        if self.guided_grammar is not None:
+            specs.append(GrammarSpec("ebnf", self.guided_grammar, param="guided_grammar"))
+        if len(specs) > 1:
+            raise APIError(
+                400,
+                "Only one kind of structured output may be asked for at a time "
+                "(response_format, guided_json, guided_regex, guided_choice, guided_grammar).",
+                param=specs[1].param,
+            )
+        return specs[0] if specs else None
 
     def sampling_params(
-        self, max_tokens: int, logprobs: int | None, index: int = 0
+        self, max_tokens: int, logprobs: int | None, index: int = 0, grammar=None
     ) -> SamplingParams:
-        """index: which of the n choices (each gets its own seed when a seed is given)."""
+        """index: which of the n choices (each gets its own seed when a seed is given);
+        grammar: the compiled structured output (see `grammar_spec`)."""
         seed = None if self.seed is None else (self.seed + index) % 2**63
         try:
             return SamplingParams(
@@ -209,6 +271,7 @@ class _SamplingFields(BaseModel):
                 min_p=self.min_p or 0.0,
                 logit_bias=tuple((int(k), float(b)) for k, b in (self.logit_bias or {}).items()),
                 priority=self.priority,
+                grammar=grammar,
             )
         except ValueError as e:
             raise APIError(400, str(e)) from None

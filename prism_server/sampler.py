@@ -1,6 +1,7 @@
 """Token sampling for one step: greedy fast path; logit bias, min_tokens, repetition / frequency /
-presence penalties (batched over the rows that need them), temperature, min-p, top-k, top-p,
-per-request seeds, and logprobs (of the model's raw distribution, as vLLM reports them)."""
+presence penalties (batched over the rows that need them), structured output (a grammar's token
+bitmask), temperature, min-p, top-k, top-p, per-request seeds, and logprobs (of the model's raw
+distribution, as vLLM reports them)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import math
 
 import torch
 
+from prism_server.grammar import Guides
 from scheduler.request import Request, TokenLogprob
 
 
@@ -15,9 +17,12 @@ class Sampler:
     def __init__(self, device: torch.device):
         self.device = device
         self._generators: dict[str, torch.Generator] = {}
+        self.guides = Guides()
+        self.completed: set[str] = set()  # requests whose grammar the last sample completed
 
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
+        self.guides.forget(request_id)
 
     def _generator(self, req: Request) -> torch.Generator | None:
         if req.params.seed is None:
@@ -32,6 +37,7 @@ class Sampler:
         self, logits: torch.Tensor, reqs: list[Request]
     ) -> tuple[list[int], list[TokenLogprob | None]]:
         """logits: [N, vocab] float32, one row per request -> token ids and optional logprobs."""
+        self.completed = set()
         if not reqs:  # a step of prefill chunks that all stop short of their prompt's end
             return [], []
         raw = logits
@@ -40,13 +46,19 @@ class Sampler:
             for i, r in enumerate(reqs)
             if r.params.adjusts_logits or r.num_output_tokens < r.params.min_tokens
         ]
-        if adjust:
+        constrained = any(r.params.constrained for r in reqs)
+        if adjust or constrained:
             logits = logits.clone()
+        if adjust:
             _adjust(logits, [(i, reqs[i]) for i in adjust])
+        if constrained:
+            self.guides.mask(logits, reqs)
         if all(r.params.greedy for r in reqs):
             tokens = logits.argmax(dim=-1).tolist()
         else:
             tokens = [self._sample_row(logits[i], r) for i, r in enumerate(reqs)]
+        if constrained:
+            self.completed = self.guides.accept(reqs, tokens)
         return tokens, self._logprobs(raw, tokens, reqs)
 
     def _sample_row(self, row: torch.Tensor, r: Request) -> int:

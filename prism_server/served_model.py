@@ -50,6 +50,7 @@ class ServedModel:
     vocab_size: int = 0
     eos_token_ids: frozenset[int] = frozenset()
     error: str | None = None  # why it failed to load
+    grammars: object | None = None  # its structured-output compiler (prism_server.grammar)
 
     @property
     def name(self) -> str:
@@ -98,6 +99,10 @@ class ServedModel:
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids)
+
+    def compile_grammar(self, spec):
+        """A request's structured output compiled for this model (takes a while: off the loop)."""
+        return self.grammars.compile(spec)
 
     def check_params(self, params) -> None:
         """Token ids the sampling parameters name (stop_token_ids, logit_bias) exist."""

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: int = 0  # lower is served first among requests with equal deadlines (vLLM's)
+    # structured output: a compiled grammar (opaque here; the sampler masks the logits with it)
+    grammar: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         if self.max_tokens < 1:
@@ -46,6 +49,8 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty")
         if not 0 < self.repetition_penalty <= 2:
             raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if self.grammar is not None and self.min_tokens:
+            raise ValueError("min_tokens cannot be combined with structured output")
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         for tok, bias in self.logit_bias:
@@ -67,6 +72,11 @@ class SamplingParams:
         """Whether the sampler changes this request's logits before choosing (bias, penalties;
         min_tokens is per step)."""
         return self.needs_penalties or self.repetition_penalty != 1.0 or bool(self.logit_bias)
+
+    @property
+    def constrained(self) -> bool:
+        """Whether a grammar constrains the output."""
+        return self.grammar is not None
 
     @property
     def token_ids(self) -> tuple[int, ...]:

@@ -114,8 +114,9 @@ class OpenAIRoutes:
         messages = req.chat_messages()
         ids = await serving.off_loop(lambda: served.encode_chat(messages))
         max_tokens = serving.check(served, len(ids), req.requested_max_tokens)
+        grammar = await serving.compile_grammar(served, req)
         choices = serving.submit_choices(
-            self.frontend, served, [ids], [max_tokens], req, req.num_logprobs
+            self.frontend, served, [ids], [max_tokens], req, req.num_logprobs, grammar
         )
         rid = serving.response_id(request, "chatcmpl")
         fmt = LogprobFormatter(served.tokenizer)
@@ -128,8 +129,9 @@ class OpenAIRoutes:
         raw = req.prompts()
         prompts = await serving.off_loop(lambda: [served.encode(p) for p in raw])
         max_tokens = [serving.check(served, len(p), req.requested_max_tokens) for p in prompts]
+        grammar = await serving.compile_grammar(served, req)
         choices = serving.submit_choices(
-            self.frontend, served, prompts, max_tokens, req, req.logprobs
+            self.frontend, served, prompts, max_tokens, req, req.logprobs, grammar
         )
         rid = serving.response_id(request, "cmpl")
         fmt = LogprobFormatter(served.tokenizer)

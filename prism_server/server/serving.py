@@ -110,6 +110,13 @@ async def off_loop(fn):
         raise rejected(e) from None
 
 
+async def compile_grammar(served: ServedModel, req):
+    """The request's structured output compiled for the model (off the loop; 400 if it cannot
+    be), or None when it asks for none."""
+    spec = req.grammar_spec()
+    return None if spec is None else await off_loop(lambda: served.compile_grammar(spec))
+
+
 def check(served: ServedModel, prompt_len: int, max_tokens: int | None) -> int:
     try:
         return served.check(prompt_len, max_tokens)
@@ -139,8 +146,10 @@ def submit_choices(
     max_tokens: list[int],
     req,
     logprobs: int | None,
+    grammar=None,
 ) -> list[Choice]:
-    """n choices per prompt, submitted together: all accepted, or none (503 frees the rest)."""
+    """n choices per prompt, submitted together: all accepted, or none (503 frees the rest).
+    grammar: the compiled structured output (`compile_grammar`), None for free text."""
     frontend.check_batch(served, len(prompts) * req.n)
     try:
         served.check_params(req.sampling_params(max_tokens[0], logprobs))
@@ -150,7 +159,7 @@ def submit_choices(
     try:
         for p_i, ids in enumerate(prompts):
             for j in range(req.n):
-                params = req.sampling_params(max_tokens[p_i], logprobs, index=j)
+                params = req.sampling_params(max_tokens[p_i], logprobs, index=j, grammar=grammar)
                 stream = frontend.submit(served, ids, params)
                 completion = Completion(ids, arrival_time=stream.arrival)
                 choices.append(Choice(p_i * req.n + j, stream, completion))

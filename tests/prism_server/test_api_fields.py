@@ -55,9 +55,7 @@ def test_repetition_penalty_and_min_p_change_what_is_sampled(server):
     [
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({"tool_choice": "required"}, "tool_choice"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"functions": [{"name": "f"}]}, "functions"),
-        ({"guided_json": {"type": "object"}}, "guided_json"),
         ({"modalities": ["text", "audio"]}, "modalities"),
         ({"logit_bias": {"abc": 1}}, "logit_bias"),
         ({"logit_bias": {"5": 101}}, "logit_bias"),
