@@ -331,8 +331,6 @@ class CompletionRequest(_SamplingFields):
                 "best_of is only supported equal to n (each choice is returned).",
                 param="best_of",
             )
-        if self.suffix:
-            raise APIError(400, "suffix is not supported by this server.", param="suffix")
         if self.echo and self.logprobs is not None:
             raise APIError(
                 400, "echo with logprobs (prompt logprobs) is not supported.", param="echo"

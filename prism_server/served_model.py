@@ -9,6 +9,13 @@ from dataclasses import dataclass
 
 from prism_server.config import ModelSpec
 
+# fill-in-the-middle markers (prefix, suffix, middle) by tokenizer family: StarCoder / SantaCoder /
+# DeepSeek-Coder-V2 style, and Qwen2.5-Coder style; a prompt is prefix, suffix, then middle (PSM)
+FIM_MARKERS = (
+    ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
+    ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),
+)
+
 
 class RequestRejected(ValueError):
     """A request this model can never run, with the request field to blame."""
@@ -73,6 +80,25 @@ class ServedModel:
         if any(not 0 <= t < self.vocab_size for t in prompt):
             raise RequestRejected(f"Token ids must be in [0, {self.vocab_size}).", "prompt")
         return list(prompt)
+
+    @property
+    def fim_markers(self) -> tuple[str, str, str] | None:
+        """This tokenizer's fill-in-the-middle markers, or None if it has none."""
+        vocab = self.tokenizer.get_vocab()
+        return next((m for m in FIM_MARKERS if all(t in vocab for t in m)), None)
+
+    def encode_fim(self, prompt: str | list[int], suffix: str) -> list[int]:
+        """A completion between `prompt` and `suffix` (prefix, suffix, middle), tokenized."""
+        markers = self.fim_markers
+        if markers is None:
+            raise RequestRejected(
+                f"The model `{self.name}` has no fill-in-the-middle tokens, which suffix needs.",
+                "suffix",
+            )
+        if not isinstance(prompt, str):
+            raise RequestRejected("suffix needs a text prompt, not token ids.", "suffix")
+        pre, suf, mid = markers
+        return self.encode(f"{pre}{prompt}{suf}{suffix}{mid}")
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)

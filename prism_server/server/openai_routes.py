@@ -127,7 +127,13 @@ class OpenAIRoutes:
         req = await serving.parse(request, CompletionRequest)
         served = serving.lookup(self.engine, req.model)
         raw = req.prompts()
-        prompts = await serving.off_loop(lambda: [served.encode(p) for p in raw])
+        if req.suffix:  # fill in the middle, between each prompt and the suffix
+
+            def encode(p):
+                return served.encode_fim(p, req.suffix)
+        else:
+            encode = served.encode
+        prompts = await serving.off_loop(lambda: [encode(p) for p in raw])
         max_tokens = [serving.check(served, len(p), req.requested_max_tokens) for p in prompts]
         grammar = await serving.compile_grammar(served, req)
         choices = serving.submit_choices(

@@ -140,3 +140,26 @@ def test_logprob_bytes_are_each_tokens_raw_bytes(server, model):
     assert b"".join(token_bytes(tok, i) for i in ids) == text.encode()
     partial = [i for i in ids if "\ufffd" in tok.decode([i])]
     assert model != CHAT or partial  # SmolLM2 splits a character: decoded text cannot say it
+
+
+def test_suffix_fills_in_the_middle_where_the_tokenizer_has_the_markers(server):
+    import copy
+
+    from prism_server.config import ModelSpec
+    from prism_server.served_model import RequestRejected, ServedModel
+
+    r = post(server, "/v1/completions", {"model": CHAT, "prompt": "def f():", "suffix": "end"})
+    assert r.status_code == 400 and "fill-in-the-middle" in r.json()["error"]["message"], r.text
+    plain = server.engine.served[CHAT]
+    tok = copy.deepcopy(plain.tokenizer)
+    tok.add_special_tokens(
+        {"additional_special_tokens": ["<fim_prefix>", "<fim_suffix>", "<fim_middle>"]}
+    )
+    fim = ServedModel(ModelSpec("coder", CHAT), tokenizer=tok, vocab_size=len(tok))
+    ids = fim.encode_fim("def f():\n    ", "\n    return x")
+    pre, suf, mid = tok.convert_tokens_to_ids(["<fim_prefix>", "<fim_suffix>", "<fim_middle>"])
+    assert ids[-1] == mid and ids.index(pre) < ids.index(suf) < ids.index(mid)
+    assert tok.decode(ids[ids.index(pre) + 1 : ids.index(suf)]) == "def f():\n    "
+    assert tok.decode(ids[ids.index(suf) + 1 : -1]) == "\n    return x"
+    with pytest.raises(RequestRejected, match="text prompt"):
+        fim.encode_fim([1, 2, 3], "x")
