@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 
 from models.gguf_tensors import GGUF_ARCHS, MODEL_TYPE_ARCHS, GgufTensorMap
 
-CONVERTER_VERSION = 1  # bump when the output changes, so stale caches are rebuilt
+CONVERTER_VERSION = 2  # bump when the output changes, so stale caches are rebuilt
 SHARD_BYTES = 2 << 30  # float32 bytes per safetensors shard
 STALE_TEMP_S = 3600.0  # a conversion temp dir untouched this long belongs to a dead process
 _INFO_FILE = "prism_gguf.json"
@@ -58,7 +58,7 @@ def convert_gguf(path: str | Path, cache_root: str | Path) -> Path:
         reader = _open(path)
         with _shared_reader(path, reader):
             _write_config(path, tmp)
-            _write_tokenizer(path, tmp)
+            _write_tokenizer(path, tmp, reader)
         _write_weights(reader, tmp)
         info = {"source": str(path.resolve()), "converter_version": CONVERTER_VERSION}
         (tmp / _INFO_FILE).write_text(json.dumps(info, indent=2))
@@ -170,13 +170,40 @@ def _write_config(path: Path, out: Path) -> None:
     config.save_pretrained(out)
 
 
-def _write_tokenizer(path: Path, out: Path) -> None:
+# llama.cpp's token types: CONTROL marks the chat and format markers (<start_of_turn>, <unused0>)
+_CONTROL = 3
+# markers that GGUF files type as user-defined although the model's own tokenizer marks them
+# special (Gemma 3's image markers): typed so, they would show up in text
+_MARKERS = frozenset({"<start_of_image>", "<end_of_image>", "<image_soft_token>"})
+
+
+def _special_tokens(reader: gguf.GGUFReader) -> list[str]:
+    """The tokens the GGUF marks as control tokens, plus the known markers it has."""
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    types = reader.fields.get("tokenizer.ggml.token_type")
+    if tokens is None or types is None:
+        return []
+    names = (bytes(tokens.parts[i]).decode("utf-8", "replace") for i in tokens.data)
+    kinds = (int(types.parts[i][0]) for i in types.data)
+    return [n for n, k in zip(names, kinds) if k == _CONTROL or n in _MARKERS]
+
+
+def _write_tokenizer(path: Path, out: Path, reader: gguf.GGUFReader) -> None:
     from transformers import AutoTokenizer
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     except Exception as e:  # as above
         raise ValueError(f"{path}: cannot build a tokenizer from the GGUF metadata: {e!r}") from e
+    # transformers' GGUF import leaves control tokens ordinary, so skip_special_tokens would keep
+    # them in text: mark them special (same ids, the vocabulary does not grow)
+    size, vocab, known = len(tokenizer), tokenizer.get_vocab(), set(tokenizer.all_special_tokens)
+    extra = [t for t in _special_tokens(reader) if t in vocab and t not in known]
+    if extra:
+        tokenizer.add_special_tokens(
+            {"additional_special_tokens": extra}, replace_extra_special_tokens=False
+        )
+        assert len(tokenizer) == size, "marking tokens special must not add any"
     tokenizer.save_pretrained(out)
 
 

@@ -510,3 +510,19 @@ def test_embedded_smollm2_converts_like_transformers(tmp_path):
     tok = load_tokenizer(out)
     assert tok.chat_template and "<|im_start|>" in tok.chat_template
     assert ModelConfig.from_hf(hf_cfg).tie_word_embeddings
+
+
+def test_the_embedded_gemmas_control_and_image_markers_are_special():
+    """The GGUF's control tokens and Gemma's image markers are special after conversion, so
+    skip_special_tokens keeps them out of text; the vocabulary and plain tokens are unchanged."""
+    from models.loader import model_dir
+    from models.tokenizer import load_tokenizer
+    from prism_server import envs
+
+    tok = load_tokenizer(model_dir(ModelSource.parse("gemma3-270m"), envs.gguf_cache_dir()))
+    assert len(tok) == 262144
+    image, turn, table = tok.convert_tokens_to_ids(["<start_of_image>", "<end_of_turn>", "<table>"])
+    text = tok.decode([image, 2000, turn, table], skip_special_tokens=True)
+    assert "<start_of_image>" not in text and "<end_of_turn>" not in text and "<table>" in text
+    assert tok.decode([image], skip_special_tokens=False) == "<start_of_image>"
+    assert tok("<start_of_turn>user").input_ids[1] == tok.convert_tokens_to_ids("<start_of_turn>")
