@@ -106,7 +106,7 @@ class Guides:
 
     def mask(self, logits: torch.Tensor, reqs) -> None:
         """In place: each constrained row keeps only the tokens its grammar allows next."""
-        rows = [i for i, r in enumerate(reqs) if r.params.grammar is not None]
+        rows = [i for i, r in enumerate(reqs) if r.params.constrained]
         if not rows:
             return
         import xgrammar as xgr
@@ -123,7 +123,7 @@ class Guides:
         complete (their output must end). A token the grammar refuses raises."""
         done = set()
         for r, tok in zip(reqs, tokens):
-            if r.params.grammar is None:
+            if not r.params.constrained:
                 continue
             m = self._matcher(r)
             if not m.accept_token(tok):

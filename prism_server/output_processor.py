@@ -48,12 +48,8 @@ class OutputProcessor:
         complete: the request's grammar is complete with this token (its output ends)."""
         req.append_token(tok)
         reason, visible = self._token_stop(req, tok)
-        if complete and reason is None:  # the grammar's end: its stop token is not text
-            p = req.params
-            reason, visible = (
-                FinishReason.STOP,
-                tok not in req.eos_token_ids | set(p.stop_token_ids),
-            )
+        if complete and reason is None:  # the grammar's end (under ignore_eos): EOS is not text
+            reason, visible = FinishReason.STOP, tok not in req.eos_token_ids
         st = self._state(req)
         new = st.detok.step([tok]) if visible else ""
         if reason is not None:

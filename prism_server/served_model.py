@@ -5,6 +5,7 @@ that applies the chat template, one length check (CLI and server share them)."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from prism_server.config import ModelSpec
@@ -81,9 +82,10 @@ class ServedModel:
             raise RequestRejected(f"Token ids must be in [0, {self.vocab_size}).", "prompt")
         return list(prompt)
 
-    @property
+    @functools.cached_property
     def fim_markers(self) -> tuple[str, str, str] | None:
-        """This tokenizer's fill-in-the-middle markers, or None if it has none."""
+        """This tokenizer's fill-in-the-middle markers, or None if it has none (looked up once:
+        a vocabulary's dict takes a while to build)."""
         vocab = self.tokenizer.get_vocab()
         return next((m for m in FIM_MARKERS if all(t in vocab for t in m)), None)
 
