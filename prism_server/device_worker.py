@@ -329,7 +329,10 @@ class DeviceWorker:
         is at most what the pool could give if every other model's KV pages and every idle
         model's weights came back."""
         a = m.kv.allocator
-        first = next((r for r in m.scheduler.waiting if r.first_scheduled_time is None), None)
+        waiting = m.scheduler.waiting
+        first = next((r for r in waiting if r.first_scheduled_time is None), None)
+        if first is None and waiting:  # a preempted request's recompute
+            first = waiting[0]
         blocks = m.scheduler.blocks_needed(first.num_tokens + 1) if first is not None else 1
         need = -(-max(blocks - a.num_free_blocks, 0) // a.bpp)
         if m.residency is Residency.OFFLOADED:
@@ -355,12 +358,22 @@ class DeviceWorker:
         if m in starved and m.name != self._taker:
             return  # its turn comes when the taker's new work runs
         keep = frozenset({m.name, self._taker} - {None})
-        if self.make_room(lambda: False, now, keep, m.name, limit=1, stalled=True):
+        # a stalled model (all its requests wait for memory) goes for the taker, or for another
+        # stalled model when no one takes (two must not wait for each other forever); not for a
+        # running request's growth: the evicted model took the memory back as the next taker
+        stalled = m.name == self._taker or (self._taker is None and not m.scheduler.running)
+        if self.make_room(lambda: False, now, keep, m.name, limit=1, stalled=stalled):
             return
-        if m not in starved:  # a recompute or a running request's growth: no preemption
-            return
+        if m not in starved or not m.scheduler.has_new_work:
+            return  # a recompute or a running request's growth: no preemption
+        # a request is preempted for another model's new work once at most: takers in turn
+        # preempting each other's requests would never finish any
         victims = [
-            (r, o) for o in serving if o is not m and o not in starved for r in o.scheduler.running
+            (r, o)
+            for o in serving
+            if o is not m and o not in starved
+            for r in o.scheduler.running
+            if r.num_preemptions == 0
         ]
         if not victims:
             return
