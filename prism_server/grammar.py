@@ -27,8 +27,9 @@ _NOISE = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*(Check failed: \(.*?\) is false: 
 @dataclass(frozen=True)
 class GrammarSpec:
     """What a request constrains its output to. kind: "json" (any JSON object), "json_schema",
-    "regex", "choice" (one of `choices`) or "ebnf"; source: the schema (JSON text), the
-    regex or the grammar; param: the request field it came from (named in errors)."""
+    "regex", "choice" (one of `choices`), "ebnf" or "tools"; source: the schema (JSON text),
+    the regex, the grammar, or for tools the format, tools and tool_choice (JSON text);
+    param: the request field it came from (named in errors)."""
 
     kind: str
     source: str = ""
@@ -81,10 +82,66 @@ class Grammars:
                 )
             if spec.kind == "ebnf":
                 return c.compile_grammar(spec.source)
+            if spec.kind == "tools":
+                return c.compile_structural_tag(_tool_tag(json.loads(spec.source)))
         except Exception as e:  # xgrammar raises RuntimeError/ValueError with the parser's message
             msg = f"The {spec.param} cannot be compiled: {_message(e)}"
             raise RequestRejected(msg, spec.param) from None
         raise ValueError(f"unknown grammar kind {spec.kind!r}")
+
+
+def _tool_tag(spec: dict):
+    """xgrammar's structural tag for tool calls in a model's format: free text and calls whose
+    arguments follow each function's schema (auto), one call or more (required), or the named
+    function's call alone."""
+    import xgrammar as xgr
+
+    tag = xgr.get_model_structural_tag(
+        spec["format"],
+        tools=spec["tools"],
+        tool_choice=spec["tool_choice"],
+        reasoning="disabled",
+        parallel_tool_calls=spec["parallel_tool_calls"],
+    )
+    return _rewrite(tag, _tighten)
+
+
+def _tighten(node):
+    """Two changes to xgrammar's tool-call tags. Each JSON-schema part becomes its grammar
+    without free whitespace (the layout of json.dumps), as response_format has it: the tag's
+    own allows any whitespace, and a small model fills it with spaces. And calls that must come
+    (required) come alone, one per line: the tag lets free text follow them, which a small model
+    writes until max_tokens."""
+    import xgrammar as xgr
+    from xgrammar.structural_tag import (
+        GrammarFormat,
+        JSONSchemaFormat,
+        TagsWithSeparatorFormat,
+        TriggeredTagsFormat,
+    )
+
+    if isinstance(node, JSONSchemaFormat) and node.style == "json":
+        schema = json.dumps(node.json_schema)
+        grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=False)
+        return GrammarFormat(grammar=str(grammar))
+    if isinstance(node, TriggeredTagsFormat) and node.at_least_one:
+        return TagsWithSeparatorFormat(
+            tags=node.tags,
+            separator="\n",
+            at_least_one=True,
+            stop_after_first=node.stop_after_first,
+        )
+    return node
+
+
+def _rewrite(node, fn):
+    """A pydantic tree with fn applied bottom-up to every node."""
+    if isinstance(node, list):
+        return [_rewrite(x, fn) for x in node]
+    fields = getattr(type(node), "model_fields", None)
+    if fields is not None:
+        node = node.model_copy(update={k: _rewrite(getattr(node, k), fn) for k in fields})
+    return fn(node)
 
 
 class Guides:

@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from prism_server import tools
 from prism_server.completion import Completion
 from prism_server.grammar import GrammarSpec
 from scheduler.request import FinishReason, RequestOutput, TokenLogprob
@@ -88,6 +89,23 @@ class ChatMessage(BaseModel):
         return "".join(p.text for p in self.content)
 
 
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    def schema(self) -> dict[str, Any]:
+        return self.parameters if self.parameters is not None else {"type": "object"}
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: FunctionDef
+
+
 class _SamplingFields(BaseModel):
     """Fields shared by chat and completions requests (OpenAI's, then vLLM's extensions)."""
 
@@ -123,8 +141,6 @@ class _SamplingFields(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None  # EBNF
-    tools: list[Any] | None = None
-    tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
     prediction: Any = None
@@ -168,8 +184,6 @@ class _SamplingFields(BaseModel):
                 400, "stream_options is only allowed when stream is true.", param="stream_options"
             )
         unsupported = {
-            "tools": bool(self.tools),
-            "tool_choice": self.tool_choice not in (None, "none"),
             "functions": bool(self.functions),
             "function_call": self.function_call not in (None, "none"),
             "prediction": self.prediction is not None,
@@ -282,6 +296,9 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     max_completion_tokens: int | None = Field(None, ge=1)
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: str | dict[str, Any] | None = None  # none, auto, required, or a function
+    parallel_tool_calls: bool | None = None
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -293,23 +310,128 @@ class ChatCompletionRequest(_SamplingFields):
             raise APIError(
                 400, "top_logprobs is only allowed when logprobs is true.", param="top_logprobs"
             )
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) < len(names):
+            raise APIError(400, "Tool function names must be unique.", param="tools")
+        choice = self.tool_choice
+        if choice not in (None, "none") and not self.tools:
+            raise APIError(
+                400, "tool_choice is only allowed when tools are specified.", param="tool_choice"
+            )
+        if choice not in (None, "none", "auto", "required"):
+            fn = choice.get("function") if isinstance(choice, dict) else None
+            name = fn.get("name") if isinstance(fn, dict) else None
+            if not isinstance(name, str) or choice.get("type") != "function":
+                raise APIError(
+                    400,
+                    'tool_choice must be "none", "auto", "required" or '
+                    '{"type": "function", "function": {"name": ...}}.',
+                    param="tool_choice",
+                )
+            if name not in names:
+                raise APIError(
+                    400, f"tool_choice names `{name}`, which is not in tools.", param="tool_choice"
+                )
+        if self.calls_tools and super().grammar_spec() is not None:
+            raise APIError(
+                400,
+                "Tool calling cannot be combined with response_format or guided decoding.",
+                param="tools",
+            )
+        if self.calls_tools and self.min_tokens:
+            raise APIError(
+                400, "min_tokens cannot be combined with tool calling.", param="min_tokens"
+            )
 
     @property
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def chat_messages(self) -> list[dict[str, str]]:
+    @property
+    def calls_tools(self) -> bool:
+        """Whether the model may call the request's tools (they are given, tool_choice not none)."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def uses_tools(self) -> bool:
+        """Whether the prompt needs a template that knows tools (tools, or calls in the history)."""
+        return bool(self.tools) or any(m.role == "tool" or m.tool_calls for m in self.messages)
+
+    def tool_defs(self) -> list[dict[str, Any]] | None:
+        """The tools as chat templates take them (None when the model may not call them)."""
+        if not self.calls_tools:
+            return None
+        return [
+            {"type": "function", "function": t.function.model_dump(exclude_none=True)}
+            for t in self.tools
+        ]
+
+    def grammar_spec(self, tool_format: str | None = None) -> GrammarSpec | None:
+        """The structured output, or with tools the grammar of the model's tool-call format
+        (`tool_format`) for tool_choice auto, required or the named function."""
+        if not self.calls_tools or tool_format is None:
+            return super().grammar_spec()
+        choice = self.tool_choice or "auto"
+        tools = [{"type": "function", "function": t.function.model_dump()} for t in self.tools]
+        for t in tools:
+            t["function"]["parameters"] = t["function"]["parameters"] or {"type": "object"}
+        spec = {
+            "format": tool_format,
+            "tools": tools,
+            "tool_choice": choice,
+            "parallel_tool_calls": self.parallel_tool_calls is not False,
+        }
+        return GrammarSpec("tools", json.dumps(spec), param="tools")
+
+    def chat_messages(self) -> list[dict[str, Any]]:
+        """The messages as chat templates take them: text content; an assistant's tool calls
+        with their arguments as objects; a tool result with its call's id."""
+        out: list[dict[str, Any]] = []
         for i, m in enumerate(self.messages):
-            if m.role == "tool" or m.tool_calls:
-                raise APIError(
-                    400,
-                    "tool calls and tool messages are not supported by this server.",
-                    param=f"messages.{i}",
-                )
+            try:
+                msg: dict[str, Any] = {"role": m.role, "content": m.text()}
+            except ValueError as e:
+                raise APIError(400, str(e), param=f"messages.{i}.content") from None
+            if m.tool_calls:
+                if m.role != "assistant":
+                    raise APIError(
+                        400, "Only assistant messages carry tool_calls.", param=f"messages.{i}"
+                    )
+                msg["tool_calls"] = [
+                    _history_call(c, f"messages.{i}.tool_calls.{j}")
+                    for j, c in enumerate(m.tool_calls)
+                ]
+            if m.role == "tool":
+                if not m.tool_call_id:
+                    raise APIError(
+                        400,
+                        "A tool message needs the tool_call_id it answers.",
+                        param=f"messages.{i}.tool_call_id",
+                    )
+                msg["tool_call_id"] = m.tool_call_id
+            if m.name is not None:
+                msg["name"] = m.name
+            out.append(msg)
+        return out
+
+
+def _history_call(call: Any, param: str) -> dict[str, Any]:
+    """An assistant's earlier tool call, its arguments (JSON text on the wire) as an object."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise APIError(400, "A tool call needs function.name.", param=param)
+    args = fn.get("arguments") or "{}"
+    if isinstance(args, str):
         try:
-            return [{"role": m.role, "content": m.text()} for m in self.messages]
-        except ValueError as e:
-            raise APIError(400, str(e), param="messages") from None
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            raise APIError(
+                400, "A tool call's arguments must be JSON text.", param=f"{param}.function"
+            ) from None
+    out = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
+    if isinstance(call.get("id"), str):
+        out["id"] = call["id"]
+    return out
 
 
 Prompt = str | list[str] | list[int] | list[list[int]]
@@ -365,6 +487,7 @@ class TokenizeRequest(BaseModel):
     model: str
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = None  # with messages: the tools the template describes
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
     add_generation_prompt: bool = True
     return_token_strs: bool = False
@@ -513,13 +636,29 @@ class _Shapes:
         """Choices sent before any output (may be none)."""
         return []
 
-    def delta(self, index: int, c: Completion, out: RequestOutput) -> dict: ...
+    def delta(self, index: int, c: Completion, out: RequestOutput) -> dict | None:
+        """The choice's delta for `out` (already folded into `c`); None: nothing to send yet."""
 
     def whole(self, index: int, c: Completion) -> dict: ...
 
 
 class ChatShapes(_Shapes):
     object, chunk_object = "chat.completion", "chat.completion.chunk"
+
+    def __init__(
+        self,
+        rid: str,
+        model: str,
+        fmt: LogprobFormatter,
+        logprobs: bool,
+        tool_format: str | None = None,
+        parallel_tool_calls: bool = True,
+    ):
+        """tool_format: the model's tool-call format when the request lets it call tools (its
+        output is parsed into tool calls), else None."""
+        super().__init__(rid, model, fmt, logprobs)
+        self.tool_format, self.parallel = tool_format, parallel_tool_calls
+        self._streams: dict[int, tools.ToolCallStream] = {}
 
     def first(self, indices: list[int]) -> list[dict]:
         return [
@@ -532,22 +671,60 @@ class ChatShapes(_Shapes):
             for i in indices
         ]
 
-    def delta(self, index: int, c: Completion, out: RequestOutput) -> dict:
+    def delta(self, index: int, c: Completion, out: RequestOutput) -> dict | None:
         lp = self.fmt.chat(out.logprobs) if self.logprobs and out.logprobs else None
+        delta: dict[str, Any] = {"content": out.new_text} if out.new_text else {}
+        called = False
+        if self.tool_format is not None:
+            stream = self._streams.get(index)
+            if stream is None:
+                stream = self._streams[index] = tools.ToolCallStream(
+                    self.tool_format, self.parallel
+                )
+            d = stream.feed(c.text, out.finished)
+            delta = {"content": d.content} if d.content else {}
+            if d.calls:
+                delta["tool_calls"] = d.calls
+            called = stream.called
+            if not (delta or lp or out.finished):
+                return None  # held back: what came may start a call
         return {
             "index": index,
-            "delta": {"content": out.new_text} if out.new_text else {},
+            "delta": delta,
             "logprobs": lp,
-            "finish_reason": finish_reason(out.finish_reason) if out.finished else None,
+            "finish_reason": _chat_finish(out.finish_reason, called) if out.finished else None,
         }
 
     def whole(self, index: int, c: Completion) -> dict:
+        message: dict[str, Any] = {"role": "assistant", "content": c.text}
+        calls: list[dict] = []
+        if self.tool_format is not None:
+            p = tools.parse(c.text, self.tool_format, final=True, parallel=self.parallel)
+            calls = [
+                {
+                    "id": tools.new_call_id(),
+                    "type": "function",
+                    "function": {"name": call.name, "arguments": call.arguments},
+                }
+                for call in p.calls
+                if call.name is not None
+            ]
+            message = {"role": "assistant", "content": p.content or None}
+            if calls:
+                message["tool_calls"] = calls
         return {
             "index": index,
-            "message": {"role": "assistant", "content": c.text},
+            "message": message,
             "logprobs": self.fmt.chat(c.logprobs) if self.logprobs else None,
-            "finish_reason": finish_reason(c.finish_reason),
+            "finish_reason": _chat_finish(c.finish_reason, bool(calls)),
         }
+
+
+def _chat_finish(reason: FinishReason | None, called: bool) -> str | None:
+    """A chat choice's finish_reason: "tool_calls" when it ended by calling tools."""
+    if called and reason is FinishReason.STOP:
+        return "tool_calls"
+    return finish_reason(reason)
 
 
 class CompletionShapes(_Shapes):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from prism_server import tools
 from prism_server.config import ModelSpec
 
 # fill-in-the-middle markers (prefix, suffix, middle) by tokenizer family: StarCoder / SantaCoder /
@@ -105,19 +106,44 @@ class ServedModel:
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
 
+    @functools.cached_property
+    def tool_format(self) -> str | None:
+        """The tool-call format its chat template speaks ("qwen_3", "llama"; prism_server.tools),
+        or None if Prism cannot call tools through it."""
+        found = tools.tool_format(getattr(self.tokenizer, "chat_template", None))
+        return found[0] if found else None
+
     def encode_chat(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tool_defs: list[dict] | None = None,
+        with_tools: bool = False,
     ) -> list[int]:
-        """The chat template applied (with the generation prompt) and tokenized."""
+        """The chat template applied (with the generation prompt) and tokenized. with_tools: the
+        prompt has tools (`tool_defs`, None when they may not be called) or tool calls in its
+        history, so the template must know them (400 for a model whose template does not)."""
         if not self.has_chat_template:
             raise RequestRejected(
                 f"The model `{self.name}` has no chat template; use /v1/completions for it.",
                 "model",
             )
         tok = self.tokenizer
+        template = None
+        if with_tools:
+            found = tools.tool_format(tok.chat_template)
+            if found is None:
+                raise RequestRejected(
+                    f"The model `{self.name}` has no tool-calling chat template.", "tools"
+                )
+            template = found[1]
         try:
             text = tok.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=False
+                messages,
+                tools=tool_defs,
+                chat_template=template,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=False,
             )
         except Exception as e:  # jinja errors: roles the template refuses, etc.
             raise RequestRejected(

@@ -71,11 +71,14 @@ class OpenAIRoutes:
         req = await serving.parse(request, TokenizeRequest)
         served = serving.lookup(self.engine, req.model)
         if req.messages is not None:
-            messages = ChatCompletionRequest.model_construct(messages=req.messages).chat_messages()
+            chat = ChatCompletionRequest.model_construct(messages=req.messages, tools=req.tools)
+            messages, tool_defs = chat.chat_messages(), chat.tool_defs()
             special = bool(req.add_special_tokens)
 
             def encode() -> list[int]:
-                ids = served.encode_chat(messages, req.add_generation_prompt)
+                ids = served.encode_chat(
+                    messages, req.add_generation_prompt, tool_defs, chat.uses_tools
+                )
                 if special and served.tokenizer.bos_token_id is not None:
                     ids = [served.tokenizer.bos_token_id, *ids]
                 return ids
@@ -112,15 +115,25 @@ class OpenAIRoutes:
         req = await serving.parse(request, ChatCompletionRequest)
         served = serving.lookup(self.engine, req.model)
         messages = req.chat_messages()
-        ids = await serving.off_loop(lambda: served.encode_chat(messages))
+        ids = await serving.off_loop(
+            lambda: served.encode_chat(messages, True, req.tool_defs(), req.uses_tools)
+        )
         max_tokens = serving.check(served, len(ids), req.requested_max_tokens)
-        grammar = await serving.compile_grammar(served, req)
+        tool_format = served.tool_format if req.calls_tools else None
+        grammar = await serving.compile_grammar(served, req, tool_format)
         choices = serving.submit_choices(
             self.frontend, served, [ids], [max_tokens], req, req.num_logprobs, grammar
         )
         rid = serving.response_id(request, "chatcmpl")
         fmt = LogprobFormatter(served.tokenizer)
-        shapes = ChatShapes(rid, req.model, fmt, req.num_logprobs is not None)
+        shapes = ChatShapes(
+            rid,
+            req.model,
+            fmt,
+            req.num_logprobs is not None,
+            tool_format,
+            req.parallel_tool_calls is not False,
+        )
         return await serving.respond(request, req, choices, shapes, len(ids))
 
     async def completions(self, request: web.Request) -> web.StreamResponse:

@@ -110,10 +110,10 @@ async def off_loop(fn):
         raise rejected(e) from None
 
 
-async def compile_grammar(served: ServedModel, req):
-    """The request's structured output compiled for the model (off the loop; 400 if it cannot
-    be), or None when it asks for none."""
-    spec = req.grammar_spec()
+async def compile_grammar(served: ServedModel, req, *args):
+    """The request's structured output (or its tool calls' grammar: args) compiled for the
+    model (off the loop; 400 if it cannot be), or None when it asks for none."""
+    spec = req.grammar_spec(*args)
     return None if spec is None else await off_loop(lambda: served.compile_grammar(spec))
 
 
@@ -267,7 +267,9 @@ async def _send_stream(sse: SSEWriter, req, choices, shapes, prompt_tokens: int,
                 await sse.send(stream_error(f"Generation failed: {out.error}"))
                 continue
         if out.new_text or out.finished or out.logprobs:
-            await sse.send(shapes.chunk([shapes.delta(c.index, c.completion, out)]))
+            delta = shapes.delta(c.index, c.completion, out)
+            if delta is not None:
+                await sse.send(shapes.chunk([delta]))
     if req.include_usage:
         generated = sum(len(c.completion.token_ids) for c in choices)
         await sse.send(shapes.chunk([], usage(prompt_tokens, generated)))
