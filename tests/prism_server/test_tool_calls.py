@@ -294,3 +294,23 @@ def test_a_model_without_a_chat_template_refuses_tools(server):
     body = {"model": "gemma3-270m", "messages": Q, "tools": TOOLS, "max_tokens": 4}
     r = post(server, "/v1/chat/completions", body)
     assert r.status_code == 400 and r.json()["error"]["param"] == "model", r.text
+
+
+def test_litellm_gets_tool_calls(server, monkeypatch):
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no network at import
+    import litellm
+
+    r = litellm.completion(
+        model=f"openai/{CHAT}",
+        api_base=server.url + "/v1",
+        api_key="none",
+        messages=Q,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=60,
+        temperature=0,
+    )
+    (call,) = r.choices[0].message.tool_calls
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    assert r.choices[0].finish_reason == "tool_calls"
