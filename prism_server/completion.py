@@ -19,6 +19,7 @@ class Completion:
     first_token_time: float | None = None
     finish_time: float | None = None
     error: str | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None  # one per prompt token after the first
 
     @property
     def finished(self) -> bool:
@@ -31,5 +32,7 @@ class Completion:
         self.token_ids += out.new_token_ids
         self.text += out.new_text
         self.logprobs += out.logprobs or []
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         if out.finished:
             self.finish_reason, self.finish_time, self.error = out.finish_reason, now, out.error

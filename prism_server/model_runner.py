@@ -27,7 +27,9 @@ from models.attention.flashinfer_paged import (
 )
 from models.attention.torch_paged import TorchPagedAttention
 from prism_server.cuda_graph_runner import DEFAULT_BATCH_SIZES, CudaGraphRunner
+from prism_server.sampler import token_logprobs
 from scheduler.batch_scheduler import ScheduledChunk
+from scheduler.request import Request
 
 AttentionFactory = Callable[[list[torch.Tensor], AttentionMetadata], AttentionBackend]
 
@@ -116,10 +118,14 @@ class ModelRunner:
         return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
 
     @torch.inference_mode()
-    def execute(self, batch: list[ScheduledChunk]) -> torch.Tensor:
+    def execute(
+        self, batch: list[ScheduledChunk], scores: list[tuple[Request, list]] | None = None
+    ) -> torch.Tensor:
         """Runs one step; returns float32 logits [num_sampling_requests, vocab] for the chunks
-        that reach the end of their request's tokens, in batch order. The calling thread has the
-        device current (the device worker sets it once)."""
+        that reach the end of their request's tokens, in batch order. scores: where to put, per
+        request that asks for prompt logprobs, those of the prompt tokens this step's chunk
+        predicts (not yet computed). The calling thread has the device current (the device
+        worker sets it once)."""
         ids: list[int] = []
         positions: list[int] = []
         last: list[int] = []  # index in the flat stream of each sampling chunk's last token
@@ -133,10 +139,43 @@ class ModelRunner:
         md = AttentionMetadata.build(chunks, self.block_size, self.device)
         input_ids, pos = self._device_tensor(ids), self._device_tensor(positions)
         rows = self._device_tensor(last)
-        if self.graphs is not None and self.graphs.can_run(md):
+        spans = _prompt_spans(batch) if scores is not None else []
+        if not spans and self.graphs is not None and self.graphs.can_run(md):
             return self.graphs.run(input_ids, pos, md)[rows]
         ctx = ForwardContext(attn=self.attention(self.kv_cache.layer_views, md))
         hidden = self.model(input_ids, pos, ctx)  # writes this step's K/V, sampling or not
+        for req, flat, lo, hi in spans:
+            scores.append((req, self._score(hidden[flat : flat + hi - lo], req, lo, hi)))
         if not last:
             return hidden.new_empty(0, 0, dtype=torch.float32)
         return self.model.compute_logits(hidden[rows])
+
+    def _score(self, hidden: torch.Tensor, req: Request, lo: int, hi: int) -> list:
+        """The logprobs of prompt tokens lo+1 .. hi, from the hidden states of positions lo ..
+        hi-1 (in slices: a slice's logits are [n, vocab] float32)."""
+        out = []
+        k = req.params.prompt_logprobs
+        for s in range(0, hi - lo, _SCORE_SLICE):
+            logits = self.model.compute_logits(hidden[s : s + _SCORE_SLICE])
+            targets = req.prompt_token_ids[lo + s + 1 : lo + s + 1 + len(logits)]
+            out += token_logprobs(logits, targets, k)
+        return out
+
+
+_SCORE_SLICE = 256  # prompt positions scored at once
+
+
+def _prompt_spans(batch: list[ScheduledChunk]) -> list[tuple[Request, int, int, int]]:
+    """(request, offset in the step's flat tokens, first position, end) of the prompt
+    positions each chunk computes whose next token's logprob its request wants and has not got
+    (a preempted request recomputes positions it scored already)."""
+    spans, flat = [], 0
+    for c in batch:
+        req = c.request
+        if req.params.prompt_logprobs is not None:
+            lo = max(c.start, len(req.prompt_logprobs))
+            hi = min(c.start + c.num_new, req.num_prompt_tokens - 1)
+            if lo < hi:
+                spans.append((req, flat + lo - c.start, lo, hi))
+        flat += c.num_new
+    return spans

@@ -297,7 +297,10 @@ class ModelWorker:
         self.last_used = now
         try:
             t = time.perf_counter()
-            logits = self.runner.execute(batch)
+            scores: list = []
+            logits = self.runner.execute(batch, scores)
+            for req, lps in scores:
+                req.prompt_logprobs += lps
             tokens, logprobs = self.sampler.sample(logits, [c.request for c in batch if c.samples])
             if not tokens and self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()  # nothing sampled: no sync

@@ -68,6 +68,7 @@ class OutputProcessor:
         if reason is not None:
             req.finish_reason = reason
             del self._texts[req.request_id]
+        first = req.num_output_tokens == 1
         return RequestOutput(
             request_id=req.request_id,
             new_token_ids=[tok],
@@ -78,6 +79,11 @@ class OutputProcessor:
             num_prompt_tokens=req.num_prompt_tokens,
             num_output_tokens=req.num_output_tokens,
             first_scheduled_time=req.first_scheduled_time,
+            prompt_logprobs=(
+                list(req.prompt_logprobs)
+                if first and req.params.prompt_logprobs is not None
+                else None
+            ),
         )
 
     def final(self, req: Request, reason: FinishReason, error: str | None = None) -> RequestOutput:

@@ -5,6 +5,7 @@ shapes."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import re
@@ -453,10 +454,6 @@ class CompletionRequest(_SamplingFields):
                 "best_of is only supported equal to n (each choice is returned).",
                 param="best_of",
             )
-        if self.echo and self.logprobs is not None:
-            raise APIError(
-                400, "echo with logprobs (prompt logprobs) is not supported.", param="echo"
-            )
 
     @field_validator("prompt")
     @classmethod
@@ -470,6 +467,13 @@ class CompletionRequest(_SamplingFields):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None, index: int = 0, grammar=None):
+        """With echo and logprobs, the prompt's logprobs too."""
+        p = super().sampling_params(max_tokens, logprobs, index, grammar)
+        if self.echo and logprobs is not None:
+            p = dataclasses.replace(p, prompt_logprobs=logprobs)
+        return p
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -546,19 +550,28 @@ class LogprobFormatter:
             ]
         }
 
-    def completion(self, lps: list[TokenLogprob], text_offset: int) -> dict[str, Any]:
+    def completion(
+        self, lps: list[TokenLogprob | int], text_offset: int, then: dict | None = None
+    ) -> dict[str, Any]:
+        """An int in lps is a token without a logprob (a prompt's first: nothing predicts it).
+        then: logprobs in this form to append (a prompt's, then its completion's)."""
         tokens, offsets = [], []
         for x in lps:
             offsets.append(text_offset)
-            s = self._tok(x.token_id)
+            s = self._tok(x if isinstance(x, int) else x.token_id)
             tokens.append(s)
             text_offset += len(s)
-        return {
+        out = {
             "tokens": tokens,
-            "token_logprobs": [x.logprob for x in lps],
-            "top_logprobs": [{self._tok(t): v for t, v in x.top} for x in lps],
+            "token_logprobs": [None if isinstance(x, int) else x.logprob for x in lps],
+            "top_logprobs": [
+                None if isinstance(x, int) else {self._tok(t): v for t, v in x.top} for x in lps
+            ],
             "text_offset": offsets,
         }
+        for key, values in (then or {}).items():
+            out[key] += values
+        return out
 
 
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
@@ -731,40 +744,64 @@ class CompletionShapes(_Shapes):
     object = chunk_object = "text_completion"
 
     def __init__(
-        self, rid: str, model: str, fmt: LogprobFormatter, logprobs: bool, echo: list[str], n: int
+        self,
+        rid: str,
+        model: str,
+        fmt: LogprobFormatter,
+        logprobs: bool,
+        echo: list[str],
+        n: int,
+        bos_added: list[bool] | None = None,
     ):
+        """echo: per prompt (choice index // n), the text echoed ("" without echo); bos_added:
+        per prompt, whether tokenizing added a BOS (not echoed, so not in the logprobs)."""
         super().__init__(rid, model, fmt, logprobs)
-        self.echo, self.n = echo, n  # echo: per prompt (choice index // n)
+        self.echo, self.n = echo, n
+        self.bos_added = bos_added or [False] * len(echo)
+        self._echoed: set[int] = set()  # streamed choices whose echo went out
 
     def first(self, indices: list[int]) -> list[dict]:
+        if self.logprobs:  # the echo goes out with the prompt's logprobs, in the first delta
+            return []
+        self._echoed.update(indices)
         return [
-            {
-                "index": i,
-                "text": self.echo[i // self.n],
-                "logprobs": None,
-                "finish_reason": None,
-            }
+            {"index": i, "text": self.echo[i // self.n], "logprobs": None, "finish_reason": None}
             for i in indices
             if self.echo[i // self.n]
         ]
 
+    def _logprobs(self, index: int, c: Completion, lps: list[TokenLogprob], offset: int):
+        """The completions logprobs of `lps` at text `offset`, after the prompt's (with echo)."""
+        p = index // self.n
+        if not self.echo[p] or index in self._echoed:
+            return self.fmt.completion(lps, offset)
+        prompt: list[TokenLogprob | int] = list(c.prompt_logprobs or [])
+        if not self.bos_added[p]:  # the prompt's first token: nothing predicts it
+            prompt.insert(0, c.prompt_token_ids[0])
+        tail = self.fmt.completion(lps, offset)
+        return self.fmt.completion(prompt, 0, tail)
+
     def delta(self, index: int, c: Completion, out: RequestOutput) -> dict:
+        echo = "" if index in self._echoed else self.echo[index // self.n]
         lp = None
-        if out.logprobs:
-            lp = self.fmt.completion(out.logprobs, len(c.text) - len(out.new_text))
+        if self.logprobs and (out.logprobs or echo):
+            offset = len(self.echo[index // self.n]) + len(c.text) - len(out.new_text)
+            lp = self._logprobs(index, c, out.logprobs or [], offset)
+        self._echoed.add(index)
         return {
             "index": index,
-            "text": out.new_text,
+            "text": echo + out.new_text,
             "logprobs": lp,
             "finish_reason": finish_reason(out.finish_reason) if out.finished else None,
         }
 
     def whole(self, index: int, c: Completion) -> dict:
         echo = self.echo[index // self.n]
+        lp = self._logprobs(index, c, c.logprobs, len(echo)) if self.logprobs else None
         return {
             "index": index,
             "text": echo + c.text,
-            "logprobs": self.fmt.completion(c.logprobs, len(echo)) if self.logprobs else None,
+            "logprobs": lp,
             "finish_reason": finish_reason(c.finish_reason),
         }
 

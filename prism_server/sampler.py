@@ -99,6 +99,20 @@ class Sampler:
         return out
 
 
+def token_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[TokenLogprob]:
+    """Row i's logprob of targets[i] and its top k alternatives (a prompt's logprobs)."""
+    lp = logits.float().log_softmax(-1)
+    rows = torch.arange(len(targets), device=lp.device)
+    chosen = lp[rows, torch.tensor(targets, device=lp.device)].tolist()
+    if not k:
+        return [TokenLogprob(t, v, []) for t, v in zip(targets, chosen)]
+    top_v, top_i = lp.topk(k, dim=-1)
+    return [
+        TokenLogprob(t, v, list(zip(ids, vals)))
+        for t, v, ids, vals in zip(targets, chosen, top_i.tolist(), top_v.tolist())
+    ]
+
+
 def _token_matrix(rows: list[list[int]], pad: int, device) -> torch.Tensor:
     """[len(rows), longest] int64, padded with `pad` (a column past the vocabulary)."""
     width = max(map(len, rows), default=0)

@@ -47,6 +47,8 @@ class RequestOutput:
     num_output_tokens: int
     error: str | None = None
     first_scheduled_time: float | None = None  # when it first ran
+    # with the first token, if asked for: one per prompt token after the first
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(eq=False)
@@ -71,6 +73,8 @@ class Request:
     tpot_slo: float | None = None
     first_token_time: float | None = None  # when its first output token was sampled
     last_token_time: float | None = None  # when its latest output token was sampled
+    # params.prompt_logprobs: each prompt token's logprob after the first, as prefill computes them
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def __post_init__(self):
         self.all_token_ids = list(self.prompt_token_ids) + self.output_token_ids

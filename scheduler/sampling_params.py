@@ -18,6 +18,7 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None  # None = off; k >= 0 = chosen token plus its top k alternatives
+    prompt_logprobs: int | None = None  # the same for each prompt token after the first
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0  # > 1 discourages every token of the prompt and output
@@ -40,8 +41,10 @@ class SamplingParams:
             raise ValueError(f"top_k must be non-negative (0 disables it), got {self.top_k}")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and not 0 <= k <= 20:
+                raise ValueError(f"{name} must be in [0, 20], got {k}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")

@@ -156,5 +156,9 @@ class OpenAIRoutes:
         fmt = LogprobFormatter(served.tokenizer)
         # echo: the prompt as sent (text as it came, token ids decoded; no BOS added)
         echo = [(p if isinstance(p, str) else served.decode(p)) if req.echo else "" for p in raw]
-        shapes = CompletionShapes(rid, req.model, fmt, req.logprobs is not None, echo, req.n)
+        bos = served.tokenizer.bos_token_id
+        bos_added = [isinstance(p, str) and ids[:1] == [bos] for p, ids in zip(raw, prompts)]
+        shapes = CompletionShapes(
+            rid, req.model, fmt, req.logprobs is not None, echo, req.n, bos_added
+        )
         return await serving.respond(request, req, choices, shapes, sum(map(len, prompts)))

@@ -4,6 +4,8 @@ vLLM's utility endpoints (/tokenize, /detokenize, /version)."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 
@@ -125,8 +127,48 @@ def test_echo_returns_the_prompt_as_sent_without_bos(server):
     ids = post(server, "/tokenize", {"model": "gemma3-270m", "prompt": "The sky is"}).json()
     r = post(server, "/v1/completions", {**body, "prompt": ids["tokens"]})
     assert r.json()["choices"][0]["text"].startswith("<bos>The sky is")  # ids echoed as sent
-    r = post(server, "/v1/completions", {**body, "logprobs": 1})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
+
+
+def _cmpl(server, **fields) -> dict:
+    body = {"max_tokens": 3, "temperature": 0, **fields}
+    r = post(server, "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]
+
+
+@pytest.mark.parametrize("model", [CHAT, "gemma3-270m"])  # without a BOS, and with one
+def test_echo_with_logprobs_scores_the_prompt_as_generation_scores_its_tokens(server, model):
+    """A prompt token's logprob is what the model gave it when it generated it: extend the
+    prompt by its greedy continuation and the echoed logprobs of those tokens match."""
+    gen = _cmpl(server, model=model, prompt="The sky is", logprobs=2)
+    full = "The sky is" + gen["text"]
+    echoed = _cmpl(server, model=model, prompt=full, logprobs=2, echo=True, max_tokens=1)
+    lp = echoed["logprobs"]
+    assert echoed["text"].startswith(full)
+    n = len(gen["logprobs"]["tokens"])
+    k = len(lp["tokens"]) - 1 - n  # the prompt's tokens before the continuation
+    assert lp["tokens"][k : k + n] == gen["logprobs"]["tokens"]
+    assert lp["token_logprobs"][k : k + n] == pytest.approx(
+        gen["logprobs"]["token_logprobs"], abs=1e-3
+    )
+    for got, want in zip(lp["top_logprobs"][k : k + n], gen["logprobs"]["top_logprobs"]):
+        assert got.keys() == want.keys()
+    assert "".join(lp["tokens"]) == echoed["text"]  # no BOS among them
+    assert lp["text_offset"][0] == 0
+    first = lp["token_logprobs"][0]
+    assert (first is None) == (model == CHAT)  # SmolLM2 adds no BOS: nothing predicts token 0
+    streamed = []
+    body = {"model": model, "prompt": full, "logprobs": 2, "echo": True, "max_tokens": 1}
+    with httpx.stream(
+        "POST", server.url + "/v1/completions", json={**body, "stream": True}, timeout=120
+    ) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                streamed += json.loads(line[6:])["choices"]
+    assert "".join(c["text"] for c in streamed).startswith(full)
+    got = [c["logprobs"] for c in streamed if c["logprobs"]]
+    assert got[0]["tokens"][:-1] == lp["tokens"][:-1]  # the prompt's, in the echo's chunk
+    assert got[0]["token_logprobs"][1:-1] == pytest.approx(lp["token_logprobs"][1:-1], abs=1e-3)
 
 
 @pytest.mark.parametrize("model", [CHAT, "gemma3-270m"])

@@ -86,6 +86,28 @@ def test_batched_equals_sequential_under_preemption_and_chunked_prefill(sequenti
         assert e.pool.pages_of(SMOL) <= 1  # all but the cached reserve went back to the pool
 
 
+def test_prompt_logprobs_are_the_same_in_chunks_and_under_preemption():
+    """Each prompt token after the first gets one logprob (with its top 3), whether the prompt
+    is prefilled whole or in chunks of 32 tokens, and once only when a preempted request
+    recomputes its prompt."""
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, prompt_logprobs=3)
+    with smol_engine(64) as e:
+        whole = e.generate(SMOL, prompts(), params)
+        e.check_integrity()
+    with smol_engine(6, reserve_output_tokens=0, max_num_batched_tokens=32) as e:
+        chunked = e.generate(SMOL, prompts(), params)
+        assert e.model_snapshot(SMOL).num_preemptions > 0
+        e.check_integrity()
+    for w, c in zip(whole, chunked):
+        assert len(w.prompt_logprobs) == len(w.prompt_token_ids) - 1
+        assert [x.token_id for x in w.prompt_logprobs] == w.prompt_token_ids[1:]
+        assert all(len(x.top) == 3 and x.top[0][1] >= x.logprob - 1e-4 for x in w.prompt_logprobs)
+        assert [x.token_id for x in c.prompt_logprobs] == w.prompt_token_ids[1:]
+        assert [x.logprob for x in c.prompt_logprobs] == pytest.approx(
+            [x.logprob for x in w.prompt_logprobs], abs=1e-3
+        )
+
+
 def test_abort_mid_decode_frees_the_blocks():
     import queue
 
