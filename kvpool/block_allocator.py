@@ -18,6 +18,7 @@ import heapq
 from typing import Protocol
 
 from kvpool.kv_layout import KVLayout
+from kvpool.prefix_cache import PrefixCache
 
 
 class PageMapper(Protocol):
@@ -32,7 +33,15 @@ class PageMapper(Protocol):
 
 
 class BlockAllocator:
-    def __init__(self, pages: PageMapper, layout: KVLayout, max_pages: int, max_cached_pages: int):
+    def __init__(
+        self,
+        pages: PageMapper,
+        layout: KVLayout,
+        max_pages: int,
+        max_cached_pages: int,
+        prefix_caching: bool = False,
+    ):
+        """prefix_caching: full blocks are kept by content for later requests (`prefix`)."""
         self.pages = pages
         self.layout = layout
         self.bpp = layout.blocks_per_page
@@ -43,6 +52,10 @@ class BlockAllocator:
         self._num_used = 0
         self._num_cached = 0  # mapped pages whose blocks are all free
         self.quota_pages: int | None = None  # the most pages it may map (None: max_pages - 1)
+        stride = layout.page_stride_blocks
+        self.prefix = (
+            PrefixCache(layout.block_size, lambda b: b // stride) if prefix_caching else None
+        )
 
     # ---- queries --------------------------------------------------------------------------------
     @property
@@ -88,14 +101,42 @@ class BlockAllocator:
         return pages <= len(self._unmapped) and self.num_mapped_pages + pages <= self._max_mapped
 
     def can_allocate(self, n: int) -> bool:
+        """Whether n blocks could be had now (evicting idle cached blocks if need be)."""
+        if self._can_allocate(n):
+            return True
+        return self.num_idle_blocks > 0 and self._can_allocate(n - self.num_idle_blocks)
+
+    def _can_allocate(self, n: int) -> bool:
         pages = self._pages_needed(n)
         if pages == 0:
             return True
         return self._within_quota(pages) and self.pages.can_map(pages)
 
+    @property
+    def num_idle_blocks(self) -> int:
+        """Cached blocks no request uses (counted as used: they hold their content)."""
+        return len(self.prefix.idle) if self.prefix is not None else 0
+
     # ---- allocate / free ------------------------------------------------------------------------
     def allocate(self, n: int) -> list[int] | None:
-        """n global block indices, or None (nothing taken) if the pages cannot be had."""
+        """n global block indices, or None (nothing taken) if the pages cannot be had: free
+        blocks, then new pages (the pool's free ones, then other owners' reserves), then this
+        model's idle cached blocks, least recently used first."""
+        out = self._allocate(n)
+        if out is None and self.num_idle_blocks:
+            idle = self.prefix.idle
+            while idle and not self._can_allocate(n):
+                self._drop([next(iter(idle))])
+            out = self._allocate(n)
+        return out
+
+    def _drop(self, blocks: list[int]) -> None:
+        """Evict idle cached blocks: their slots become free (their pages stay mapped)."""
+        for b in blocks:
+            self.prefix.evict(b)
+        self._return(blocks)
+
+    def _allocate(self, n: int) -> list[int] | None:
         pages = self._pages_needed(n)
         if pages:
             if not self._within_quota(pages):
@@ -131,6 +172,17 @@ class BlockAllocator:
         return out
 
     def free(self, blocks: list[int]) -> None:
+        """A request's blocks back: cached ones stay (idle when no one else uses them), the
+        rest are freed; pages emptied beyond the cached reserve are unmapped."""
+        if self.prefix is not None:
+            blocks = self.prefix.release(blocks)
+        emptied = self._return(blocks)
+        excess = self.num_cached_pages - self.max_cached_pages
+        if excess > 0 and emptied:
+            self._unmap(emptied[-excess:] if excess < len(emptied) else emptied)
+
+    def _return(self, blocks: list[int]) -> list[int]:
+        """Slots back to their pages; returns the pages this emptied."""
         emptied = []
         stride, bpp, free_slots = self.layout.page_stride_blocks, self.bpp, self._free_slots
         for b in blocks:
@@ -143,9 +195,7 @@ class BlockAllocator:
                 emptied.append(page)
         self._num_used -= len(blocks)
         self._num_cached += len(emptied)
-        excess = self.num_cached_pages - self.max_cached_pages
-        if excess > 0 and emptied:
-            self._unmap(emptied[-excess:] if excess < len(emptied) else emptied)
+        return emptied
 
     def _unmap(self, pages: list[int]) -> None:
         """pages: fully free ones."""
@@ -158,18 +208,36 @@ class BlockAllocator:
 
     # ---- the pool's Reclaimer -------------------------------------------------------------------
     def reclaimable_pages(self) -> int:
-        return self.num_cached_pages
+        return self.num_cached_pages + len(self._idle_pages())
+
+    def _idle_pages(self) -> list[int]:
+        """Pages whose used blocks are all idle cached ones (evicting them empties the page)."""
+        if self.prefix is None:
+            return []
+        return [
+            p
+            for p, n in self.prefix.idle_on_page.items()
+            if n == self.bpp - len(self._free_slots[p])
+        ]
 
     def reclaim_pages(self, n: int) -> int:
-        """Unmap up to n fully free pages (highest page index first) and give them to the pool."""
+        """Unmap up to n pages and give them to the pool: fully free ones (highest page index
+        first), then pages holding only idle cached blocks (those evicted)."""
         cached = sorted(
             (p for p, s in self._free_slots.items() if len(s) == self.bpp), reverse=True
         )[:n]
+        if len(cached) < n and self.prefix is not None:
+            pages = set(sorted(self._idle_pages(), reverse=True)[: n - len(cached)])
+            stride = self.layout.page_stride_blocks
+            self._drop([b for b in self.prefix.idle if b // stride in pages])
+            cached += sorted(pages)
         if cached:
             self._unmap(cached)
         return len(cached)
 
     def release_all(self) -> None:
+        if self.num_idle_blocks:
+            self._drop(list(self.prefix.idle))
         if self._num_used:
             raise RuntimeError(f"{self._num_used} blocks are still in use")
         self.reclaim_pages(len(self._free_slots))
@@ -186,3 +254,9 @@ class BlockAllocator:
         cached = sum(len(s) == self.bpp for s in self._free_slots.values())
         assert cached == self._num_cached, (cached, self._num_cached)
         assert self.num_cached_pages <= self.max_cached_pages, self.num_cached_pages
+        if self.prefix is not None:
+            self.prefix.check_integrity()
+            stride = self.layout.page_stride_blocks
+            for b in self.prefix._entries:
+                page, slot = divmod(b, stride)
+                assert slot not in self._free_slots[page], f"cached block {b} is free"

@@ -20,9 +20,12 @@ class PagedKV:
         layout: KVLayout,
         max_pages: int,
         max_cached_pages: int = 1,
+        prefix_caching: bool = False,
     ):
         self.cache = KVCache(pool, owner, layout, max_pages=max_pages)
-        self.allocator = BlockAllocator(self.cache.pages, layout, max_pages, max_cached_pages)
+        self.allocator = BlockAllocator(
+            self.cache.pages, layout, max_pages, max_cached_pages, prefix_caching
+        )
         self.cache.pages.set_reclaimer(self.allocator)
 
     @property

@@ -20,6 +20,7 @@ class Completion:
     finish_time: float | None = None
     error: str | None = None
     prompt_logprobs: list[TokenLogprob] | None = None  # one per prompt token after the first
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
 
     @property
     def finished(self) -> bool:
@@ -34,5 +35,6 @@ class Completion:
         self.logprobs += out.logprobs or []
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
+        self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
         if out.finished:
             self.finish_reason, self.finish_time, self.error = out.finish_reason, now, out.error

@@ -58,9 +58,12 @@ class ModelSpec:
             return torch.bfloat16 if device.type == "cuda" else torch.float32
         return _DTYPES[self.dtype]
 
-    def scheduler_config(self, model_limit: int, reserve_output_tokens: int = 0) -> SchedulerConfig:
+    def scheduler_config(
+        self, model_limit: int, reserve_output_tokens: int = 0, prefix_caching: bool = False
+    ) -> SchedulerConfig:
         return SchedulerConfig(
             reserve_output_tokens=reserve_output_tokens,
+            enable_prefix_caching=prefix_caching,
             block_size=self.block_size,
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
@@ -103,6 +106,9 @@ class EngineConfig:
     devices: int = 1
     # how often the control loop re-plans residency (prism policy)
     plan_interval_s: float = 0.5
+    # full KV blocks are kept by content: a request reuses the longest cached prefix of its
+    # prompt; cached blocks no request uses are reclaimed first when memory runs short
+    enable_prefix_caching: bool = True
 
     def __post_init__(self):
         names = [m.name for m in self.models]

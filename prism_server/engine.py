@@ -195,7 +195,9 @@ class Engine:
             reserve = self.config.reserve_output_tokens
             if reserve is None:
                 reserve = self.policy.reserve_output_tokens
-            sched = spec.scheduler_config(cfg.max_position_embeddings, reserve)
+            sched = spec.scheduler_config(
+                cfg.max_position_embeddings, reserve, self.config.enable_prefix_caching
+            )
             weights = box["weights"]
             host = HostCopy(weights.nbytes, self.device)
             host.save(weights.bytes())

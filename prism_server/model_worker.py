@@ -95,8 +95,15 @@ class ModelWorker:
         )
         # the pages it can address: the whole pool but its own weights (+ the null page)
         own = weights.num_pages if weights is not None else 0
-        self.kv = PagedKV(pool, name, layout, pool.capacity + 1 - own, max_cached_pages)
-        self.scheduler = BatchScheduler(sched, self.kv.allocator)
+        self.kv = PagedKV(
+            pool,
+            name,
+            layout,
+            pool.capacity + 1 - own,
+            max_cached_pages,
+            prefix_caching=sched.enable_prefix_caching,
+        )
+        self.scheduler = BatchScheduler(sched, self.kv.allocator, self.kv.allocator.prefix)
         allocated = _allocated(self.device)
         self.runner = ModelRunner(model, self.kv.cache, self.device, resources=resources)
         # device memory it holds outside the pool: attention state, graphs, buffers
@@ -364,6 +371,9 @@ class ModelWorker:
             num_running=len(s.running),
             num_waiting=len(s.waiting),
             num_preemptions=s.num_preemptions,
+            prefix_cache_queries=s.prefix_queries,
+            prefix_cache_hits=s.prefix_hits,
+            kv_blocks_prefix_idle=a.num_idle_blocks,
             kv_pages_in_use=a.num_mapped_pages - cached,
             kv_pages_cached_free=cached,
             kv_blocks_used=a.num_used_blocks,

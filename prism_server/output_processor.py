@@ -79,6 +79,7 @@ class OutputProcessor:
             num_prompt_tokens=req.num_prompt_tokens,
             num_output_tokens=req.num_output_tokens,
             first_scheduled_time=req.first_scheduled_time,
+            num_cached_tokens=req.num_cached_tokens,
             prompt_logprobs=(
                 list(req.prompt_logprobs)
                 if first and req.params.prompt_logprobs is not None

@@ -515,11 +515,13 @@ def now() -> int:
     return int(time.time())
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """cached_tokens: prompt tokens the prefix cache held (per prompt, summed)."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 
@@ -642,8 +644,22 @@ class _Shapes:
             "created": now(),
             "model": self.model,
             "choices": [self.whole(i, c) for i, c in choices],
-            "usage": usage(prompt_tokens, sum(len(c.token_ids) for _, c in choices)),
+            "usage": self.usage(prompt_tokens, choices),
         }
+
+    def prompt_of(self, index: int) -> int:
+        """Which prompt a choice answers (chat: the one)."""
+        return 0
+
+    def usage(self, prompt_tokens: int, choices: list[tuple[int, Completion]]) -> dict[str, Any]:
+        """The usage of the whole response; a prompt's cached tokens are the most any of its
+        choices found."""
+        cached: dict[int, int] = {}
+        for i, c in choices:
+            p = self.prompt_of(i)
+            cached[p] = max(cached.get(p, 0), c.num_cached_tokens)
+        generated = sum(len(c.token_ids) for _, c in choices)
+        return usage(prompt_tokens, generated, sum(cached.values()))
 
     def first(self, indices: list[int]) -> list[dict]:
         """Choices sent before any output (may be none)."""
@@ -759,6 +775,9 @@ class CompletionShapes(_Shapes):
         self.echo, self.n = echo, n
         self.bos_added = bos_added or [False] * len(echo)
         self._echoed: set[int] = set()  # streamed choices whose echo went out
+
+    def prompt_of(self, index: int) -> int:
+        return index // self.n
 
     def first(self, indices: list[int]) -> list[dict]:
         if self.logprobs:  # the echo goes out with the prompt's logprobs, in the first delta

@@ -40,6 +40,16 @@ class BlockPool(Protocol):
     def free(self, blocks: list[int]) -> None: ...
 
 
+class PrefixBlocks(Protocol):
+    """A block pool that caches full blocks by content (the kvpool allocator's prefix cache)."""
+
+    def match(self, tokens: list[int], max_blocks: int) -> list[int]:
+        """The cached blocks holding the longest prefix of tokens (at most max_blocks), taken."""
+
+    def commit(self, blocks: list[int], tokens: list[int], first: int, end: int) -> None:
+        """Blocks first..end-1 of a request's table are full: cache them."""
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     block_size: int = 16
@@ -50,6 +60,8 @@ class SchedulerConfig:
     # max_tokens), for the running ones too, so that admitted work rarely needs preemption; 0:
     # admit while the prompt fits (vLLM's greedy admission, preempting when blocks run out)
     reserve_output_tokens: int = 0
+    # a new request starts from the longest cached prefix of its tokens (the pool's `prefix`)
+    enable_prefix_caching: bool = False
 
     def __post_init__(self):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -74,12 +86,18 @@ class ScheduledChunk:
 
 
 class BatchScheduler:
-    def __init__(self, config: SchedulerConfig, blocks: BlockPool):
+    def __init__(
+        self, config: SchedulerConfig, blocks: BlockPool, prefix: PrefixBlocks | None = None
+    ):
+        """prefix: the cache of full blocks, with config.enable_prefix_caching."""
         self.config = config
         self.blocks = blocks
+        self.prefix = prefix if config.enable_prefix_caching else None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.prefix_queries = self.prefix_hits = 0  # prompt tokens of new requests / found cached
+        self.tokens_computed = 0  # since start: tokens whose K/V the steps computed
         self.admitting = True  # False while the model drains: waiting requests stay queued
         self.blocked = False  # the last step left a request waiting for blocks
 
@@ -136,13 +154,18 @@ class BatchScheduler:
                 or len(self.running) >= self.config.max_num_seqs
             ):
                 break
+            self._reuse_prefix(req)
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             if self.config.reserve_output_tokens:
                 mine = self._future_blocks(req)
                 if not self.blocks.can_allocate(reserved + mine):
+                    self._release(req)
+                    req.num_computed_tokens = 0
                     self.blocked = True
                     break
             if not self._grow(req, req.num_computed_tokens + num_new):
+                self._release(req)
+                req.num_computed_tokens = 0
                 self.blocked = True
                 break
             if self.config.reserve_output_tokens:
@@ -151,10 +174,25 @@ class BatchScheduler:
             req.status = RequestStatus.RUNNING
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
+                if self.prefix is not None:
+                    self.prefix_queries += req.num_prompt_tokens
+                    self.prefix_hits += req.num_cached_tokens
             self.running.append(req)
             out.append(ScheduledChunk.of(req, num_new))
             budget -= num_new
         return out
+
+    def _reuse_prefix(self, req: Request) -> None:
+        """A request about to start (or recompute) takes the cached blocks of its longest
+        cached prefix and computes only the rest (one token at least: its logits). Not for one
+        that wants its prompt's logprobs: they come from computing every position."""
+        if self.prefix is None or req.block_table or req.params.prompt_logprobs is not None:
+            return
+        hit = self.prefix.match(req.all_token_ids, (req.num_tokens - 1) // self.config.block_size)
+        req.block_table = hit
+        req.num_computed_tokens = len(hit) * self.config.block_size
+        if req.first_scheduled_time is None:  # what the usage reports
+            req.num_cached_tokens = req.num_computed_tokens
 
     def _future_blocks(self, req: Request) -> int:
         """Blocks req will still take for its prompt and its reserved output."""
@@ -216,11 +254,18 @@ class BatchScheduler:
             req.block_table = []
 
     # ---- after the step -----------------------------------------------------------------------
-    @staticmethod
-    def advance(batch: list[ScheduledChunk]) -> None:
-        """The step ran: each chunk's tokens now have their K/V in the cache."""
+    def advance(self, batch: list[ScheduledChunk]) -> None:
+        """The step ran: each chunk's tokens now have their K/V in the cache (and the blocks
+        they filled are cached)."""
+        bs = self.config.block_size
         for c in batch:
-            c.request.num_computed_tokens = c.start + c.num_new
+            req = c.request
+            req.num_computed_tokens = c.start + c.num_new
+            self.tokens_computed += c.num_new
+            if self.prefix is not None and req.num_computed_tokens // bs > c.start // bs:
+                self.prefix.commit(
+                    req.block_table, req.all_token_ids, c.start // bs, req.num_computed_tokens // bs
+                )
 
     def finish(self, req: Request) -> None:
         """Remove a finished (or aborted) request wherever it is and free its blocks."""

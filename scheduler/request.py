@@ -47,6 +47,7 @@ class RequestOutput:
     num_output_tokens: int
     error: str | None = None
     first_scheduled_time: float | None = None  # when it first ran
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache held (not computed)
     # with the first token, if asked for: one per prompt token after the first
     prompt_logprobs: list[TokenLogprob] | None = None
 
@@ -64,6 +65,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)  # prompt + output
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    num_cached_tokens: int = 0  # prompt tokens its first admission found in the prefix cache
     block_table: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0

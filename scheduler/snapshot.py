@@ -76,6 +76,16 @@ class ModelSnapshot:
     # the latest residency changes, oldest first: (when it entered, the state entered)
     transitions: tuple[tuple[float, Residency], ...] = ()
     latency: LatencySnapshot = LatencySnapshot()
+    # the prefix cache: prompt tokens of new requests looked up / found, since load; cached
+    # blocks no request uses (counted in kv_blocks_used: reclaimed first under pressure)
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    kv_blocks_prefix_idle: int = 0
+
+    @property
+    def kv_blocks_held(self) -> int:
+        """Blocks requests hold (the used ones but the idle cached)."""
+        return self.kv_blocks_used - self.kv_blocks_prefix_idle
 
     @property
     def num_requests(self) -> int:

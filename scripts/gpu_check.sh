@@ -39,6 +39,9 @@ if [ "$quick" != "--quick" ]; then
   t0=$SECONDS
   timeout 300 python3 scripts/bench_gpu_arbitrator.py --json "$OUT/arbitrator.json" 2>&1 | tee -a "$OUT/bench.log"
   echo "arbitrator bench: $((SECONDS - t0)) s"
+  t0=$SECONDS
+  timeout 300 python3 scripts/bench_api.py --json "$OUT/api.json" 2>&1 | tee -a "$OUT/bench.log"
+  echo "api bench (prefix cache TTFT, structured-output TPOT): $((SECONDS - t0)) s"
 fi
 
 # Keep the JIT-compiled FlashInfer modules for the next run (carry them as .fiaot/fi_aot.tgz).

@@ -277,7 +277,7 @@ class Soak:
         r.preemptions = sum(m.num_preemptions for m in models)
         r.pages_acquired, r.pages_released = pool.acquired_total, pool.released_total
         r.pages_reclaimed = pool.reclaimed_total
-        r.leaked_blocks = sum(m.kv_blocks_used for m in models)
+        r.leaked_blocks = sum(m.kv_blocks_held for m in models)
         r.activations = sum(m.activations for m in models)
         r.evictions = sum(m.evictions for m in models)
         try:

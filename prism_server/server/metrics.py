@@ -138,6 +138,16 @@ class _SnapshotCollector:
             "Pool pages moved from one model to another (taker empty: back to the pool).",
             labels=["device", "giver", "taker", "reason"],
         )
+        queries = CounterMetricFamily(
+            "prism:prefix_cache_queries",
+            "Prompt tokens of new requests looked up in the prefix cache (vLLM's name).",
+            labels=lm,
+        )
+        hits = CounterMetricFamily(
+            "prism:prefix_cache_hits",
+            "Prompt tokens found in the prefix cache, not computed (vLLM's name).",
+            labels=lm,
+        )
         for snap in self.snapshots():
             page = snap.pool.page_bytes
             policy.add_metric([snap.device, snap.policy], 1)
@@ -152,6 +162,11 @@ class _SnapshotCollector:
                 if lat.error is not None:
                     est_error.add_metric([name], lat.error)
                 deferred.add_metric([name], m.num_deferred)
+                queries.add_metric([name], m.prefix_cache_queries)
+                hits.add_metric([name], m.prefix_cache_hits)
+                mbytes.add_metric(
+                    [name, "kv_prefix_idle"], m.kv_blocks_prefix_idle * m.kv_block_bytes
+                )
                 for kind, met, missed in m.slo_met:
                     deadlines.add_metric([name, kind, "met"], met)
                     deadlines.add_metric([name, kind, "missed"], missed)
@@ -188,7 +203,7 @@ class _SnapshotCollector:
             pbytes.add_metric([dev, "free"], p.free * page)
         yield from (running, waiting, usage, pages, mbytes, resident, state, pool, pbytes)
         yield from (activations, evictions, act_seconds, act_bytes, weight_pages, since)
-        yield from (policy, estimate, est_error, deferred, deadlines, moved)
+        yield from (policy, estimate, est_error, deferred, deadlines, moved, queries, hits)
         view = self.plan() if self.plan is not None else None
         if view is not None:
             kvpr = GaugeMetricFamily(

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ValidationError
 
 from prism_server.completion import Completion
 from prism_server.engine import Engine
-from prism_server.protocol import APIError, stream_error, usage, validation_error
+from prism_server.protocol import APIError, stream_error, validation_error
 from prism_server.served_model import ModelFailed, ModelNotFound, RequestRejected, ServedModel
 from prism_server.server.frontend import Frontend, RequestStream, overloaded
 from prism_server.server.middlewares import client_request_id
@@ -271,6 +271,6 @@ async def _send_stream(sse: SSEWriter, req, choices, shapes, prompt_tokens: int,
             if delta is not None:
                 await sse.send(shapes.chunk([delta]))
     if req.include_usage:
-        generated = sum(len(c.completion.token_ids) for c in choices)
-        await sse.send(shapes.chunk([], usage(prompt_tokens, generated)))
+        pairs = [(c.index, c.completion) for c in choices]
+        await sse.send(shapes.chunk([], shapes.usage(prompt_tokens, pairs)))
     await sse.done()

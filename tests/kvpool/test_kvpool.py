@@ -72,11 +72,12 @@ def make_cache(
     max_pages=16,
     cached=1,
     dtype=torch.float32,
+    prefix=False,
 ) -> PagedKV:
     layout = KVLayout(
         layers, block, heads, geo.head_dim, dtype, pool.page_bytes, pool.backend.granularity
     )
-    return PagedKV(pool, owner, layout, max_pages, cached)
+    return PagedKV(pool, owner, layout, max_pages, cached, prefix_caching=prefix)
 
 
 def fill(view: torch.Tensor, blocks: list[int], values: list[float]) -> None:

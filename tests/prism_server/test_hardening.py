@@ -300,7 +300,7 @@ def test_stream_options_needs_stream(srv, path, body):
     opts = {"stream_options": {"include_usage": True}}
     envelope(post(srv, path, {**body, **opts}), 400, param="stream_options")
     envelope(post(srv, path, {**body, **opts, "stream": False}), 400, param="stream_options")
-    r, lines = stream_lines(srv, path, {**body, **opts, "stream": True})
+    r, lines = stream_lines(srv, path, {**body, **opts, "stream": True, "ignore_eos": True})
     assert r.status_code == 200 and json.loads(lines[-2][6:])["usage"]["completion_tokens"] == 4
 
 

@@ -137,7 +137,7 @@ def test_disconnect_mid_prefill(srv):
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "stream": True}
     _stream_then_drop(srv.url, body, mid_prefill)
     wait_until(lambda: idle(srv))
-    assert srv.engine.model_snapshot("tiny").kv_blocks_used == 0
+    assert srv.engine.model_snapshot("tiny").kv_blocks_held == 0
     srv.engine.check_integrity()
 
 
@@ -157,7 +157,7 @@ def test_disconnect_mid_decode(srv):
     }
     _stream_then_drop(srv.url, body, decoding)
     wait_until(lambda: idle(srv))
-    assert srv.engine.model_snapshot("tiny").kv_blocks_used == 0
+    assert srv.engine.model_snapshot("tiny").kv_blocks_held == 0
     srv.engine.check_integrity()
 
 

@@ -144,7 +144,7 @@ def test_snapshots_are_immutable_published_state(two_tiny):
     assert [m.name for m in snap.models] == ["a", "b"]
     a = snap.model("a")
     assert a.residency is Residency.RESIDENT and a.num_requests == 0
-    assert a.kv_blocks_used == 0 and a.kv_blocks_capacity > 0 and a.weight_bytes > 0
+    assert a.kv_blocks_held == 0 and a.kv_blocks_capacity > 0 and a.weight_bytes > 0
     assert snap.pool.owned == sum(m.kv_pages + m.weight_pages for m in snap.models)
     assert all(m.weight_pages > 0 for m in snap.models)
     assert snap.pool.created == snap.pool.free + snap.pool.owned

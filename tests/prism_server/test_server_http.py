@@ -154,9 +154,9 @@ def test_disconnect_mid_stream_frees_the_blocks(server):
         lines = r.iter_lines()
         seen = [next(lines) for _ in range(6)]
         assert any(x.startswith("data: ") for x in seen)
-        assert server.engine.model_snapshot(SMOL).kv_blocks_used > 0
+        assert server.engine.model_snapshot(SMOL).kv_blocks_held > 0
     wait_idle(server.engine, SMOL)  # the client is gone: the request was aborted
-    assert server.engine.model_snapshot(SMOL).kv_blocks_used == 0
+    assert server.engine.model_snapshot(SMOL).kv_blocks_held == 0
     server.engine.check_integrity()
 
 
