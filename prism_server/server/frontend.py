@@ -77,6 +77,7 @@ class Frontend:
         accepted. Iterate the stream for its deltas; close it to abort."""
         self._admit(served)
         stream = RequestStream(self, served)
+        stream.max_tokens = params.max_tokens
         stream.request = self.engine.submit(served, prompt_ids, params, stream.sink, stream.arrival)
         self._queued[served.name] += 1
         self._open.add(stream)
@@ -129,6 +130,8 @@ class RequestStream:
         self.first_token: float | None = None
         self.last_token: float | None = None
         self.queued = True  # no output yet
+        self.scheduled: float | None = None  # when it first ran
+        self.max_tokens: int | None = None
         self.ready = asyncio.Event()  # set at the first output
         self.finished = False
         self.closed = False
@@ -156,6 +159,8 @@ class RequestStream:
         out = await self.queue.get()
         now = time.monotonic()
         metrics, spec = self.owner.metrics, self.served.spec
+        if out.first_scheduled_time is not None:
+            self.scheduled = out.first_scheduled_time
         if self.queued:
             self.queued = False
             self.owner._started(self)
@@ -167,7 +172,16 @@ class RequestStream:
             self.last_token = now
         if out.finished:
             self.finished = True
-            metrics.finished(self.model, out, self.arrival, self.first_token, now, spec.tpot_slo_ms)
+            metrics.finished(
+                self.model,
+                out,
+                self.arrival,
+                self.first_token,
+                now,
+                spec.tpot_slo_ms,
+                self.scheduled,
+                self.max_tokens,
+            )
             self.close()
         return out
 

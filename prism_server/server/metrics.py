@@ -1,18 +1,34 @@
 """Prometheus metrics, named like vLLM's (prefix `prism:`, label `model_name`) so existing
-dashboards work, plus Prism's own page-pool gauges. Engine-state gauges come from the devices'
-published snapshots at scrape time (never from engine-thread objects); request metrics are
-recorded by the frontend as outputs arrive."""
+dashboards work (every series vLLM's example Grafana dashboard queries exists, with vLLM's
+meaning), plus Prism's own page-pool gauges and the process and GC collectors; no `_created`
+series. Engine-state gauges come from the devices' published snapshots at scrape time (never from
+engine-thread objects); request metrics are recorded by the frontend as outputs arrive."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    GC_COLLECTOR,
+    PLATFORM_COLLECTOR,
+    PROCESS_COLLECTOR,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
 from scheduler.request import RequestOutput
 from scheduler.snapshot import ACTIVATION_BUCKETS, DeviceSnapshot, Residency
+
+disable_created_metrics()  # a `_created` series beside each counter doubles what is counted
+
+# token counts: 1, 2, 5, 10, ... (vLLM's 1-2-5 buckets)
+_TOKEN_BUCKETS = tuple(m * 10**e for e in range(6) for m in (1, 2, 5))
 
 _LATENCY_BUCKETS = (
     0.001,
@@ -138,6 +154,11 @@ class _SnapshotCollector:
             "Pool pages moved from one model to another (taker empty: back to the pool).",
             labels=["device", "giver", "taker", "reason"],
         )
+        preemptions = CounterMetricFamily(
+            "prism:num_preemptions",
+            "Requests preempted (their KV freed, recomputed later), since load (vLLM's name).",
+            labels=lm,
+        )
         queries = CounterMetricFamily(
             "prism:prefix_cache_queries",
             "Prompt tokens of new requests looked up in the prefix cache (vLLM's name).",
@@ -162,6 +183,7 @@ class _SnapshotCollector:
                 if lat.error is not None:
                     est_error.add_metric([name], lat.error)
                 deferred.add_metric([name], m.num_deferred)
+                preemptions.add_metric([name], m.num_preemptions)
                 queries.add_metric([name], m.prefix_cache_queries)
                 hits.add_metric([name], m.prefix_cache_hits)
                 mbytes.add_metric(
@@ -204,6 +226,7 @@ class _SnapshotCollector:
         yield from (running, waiting, usage, pages, mbytes, resident, state, pool, pbytes)
         yield from (activations, evictions, act_seconds, act_bytes, weight_pages, since)
         yield from (policy, estimate, est_error, deferred, deadlines, moved, queries, hits)
+        yield preemptions
         view = self.plan() if self.plan is not None else None
         if view is not None:
             kvpr = GaugeMetricFamily(
@@ -230,6 +253,8 @@ class Metrics:
     def __init__(self, snapshots: Callable[[], Sequence[DeviceSnapshot]], plan=None):
         self.registry = r = CollectorRegistry()
         r.register(_SnapshotCollector(snapshots, plan))
+        for c in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+            r.register(c)  # the default registry's: the process's CPU, memory, files, GC
         lm = ["model_name"]
         self.prompt_tokens = Counter(
             "prism:prompt_tokens", "Prefill tokens processed.", lm, registry=r
@@ -267,6 +292,51 @@ class Metrics:
             lm,
             buckets=_LATENCY_BUCKETS,
             registry=r,
+        )
+        self.tpot = Histogram(
+            "prism:time_per_output_token_seconds",
+            "Time per output token: each gap between output tokens (vLLM's v0 name).",
+            lm,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.request_tpot = Histogram(
+            "prism:request_time_per_output_token_seconds",
+            "A finished request's mean time per output token (first to last token over n - 1).",
+            lm,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+
+        def phase(name: str, doc: str) -> Histogram:
+            return Histogram(name, doc, lm, buckets=_LATENCY_BUCKETS, registry=r)
+
+        self.prefill_time = phase(
+            "prism:request_prefill_time_seconds", "First scheduled to first token (prefill)."
+        )
+        self.decode_time = phase(
+            "prism:request_decode_time_seconds", "First token to last token (decode)."
+        )
+        self.inference_time = phase(
+            "prism:request_inference_time_seconds", "First scheduled to last token (running)."
+        )
+
+        def tokens(name: str, doc: str) -> Histogram:
+            return Histogram(name, doc, lm, buckets=_TOKEN_BUCKETS, registry=r)
+
+        self.request_prompt_tokens = tokens(
+            "prism:request_prompt_tokens", "Prompt tokens of each finished request."
+        )
+        self.request_generation_tokens = tokens(
+            "prism:request_generation_tokens", "Tokens generated by each finished request."
+        )
+        self.request_max_generation_tokens = tokens(
+            "prism:request_max_num_generation_tokens",
+            "The most tokens one sequence of a finished request generated (one per request: each "
+            "of n choices is its own).",
+        )
+        self.request_max_tokens = tokens(
+            "prism:request_params_max_tokens", "The max_tokens each finished request asked for."
         )
         self.slo = Counter(
             "prism:slo",
@@ -310,6 +380,7 @@ class Metrics:
         """n tokens arrived, `gap` seconds after the previous ones (None for the first)."""
         if gap is not None:
             self.itl.labels(model).observe(gap)
+            self.tpot.labels(model).observe(gap)
         self.generation_tokens.labels(model).inc(n)
 
     def finished(
@@ -320,10 +391,25 @@ class Metrics:
         first: float | None,
         now: float,
         tpot_slo_ms,
+        scheduled: float | None = None,
+        max_tokens: int | None = None,
     ) -> None:
+        """scheduled: when it first ran (None: never); max_tokens: what it asked for."""
         self.e2e.labels(model).observe(now - arrival)
         self.request_success.labels(model, out.finish_reason.value).inc()
-        if tpot_slo_ms and first is not None and out.num_output_tokens > 1:
+        self.request_prompt_tokens.labels(model).observe(out.num_prompt_tokens)
+        self.request_generation_tokens.labels(model).observe(out.num_output_tokens)
+        self.request_max_generation_tokens.labels(model).observe(out.num_output_tokens)
+        if max_tokens is not None:
+            self.request_max_tokens.labels(model).observe(max_tokens)
+        if scheduled is not None:
+            self.inference_time.labels(model).observe(max(now - scheduled, 0.0))
+            self.prefill_time.labels(model).observe(max((first or now) - scheduled, 0.0))
+        if first is not None:
+            self.decode_time.labels(model).observe(now - first)
+        if first is not None and out.num_output_tokens > 1:
             tpot = (now - first) / (out.num_output_tokens - 1)
-            met = tpot * 1000 <= tpot_slo_ms
-            self.slo.labels(model, "tpot", "met" if met else "missed").inc()
+            self.request_tpot.labels(model).observe(tpot)
+            if tpot_slo_ms:
+                met = tpot * 1000 <= tpot_slo_ms
+                self.slo.labels(model, "tpot", "met" if met else "missed").inc()
