@@ -123,7 +123,9 @@ def _tensor_map(reader: gguf.GGUFReader) -> GgufTensorMap:
 
 def _tensors(reader: gguf.GGUFReader) -> Iterator[tuple[str, torch.Tensor]]:
     tmap = _tensor_map(reader)
-    for t in tqdm(reader.tensors, desc=f"dequantizing {Path(reader.data.filename).name}"):
+    for t in tqdm(
+        reader.tensors, desc=f"dequantizing {Path(reader.data.filename).name}", disable=None
+    ):
         name = tmap.hf_name(t.name)
         if name is None:
             continue

@@ -230,7 +230,7 @@ def init_dummy_weights(model: nn.Module, seed: int, std: float = DUMMY_STD) -> N
         if isinstance(m, RMSNorm)
     }
     params = list(model.named_parameters())
-    for name, p in tqdm(params, desc="dummy weights", disable=len(params) < 100):
+    for name, p in tqdm(params, desc="dummy weights", disable=True if len(params) < 100 else None):
         if id(p) in norms:
             p.fill_(norms[id(p)])
             continue

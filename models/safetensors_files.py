@@ -43,7 +43,7 @@ def iter_safetensors(
     except (SafetensorError, OSError) as e:
         raise ValueError(f"{file} is not a readable safetensors file: {e}") from e
     total = sum(len(h.keys()) for _, h in handles)
-    with tqdm(total=total, desc=desc, disable=total < 100) as bar:
+    with tqdm(total=total, desc=desc, disable=True if total < 100 else None) as bar:
         for file, handle in handles:
             for name in handle.keys():  # noqa: SIM118 (safe_open is not iterable)
                 try:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import queue
 import sys
 import time
@@ -37,6 +36,22 @@ def _serve_flags(p: argparse.ArgumentParser) -> None:
         choices=["prism", "static", "swap"],
         help="prism (default), or a baseline: static partitions, or whole-model swapping",
     )
+    p.add_argument(
+        "--cors-origin",
+        action="append",
+        dest="cors_origins",
+        metavar="ORIGIN",
+        help="a browser origin allowed to call the API, e.g. http://localhost:3000 (repeatable; "
+        "* for any). Default: none",
+    )
+    p.add_argument(
+        "--no-access-log",
+        dest="access_log",
+        action="store_const",
+        const=False,
+        help="no line per request in the log",
+    )
+    p.add_argument("--log-format", choices=["text", "json"], help="log lines as text or JSON")
     p.add_argument(
         "--slo-file",
         help="per-model TTFT / TPOT SLOs, JSON {model: {ttft_s, tpot_s}} (as `bench standalone` "
@@ -124,14 +139,23 @@ def generate(args: argparse.Namespace) -> int:
 
 
 def serve(args: argparse.Namespace) -> int:
+    from prism_server import logs
     from prism_server.server.app import serve as serve_app
     from prism_server.server_args import ConfigError, load_server_args
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    logs.configure(args.log_format or "text")
     try:
         sargs = load_server_args(
-            args.config, args.models, host=args.host, port=args.port, api_key=args.api_key
+            args.config,
+            args.models,
+            host=args.host,
+            port=args.port,
+            api_key=args.api_key,
+            cors_origins=tuple(args.cors_origins) if args.cors_origins else None,
+            access_log=args.access_log,
+            log_format=args.log_format,
         )
+        logs.configure(sargs.log_format)
         from dataclasses import replace
 
         from prism_server.server_args import apply_slo_file

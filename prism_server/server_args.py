@@ -40,6 +40,10 @@ class ServerArgs:
     # Host header names answered; None: loopback names on a loopback bind, any name otherwise;
     # ["*"]: any name. Stops DNS rebinding of a server on localhost.
     allowed_hosts: tuple[str, ...] | None = None
+    # browser origins allowed to call the API (CORS; "*": any); none by default
+    cors_origins: tuple[str, ...] = ()
+    access_log: bool = True  # one line per request: method, path, status, model, tokens, time
+    log_format: str = "text"  # or "json": one object per line
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self):
@@ -53,6 +57,10 @@ class ServerArgs:
             raise ValueError("shutdown_timeout_s must not be negative")
         if self.allowed_hosts is not None and any(not h for h in self.allowed_hosts):
             raise ValueError("allowed_hosts must not hold empty names")
+        if any(not o for o in self.cors_origins):
+            raise ValueError("cors_origins must not hold empty origins")
+        if self.log_format not in ("text", "json"):
+            raise ValueError(f"log_format must be text or json, got {self.log_format!r}")
 
     @property
     def models(self) -> tuple[ModelSpec, ...]:

@@ -33,7 +33,10 @@ def build_app(engine: Engine, args: ServerArgs) -> web.Application:
     frontend = Frontend(engine, args.max_queued_requests)
     hosts = allowed_host_names(args.host, args.allowed_hosts)
     app = web.Application(
-        middlewares=middlewares(args.api_key, hosts), client_max_size=args.max_request_bytes
+        middlewares=middlewares(
+            args.api_key, hosts, access_log=args.access_log, cors=bool(args.cors_origins)
+        ),
+        client_max_size=args.max_request_bytes,
     )
     app[FRONTEND] = frontend
     AdminRoutes(engine).register(app)
@@ -62,7 +65,22 @@ def build_app(engine: Engine, args: ServerArgs) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/status", status_route)
+    if args.cors_origins:
+        _cors(app, args.cors_origins)
     return app
+
+
+def _cors(app: web.Application, origins: tuple[str, ...]) -> None:
+    """Browsers at `origins` may call every route (preflights answered, any header and method
+    allowed, no credentials: the API key travels in a header)."""
+    import aiohttp_cors
+
+    opts = aiohttp_cors.ResourceOptions(
+        allow_credentials=False, expose_headers="*", allow_headers="*", allow_methods="*"
+    )
+    cors = aiohttp_cors.setup(app, defaults={o: opts for o in origins})
+    for route in list(app.router.routes()):
+        cors.add(route)
 
 
 async def serve(

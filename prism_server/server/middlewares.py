@@ -1,6 +1,6 @@
-"""What every request passes before a handler: the error envelope (and the end of a started
-stream), the Host and Content-Type checks that stop cross-site and DNS-rebinding requests, and
-API-key auth. Client headers are validated here before anything uses them."""
+"""What every request passes before a handler: the access log line, the error envelope (and the
+end of a started stream), the Host and Content-Type checks that stop cross-site and DNS-rebinding
+requests, and API-key auth. Client headers are validated here before anything uses them."""
 
 from __future__ import annotations
 
@@ -8,9 +8,11 @@ import asyncio
 import hmac
 import ipaddress
 import logging
+import time
 
 from aiohttp import web
 
+from prism_server.logs import ACCESS
 from prism_server.protocol import APIError, error_body
 from prism_server.server.sse import current_stream
 
@@ -19,6 +21,10 @@ log = logging.getLogger(__name__)
 _OPEN_PATHS = frozenset({"/health"})
 _LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 MAX_REQUEST_ID = 256
+# what a generation handler leaves on its request for the access line: the model, and
+# (prompt tokens, completion tokens)
+MODEL = web.RequestKey("prism_model", str)
+USAGE = web.RequestKey("prism_usage", tuple)
 
 
 def error_response(
@@ -68,7 +74,32 @@ def _host_name(header: str) -> str:
     return h.rsplit(":", 1)[0] if h.count(":") == 1 else h
 
 
-def middlewares(api_key: str | None, allowed_hosts: frozenset[str] | None) -> list:
+def middlewares(
+    api_key: str | None,
+    allowed_hosts: frozenset[str] | None,
+    access_log: bool = False,
+    cors: bool = False,
+) -> list:
+    """access_log: a line per request (`prism.access`); cors: CORS preflights pass the API-key
+    check (browsers send no credentials in them)."""
+
+    @web.middleware
+    async def access(request: web.Request, handler):
+        start = time.monotonic()
+        status = 500
+        try:
+            response = await handler(request)
+            status = response.status
+            return response
+        except web.HTTPException as e:
+            status = e.status
+            raise
+        except (asyncio.CancelledError, ConnectionResetError):
+            status = 499  # the client went away
+            raise
+        finally:
+            _log_access(request, status, time.monotonic() - start)
+
     @web.middleware
     async def errors(request: web.Request, handler):
         current_stream.set(None)
@@ -107,7 +138,8 @@ def middlewares(api_key: str | None, allowed_hosts: frozenset[str] | None) -> li
 
     @web.middleware
     async def auth(request: web.Request, handler):
-        if api_key is not None and request.path not in _OPEN_PATHS:
+        preflight = cors and request.method == "OPTIONS"
+        if api_key is not None and request.path not in _OPEN_PATHS and not preflight:
             scheme, _, token = request.headers.get("Authorization", "").partition(" ")
             try:
                 given = token.encode("utf-8")
@@ -123,7 +155,34 @@ def middlewares(api_key: str | None, allowed_hosts: frozenset[str] | None) -> li
                 )
         return await handler(request)
 
-    return [errors, guard, auth]
+    return [access, errors, guard, auth] if access_log else [errors, guard, auth]
+
+
+def _log_access(request: web.Request, status: int, seconds: float) -> None:
+    usage = request.get(USAGE)
+    fields = {
+        "method": request.method,
+        "path": request.path,
+        "status": status,
+        "model": request.get(MODEL),
+        "prompt_tokens": usage[0] if usage else None,
+        "completion_tokens": usage[1] if usage else None,
+        "seconds": round(seconds, 4),
+        "remote": request.remote,
+    }
+    tokens = f" tokens={usage[0]}+{usage[1]}" if usage else ""
+    model = f" model={fields['model']}" if fields["model"] else ""
+    ACCESS.info(
+        "%s %s %s %d%s%s %.3fs",
+        request.remote,
+        request.method,
+        request.path,
+        status,
+        model,
+        tokens,
+        seconds,
+        extra=fields,
+    )
 
 
 def _as_response(request: web.Request, e: Exception) -> web.StreamResponse:

@@ -19,7 +19,7 @@ from prism_server.engine import Engine
 from prism_server.protocol import APIError, stream_error, validation_error
 from prism_server.served_model import ModelFailed, ModelNotFound, RequestRejected, ServedModel
 from prism_server.server.frontend import Frontend, RequestStream, overloaded
-from prism_server.server.middlewares import client_request_id
+from prism_server.server.middlewares import MODEL, USAGE, client_request_id
 from prism_server.server.sse import SSEWriter
 
 log = logging.getLogger(__name__)
@@ -175,6 +175,7 @@ async def respond(
 ) -> web.StreamResponse:
     """The whole response, or its SSE stream; every choice is released (aborted if unfinished)
     however this ends."""
+    request[MODEL] = req.model
     try:
         if not req.stream:
             await _first_output(choices, idle=None)
@@ -190,6 +191,7 @@ async def respond(
     finally:
         for c in choices:
             c.stream.close()
+        request[USAGE] = (prompt_tokens, sum(len(c.completion.token_ids) for c in choices))
 
 
 KEEPALIVE_S = 1.0  # a comment line this often while a model activates (proxies keep the stream)
