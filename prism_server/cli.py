@@ -1,5 +1,5 @@
-"""Command line: `python -m prism_server [serve] ...`, `python -m prism_server generate ...` and
-`python -m prism_server bench ...`."""
+"""Command line: `python -m prism_server [serve] ...`, `python -m prism_server generate ...`,
+`python -m prism_server bench ...` and `python -m prism_server status ...`."""
 
 from __future__ import annotations
 
@@ -85,6 +85,11 @@ def _parser() -> argparse.ArgumentParser:
     from prism_server.bench.__main__ import add_arguments
 
     add_arguments(sub.add_parser("bench", help="replay a workload against a running server"))
+    from prism_server import status_cli
+
+    status_cli.add_arguments(
+        sub.add_parser("status", help="a running server's models, memory and SLOs, in a terminal")
+    )
     return p
 
 
@@ -222,4 +227,8 @@ def main(argv: list[str] | None = None) -> int:
         from prism_server.bench.__main__ import run
 
         return run(args)
+    if args.command == "status":
+        from prism_server import status_cli
+
+        return status_cli.run(args)
     return serve(args)

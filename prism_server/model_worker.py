@@ -36,6 +36,9 @@ from scheduler.snapshot import ACTIVATION_BUCKETS, LatencySnapshot, ModelSnapsho
 
 log = logging.getLogger(__name__)
 
+SLO_LOG = 4096  # SLO outcomes kept
+SLO_WINDOW_S = 60.0  # what `slo_recent` covers
+
 TRANSITION_LOG = 64  # residency changes a snapshot carries
 SLO_SCALE = 5.0  # an unset SLO: this many times the standalone estimate (the field's habit)
 
@@ -115,6 +118,8 @@ class ModelWorker:
         self.ttft_slo_s, self.tpot_slo_s = ttft_slo_s, tpot_slo_s
         self.requests_total = 0
         self.slo = {k: [0, 0] for k in ("ttft", "tpot")}  # [met, missed] of finished requests
+        # the latest outcomes, (time, kind, missed): the attainment over the last minute
+        self.slo_log: deque[tuple[float, str, bool]] = deque(maxlen=SLO_LOG)
         self.num_deferred = 0  # waiting requests the arbitrator last deferred
         self.latency = LatencyModel()  # kept across evictions: a reactivation does not profile
         if profile_budget_s > 0:
@@ -334,7 +339,7 @@ class ModelWorker:
             if req.first_token_time is None:
                 req.first_token_time = now
                 if req.ttft_slo is not None:
-                    self.slo["ttft"][now - req.arrival_time > req.ttft_slo] += 1
+                    self._slo("ttft", now - req.arrival_time > req.ttft_slo, now)
             req.last_token_time = now
             out = self.outputs.process(c.request, tok, lp, req.request_id in self.sampler.completed)
             if out.finished:
@@ -342,11 +347,15 @@ class ModelWorker:
             else:
                 self._emit(c.request, out)
 
+    def _slo(self, kind: str, missed: bool, now: float) -> None:
+        self.slo[kind][missed] += 1
+        self.slo_log.append((now, kind, missed))
+
     def _finish(self, req: Request, out: RequestOutput) -> None:
         n = req.num_output_tokens
         if n > 1 and req.tpot_slo is not None and req.first_token_time is not None:
             tpot = (req.last_token_time - req.first_token_time) / (n - 1)
-            self.slo["tpot"][tpot > req.tpot_slo] += 1
+            self._slo("tpot", tpot > req.tpot_slo, req.last_token_time)
         self.scheduler.finish(req)
         self.sampler.forget(req.request_id)
         self.requests.pop(req.request_id, None)
@@ -361,6 +370,14 @@ class ModelWorker:
             log.exception("output sink of request %s failed", req.request_id)
 
     # ---- what it publishes ----------------------------------------------------------------------
+    def _recent_slo(self, since: float) -> tuple[tuple[str, int, int], ...]:
+        counts = {k: [0, 0] for k in self.slo}
+        for t, kind, missed in reversed(self.slo_log):
+            if t < since:
+                break
+            counts[kind][missed] += 1
+        return tuple((k, met, missed) for k, (met, missed) in counts.items())
+
     def snapshot(self) -> ModelSnapshot:
         a, s, lat = self.kv.allocator, self.scheduler, self.latency
         lay = self.kv.layout
@@ -397,6 +414,7 @@ class ModelWorker:
             ttft_slo_s=self.ttft_slo_s,
             tpot_slo_s=self.tpot_slo_s,
             slo_met=tuple((k, met, missed) for k, (met, missed) in self.slo.items()),
+            slo_recent=self._recent_slo(time.monotonic() - SLO_WINDOW_S),
             transitions=tuple(self.transitions),
             latency=LatencySnapshot(
                 prefill_1k_s=lat.prefill_s(1024),

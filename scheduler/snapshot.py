@@ -73,6 +73,7 @@ class ModelSnapshot:
     tpot_slo_s: float | None = None
     # finished requests that met / missed their SLOs (TTFT at the first token, TPOT at the end)
     slo_met: tuple[tuple[str, int, int], ...] = ()  # (kind, met, missed)
+    slo_recent: tuple[tuple[str, int, int], ...] = ()  # the same over the last minute
     # the latest residency changes, oldest first: (when it entered, the state entered)
     transitions: tuple[tuple[float, Residency], ...] = ()
     latency: LatencySnapshot = LatencySnapshot()

@@ -15,7 +15,9 @@ so a client maps them onto its own clock with one offset.
                   "moved": [{"giver", "taker", "reason", "pages"}, ...],
                   "engine": {"steps", "step_seconds", "host_seconds", "step_overhead_s"}}],
      "failed": [{"name", "error"}],
-     "plan": {"time", "rates", "demand", "kvpr", "assignment", "offloaded"} | null}
+     "plan": {"time", "rates", "demand", "kvpr", "assignment", "offloaded"} | null,
+     "events": [{"time", "kind": "residency", "device", "model", "state"} |
+                {"time", "kind": "move", "device", "giver", "taker", "pages", "reason"}, ...]}
 """
 
 from __future__ import annotations
@@ -31,7 +33,10 @@ def _model(m: ModelSnapshot, page_bytes: int) -> dict:
     d["residency"] = m.residency.value
     d["transitions"] = [[t, s.value] for t, s in m.transitions]
     d["slo"] = {k: {"met": met, "missed": missed} for k, met, missed in m.slo_met}
-    del d["slo_met"]
+    d["slo_last_minute"] = {k: {"met": met, "missed": missed} for k, met, missed in m.slo_recent}
+    del d["slo_met"], d["slo_recent"]
+    d["kv_blocks_held"] = m.kv_blocks_held
+    d["prefix_idle_bytes"] = m.kv_blocks_prefix_idle * m.kv_block_bytes
     d["kv_bytes"] = m.kv_pages * page_bytes
     d["kv_used_bytes"] = m.kv_pages_in_use * page_bytes
     d["weight_pool_bytes"] = m.weight_pages * page_bytes
@@ -85,4 +90,39 @@ def status(engine) -> dict:
             {"name": name, "error": sm.error} for name, sm in engine.served.items() if sm.failed
         ],
         "plan": plan,
+        "events": events(snaps),
     }
+
+
+MAX_EVENTS = 64
+
+
+def events(snaps: list[DeviceSnapshot]) -> list[dict]:
+    """The latest residency changes and page moves of every device, newest first."""
+    out = []
+    for s in snaps:
+        for m in s.models:
+            out += [
+                {
+                    "time": t,
+                    "kind": "residency",
+                    "device": s.device,
+                    "model": m.name,
+                    "state": st.value,
+                }
+                for t, st in m.transitions
+            ]
+        out += [
+            {
+                "time": mv.time,
+                "kind": "move",
+                "device": s.device,
+                "giver": mv.giver,
+                "taker": mv.taker,
+                "pages": mv.pages,
+                "reason": mv.reason,
+            }
+            for mv in s.moves
+        ]
+    out.sort(key=lambda e: e["time"], reverse=True)
+    return out[:MAX_EVENTS]

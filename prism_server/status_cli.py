@@ -1,0 +1,171 @@
+"""`python -m prism_server status`: the balloon in a terminal, from a running server's
+`GET /v1/status` (HTTP only, nothing of the engine imported).
+
+Per device: every model's memory (weights, KV in use, KV kept free, idle prefix cache), its
+residency, request rate (the planner's), queue, SLO attainment over the last minute, activations
+and evictions; the pool; the latest events. `--watch` redraws it every second; `--json` prints the
+status document for scripts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import urllib.error
+import urllib.request
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+STATE_STYLE = {
+    "resident": "green",
+    "activating": "yellow",
+    "draining": "yellow",
+    "offloaded": "dim",
+    "failed": "red",
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="the server (default: local)")
+    p.add_argument("--api-key", help="the server's API key, if it has one")
+    p.add_argument("--watch", action="store_true", help="redraw every second until Ctrl-C")
+    p.add_argument("--interval", type=float, default=1.0, help="--watch period in seconds")
+    p.add_argument("--json", action="store_true", help="print the status document as JSON")
+
+
+def fetch(url: str, api_key: str | None = None, timeout: float = 10.0) -> dict:
+    req = urllib.request.Request(url.rstrip("/") + "/v1/status")
+    if api_key:
+        req.add_header("Authorization", f"Bearer {api_key}")
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.load(r)
+
+
+def size(n: float) -> str:
+    """Bytes for people: 512.0 MiB, 1.50 GiB."""
+    if n >= 1 << 30:
+        return f"{n / (1 << 30):.2f} GiB"
+    if n >= 1 << 20:
+        return f"{n / (1 << 20):.1f} MiB"
+    if n >= 1 << 10:
+        return f"{n / (1 << 10):.0f} KiB"
+    return f"{int(n)} B"
+
+
+def attainment(slo: dict) -> str:
+    """ "met/total (pct)" of one SLO over the window, "-" when nothing finished."""
+    met, missed = slo.get("met", 0), slo.get("missed", 0)
+    if not met + missed:
+        return "-"
+    return f"{met}/{met + missed} ({100 * met / (met + missed):.0f}%)"
+
+
+def model_rows(dev: dict, rates: dict) -> list[list[str]]:
+    """One row per model of a device: the table's cells, as text."""
+    page = dev["pool"]["page_bytes"]
+    rows = []
+    for m in dev["models"]:
+        recent = m.get("slo_last_minute", {})
+        rate = rates.get(m["name"])
+        rows.append(
+            [
+                m["name"],
+                m["residency"],
+                size(m["weight_pages"] * page),
+                size(m["kv_pages_in_use"] * page),
+                size(m["kv_pages_cached_free"] * page),
+                size(m.get("prefix_idle_bytes", 0)),
+                str(m["num_running"]),
+                str(m["num_waiting"]),
+                "-" if rate is None else f"{rate:.2f}",
+                attainment(recent.get("ttft", {})),
+                attainment(recent.get("tpot", {})),
+                str(m["activations"]),
+                str(m["evictions"]),
+            ]
+        )
+    return rows
+
+
+COLUMNS = (
+    "model",
+    "state",
+    "weights",
+    "KV in use",
+    "KV free",
+    "prefix cache",
+    "running",
+    "waiting",
+    "req/s",
+    "TTFT 1m",
+    "TPOT 1m",
+    "activations",
+    "evictions",
+)
+
+
+def event_line(e: dict, now: float) -> str:
+    ago = f"{max(now - e['time'], 0.0):6.1f} s ago"
+    if e["kind"] == "residency":
+        return f"{ago}  {e['model']} -> {e['state']}"
+    taker = e["taker"] or "the pool"
+    return f"{ago}  {e['pages']} pages {e['giver']} -> {taker} ({e['reason']})"
+
+
+def render(doc: dict, events: int = 8):
+    rates = (doc.get("plan") or {}).get("rates", {})
+    parts = []
+    for dev in doc["devices"]:
+        pool = dev["pool"]
+        page = pool["page_bytes"]
+        t = Table(
+            title=(
+                f"{dev['device']}  policy {dev['policy']}  pool {size(pool['owned_pages'] * page)}"
+                f" used, {size(pool['free_pages'] * page)} free of "
+                f"{size(pool['capacity_pages'] * page)}"
+            ),
+            title_justify="left",
+        )
+        for c in COLUMNS:
+            t.add_column(c, justify="left" if c in ("model", "state") else "right")
+        for row in model_rows(dev, rates):
+            style = STATE_STYLE.get(row[1], "")
+            t.add_row(row[0], Text(row[1], style=style), *row[2:])
+        parts.append(t)
+    for f in doc.get("failed", []):
+        parts.append(Text(f"{f['name']}: failed to load: {f['error']}", style="red"))
+    recent = doc.get("events", [])[:events]
+    if recent:
+        parts.append(Text("recent events", style="bold"))
+        parts += [Text(event_line(e, doc["time"])) for e in recent]
+    return Group(*parts)
+
+
+def run(args: argparse.Namespace, console: Console | None = None) -> int:
+    console = console or Console()
+    try:
+        doc = fetch(args.url, args.api_key)
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        print(f"error: cannot read {args.url}/v1/status: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(doc, indent=1))
+        return 0
+    if not args.watch:
+        console.print(render(doc))
+        return 0
+    try:
+        with Live(render(doc), console=console, refresh_per_second=4) as live:
+            while True:
+                time.sleep(args.interval)
+                try:
+                    live.update(render(fetch(args.url, args.api_key)))
+                except (urllib.error.URLError, OSError, ValueError) as e:
+                    live.update(Text(f"cannot read {args.url}/v1/status: {e}", style="red"))
+    except KeyboardInterrupt:
+        return 0
