@@ -9,6 +9,7 @@ import logging
 import signal
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 
 from aiohttp import web
 
@@ -21,6 +22,8 @@ from prism_server.server.status import status
 from prism_server.server_args import ServerArgs
 
 log = logging.getLogger(__name__)
+
+DASHBOARD = Path(__file__).parent / "dashboard"  # the page and its assets, shipped in the package
 
 FRONTEND = web.AppKey("frontend", Frontend)
 # After the shutdown deadline: how long aborted requests get to send their last event, and how
@@ -65,6 +68,12 @@ def build_app(engine: Engine, args: ServerArgs) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/status", status_route)
+
+    async def dashboard(request: web.Request) -> web.FileResponse:
+        return web.FileResponse(DASHBOARD / "index.html")
+
+    app.router.add_get("/dashboard", dashboard)
+    app.router.add_static("/dashboard/", DASHBOARD)
     if args.cors_origins:
         _cors(app, args.cors_origins)
     return app

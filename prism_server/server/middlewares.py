@@ -18,7 +18,7 @@ from prism_server.server.sse import current_stream
 
 log = logging.getLogger(__name__)
 
-_OPEN_PATHS = frozenset({"/health"})
+_OPEN_PATHS = frozenset({"/health", "/dashboard"})  # the dashboard's assets hold no data
 _LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 MAX_REQUEST_ID = 256
 # what a generation handler leaves on its request for the access line: the model, and
@@ -139,7 +139,8 @@ def middlewares(
     @web.middleware
     async def auth(request: web.Request, handler):
         preflight = cors and request.method == "OPTIONS"
-        if api_key is not None and request.path not in _OPEN_PATHS and not preflight:
+        open_ = request.path in _OPEN_PATHS or request.path.startswith("/dashboard/")
+        if api_key is not None and not open_ and not preflight:
             scheme, _, token = request.headers.get("Authorization", "").partition(" ")
             try:
                 given = token.encode("utf-8")
