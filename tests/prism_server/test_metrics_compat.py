@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import time
 
 import httpx
 import pytest
@@ -98,3 +99,35 @@ def test_promtool_parses_the_metrics(served):
         ["promtool", "check", "metrics"], input='x{a="1"} y\n', text=True, capture_output=True
     )
     assert bad.returncode == 1  # the check itself can fail
+
+
+def test_the_shipped_grafana_dashboard_queries_series_that_exist():
+    """Against a server whose balloon moved: a model evicted and activated again."""
+    import json
+    from pathlib import Path
+
+    from prism_server.config import EngineConfig, ModelSpec
+    from prism_server.engine import Engine
+    from prism_server.server.app import serve_in_thread
+
+    doc = json.loads((Path(__file__).resolve().parents[2] / "docs/grafana/prism.json").read_text())
+    exprs = [t["expr"] for p in doc["panels"] for t in p["targets"]]
+    assert len(doc["panels"]) >= 10 and all(p["targets"] for p in doc["panels"])
+    specs = (ModelSpec("a", "dummy:tiny-llama"), ModelSpec("b", "dummy:tiny-llama", seed=1))
+    s = serve_in_thread(Engine(EngineConfig(models=specs, device="cpu")))
+    try:
+        body = {"model": "a", "prompt": "hello", "max_tokens": 3}
+        assert httpx.post(s.url + "/v1/completions", json=body, timeout=60).status_code == 200
+        for action in ("evict", "activate"):
+            r = httpx.post(f"{s.url}/v1/models/b/{action}", json={}, timeout=60)
+            assert r.status_code == 200, r.text
+        deadline = time.monotonic() + 20
+        _, samples = scrape(s)
+        while "prism:device_kvpr" not in samples and time.monotonic() < deadline:
+            time.sleep(0.2)  # the planner's first plan
+            _, samples = scrape(s)
+    finally:
+        s.close()
+    series = sorted({m for e in exprs for m in re.findall(r"\b(prism:\w+)", e)})
+    missing = [s for s in series if s not in samples]
+    assert not missing, missing
