@@ -13,6 +13,7 @@ from models.embedded import EMBEDDED_MODELS
 from prism_server.completion import Completion
 from prism_server.config import EngineConfig, ModelSpec
 from prism_server.engine import Engine
+from prism_server.gpu_setup import MissingPackage
 from prism_server.served_model import RequestRejected, ServedModel
 from scheduler.sampling_params import SamplingParams
 
@@ -110,7 +111,7 @@ def generate(args: argparse.Namespace) -> int:
         )
         spec = ModelSpec(name=args.model, source=args.model, dtype=args.dtype)
         engine = Engine(EngineConfig(models=(spec,), device=args.device))
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, MissingPackage) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     with engine:
@@ -172,7 +173,7 @@ def serve(args: argparse.Namespace) -> int:
                 eng = replace(sargs.engine, **{field: getattr(args, field)})
                 sargs = replace(sargs, engine=eng)
         engine = Engine(sargs.engine, strict=False)  # a broken model must not stop the rest
-    except (ConfigError, ValueError, FileNotFoundError) as e:
+    except (ConfigError, ValueError, FileNotFoundError, MissingPackage) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -16,7 +16,7 @@ import torch
 from kvpool import HostCopy, PagePool, WeightBuffer, WeightLayout
 from models.embedded import resolve_source
 from models.loader import ModelSource, load_model
-from prism_server import envs
+from prism_server import envs, gpu_setup
 from prism_server.commands import Abort, Activate, AddModel, Evict, RemoveModel, Submit
 from prism_server.completion import Completion
 from prism_server.config import EngineConfig, ModelSpec
@@ -45,6 +45,7 @@ class Engine:
             torch.set_num_threads(envs.cpu_threads())
         if config.devices > 1 and self.device.type != "cpu":
             raise ValueError("devices > 1 is only supported on the CPU (emulated devices) so far")
+        gpu_setup.report(self.device, config.memory_backend)  # MissingPackage: cannot run here
         check_host_budget(config, self.device)
         budget = pool_budget(config, self.device)
         # On a GPU the pool creates every handle now (creating is the slow driver call) and
