@@ -131,3 +131,73 @@ def test_the_shipped_grafana_dashboard_queries_series_that_exist():
     series = sorted({m for e in exprs for m in re.findall(r"\b(prism:\w+)", e)})
     missing = [s for s in series if s not in samples]
     assert not missing, missing
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.skipif(shutil.which("prometheus") is None, reason="prometheus is not installed")
+def test_a_real_prometheus_answers_every_query_of_the_vllm_dashboard(served, tmp_path):
+    """Prometheus scrapes the server every second while it serves; each of the dashboard's
+    queries, with the prefix swapped, then returns data."""
+    import threading
+    from urllib.parse import urlparse
+
+    target = urlparse(served.url).netloc
+    (tmp_path / "prometheus.yml").write_text(
+        "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
+        "scrape_configs:\n"
+        f"  - job_name: prism\n    static_configs: [{{targets: ['{target}']}}]\n"
+    )
+    port = _free_port()
+    prom = subprocess.Popen(
+        [
+            "prometheus",
+            f"--config.file={tmp_path / 'prometheus.yml'}",
+            f"--storage.tsdb.path={tmp_path / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    stop = threading.Event()
+
+    def traffic():
+        body = {"model": SMOL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+        while not stop.is_set():
+            httpx.post(served.url + "/v1/chat/completions", json=body, timeout=120)
+
+    t = threading.Thread(target=traffic)
+    t.start()
+    api = f"http://127.0.0.1:{port}/api/v1/query"
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # until a few scrapes are in
+            try:
+                r = httpx.get(api, params={"query": "count_over_time(up[1m])"}, timeout=5)
+                got = r.json()["data"]["result"]
+                if got and float(got[0]["value"][1]) >= 6:
+                    break
+            except (httpx.HTTPError, KeyError, ValueError):
+                pass
+            time.sleep(0.5)
+        else:
+            raise AssertionError("prometheus did not scrape the server")
+        empty = []
+        for q in VLLM_DASHBOARD:
+            query = q.replace("vllm:", "prism:").replace("$m", SMOL).replace("[1m]", "[30s]")
+            r = httpx.get(api, params={"query": query}, timeout=10).json()
+            assert r["status"] == "success", (query, r)
+            if not r["data"]["result"]:
+                empty.append(query)
+        assert not empty, empty
+    finally:
+        stop.set()
+        t.join()
+        prom.terminate()
+        prom.wait(timeout=30)
