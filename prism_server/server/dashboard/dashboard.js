@@ -183,8 +183,40 @@ function drawResidency(container) {
   container.appendChild(svg);
 }
 
+// attainment over time: per model, the share of its last minute's requests that met both
+// deadlines' counts (TTFT and TPOT together), sampled at each poll
+function drawSloChart(container) {
+  const W = 560, H = 120, L = 40, B = 18;
+  const svg = chart(W, H);
+  const [t0, , w] = span();
+  const x = (t) => L + ((t - t0) / w) * (W - L - 5);
+  const y = (f) => H - B - f * (H - B - 10);
+  el("line", { x1: L, y1: H - B, x2: W, y2: H - B, class: "axis" }, svg);
+  el("text", { x: 2, y: 14 }, svg).textContent = "100%";
+  el("text", { x: 2, y: H - B }, svg).textContent = "0%";
+  const last = state.samples[state.samples.length - 1];
+  for (const m of Object.keys(last.models)) {
+    const pts = [];
+    for (const s of state.samples) {
+      const info = s.models[m];
+      if (!info || s.time < t0) continue;
+      let met = 0, n = 0;
+      for (const k of ["ttft", "tpot"]) {
+        const v = info.slo[k] || { met: 0, missed: 0 };
+        met += v.met;
+        n += v.met + v.missed;
+      }
+      if (n) pts.push(`${x(s.time)},${y(met / n)}`);
+    }
+    if (pts.length) el("polyline", { points: pts.join(" "), fill: "none", stroke: color(m),
+      "stroke-width": 1.5, "data-model": m }, svg);
+  }
+  container.appendChild(svg);
+}
+
 function drawSlo(container) {
   container.replaceChildren();
+  drawSloChart(container);
   const last = state.samples[state.samples.length - 1];
   const table = document.createElement("table");
   table.innerHTML = "<thead><tr><th>model</th><th>state</th><th>TTFT</th><th>TPOT</th></tr></thead>";
