@@ -98,8 +98,9 @@ class ModelSnapshot:
 
     @property
     def kv_usage(self) -> float:
-        """Fraction of the addressable KV blocks in use."""
-        return self.kv_blocks_used / max(self.kv_blocks_capacity, 1)
+        """Fraction of the addressable KV blocks requests hold (idle cached blocks count as
+        free, as vLLM counts them: they go first when blocks are needed)."""
+        return self.kv_blocks_held / max(self.kv_blocks_capacity, 1)
 
 
 @dataclass(frozen=True)
