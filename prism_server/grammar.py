@@ -100,7 +100,7 @@ def _tool_tag(spec: dict):
         spec["format"],
         tools=spec["tools"],
         tool_choice=spec["tool_choice"],
-        reasoning="disabled",
+        reasoning=spec.get("reasoning", "disabled"),
         parallel_tool_calls=spec["parallel_tool_calls"],
     )
     return _rewrite(tag, _tighten)

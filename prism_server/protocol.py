@@ -367,9 +367,12 @@ class ChatCompletionRequest(_SamplingFields):
             for t in self.tools
         ]
 
-    def grammar_spec(self, tool_format: str | None = None) -> GrammarSpec | None:
+    def grammar_spec(
+        self, tool_format: str | None = None, thinks: bool = False
+    ) -> GrammarSpec | None:
         """The structured output, or with tools the grammar of the model's tool-call format
-        (`tool_format`) for tool_choice auto, required or the named function."""
+        (`tool_format`) for tool_choice auto, required or the named function; thinks: the model
+        may open with a <think> block (Qwen3), which the grammar then allows."""
         if not self.calls_tools or tool_format is None:
             return super().grammar_spec()
         choice = self.tool_choice or "auto"
@@ -381,6 +384,7 @@ class ChatCompletionRequest(_SamplingFields):
             "tools": tools,
             "tool_choice": choice,
             "parallel_tool_calls": self.parallel_tool_calls is not False,
+            "reasoning": "auto" if thinks else "disabled",
         }
         return GrammarSpec("tools", json.dumps(spec), param="tools")
 

@@ -113,6 +113,11 @@ class ServedModel:
         found = tools.tool_format(getattr(self.tokenizer, "chat_template", None))
         return found[0] if found else None
 
+    @property
+    def thinks(self) -> bool:
+        """Whether its chat template opens answers with a <think> block (Qwen3)."""
+        return "<think>" in (getattr(self.tokenizer, "chat_template", None) or "")
+
     def encode_chat(
         self,
         messages: list[dict],

@@ -120,7 +120,7 @@ class OpenAIRoutes:
         )
         max_tokens = serving.check(served, len(ids), req.requested_max_tokens)
         tool_format = served.tool_format if req.calls_tools else None
-        grammar = await serving.compile_grammar(served, req, tool_format)
+        grammar = await serving.compile_grammar(served, req, tool_format, served.thinks)
         choices = serving.submit_choices(
             self.frontend, served, [ids], [max_tokens], req, req.num_logprobs, grammar
         )

@@ -314,3 +314,18 @@ def test_litellm_gets_tool_calls(server, monkeypatch):
     (call,) = r.choices[0].message.tool_calls
     jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
     assert r.choices[0].finish_reason == "tool_calls"
+
+
+def test_a_thinking_model_may_think_before_it_calls():
+    """Qwen3's template opens answers with <think>: the tool grammar then allows a think block
+    first (and none for other models); both compile against a real tokenizer."""
+    from prism_server.grammar import Grammars
+    from prism_server.protocol import ChatCompletionRequest
+
+    req = ChatCompletionRequest(model=CHAT, messages=Q, tools=TOOLS, tool_choice="required")
+    plain, thinking = req.grammar_spec("qwen_3"), req.grammar_spec("qwen_3", thinks=True)
+    assert json.loads(plain.source)["reasoning"] == "disabled"
+    assert json.loads(thinking.source)["reasoning"] == "auto"
+    tok = load_tokenizer(model_dir(ModelSource.parse(CHAT), envs.gguf_cache_dir()))
+    g = Grammars(tok, len(tok), [tok.eos_token_id])
+    assert g.compile(plain) is not None and g.compile(thinking) is not None
