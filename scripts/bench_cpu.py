@@ -60,7 +60,7 @@ def main() -> None:
     spec = ModelSpec("smollm2-135m", "smollm2-135m", max_num_seqs=max(c, 1))
     params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
     ours_b1, ours_agg, hf_b1 = [], [], []
-    with Engine(EngineConfig(models=(spec,), device="cpu")) as engine:
+    with Engine(EngineConfig(models=(spec,), device="cpu", enable_prefix_caching=False)) as engine:
         prompt_ids = engine.encode("smollm2-135m", PROMPT)
         prompts = [engine.encode("smollm2-135m", f"{PROMPT} Variation {i}.") for i in range(c)]
         hf = HFPeer(embedded_model_dir("smollm2-135m", envs.gguf_cache_dir()), prompt_ids)

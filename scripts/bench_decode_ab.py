@@ -78,7 +78,10 @@ def main() -> None:
         max_num_seqs=64,
         max_num_batched_tokens=8192,
     )
-    engine = Engine(EngineConfig(models=(spec,), device="cuda", kv_budget_bytes=16 << 30))
+    cfg = EngineConfig(
+        models=(spec,), device="cuda", kv_budget_bytes=16 << 30, enable_prefix_caching=False
+    )
+    engine = Engine(cfg)
 
     def prompt(n: int, seed: int) -> list[int]:
         g = torch.Generator().manual_seed(seed)

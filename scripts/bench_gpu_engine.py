@@ -113,7 +113,11 @@ def spec(**kw) -> ModelSpec:
 def make_engine(plain: bool = False) -> Engine:
     backend = "tensor" if plain else "vmm"
     cfg = EngineConfig(
-        models=(spec(),), device="cuda", kv_budget_bytes=16 * GiB, memory_backend=backend
+        models=(spec(),),
+        device="cuda",
+        kv_budget_bytes=16 * GiB,
+        memory_backend=backend,
+        enable_prefix_caching=False,  # every prompt is computed: the figures measure the engine
     )
     return Engine(cfg)
 

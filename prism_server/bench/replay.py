@@ -54,9 +54,13 @@ class Result:
 
 
 def prompt_ids(row: Row, index: int, vocab: int = 256) -> list[int]:
-    """A token-id prompt of exactly row.prompt_len tokens (ids in [10, vocab), varied per row so
-    that no two requests share a prefix by accident)."""
-    return [10 + (index * 7919 + j * 31) % (vocab - 10) for j in range(row.prompt_len)]
+    """A token-id prompt of exactly row.prompt_len tokens (ids in [10, vocab)). It opens with the
+    request's index in base vocab - 10 (three digits), so that no two requests of a run share a
+    prefix (a prefix cache would find it) up to (vocab - 10) ** 3 requests."""
+    base = vocab - 10
+    head = [10 + (index // base**k) % base for k in (2, 1, 0)]
+    body = [10 + (index * 7919 + j * 31) % base for j in range(row.prompt_len)]
+    return (head + body)[: row.prompt_len]
 
 
 async def _one(session, url: str, i: int, row: Row, res: Result, t0: float, key: str | None):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from prism_server.bench.replay import replay
+from prism_server.bench.replay import prompt_ids, replay
 from prism_server.bench.report import markdown, percentile, report
 from prism_server.bench.workload import Row
 from prism_server.config import EngineConfig, ModelSpec
@@ -74,3 +74,14 @@ def test_the_bench_command_writes_the_table(tmp_path, capsys):
     assert main(["bench", "run", "--workload", str(tmp_path / "missing.csv")]) == 2
     recs = rep["requests"]
     assert [r["tokens"] for r in recs] == [3] * 4 and all(len(r["gaps_s"]) == 2 for r in recs)
+
+
+def test_prompts_are_exact_in_length_and_share_no_prefix_across_requests():
+    """A prefix cache must find nothing between two requests of a run (it would flatter every
+    policy alike): the first 16-token block differs for every request, here over 2,000."""
+    rows = [Row(0.0, "m", 16 + i % 300, 4) for i in range(2000)]
+    prompts = [prompt_ids(r, i) for i, r in enumerate(rows)]
+    assert [len(p) for p in prompts] == [r.prompt_len for r in rows]
+    assert all(10 <= t < 256 for p in prompts for t in p)
+    assert len({tuple(p[:16]) for p in prompts}) == len(prompts)
+    assert prompt_ids(Row(0.0, "m", 1, 4), 5) == [10]  # a one-token prompt still works

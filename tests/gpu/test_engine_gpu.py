@@ -35,6 +35,12 @@ def test_engine_with_the_default_budget_serves_and_accounts_exactly():
         greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
         outs = e.generate("m", prompts, greedy)
         assert all(o.finish_reason is FinishReason.LENGTH and len(o.token_ids) == 12 for o in outs)
-        assert e.pool.pages_of("m") <= 1  # the finished requests' pages went back (1 cached)
         e.check_integrity()
-        assert e.worker.models["m"].kv.allocator.num_used_blocks == 0
+        snap = e.model_snapshot("m")  # no request holds a block; the prefix cache keeps some
+        assert snap.kv_blocks_held == 0 and snap.kv_blocks_used == snap.kv_blocks_prefix_idle
+        # the prefix cache on the GPU: a prompt again finds its blocks (the tokens may differ
+        # by bf16 near-ties: the prefill's shape changed; CPU tests compare them exactly)
+        again = e.generate("m", prompts[-1:], greedy)[0]
+        assert again.num_cached_tokens >= len(prompts[-1]) // 16 * 16 - 16
+        assert len(again.token_ids) == 12
+        e.check_integrity()
