@@ -8,6 +8,7 @@
 # Results go to $OUT/sweep (sweep.json, sweep.md, plots, server logs). A sweep.json already in
 # docs/bench/h200 is the starting point: its SLOs (measured standalone by the first call) are
 # reused and the new policy's runs are merged in. BUDGET_S (default 520) bounds the sweep's time.
+# BENCH=docs/bench/h200-pressure runs another set-up (its prism.toml, workload.csv, sweep.json).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 policy=$1
@@ -20,10 +21,11 @@ export PYTHONPATH=$PWD:/tmp/site FLASHINFER_CUDA_ARCH_LIST=9.0a PYTHONUNBUFFERED
 export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/fi-ws}
 aot=/tmp/site/flashinfer/data/aot
 if [ -f .fiaot/fi_aot.tgz ]; then mkdir -p "$aot" && tar -xzf .fiaot/fi_aot.tgz -C "$aot"; fi
-[ -f docs/bench/h200/sweep.json ] && cp docs/bench/h200/sweep.json "$out/"
+bench=${BENCH:-docs/bench/h200}
+[ -f "$bench/sweep.json" ] && cp "$bench/sweep.json" "$out/"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 python3 -m prism_server bench sweep \
-  --workload docs/bench/h200/workload.csv --config docs/bench/h200/prism.toml --out "$out" \
+  --workload "$bench/workload.csv" --config "$bench/prism.toml" --out "$out" \
   --policies "$policy" --scales "$scales" --refine 1 --standalone-requests 5 \
   --sample-interval 0.5 --budget-s "${BUDGET_S:-520}" --startup-timeout 300 2>&1 | tee "$out/sweep-$policy.log"
 tail -5 "$out/server-$policy.log"

@@ -13,6 +13,17 @@ from prism_server.bench import workload as wl
 SOURCES = ("azure", "servegen", "mooncake", "bursty")
 
 
+def _range(text: str) -> tuple[int, int]:
+    """ "LO,HI" -> (LO, HI), 1 <= LO <= HI."""
+    try:
+        lo, hi = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LO,HI (two integers), got {text!r}") from None
+    if not 1 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"expected 1 <= LO <= HI, got {text!r}")
+    return lo, hi
+
+
 def default_traces() -> Path:
     return Path(os.environ.get("PRISM_TRACES", "../shared/traces"))
 
@@ -46,6 +57,18 @@ def add_workload_command(sub) -> None:
     p.add_argument("--shifts-per-hour", type=float, default=6.0, help="bursty")
     p.add_argument("--active-fraction", type=float, default=0.35, help="bursty")
     p.add_argument("--cv", type=float, default=2.0, help="bursty: inter-arrival CV")
+    p.add_argument(
+        "--prompt-range",
+        type=_range,
+        default=(64, 1024),
+        help="bursty: prompt lengths, log-uniform in LO,HI",
+    )
+    p.add_argument(
+        "--output-range",
+        type=_range,
+        default=(16, 256),
+        help="bursty: output lengths, log-uniform in LO,HI",
+    )
 
 
 def build(args: argparse.Namespace) -> tuple[list[wl.Row], dict[str, str]]:
@@ -97,6 +120,8 @@ def build(args: argparse.Namespace) -> tuple[list[wl.Row], dict[str, str]]:
             shifts_per_hour=args.shifts_per_hour,
             active_fraction=args.active_fraction,
             cv=args.cv,
+            prompt_len=args.prompt_range,
+            output_len=args.output_range,
             seed=args.seed,
         )
         mapping = {m: "synthetic" for m in models}

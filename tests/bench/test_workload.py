@@ -117,3 +117,37 @@ def test_the_workload_command_writes_what_the_converters_give(tmp_path, capsys):
     bad = ["bench", "workload", "--source", "azure", "--models", "one", "--out", str(out)]
     assert main(bad + ["--traces", str(root)]) == 2
     assert "two models" in capsys.readouterr().err
+
+
+def test_the_bursty_command_takes_length_ranges(tmp_path):
+    from prism_server.cli import main
+
+    out = tmp_path / "b.csv"
+    args = ["bench", "workload", "--source", "bursty", "--models", "a,b,c,d", "--out", str(out)]
+    args += ["--duration-s", "300", "--rate", "2", "--prompt-range", "1024,8192"]
+    args += ["--output-range", "64,512", "--seed", "3"]
+    assert main(args) == 0
+    rows = read_csv(out)
+    want = bursty_groups(
+        ["a", "b", "c", "d"], 300, 2.0, prompt_len=(1024, 8192), output_len=(64, 512), seed=3
+    )
+    assert rows and [(r.model, r.prompt_len, r.output_len) for r in rows] == [
+        (r.model, r.prompt_len, r.output_len) for r in want
+    ]
+    assert [r.arrival_s for r in rows] == pytest.approx([r.arrival_s for r in want], abs=1e-5)
+    assert all(1024 <= r.prompt_len <= 8192 and 64 <= r.output_len <= 512 for r in rows)
+    with pytest.raises(SystemExit):
+        main(
+            [
+                "bench",
+                "workload",
+                "--source",
+                "bursty",
+                "--models",
+                "a",
+                "--out",
+                str(out),
+                "--prompt-range",
+                "9,3",
+            ]
+        )
