@@ -137,3 +137,24 @@ def test_a_screenshot_under_load(srv, page):
         for t in threads:
             t.join()
     assert page.errors == []
+
+
+def test_each_device_gets_its_own_memory_chart(page):
+    """Two (emulated) devices: a memory chart each, with the models placed on it."""
+    specs = tuple(ModelSpec(m, "dummy:tiny-llama", seed=i) for i, m in enumerate("abcd"))
+    s = serve_in_thread(Engine(EngineConfig(models=specs, device="cpu", devices=2)))
+    pg = page.context.browser.new_page()  # the module's browser (one Playwright per thread)
+    try:
+        errors = []
+        pg.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+        pg.goto(f"{s.url}/dashboard")
+        pg.wait_for_function("window.prismDashboard && window.prismDashboard.polls >= 2")
+        devices = pg.eval_on_selector_all("#memory svg", "els => els.map(e => e.dataset.device)")
+        models = pg.eval_on_selector_all(
+            "#memory svg polygon", "els => [...new Set(els.map(e => e.dataset.model))]"
+        )
+        assert devices == ["cpu:0", "cpu:1"] and sorted(models) == list("abcd")
+        assert errors == []
+    finally:
+        pg.close()
+        s.close()
