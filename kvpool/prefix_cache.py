@@ -43,12 +43,6 @@ class PrefixCache:
         self.idle: OrderedDict[int, None] = OrderedDict()  # cached blocks in no use, LRU first
         self.evictions = 0  # idle blocks evicted since start (their pages were needed)
 
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def is_cached(self, block: int) -> bool:
-        return block in self._entries
-
     def _chunk(self, tokens: list[int], i: int) -> tuple[int, ...]:
         return tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
 
@@ -69,7 +63,8 @@ class PrefixCache:
             parent = b
         for b in out:
             self._refs[b] += 1
-            if self.idle.pop(b, 0) is None:
+            if b in self.idle:  # no longer idle
+                del self.idle[b]
                 self._count(b, -1)
         return out
 

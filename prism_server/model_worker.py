@@ -118,8 +118,10 @@ class ModelWorker:
         self.ttft_slo_s, self.tpot_slo_s = ttft_slo_s, tpot_slo_s
         self.requests_total = 0
         self.slo = {k: [0, 0] for k in ("ttft", "tpot")}  # [met, missed] of finished requests
-        # the latest outcomes, (time, kind, missed): the attainment over the last minute
-        self.slo_log: deque[tuple[float, str, bool]] = deque(maxlen=SLO_LOG)
+        # the outcomes of the last SLO_WINDOW_S (at most SLO_LOG), (time, kind, missed), and
+        # their counts, kept as they come and go (a snapshot reads them, never scans the log)
+        self.slo_log: deque[tuple[float, str, bool]] = deque()
+        self._slo_recent = {k: [0, 0] for k in self.slo}
         self.num_deferred = 0  # waiting requests the arbitrator last deferred
         self.latency = LatencyModel()  # kept across evictions: a reactivation does not profile
         if profile_budget_s > 0:
@@ -350,6 +352,9 @@ class ModelWorker:
     def _slo(self, kind: str, missed: bool, now: float) -> None:
         self.slo[kind][missed] += 1
         self.slo_log.append((now, kind, missed))
+        self._slo_recent[kind][missed] += 1
+        if len(self.slo_log) > SLO_LOG:
+            self._forget_slo()
 
     def _finish(self, req: Request, out: RequestOutput) -> None:
         n = req.num_output_tokens
@@ -370,13 +375,15 @@ class ModelWorker:
             log.exception("output sink of request %s failed", req.request_id)
 
     # ---- what it publishes ----------------------------------------------------------------------
+    def _forget_slo(self) -> None:
+        _, kind, missed = self.slo_log.popleft()
+        self._slo_recent[kind][missed] -= 1
+
     def _recent_slo(self, since: float) -> tuple[tuple[str, int, int], ...]:
-        counts = {k: [0, 0] for k in self.slo}
-        for t, kind, missed in reversed(self.slo_log):
-            if t < since:
-                break
-            counts[kind][missed] += 1
-        return tuple((k, met, missed) for k, (met, missed) in counts.items())
+        """(kind, met, missed) of the outcomes since `since`."""
+        while self.slo_log and self.slo_log[0][0] < since:
+            self._forget_slo()
+        return tuple((k, met, missed) for k, (met, missed) in self._slo_recent.items())
 
     def snapshot(self) -> ModelSnapshot:
         a, s, lat = self.kv.allocator, self.scheduler, self.latency

@@ -107,13 +107,18 @@ class ServedModel:
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
 
     @functools.cached_property
+    def _tool_support(self) -> tuple[str, str | None] | None:
+        """(format, the template to use instead of its own or None), or None (tools.tool_format),
+        looked up once."""
+        return tools.tool_format(getattr(self.tokenizer, "chat_template", None))
+
+    @property
     def tool_format(self) -> str | None:
         """The tool-call format its chat template speaks ("qwen_3", "llama"; prism_server.tools),
         or None if Prism cannot call tools through it."""
-        found = tools.tool_format(getattr(self.tokenizer, "chat_template", None))
-        return found[0] if found else None
+        return self._tool_support[0] if self._tool_support else None
 
-    @property
+    @functools.cached_property
     def thinks(self) -> bool:
         """Whether its chat template opens answers with a <think> block (Qwen3)."""
         return "<think>" in (getattr(self.tokenizer, "chat_template", None) or "")
@@ -136,7 +141,7 @@ class ServedModel:
         tok = self.tokenizer
         template = None
         if with_tools:
-            found = tools.tool_format(tok.chat_template)
+            found = self._tool_support
             if found is None:
                 raise RequestRejected(
                     f"The model `{self.name}` has no tool-calling chat template.", "tools"

@@ -159,14 +159,10 @@ class BatchScheduler:
             if self.config.reserve_output_tokens:
                 mine = self._future_blocks(req)
                 if not self.blocks.can_allocate(reserved + mine):
-                    self._release(req)
-                    req.num_computed_tokens = 0
-                    self.blocked = True
+                    self._unadmit(req)
                     break
             if not self._grow(req, req.num_computed_tokens + num_new):
-                self._release(req)
-                req.num_computed_tokens = 0
-                self.blocked = True
+                self._unadmit(req)
                 break
             if self.config.reserve_output_tokens:
                 reserved += self._future_blocks(req)
@@ -181,6 +177,13 @@ class BatchScheduler:
             out.append(ScheduledChunk.of(req, num_new))
             budget -= num_new
         return out
+
+    def _unadmit(self, req: Request) -> None:
+        """A request that could not start after all: the cached blocks it took go back, and
+        the step is blocked on memory."""
+        self._release(req)
+        req.num_computed_tokens = 0
+        self.blocked = True
 
     def _reuse_prefix(self, req: Request) -> None:
         """A request about to start (or recompute) takes the cached blocks of its longest

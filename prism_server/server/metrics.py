@@ -265,65 +265,34 @@ class Metrics:
         self.request_success = Counter(
             "prism:request_success", "Finished requests.", lm + ["finished_reason"], registry=r
         )
-        self.ttft = Histogram(
-            "prism:time_to_first_token_seconds",
-            "Time to first token.",
-            lm,
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.itl = Histogram(
-            "prism:inter_token_latency_seconds",
-            "Time between output tokens.",
-            lm,
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.e2e = Histogram(
-            "prism:e2e_request_latency_seconds",
-            "Arrival to last token.",
-            lm,
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.queue_time = Histogram(
-            "prism:request_queue_time_seconds",
-            "Arrival to first scheduled.",
-            lm,
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.tpot = Histogram(
-            "prism:time_per_output_token_seconds",
-            "Time per output token: each gap between output tokens (vLLM's v0 name).",
-            lm,
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.request_tpot = Histogram(
-            "prism:request_time_per_output_token_seconds",
-            "A finished request's mean time per output token (first to last token over n - 1).",
-            lm,
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
 
-        def phase(name: str, doc: str) -> Histogram:
+        def seconds(name: str, doc: str) -> Histogram:
             return Histogram(name, doc, lm, buckets=_LATENCY_BUCKETS, registry=r)
-
-        self.prefill_time = phase(
-            "prism:request_prefill_time_seconds", "First scheduled to first token (prefill)."
-        )
-        self.decode_time = phase(
-            "prism:request_decode_time_seconds", "First token to last token (decode)."
-        )
-        self.inference_time = phase(
-            "prism:request_inference_time_seconds", "First scheduled to last token (running)."
-        )
 
         def tokens(name: str, doc: str) -> Histogram:
             return Histogram(name, doc, lm, buckets=_TOKEN_BUCKETS, registry=r)
 
+        self.ttft = seconds("prism:time_to_first_token_seconds", "Time to first token.")
+        self.itl = seconds("prism:inter_token_latency_seconds", "Time between output tokens.")
+        self.e2e = seconds("prism:e2e_request_latency_seconds", "Arrival to last token.")
+        self.queue_time = seconds("prism:request_queue_time_seconds", "Arrival to first scheduled.")
+        self.tpot = seconds(
+            "prism:time_per_output_token_seconds",
+            "Time per output token: each gap between output tokens (vLLM's v0 name).",
+        )
+        self.request_tpot = seconds(
+            "prism:request_time_per_output_token_seconds",
+            "A finished request's mean time per output token (first to last token over n - 1).",
+        )
+        self.prefill_time = seconds(
+            "prism:request_prefill_time_seconds", "First scheduled to first token (prefill)."
+        )
+        self.decode_time = seconds(
+            "prism:request_decode_time_seconds", "First token to last token (decode)."
+        )
+        self.inference_time = seconds(
+            "prism:request_inference_time_seconds", "First scheduled to last token (running)."
+        )
         self.request_prompt_tokens = tokens(
             "prism:request_prompt_tokens", "Prompt tokens of each finished request."
         )

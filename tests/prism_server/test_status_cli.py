@@ -125,3 +125,21 @@ def test_sizes_and_attainment_read_well():
     assert status_cli.size(3 << 29) == "1.50 GiB" and status_cli.size(5 << 20) == "5.0 MiB"
     assert status_cli.attainment({"met": 9, "missed": 1}) == "9/10 (90%)"
     assert status_cli.attainment({"met": 0, "missed": 0}) == "-"
+
+
+def test_the_last_minute_counts_what_finished_in_it_and_forgets_the_rest():
+    import time
+
+    from prism_server.config import EngineConfig, ModelSpec
+    from prism_server.engine import Engine
+    from scheduler.sampling_params import SamplingParams
+
+    spec = ModelSpec("t", "dummy:tiny-llama", ttft_slo_ms=60_000, tpot_slo_ms=60_000)
+    with Engine(EngineConfig(models=(spec,), device="cpu")) as e:
+        e.generate("t", [[5, 6, 7]] * 3, SamplingParams(max_tokens=4, ignore_eos=True))
+        snap = e.model_snapshot("t")
+        assert dict((k, (m, x)) for k, m, x in snap.slo_recent) == {"ttft": (3, 0), "tpot": (3, 0)}
+        assert snap.slo_recent == snap.slo_met
+        worker = e.worker.models["t"]
+        later = e.worker.call(lambda: worker._recent_slo(time.monotonic() + 1))  # all too old
+        assert later == (("ttft", 0, 0), ("tpot", 0, 0)) and not worker.slo_log
