@@ -49,8 +49,7 @@ function span() {
 }
 
 function chart(width, height) {
-  const svg = el("svg", { width, height, viewBox: `0 0 ${width} ${height}` });
-  return svg;
+  return el("svg", { width, height, viewBox: `0 0 ${width} ${height}` });
 }
 
 function legend(container, models) {
@@ -123,12 +122,28 @@ function drawMemory(container) {
   }
 }
 
+// one line per model over the drawn span: series[model] = [[time, value], ...], values in
+// [0, top]; `label` and `zero` mark the top and the foot of the axis
+function lineChart(container, series, top, label, H, zero = "0") {
+  const W = 560, L = 40, B = 18;
+  const svg = chart(W, H);
+  const [t0, , w] = span();
+  const x = (t) => L + ((t - t0) / w) * (W - L - 5);
+  const y = (v) => H - B - (v / top) * (H - B - 10);
+  el("line", { x1: L, y1: H - B, x2: W, y2: H - B, class: "axis" }, svg);
+  el("text", { x: 2, y: 14 }, svg).textContent = label;
+  el("text", { x: 2, y: H - B }, svg).textContent = zero;
+  for (const [m, pts] of Object.entries(series)) {
+    const shown = pts.filter(([t]) => t >= t0).map(([t, v]) => `${x(t)},${y(v)}`);
+    if (shown.length) el("polyline", { points: shown.join(" "), fill: "none", stroke: color(m),
+      "stroke-width": 1.5, "data-model": m }, svg);
+  }
+  container.appendChild(svg);
+}
+
 function drawRates(container) {
   container.replaceChildren();
-  const W = 560, H = 160, L = 40, B = 18;
-  const svg = chart(W, H);
   const n = state.samples.length;
-  const [t0, , w] = span();
   const models = Object.keys(state.samples[n - 1].models);
   const rates = {}; // model -> [[t, req/s]]
   let peak = 0.1;
@@ -143,16 +158,7 @@ function drawRates(container) {
     }
   }
   state.rates = rates;
-  const x = (t) => L + ((t - t0) / w) * (W - L - 5);
-  const y = (r) => H - B - (r / peak) * (H - B - 10);
-  el("line", { x1: L, y1: H - B, x2: W, y2: H - B, class: "axis" }, svg);
-  el("text", { x: 2, y: 14 }, svg).textContent = peak.toFixed(1) + "/s";
-  for (const m of models) {
-    const pts = rates[m].filter(([t]) => t >= t0).map(([t, r]) => `${x(t)},${y(r)}`);
-    if (pts.length) el("polyline", { points: pts.join(" "), fill: "none", stroke: color(m),
-      "stroke-width": 1.5, "data-model": m }, svg);
-  }
-  container.appendChild(svg);
+  lineChart(container, rates, peak, peak.toFixed(1) + "/s", 160);
   legend(container, models);
 }
 
@@ -183,35 +189,25 @@ function drawResidency(container) {
   container.appendChild(svg);
 }
 
-// attainment over time: per model, the share of its last minute's requests that met both
-// deadlines' counts (TTFT and TPOT together), sampled at each poll
+// attainment over time: per model, the share of its last minute's deadlines met (TTFT and
+// TPOT together), sampled at each poll
 function drawSloChart(container) {
-  const W = 560, H = 120, L = 40, B = 18;
-  const svg = chart(W, H);
-  const [t0, , w] = span();
-  const x = (t) => L + ((t - t0) / w) * (W - L - 5);
-  const y = (f) => H - B - f * (H - B - 10);
-  el("line", { x1: L, y1: H - B, x2: W, y2: H - B, class: "axis" }, svg);
-  el("text", { x: 2, y: 14 }, svg).textContent = "100%";
-  el("text", { x: 2, y: H - B }, svg).textContent = "0%";
-  const last = state.samples[state.samples.length - 1];
-  for (const m of Object.keys(last.models)) {
-    const pts = [];
+  const series = {};
+  for (const m of Object.keys(state.samples[state.samples.length - 1].models)) {
+    series[m] = [];
     for (const s of state.samples) {
       const info = s.models[m];
-      if (!info || s.time < t0) continue;
+      if (!info) continue;
       let met = 0, n = 0;
       for (const k of ["ttft", "tpot"]) {
         const v = info.slo[k] || { met: 0, missed: 0 };
         met += v.met;
         n += v.met + v.missed;
       }
-      if (n) pts.push(`${x(s.time)},${y(met / n)}`);
+      if (n) series[m].push([s.time, met / n]);
     }
-    if (pts.length) el("polyline", { points: pts.join(" "), fill: "none", stroke: color(m),
-      "stroke-width": 1.5, "data-model": m }, svg);
   }
-  container.appendChild(svg);
+  lineChart(container, series, 1, "100%", 120, "0%");
 }
 
 function drawSlo(container) {
