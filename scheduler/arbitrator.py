@@ -19,9 +19,11 @@ SLO, or its TTFT deadline until its first token).
 - Chunking: the chosen model's step may take no longer than the slack of every decoding request
   on the device (its own: the step must end by their next-token deadline; other models': by
   their deadline less their own next step), so another model's long prompt is prefilled in
-  chunks between their decode steps instead of making them late. A late prefill is not a limit
-  (smaller chunks would only make it later), nor are decodes that would be late even beside
-  no prefill at all.
+  chunks between their decode steps instead of making them late. Likewise it must end by the
+  latest start of another model's on-time prompt (waiting, or part-way through its chunked
+  prefill), so a long prompt in progress does not make a short one with a tight TTFT late. A
+  late prefill is not a limit (smaller chunks would only make it later), nor are decodes that
+  would be late even beside no prefill at all.
 
 Pure: plain data in, a Pick out; `now` passed in.
 """
@@ -97,6 +99,8 @@ class Running:
     context_tokens: int = 0  # KV tokens the decoding ones attend
     prefilling: int = 0  # admitted requests still in (chunked) prefill
     prefill_cached: int = 0  # KV tokens of the oldest of those (its next chunk attends them)
+    prefill_todo: int = 0  # prompt tokens the oldest of those has still to prefill
+    prefill_deadline: float | None = None  # its TTFT deadline
 
     @property
     def any(self) -> bool:
@@ -152,6 +156,10 @@ def model_work(name: str, sched: BatchScheduler, lat: LatencyModel) -> ModelWork
             context_tokens=sum(r.num_computed_tokens for r in decoding),
             prefilling=len(prefilling),
             prefill_cached=prefilling[0].num_computed_tokens if prefilling else 0,
+            prefill_todo=(
+                prefilling[0].num_tokens - prefilling[0].num_computed_tokens if prefilling else 0
+            ),
+            prefill_deadline=prefilling[0].deadline if prefilling else None,
         )
     cfg = sched.config
     floor = max(16, cfg.block_size, lat.knee_tokens())  # the smallest chunk worth a step
@@ -184,7 +192,6 @@ def arbitrate(models: Sequence[ModelWork], now: float, overhead_s: float = 0.0) 
     first_on_time: dict[str, Job] = {}
     for j in on_time:
         first_on_time.setdefault(j.model, j)
-    step_s = {m.name: _step_estimate(m, first_on_time.get(m.name)) for m in active}
     # the shortest step each could take (its decodes, a min_tokens chunk): what another model
     # must wait for at least, since longer prefills are chunked to its slack
     min_step_s = {
@@ -194,10 +201,15 @@ def arbitrate(models: Sequence[ModelWork], now: float, overhead_s: float = 0.0) 
     def latest_start(m: ModelWork) -> float:
         starts = []
         if m.running.deadline is not None:
-            starts.append(m.running.deadline - step_s[m.name])
+            # its running requests need their next step by then: the decodes and the smallest
+            # chunk (the rest of a prefill in progress is _prefill_start_by's)
+            starts.append(m.running.deadline - min_step_s[m.name])
         j = first_on_time.get(m.name)
         if j is not None:
             starts.append(j.deadline - j.duration)
+        p = _prefill_start_by(m, now)
+        if p is not None:
+            starts.append(p)
         return min(starts, default=float("inf"))
 
     def urgent(m: ModelWork) -> bool:
@@ -226,12 +238,31 @@ def arbitrate(models: Sequence[ModelWork], now: float, overhead_s: float = 0.0) 
     mine_on_time = [j for j in on_time if j.model == pick.name]
     mine_late = [j for j in late if j.model == pick.name]
     admit = mine_on_time + (mine_late if not on_time or not _others_wait(on_time, pick) else [])
-    budget = _token_budget(pick, active, admit, now, overhead_s)
+    # another model's on-time request (waiting, or in its chunked prefill) must start by its
+    # latest start: the chunk ends before
+    starts = [
+        j.deadline - j.duration * (1 + _err(m))
+        for m in active
+        if m is not pick and (j := first_on_time.get(m.name)) is not None
+    ]
+    starts += [p for m in active if m is not pick and (p := _prefill_start_by(m, now)) is not None]
+    budget = _token_budget(pick, active, admit, now, overhead_s, min(starts, default=None))
     return Pick(pick.name, tuple(j.key for j in admit), budget, tuple(j.key for j in late))
 
 
 def _err(m: ModelWork) -> float:
     return max(m.latency.error or 0.0, SAFETY)
+
+
+def _prefill_start_by(m: ModelWork, now: float) -> float | None:
+    """When m's prefill in progress must resume to end by its TTFT deadline (None: there is
+    none, or it is late already: a late prefill is not a limit)."""
+    r = m.running
+    if not r.prefilling or r.prefill_deadline is None:
+        return None
+    need = m.latency.prefill_s(r.prefill_todo, r.prefill_cached) * (1 + _err(m))
+    start_by = r.prefill_deadline - need
+    return start_by if start_by > now else None
 
 
 def _others_wait(on_time: list[Job], pick: ModelWork) -> bool:
@@ -256,12 +287,16 @@ def _token_budget(
     admit: list[Job],
     now: float,
     overhead_s: float = 0.0,
+    start_by: float | None = None,
 ) -> int:
-    """The most tokens m's step may compute without making a running request of the device late
-    (never fewer than its decodes plus min_tokens: progress over perfection)."""
+    """The most tokens m's step may compute without making a running request of the device late,
+    nor another model's on-time waiting request, which must start by `start_by` (never fewer
+    than its decodes plus min_tokens: progress over perfection)."""
     limit = float("inf")
     if m.running.decode_deadline is not None:
         limit = m.running.decode_deadline - now - overhead_s
+    if start_by is not None:
+        limit = min(limit, start_by - now - overhead_s)
     for o in active:  # their next step follows this one; its estimate may be short too
         if o is not m and o.running.decode_deadline is not None:
             after = o.decode_s * (1 + _err(o)) + 2 * overhead_s

@@ -4,7 +4,8 @@ model says. It answers "what would these decisions do to these SLOs on this devi
 milliseconds, without a GPU, so a change to a decision can be tried on a trace (with step costs
 measured on the device) before it meets the device.
 
-Pure: no clock, no torch; every model's KV is a plain block count (no memory pressure)."""
+Pure: no clock, no torch; every model's KV is a plain block count: unbounded by default (no
+memory pressure), or a fixed number of blocks (`SimModel.kv_blocks`: a static partition's quota)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ class SimModel:
     config: SchedulerConfig = field(default_factory=SchedulerConfig)
     # what the arbitrator believes (None: the device's own model, a perfect estimate)
     estimate: LatencyModel | None = None
+    kv_blocks: int | None = None  # its KV room in blocks (None: unbounded)
 
 
 @dataclass(frozen=True)
@@ -57,22 +59,27 @@ class SimStep:
 
 
 class _Blocks:
-    """A KV block pool that never runs out."""
+    """A KV block pool of `capacity` blocks (None: it never runs out)."""
 
-    def __init__(self, capacity: int = 1 << 30):
-        self.capacity_blocks = capacity
+    def __init__(self, capacity: int | None = None):
+        self.capacity_blocks = capacity if capacity is not None else 1 << 30
+        self.bounded = capacity is not None
+        self.used = 0
         self._next = 1
 
-    def allocate(self, n: int) -> list[int]:
+    def allocate(self, n: int) -> list[int] | None:
+        if not self.can_allocate(n):
+            return None
         out = list(range(self._next, self._next + n))
         self._next += n
+        self.used += n
         return out
 
     def can_allocate(self, n: int) -> bool:
-        return True
+        return not self.bounded or self.used + n <= self.capacity_blocks
 
     def free(self, blocks: list[int]) -> None:
-        pass
+        self.used -= len(blocks)
 
 
 @dataclass
@@ -93,7 +100,7 @@ def simulate(
     """Replays the arrivals on one device whose models are `models`; overhead_s: the host time
     between two steps. Every request runs to its output length."""
     specs = {m.name: m for m in models}
-    scheds = {n: BatchScheduler(m.config, _Blocks()) for n, m in specs.items()}
+    scheds = {n: BatchScheduler(m.config, _Blocks(m.kv_blocks)) for n, m in specs.items()}
     pending = sorted(arrivals, key=lambda a: (a.time, a.model))
     origin: dict[str, tuple[SimArrival, list[float]]] = {}  # request id -> arrival, token times
     results: list[SimResult] = []
@@ -103,6 +110,8 @@ def simulate(
         while nxt < len(pending) and pending[nxt].time <= now:
             a = pending[nxt]
             spec = specs[a.model]
+            if not scheds[a.model].fits(a.prompt_len + a.output_len):
+                raise ValueError(f"a request of {a.model} can never fit its KV room: {a}")
             req = Request(
                 f"r{nxt}",
                 [1] * a.prompt_len,
@@ -119,14 +128,21 @@ def simulate(
             for n, s in scheds.items()
             if s.has_work
         ]
-        pick = arbitrate(works, now, overhead_s) if works else None
-        if pick is None:
+        batch, pick = [], None
+        while works and not batch:  # a model whose KV room is full cannot step: the next one
+            pick = arbitrate(works, now, overhead_s)
+            if pick is None:
+                break
+            batch = scheds[pick.model].schedule(now, pick.admit, pick.token_budget)
+            if not batch and specs[pick.model].kv_blocks is None:
+                raise RuntimeError(f"the arbitrator picked {pick.model}, which could not step")
+            works = [w for w in works if w.name != pick.model]
+        if not batch:  # nothing can step: time passes to the next arrival
+            if nxt >= len(pending):
+                raise RuntimeError("no model can step and no request is left to arrive")
             now = max(now, pending[nxt].time)
             continue
         sched = scheds[pick.model]
-        batch = sched.schedule(now, pick.admit, pick.token_budget)
-        if not batch:
-            raise RuntimeError(f"the arbitrator picked {pick.model}, which could not step")
         seconds = specs[pick.model].device_latency.estimate(
             StepShape.of((c.start, c.num_new) for c in batch)
         )

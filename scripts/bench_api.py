@@ -43,7 +43,11 @@ SCHEMA = {
 
 def engine(model: str, device: str, prefix: bool) -> Engine:
     spec = ModelSpec(NAME, model, max_model_len=8192, max_num_batched_tokens=8192)
-    cfg = EngineConfig(models=(spec,), device=device, enable_prefix_caching=prefix)
+    # two engines live at once (cached and plain): each gets a pool of its own, a share of the GPU
+    budget = 40 << 30 if device == "cuda" else None
+    cfg = EngineConfig(
+        models=(spec,), device=device, enable_prefix_caching=prefix, pool_budget_bytes=budget
+    )
     return Engine(cfg)
 
 

@@ -11,6 +11,8 @@ from pathlib import Path
 from prism_server.bench import workload as wl
 
 SOURCES = ("azure", "servegen", "mooncake", "bursty")
+# where request lengths may come from instead of the source's own: another trace's requests
+LENGTHS = ("source", "azure-code", "azure-conv", "mooncake")
 
 
 def _range(text: str) -> tuple[int, int]:
@@ -41,6 +43,13 @@ def add_workload_command(sub) -> None:
     )
     p.add_argument("--rate-scale", type=float, default=1.0, help="requests x this (servegen)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--lengths",
+        choices=LENGTHS,
+        default="source",
+        help="each request's (prompt, output) lengths: the source's own, or a pair drawn from "
+        "another trace's requests (Azure code or conv, Mooncake's long-context conversations)",
+    )
     p.add_argument("--max-prompt", type=int, default=None, help="cap prompt lengths")
     p.add_argument("--max-output", type=int, default=None, help="cap output lengths")
     p.add_argument(
@@ -125,6 +134,9 @@ def build(args: argparse.Namespace) -> tuple[list[wl.Row], dict[str, str]]:
             seed=args.seed,
         )
         mapping = {m: "synthetic" for m in models}
+    if args.lengths != "source":
+        rows = wl.resample_lengths(rows, length_pairs(args.lengths, root), args.seed)
+        mapping = {m: f"{s}, lengths from {args.lengths}" for m, s in mapping.items()}
     if args.time_scale != 1.0:
         rows = wl.scale_time(rows, args.time_scale)
     if args.max_prompt or args.max_output:
@@ -132,6 +144,18 @@ def build(args: argparse.Namespace) -> tuple[list[wl.Row], dict[str, str]]:
     if not rows:
         raise ValueError("the window holds no request")
     return rows, mapping
+
+
+def length_pairs(name: str, root: Path) -> list[tuple[int, int]]:
+    """Every request's (prompt, output) lengths in the trace `name` (one of LENGTHS but source)."""
+    from prism_server.bench import traces
+
+    if name == "mooncake":
+        path = root / "mooncake_fast25" / "conversation_trace.jsonl.gz"
+        return [(r.prompt_len, r.output_len) for r in traces.from_mooncake(["m"], path)]
+    service = name.removeprefix("azure-")
+    path = root / "azure_llm_2023" / f"AzureLLMInferenceTrace_{service}.csv.gz"
+    return [(r.prompt_len, r.output_len) for r in wl.from_azure({"m": path})]
 
 
 def describe(rows: list[wl.Row], models: list[str]) -> str:

@@ -78,6 +78,22 @@ def scale_rate(rows: Sequence[Row], factor: float) -> list[Row]:
     return scale_time(rows, 1.0 / factor)
 
 
+def resample_lengths(
+    rows: Sequence[Row], pairs: Sequence[tuple[int, int]], seed: int = 0
+) -> list[Row]:
+    """The same arrivals and models with each request's (prompt, output) lengths drawn, as a
+    pair, from `pairs` (another trace's requests, say), with replacement; deterministic for a
+    seed."""
+    if not pairs:
+        raise ValueError("no length pairs to draw from")
+    rng = random.Random(f"lengths/{seed}")
+    out = []
+    for r in rows:
+        p, o = pairs[rng.randrange(len(pairs))]
+        out.append(replace(r, prompt_len=max(int(p), 1), output_len=max(int(o), 1)))
+    return out
+
+
 def window(rows: Sequence[Row], start_s: float, end_s: float) -> list[Row]:
     """The rows arriving in [start_s, end_s), shifted to start at 0."""
     return [

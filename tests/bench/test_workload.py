@@ -15,6 +15,7 @@ from prism_server.bench.workload import (
     from_azure,
     idle_fraction,
     read_csv,
+    resample_lengths,
     scale_rate,
     window,
     write_csv,
@@ -151,3 +152,52 @@ def test_the_bursty_command_takes_length_ranges(tmp_path):
                 "9,3",
             ]
         )
+
+
+def test_lengths_drawn_from_another_trace_keep_the_arrivals_and_pair_the_lengths():
+    rows = [Row(0.1 * i, "ab"[i % 2], 10, 5) for i in range(400)]
+    pairs = [(100, 7), (2000, 300), (6000, 40)]
+    out = resample_lengths(rows, pairs, seed=1)
+    assert [(r.arrival_s, r.model) for r in out] == [(r.arrival_s, r.model) for r in rows]
+    drawn = [(r.prompt_len, r.output_len) for r in out]
+    assert set(drawn) == set(pairs)  # whole pairs, every one of them drawn
+    assert all(drawn.count(p) > 80 for p in pairs)  # with replacement, about evenly
+    assert resample_lengths(rows, pairs, seed=1) == out
+    assert resample_lengths(rows, pairs, seed=2) != out
+    with pytest.raises(ValueError):
+        resample_lengths(rows, [])
+
+
+def test_the_workload_command_takes_a_servegen_stream_with_mooncake_lengths(tmp_path, capsys):
+    from prism_server.bench.traces import from_servegen
+    from prism_server.bench.traces_cli import length_pairs
+    from prism_server.cli import main
+
+    root = TRACES.parent
+    out = tmp_path / "mix.csv"
+    args = ["bench", "workload", "--source", "servegen", "--models", "x,y", "--out", str(out)]
+    args += ["--traces", str(root), "--servegen-models", "m-mid", "--duration-s", "1800"]
+    args += ["--rate-scale", "0.0001", "--lengths", "mooncake", "--max-prompt", "6144"]
+    args += ["--max-output", "128"]
+    assert main(args) == 0
+    assert "lengths from mooncake" in capsys.readouterr().out
+    arrivals = from_servegen(
+        ["x", "y"],
+        duration_s=1800,
+        rate_scale=0.0001,
+        source_models=["m-mid"],
+        root=root / "servegen",
+    )
+    rows = read_csv(out)
+    assert len(rows) == len(arrivals) > 20
+    assert [(r.model, round(r.arrival_s, 4)) for r in rows] == [
+        (r.model, round(r.arrival_s, 4)) for r in arrivals
+    ]
+    moon = length_pairs("mooncake", root)
+    capped = {(min(p, 6144), min(o, 128)) for p, o in moon}
+    assert all((r.prompt_len, r.output_len) in capped for r in rows)
+    # Mooncake's prompts are long: most hit the cap, unlike ServeGen's own
+    assert statistics.median(r.prompt_len for r in rows) > 3000
+    assert statistics.median(r.prompt_len for r in arrivals) < 2000
+    azure = length_pairs("azure-code", root)
+    assert len(azure) == 8819 and statistics.mean(o for _, o in azure) < 40

@@ -83,3 +83,44 @@ def test_the_knee_is_where_a_chunks_tokens_cost_what_its_step_does():
     lat = LatencyModel((6e-3, 3e-5, 0.0, 0.0))
     assert lat.knee_tokens() == 200
     assert LatencyModel((6e-3, 0.0, 0.0, 0.0)).knee_tokens() == 1
+
+
+def test_another_models_prefill_is_chunked_so_a_tight_prompt_starts_in_time():
+    """A 14B-like model prefills a long prompt (2048-token chunks of ~0.16 s) when a small model's
+    prompt arrives with 0.3 s to its first token: the big model's next chunk is cut to end
+    before the small prompt's latest start, and the small prompt, once started, finishes its
+    own chunks before the big one resumes. (Chunks bounded only by decoding streams ran the big
+    prefill on in full chunks and made the small prompt 1.3 s late.)"""
+    big = SimModel("big", _lat(9e-3, 75e-6), ttft_slo_s=3.0, tpot_slo_s=0.045)
+    small = SimModel("small", _lat(2e-3, 6e-6), ttft_slo_s=0.3, tpot_slo_s=0.05)
+    arrivals = [SimArrival(0.0, "big", 6144, 4), SimArrival(0.2, "small", 6144, 4)]
+    sim = simulate([big, small], arrivals)
+    by = {r.arrival.model: r for r in sim.results}
+    assert by["small"].met_ttft, by["small"]
+    assert by["big"].met_ttft, by["big"]
+    # the chunk running when the small prompt arrived was cut short
+    big_chunks = [s.prefill_tokens for s in sim.steps if s.model == "big" and s.prefill_tokens]
+    assert min(big_chunks) < 2048
+    # the small prompt's chunks ran back to back once it started
+    order = [s.model for s in sim.steps if s.prefill_tokens]
+    first = order.index("small")
+    assert order[first : first + order.count("small")] == ["small"] * order.count("small")
+
+
+def test_a_static_kv_quota_queues_a_burst_that_unbounded_kv_batches():
+    """Six 1000-token prompts at once to a model whose KV room holds two of them (a static
+    partition's quota): at most two run at a time and the last waits for two generations to
+    end; with the room unbounded (the balloon) all six decode in one batch."""
+    lat = _lat(5e-3, 1e-5)
+    burst = [SimArrival(0.0, "m", 1000, 50) for _ in range(6)]
+    room = 2 * -(-1050 // 16)  # two requests' blocks
+    bounded = simulate([SimModel("m", lat, 1.0, 1.0, kv_blocks=room)], burst)
+    free = simulate([SimModel("m", lat, 1.0, 1.0)], burst)
+    assert max(s.decodes for s in bounded.steps) == 2
+    assert max(s.decodes for s in free.steps) == 6
+    last = max(r.ttft_s for r in bounded.results)
+    assert last > 2 * 50 * lat.decode_s(2, 2000)  # behind two rounds of two generations
+    assert max(r.ttft_s for r in free.results) < 0.1
+    assert len(bounded.results) == len(free.results) == 6
+    with pytest.raises(ValueError, match="never fit"):
+        simulate([SimModel("m", lat, 1.0, 1.0, kv_blocks=10)], burst)
