@@ -430,6 +430,7 @@ class ModelWorker:
                 error=lat.error,
                 profiled_shapes=len(lat.profile),
                 observed_steps=lat.observed,
+                coefficients=lat.coefficients,
             ),
         )
 

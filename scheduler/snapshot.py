@@ -39,6 +39,9 @@ class LatencySnapshot:
     error: float | None = None  # EWMA of |estimate - measured| / measured over recent steps
     profiled_shapes: int = 0
     observed_steps: int = 0
+    # the fitted step cost (LatencyModel's c0, per token, per sequence, per 1k attention pairs):
+    # with these a bench replays a run's decisions in the device simulator
+    coefficients: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -98,6 +98,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     pl = sub.add_parser("plot", help="the plots of a sweep directory")
     pl.add_argument("dir")
 
+    sm = sub.add_parser(
+        "simulate", help="a sweep's runs replayed in the device simulator with measured step costs"
+    )
+    sm.add_argument("dir", help="the sweep's directory (its sweep.json)")
+    sm.add_argument("--workload", help="the CSV replayed (default: the sweep's own)")
+    sm.add_argument("--policy", default="prism", choices=["prism", "static"])
+    sm.add_argument("--scales", type=_floats, default=[], help="more scales to predict")
+    sm.add_argument("--max-num-batched-tokens", type=int, default=2048)
+
     from prism_server.bench.traces_cli import add_workload_command
 
     add_workload_command(sub)
@@ -205,6 +214,16 @@ def _plot(args) -> int:
     return 0
 
 
+def _simulate(args) -> int:
+    from prism_server.bench.simulate import markdown, simulate_sweep
+
+    sweep = json.loads((Path(args.dir) / "sweep.json").read_text())
+    rows = _rows(args.workload or sweep["config"]["workload"])
+    preds = simulate_sweep(sweep, rows, args.policy, args.scales, args.max_num_batched_tokens)
+    print(markdown(args.policy, preds))
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     fn = {
@@ -212,6 +231,7 @@ def run(args: argparse.Namespace) -> int:
         "standalone": _standalone,
         "sweep": _sweep,
         "plot": _plot,
+        "simulate": _simulate,
     }.get(args.bench_command)
     if fn is None:
         from prism_server.bench.traces_cli import run_workload_command

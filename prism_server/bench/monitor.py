@@ -29,6 +29,9 @@ class Monitor:
     counts: list[dict[str, tuple[int, int]]] = field(default_factory=list)
     # per poll: (its time on the replay's clock, per device its engine counters)
     engines: list[tuple[float, dict[str, dict]]] = field(default_factory=list)
+    # per model, from the latest poll: its latency model's coefficients (what its steps cost on
+    # the device), their error, and the KV blocks it could hold
+    latency: dict[str, dict] = field(default_factory=dict)
     _offset: float | None = None  # server clock - client clock
     _rtt: float = float("inf")
     _task: asyncio.Task | None = None
@@ -57,6 +60,13 @@ class Monitor:
                     "waiting": m["num_waiting"],
                 }
                 counts[name] = (m["activations"], m["evictions"])
+                lat = m.get("latency") or {}
+                if lat.get("coefficients"):
+                    self.latency[name] = {
+                        "coefficients": lat["coefficients"],
+                        "error": lat.get("error"),
+                        "kv_blocks_capacity": m["kv_blocks_capacity"],
+                    }
                 log = self.transitions.setdefault(name, {})
                 for t, state in m["transitions"]:
                     log[t] = state

@@ -212,6 +212,7 @@ async def run_once(
             "ttft_p99_s": percentile(wait_ttfts, 99),
         },
         "engine": mon.engine(),
+        "latency": mon.latency,
         "requests": [_record(r, w) for r, w in zip(results, waited)],
         "samples": mon.samples,
         "transitions": transitions,

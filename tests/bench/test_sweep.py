@@ -161,7 +161,7 @@ MODELS = ["gemma3-270m", "smollm2-135m", "tiny-a", "tiny-b"]
 
 
 @pytest.mark.slow
-def test_the_sweep_runs_every_policy_and_its_table_and_plots_are_the_data(tmp_path):
+def test_the_sweep_runs_every_policy_and_its_table_and_plots_are_the_data(tmp_path, capsys):
     (tmp_path / "prism.toml").write_text(CONFIG)
     rows = [Row(0.25 * i, MODELS[(i // 2) % 4], 12 + 5 * (i % 3), 3 + i % 2) for i in range(12)]
     write_csv(rows, tmp_path / "w.csv")
@@ -202,6 +202,20 @@ def test_the_sweep_runs_every_policy_and_its_table_and_plots_are_the_data(tmp_pa
         assert p["sustained_scale"] == (best["scale"] if best else None)
         row = next(x for x in md.splitlines() if x.startswith(f"| {name} |"))
         assert (f"(x{best['scale']:g})" in row) if best else ("| none |" in row)
+    # every run recorded each model's measured step costs; the simulator replays them
+    for name in ("prism", "static"):
+        for run in sweep["policies"][name]["runs"]:
+            assert set(run["latency"]) == set(MODELS)
+            assert all(len(v["coefficients"]) == 4 for v in run["latency"].values())
+            assert all(v["kv_blocks_capacity"] > 0 for v in run["latency"].values())
+    capsys.readouterr()
+    assert main(["bench", "simulate", str(out), "--scales", "8"]) == 0
+    table = capsys.readouterr().out
+    for run in sweep["policies"]["prism"]["runs"]:
+        o = run["report"]["overall"]
+        assert f"| x{run['scale']:g} |" in table and f"{100 * o['attainment']:.1f}%" in table
+    assert "| x8 |" in table and "not run" in table
+    assert main(["bench", "simulate", str(out), "--policy", "static"]) == 0
     # static keeps every model resident for good; swap activated something
     static_run = sweep["policies"]["static"]["runs"][0]
     assert static_run["activations"] == 0
@@ -252,3 +266,43 @@ def test_the_time_budget_expects_a_run_to_span_its_arrivals_plus_the_drain_seen(
     assert expected_run_s(60.0, 0.5, runs) == pytest.approx(135.0)
     runs.append({"scale": 0.5, "duration_s": 150.0})  # a slow drain: 30 s past the last arrival
     assert expected_run_s(60.0, 1.0, runs) == pytest.approx(100.0)
+
+
+def test_the_simulator_replays_a_run_with_its_measured_step_costs():
+    """A run record's step costs and the sweep's SLOs go into the simulator as they are: its
+    prediction is the simulator's own on the same models, and beside it the measurement."""
+    from prism_server.bench.simulate import predict, sim_models, simulate_sweep
+    from scheduler.latency_model import LatencyModel
+    from scheduler.simulator import SimArrival, SimModel, simulate
+
+    coeffs = {"a": [4e-3, 3e-5, 1e-5, 1e-6], "b": [2e-3, 1e-5, 1e-5, 1e-6]}
+    latency = {m: {"coefficients": c, "kv_blocks_capacity": 64} for m, c in coeffs.items()}
+    slos = {"a": {"ttft_s": 0.05, "tpot_s": 0.01}, "b": {"ttft_s": 0.02, "tpot_s": 0.004}}
+    rows = [Row(0.01 * i, "ab"[i % 2], 100 + 40 * (i % 5), 8) for i in range(40)]
+
+    def slos_of(m):
+        return {"ttft_slo_s": slos[m]["ttft_s"], "tpot_slo_s": slos[m]["tpot_s"]}
+
+    overall = {"attainment": 0.5, "ttft_attainment": 0.6, "tpot_attainment": 0.7}
+    run = {
+        "scale": 2.0,
+        "latency": latency,
+        "report": {"overall": overall},
+        "engine": {"cpu": {"busy": 0.4, "host_per_step_s": 2e-4}},
+    }
+    sweep = {"config": {"slos": slos}, "policies": {"prism": {"runs": [run]}}}
+    got = simulate_sweep(sweep, rows, "prism", scales=[4.0])
+    assert [p["scale"] for p in got] == [2.0, 4.0]
+    assert got[0]["measured"] == {**overall, "busy": 0.4} and "measured" not in got[1]
+    cfg = sim_models(latency, slos)[0].config
+    models = [SimModel(m, LatencyModel(coeffs[m]), **slos_of(m), config=cfg) for m in "ab"]
+    arrivals = [SimArrival(r.arrival_s / 2, r.model, r.prompt_len, r.output_len) for r in rows]
+    direct = simulate(models, arrivals, 2e-4)
+    assert got[0]["attainment"] == pytest.approx(direct.attainment())
+    # static: the same arbitrator over each model's recorded KV quota (64 blocks of 16 here)
+    assert all(m.kv_blocks == 64 for m in sim_models(latency, slos, "static"))
+    assert predict(rows, sim_models(latency, slos, "static"), 2.0)["attainment"] <= 1.0
+    with pytest.raises(ValueError, match="replays"):
+        sim_models(latency, slos, "swap")
+    with pytest.raises(ValueError, match="step costs"):
+        simulate_sweep({"config": {"slos": slos}, "policies": {"prism": {"runs": [{}]}}}, rows)

@@ -1,0 +1,143 @@
+"""`python -m prism_server bench simulate DIR`: a sweep's runs replayed in the device simulator
+(scheduler/simulator.py) with the step costs each run measured on the device (every model's
+fitted latency model, sampled from /v1/status) and the sweep's SLOs, beside what the run
+measured; or, with --scales, what other scales would do. A change to the arbitrator can then be
+tried against a device's real run on any machine, and a sweep's scales chosen before the device
+time is spent.
+
+What the simulator knows: the batch schedulers, the arbitrator and the requests' deadlines, as
+the engine runs them, and each step's cost from its shape; a fixed host time between steps (the
+run's mean). What it does not: a step's noise, one model's steps slowing another's, activations
+and evictions. `prism` replays exactly the prism policy's decisions (KV unbounded: the balloon
+lends what a model needs); `static` runs the same arbitrator over each model's fixed KV quota,
+an approximation of static partitioning (which steps models round-robin, FCFS).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from prism_server.bench.workload import Row, scale_rate
+from scheduler.batch_scheduler import SchedulerConfig
+from scheduler.latency_model import LatencyModel
+from scheduler.policy import POLICIES
+from scheduler.simulator import SimArrival, SimModel, simulate
+
+SIMULATED = ("prism", "static")
+
+
+def sim_models(
+    latency: dict[str, dict],
+    slos: dict[str, dict],
+    policy: str = "prism",
+    max_num_batched_tokens: int = 2048,
+    max_num_seqs: int = 64,
+) -> list[SimModel]:
+    """The simulator's models from a run's `latency` record (model -> coefficients and KV block
+    capacity) and the SLOs."""
+    if policy not in SIMULATED:
+        raise ValueError(f"the simulator replays {', '.join(SIMULATED)}, not {policy!r}")
+    missing = sorted(set(slos) - set(latency))
+    if missing:
+        raise ValueError(f"no measured step costs for {missing}")
+    cfg = SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=1 << 20,  # the workload's requests all fitted the servers
+        reserve_output_tokens=POLICIES[policy].reserve_output_tokens,
+    )
+    return [
+        SimModel(
+            name,
+            LatencyModel(latency[name]["coefficients"]),
+            slos[name]["ttft_s"],
+            slos[name]["tpot_s"],
+            cfg,
+            kv_blocks=latency[name]["kv_blocks_capacity"] if policy == "static" else None,
+        )
+        for name in sorted(slos)
+    ]
+
+
+def predict(
+    rows: Sequence[Row], models: list[SimModel], scale: float, overhead_s: float = 0.0
+) -> dict:
+    """The workload at `scale` in the simulator: attainment (joint, TTFT, TPOT) and the share
+    of time the device is busy."""
+    scaled = scale_rate(rows, scale)
+    arrivals = [SimArrival(r.arrival_s, r.model, r.prompt_len, r.output_len) for r in scaled]
+    sim = simulate(models, arrivals, overhead_s)
+    n = max(len(sim.results), 1)
+    end = max((s.start + s.seconds for s in sim.steps), default=0.0)
+    return {
+        "scale": scale,
+        "attainment": sim.attainment(),
+        "ttft_attainment": sum(r.met_ttft for r in sim.results) / n,
+        "tpot_attainment": sum(r.met_tpot for r in sim.results) / n,
+        "busy": sum(s.seconds for s in sim.steps) / end if end else 0.0,
+    }
+
+
+def _overhead(run: dict) -> float:
+    per = [e.get("host_per_step_s") or 0.0 for e in (run.get("engine") or {}).values()]
+    return max(per, default=0.0)
+
+
+def simulate_sweep(
+    sweep: dict,
+    rows: Sequence[Row],
+    policy: str = "prism",
+    scales: Sequence[float] = (),
+    max_num_batched_tokens: int = 2048,
+) -> list[dict]:
+    """Per run of `policy` with measured step costs: its prediction beside its measurement;
+    then each of `scales` predicted with the step costs of the policy's latest such run."""
+    slos = sweep["config"]["slos"]
+    runs = [r for r in sweep["policies"].get(policy, {}).get("runs", []) if r.get("latency")]
+    if not runs:
+        raise ValueError(
+            f"no {policy} run of this sweep recorded its step costs (runs from before the "
+            "bench sampled them cannot be replayed)"
+        )
+    out = []
+    for run in runs:
+        models = sim_models(run["latency"], slos, policy, max_num_batched_tokens)
+        p = predict(rows, models, run["scale"], _overhead(run))
+        o = run["report"]["overall"]
+        busy = [e["busy"] for e in (run.get("engine") or {}).values()]
+        p["measured"] = {
+            "attainment": o["attainment"],
+            "ttft_attainment": o["ttft_attainment"],
+            "tpot_attainment": o["tpot_attainment"],
+            "busy": max(busy) if busy else None,
+        }
+        out.append(p)
+    latest = max(runs, key=lambda r: r["scale"])
+    models = sim_models(latest["latency"], slos, policy, max_num_batched_tokens)
+    out += [predict(rows, models, s, _overhead(latest)) for s in scales]
+    return out
+
+
+def markdown(policy: str, predictions: list[dict]) -> str:
+    def pct(x):
+        return "-" if x is None else f"{100 * x:.1f}%"
+
+    lines = [
+        f"| {policy} scale | simulated: joint (TTFT / TPOT), busy | measured: joint (TTFT / TPOT), "
+        "busy |",
+        "|---|---|---|",
+    ]
+    for p in predictions:
+        m = p.get("measured")
+        sim = (
+            f"{pct(p['attainment'])} ({pct(p['ttft_attainment'])} / "
+            f"{pct(p['tpot_attainment'])}), {pct(p['busy'])}"
+        )
+        meas = (
+            f"{pct(m['attainment'])} ({pct(m['ttft_attainment'])} / "
+            f"{pct(m['tpot_attainment'])}), {pct(m['busy'])}"
+            if m
+            else "not run"
+        )
+        lines.append(f"| x{p['scale']:g} | {sim} | {meas} |")
+    return "\n".join(lines)
