@@ -14,8 +14,13 @@ SLO, or its TTFT deadline until its first token).
   + Retry-After past their hold limit). Ties in deadline go to the lower `priority` value (vLLM's
   convention), then the earlier arrival.
 - Which model: when some model would miss a deadline if another model's step ran first, the one
-  with the least slack (latest start = deadline - its step) runs; otherwise the model whose work
-  has waited longest (FCFS across models), so a light load is served in arrival order.
+  with the least slack runs (latest start = deadline - its step; a first token at stake before
+  a stream whose mean TPOT can absorb one gap up to its cap); otherwise the model whose prompts
+  must go on soonest (least laxity over its prefills in progress, then its on-time waiting
+  prompts, each after those before it), so that a long prompt with a loose SLO makes way for
+  tighter ones instead of running first because it came first; with no prompt work, the model
+  whose work has waited longest (FCFS across models). Moore-Hodgson counts the prefills in
+  progress as committed work ahead of the prompts behind them.
 - Chunking: the chosen model's step may take no longer than the slack of every decoding request
   on the device (its own: the step must end by their next-token deadline; other models': by
   their deadline less their own next step), so another model's long prompt is prefilled in
@@ -36,6 +41,7 @@ from dataclasses import dataclass
 
 from scheduler.batch_scheduler import BatchScheduler
 from scheduler.latency_model import LatencyModel, StepShape
+from scheduler.request import MAX_GAP_SLOS
 
 SAFETY = 0.1  # a chunk is sized to its slack / (1 + max(estimate error, SAFETY))
 
@@ -58,20 +64,28 @@ def _edf_key(j: Job):
     return (j.deadline, j.priority, j.arrival, j.key)
 
 
-def moore_hodgson(jobs: Sequence[Job], start: float) -> tuple[list[Job], list[Job]]:
+def moore_hodgson(
+    jobs: Sequence[Job], start: float, fixed: Sequence[Job] = ()
+) -> tuple[list[Job], list[Job]]:
     """(on time in deadline order, late in deadline order) for jobs run one after the other from
-    `start`: the on-time set is as large as any sequence of these jobs can make it."""
-    ordered = sorted(jobs, key=_edf_key)
+    `start`: the on-time set is as large as any sequence of these jobs can make it. `fixed`:
+    work already committed (prefills in progress) that takes its place in the sequence by its
+    deadline, is never dropped and never judged late, but delays every job after it."""
+    ordered = sorted(
+        [(_edf_key(j), False, j) for j in jobs] + [(_edf_key(j), True, j) for j in fixed]
+    )
     kept: list[Job] = []
-    longest: list[tuple] = []  # max-heap by duration over `kept`
+    longest: list[tuple] = []  # max-heap by duration over the droppable of `kept`
     late: list[Job] = []
     t = start
-    for j in ordered:
-        kept.append(j)
+    for _, is_fixed, j in ordered:
         t += j.duration
+        if is_fixed:
+            continue
+        kept.append(j)
         # the longest goes first; among equals the least important, then the latest
         heapq.heappush(longest, (-j.duration, -j.priority, -j.arrival, _neg(j.key), j))
-        if t > j.deadline:
+        while t > j.deadline and longest:  # (one drop does, unless fixed work is late)
             *_, drop = heapq.heappop(longest)
             kept.remove(drop)
             late.append(drop)
@@ -94,13 +108,17 @@ class Running:
     # the earliest next-token deadline of the decoding ones: what a prefill chunk must respect
     # (a late prefill is not helped by smaller chunks)
     decode_deadline: float | None = None
+    # the earliest gap cap of the decoding ones (latest token + MAX_GAP_SLOS x its TPOT SLO):
+    # what a prefill chunk must respect when its own first token is at stake (a stream's mean
+    # TPOT absorbs one long gap; a TTFT missed is missed)
+    decode_gap_deadline: float | None = None
     ready_since: float | None = None  # when the oldest of them became ready to step
     num: int = 0  # decoding (one token a step)
     context_tokens: int = 0  # KV tokens the decoding ones attend
     prefilling: int = 0  # admitted requests still in (chunked) prefill
     prefill_cached: int = 0  # KV tokens of the oldest of those (its next chunk attends them)
-    prefill_todo: int = 0  # prompt tokens the oldest of those has still to prefill
-    prefill_deadline: float | None = None  # its TTFT deadline
+    # each of those in TTFT-deadline order: (deadline, prompt tokens left, tokens cached)
+    prefills: tuple[tuple[float, int, int], ...] = ()
 
     @property
     def any(self) -> bool:
@@ -151,15 +169,25 @@ def model_work(name: str, sched: BatchScheduler, lat: LatencyModel) -> ModelWork
         running = Running(
             deadline=min(r.deadline for r in sched.running),
             decode_deadline=min((r.deadline for r in decoding), default=None),
+            decode_gap_deadline=min(
+                (
+                    r.last_token_time + MAX_GAP_SLOS * r.tpot_slo
+                    for r in decoding
+                    if r.last_token_time is not None and r.tpot_slo is not None
+                ),
+                default=None,
+            ),
             ready_since=min(r.last_token_time or r.arrival_time for r in sched.running),
             num=len(decoding),
             context_tokens=sum(r.num_computed_tokens for r in decoding),
             prefilling=len(prefilling),
             prefill_cached=prefilling[0].num_computed_tokens if prefilling else 0,
-            prefill_todo=(
-                prefilling[0].num_tokens - prefilling[0].num_computed_tokens if prefilling else 0
+            prefills=tuple(
+                sorted(
+                    (r.deadline, r.num_tokens - r.num_computed_tokens, r.num_computed_tokens)
+                    for r in prefilling
+                )
             ),
-            prefill_deadline=prefilling[0].deadline if prefilling else None,
         )
     cfg = sched.config
     floor = max(16, cfg.block_size, lat.knee_tokens())  # the smallest chunk worth a step
@@ -188,7 +216,7 @@ def arbitrate(models: Sequence[ModelWork], now: float, overhead_s: float = 0.0) 
     if not active:
         return None
     jobs = [j for m in active for j in m.waiting]
-    on_time, late = moore_hodgson(jobs, now)
+    on_time, late = moore_hodgson(jobs, now, _in_progress(active))
     first_on_time: dict[str, Job] = {}
     for j in on_time:
         first_on_time.setdefault(j.model, j)
@@ -198,16 +226,19 @@ def arbitrate(models: Sequence[ModelWork], now: float, overhead_s: float = 0.0) 
         m.name: _step_estimate(m, first_on_time.get(m.name), m.min_tokens) for m in active
     }
 
+    # when each model's prompts (in progress, then its on-time waiting ones) must go on
+    mine: dict[str, list[Job]] = {}
+    for j in on_time:
+        mine.setdefault(j.model, []).append(j)
+    prompt_start = {m.name: _prompt_start_by(m, mine.get(m.name, ()), now) for m in active}
+
     def latest_start(m: ModelWork) -> float:
         starts = []
         if m.running.deadline is not None:
             # its running requests need their next step by then: the decodes and the smallest
-            # chunk (the rest of a prefill in progress is _prefill_start_by's)
+            # chunk (the rest of a prefill in progress is _prompt_start_by's)
             starts.append(m.running.deadline - min_step_s[m.name])
-        j = first_on_time.get(m.name)
-        if j is not None:
-            starts.append(j.deadline - j.duration)
-        p = _prefill_start_by(m, now)
+        p = prompt_start[m.name]
         if p is not None:
             starts.append(p)
         return min(starts, default=float("inf"))
@@ -231,22 +262,44 @@ def arbitrate(models: Sequence[ModelWork], now: float, overhead_s: float = 0.0) 
     # them urgent when they must go first, and the chunk budget protects them)
     candidates = [m for m in active if m.running.any or m.name in first_on_time or not on_time]
     hurried = [m for m in candidates if urgent(m)]
+
+    def hard_start(m: ModelWork) -> float:
+        """latest_start with its streams due by their gap cap: among the hurried, a first
+        token at stake goes before a stream whose mean TPOT can absorb a gap."""
+        starts = []
+        if m.running.decode_gap_deadline is not None:
+            starts.append(m.running.decode_gap_deadline - min_step_s[m.name])
+        elif m.running.decode_deadline is not None:
+            starts.append(m.running.decode_deadline - min_step_s[m.name])
+        p = prompt_start[m.name]
+        if p is not None:
+            starts.append(p)
+        return min(starts, default=latest_start(m))
+
     if hurried:
-        pick = min(hurried, key=lambda m: (latest_start(m), m.name))
+        pick = min(hurried, key=lambda m: (hard_start(m), latest_start(m), m.name))
     else:
-        pick = min(candidates, key=lambda m: (ready_since(m), m.name))
+        pick = min(
+            candidates,
+            key=lambda m: (
+                prompt_start[m.name] is None,
+                prompt_start[m.name] or 0.0,
+                ready_since(m),
+                m.name,
+            ),
+        )
     mine_on_time = [j for j in on_time if j.model == pick.name]
     mine_late = [j for j in late if j.model == pick.name]
     admit = mine_on_time + (mine_late if not on_time or not _others_wait(on_time, pick) else [])
-    # another model's on-time request (waiting, or in its chunked prefill) must start by its
-    # latest start: the chunk ends before
-    starts = [
-        j.deadline - j.duration * (1 + _err(m))
-        for m in active
-        if m is not pick and (j := first_on_time.get(m.name)) is not None
-    ]
-    starts += [p for m in active if m is not pick and (p := _prefill_start_by(m, now)) is not None]
-    budget = _token_budget(pick, active, admit, now, overhead_s, min(starts, default=None))
+    # another model's on-time prompts (waiting, or in their chunked prefill) must go on by
+    # their latest start: the chunk ends before
+    starts = [p for m in active if m is not pick and (p := prompt_start[m.name]) is not None]
+    # the pick's own first token is at stake: other streams' chunk limit is their gap cap
+    own = prompt_start[pick.name]
+    ttft_at_stake = own is not None and own - now < min_step_s[pick.name] + overhead_s
+    budget = _token_budget(
+        pick, active, admit, now, overhead_s, min(starts, default=None), ttft_at_stake
+    )
     return Pick(pick.name, tuple(j.key for j in admit), budget, tuple(j.key for j in late))
 
 
@@ -254,15 +307,42 @@ def _err(m: ModelWork) -> float:
     return max(m.latency.error or 0.0, SAFETY)
 
 
-def _prefill_start_by(m: ModelWork, now: float) -> float | None:
-    """When m's prefill in progress must resume to end by its TTFT deadline (None: there is
-    none, or it is late already: a late prefill is not a limit)."""
-    r = m.running
-    if not r.prefilling or r.prefill_deadline is None:
-        return None
-    need = m.latency.prefill_s(r.prefill_todo, r.prefill_cached) * (1 + _err(m))
-    start_by = r.prefill_deadline - need
-    return start_by if start_by > now else None
+def _in_progress(active: Sequence[ModelWork]) -> list[Job]:
+    """The prefills in progress as fixed jobs for Moore-Hodgson: each runs before its own
+    model's waiting requests (its batch takes running requests first), so it is placed by the
+    earlier of its deadline and theirs; a late one counts from now (it still takes the time)."""
+    out = []
+    for m in active:
+        first_wait = min((j.deadline for j in m.waiting), default=float("inf"))
+        for i, (deadline, todo, cached) in enumerate(m.running.prefills):
+            out.append(
+                Job(
+                    f"prefill/{m.name}/{i}",
+                    m.name,
+                    -1.0,
+                    min(deadline, first_wait),
+                    m.latency.prefill_s(todo, cached),
+                    tokens=todo,
+                    cached=cached,
+                )
+            )
+    return out
+
+
+def _prompt_start_by(m: ModelWork, waiting: Sequence[Job], now: float) -> float | None:
+    """When m must go on for each of its prompts to get its first token by its TTFT deadline:
+    its prefills in progress first (its batch runs them before admitting), then its on-time
+    waiting ones in deadline order, each after those before it (None: there is none, or each
+    is late already: a late prefill is not a limit)."""
+    work = [(d, m.latency.prefill_s(todo, cached)) for d, todo, cached in m.running.prefills]
+    work += [(j.deadline, j.duration) for j in waiting]
+    out, need = None, 0.0
+    for deadline, seconds in work:
+        need += seconds * (1 + _err(m))
+        start_by = deadline - need
+        if start_by > now and (out is None or start_by < out):
+            out = start_by
+    return out
 
 
 def _others_wait(on_time: list[Job], pick: ModelWork) -> bool:
@@ -288,6 +368,7 @@ def _token_budget(
     now: float,
     overhead_s: float = 0.0,
     start_by: float | None = None,
+    ttft_at_stake: bool = False,
 ) -> int:
     """The most tokens m's step may compute without making a running request of the device late,
     nor another model's on-time waiting request, which must start by `start_by` (never fewer
@@ -298,9 +379,10 @@ def _token_budget(
     if start_by is not None:
         limit = min(limit, start_by - now - overhead_s)
     for o in active:  # their next step follows this one; its estimate may be short too
-        if o is not m and o.running.decode_deadline is not None:
+        due = o.running.decode_gap_deadline if ttft_at_stake else o.running.decode_deadline
+        if o is not m and due is not None:
             after = o.decode_s * (1 + _err(o)) + 2 * overhead_s
-            limit = min(limit, o.running.decode_deadline - now - after)
+            limit = min(limit, due - now - after)
     if limit == float("inf"):
         return m.max_tokens
     # the chunk continues the prefill in progress if there is one (it attends that context)

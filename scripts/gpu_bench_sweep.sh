@@ -9,8 +9,35 @@
 # docs/bench/h200 is the starting point: its SLOs (measured standalone by the first call) are
 # reused and the new policy's runs are merged in. BUDGET_S (default 520) bounds the sweep's time.
 # BENCH=docs/bench/h200-pressure runs another set-up (its prism.toml, workload.csv, sweep.json).
+#
+# A run longer than one device command (a low scale of a long workload): DETACH=1 starts the
+# sweep in its own session (it outlives the command while the machine stays warm) and returns;
+# then `bash scripts/gpu_bench_sweep.sh --collect WAIT_S`, in the next command, waits up to
+# WAIT_S for it to end and leaves its directory as $OUT/sweep.tgz (call it again if it is not
+# done: each call keeps the machine warm).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+detached=/tmp/prism-gpu-sweep-detached
+if [ "${1:-}" = "--collect" ]; then
+  wait_s=${2:-540}
+  for _ in $(seq "$wait_s"); do
+    [ -f "$detached/done" ] && break
+    sleep 1
+  done
+  [ -f "$detached/done" ] && echo "the detached sweep ended: $(cat "$detached/done")" \
+    || echo "the detached sweep is still running"
+  tail -3 "$detached/sweep/sweep-"*.log 2>/dev/null || true
+  tar -czf "${OUT:-/tmp}/sweep.tgz" -C "$detached" sweep detached.log || echo "no sweep directory yet"
+  exit 0
+fi
+if [ "${DETACH:-}" = 1 ]; then
+  rm -rf "$detached" && mkdir -p "$detached"
+  OUT=$detached DETACH= setsid nohup bash -c \
+    "bash scripts/gpu_bench_sweep.sh '$1' '$2'; echo \"rc \$?\" > $detached/done" \
+    > "$detached/detached.log" 2>&1 < /dev/null &
+  echo "detached sweep started (pid $!); collect with: bash scripts/gpu_bench_sweep.sh --collect"
+  exit 0
+fi
 policy=$1
 scales=$2
 OUT=${OUT:-/tmp/prism-gpu-sweep}

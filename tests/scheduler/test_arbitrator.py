@@ -201,3 +201,27 @@ def test_a_late_prefill_of_its_own_does_not_shrink_the_chunk():
     late = Running(deadline=0.5, decode_deadline=None, ready_since=0.0, prefilling=1)
     pick = arbitrate([_work("p", running=late, lat=lat)], 1.0)
     assert pick.token_budget == 2048
+
+
+def test_committed_prefills_delay_the_jobs_behind_them_and_are_never_dropped():
+    """A prefill in progress (fixed) takes its place in the deadline order and its time; it is
+    never dropped or judged late, even when it is late itself."""
+    late_fixed = Job("p", "m", -1.0, deadline=0.1, duration=0.5)  # past due, still runs
+    a = Job("a", "m", 0.0, deadline=0.7, duration=0.3)
+    b = Job("b", "n", 0.0, deadline=1.0, duration=0.3)
+    kept, late = moore_hodgson([a, b], 0.0)
+    assert [j.key for j in kept] == ["a", "b"] and not late
+    kept, late = moore_hodgson([a, b], 0.0, fixed=[late_fixed])
+    # 0.5 of committed work first: a would end at 0.8 > 0.7, the longest droppable goes
+    assert [j.key for j in late] == ["a"] and [j.key for j in kept] == ["b"]
+    # every job of the brute-force optimum stays on time behind the fixed work
+    rng = random.Random(5)
+    for _ in range(200):
+        jobs = _random_jobs(rng, 6)
+        fixed = [Job("f", "m0", -1.0, rng.uniform(0, 3), rng.uniform(0.05, 0.5))]
+        kept, late = moore_hodgson(jobs, 0.0, fixed)
+        assert sorted(j.key for j in kept + late) == sorted(j.key for j in jobs)
+        t = 0.0
+        for j in sorted(kept + fixed, key=lambda j: (j.deadline, j.priority, j.arrival, j.key)):
+            t += j.duration
+            assert j in fixed or t <= j.deadline + 1e-9

@@ -124,3 +124,24 @@ def test_a_static_kv_quota_queues_a_burst_that_unbounded_kv_batches():
     assert len(bounded.results) == len(free.results) == 6
     with pytest.raises(ValueError, match="never fit"):
         simulate([SimModel("m", lat, 1.0, 1.0, kv_blocks=10)], burst)
+
+
+def test_a_loose_long_prompt_makes_way_for_tighter_ones_that_came_after_it():
+    """A 14B-like prompt with a loose TTFT SLO starts; two 8B-like prompts with a tighter SLO
+    and a 1B-like one with a tight SLO arrive while it prefills. Prefilled first come first,
+    the 14B's long prefill and the decodes it starts push both 8B prompts past their SLO; by
+    least laxity every prompt gets its first token in time, the 14B's too, and every stream
+    keeps its TPOT."""
+    big = SimModel("big", _lat(9e-3, 60e-6), ttft_slo_s=1.8, tpot_slo_s=0.065)
+    mid = SimModel("mid", _lat(7e-3, 35e-6), ttft_slo_s=0.9, tpot_slo_s=0.04)
+    tiny = SimModel("tiny", _lat(2e-3, 8e-6), ttft_slo_s=0.3, tpot_slo_s=0.015)
+    arrivals = [
+        SimArrival(0.0, "big", 6144, 64),
+        SimArrival(0.08, "mid", 6144, 16),
+        SimArrival(0.08, "mid", 6144, 16),
+        SimArrival(0.2, "tiny", 6144, 16),
+    ]
+    sim = simulate([big, mid, tiny], arrivals)
+    assert all(r.met_ttft and r.met_tpot for r in sim.results), [
+        (r.arrival.model, round(r.ttft_s, 3)) for r in sim.results
+    ]
