@@ -310,7 +310,7 @@ def _err(m: ModelWork) -> float:
 def _in_progress(active: Sequence[ModelWork]) -> list[Job]:
     """The prefills in progress as fixed jobs for Moore-Hodgson: each runs before its own
     model's waiting requests (its batch takes running requests first), so it is placed by the
-    earlier of its deadline and theirs; a late one counts from now (it still takes the time)."""
+    earlier of its deadline and theirs; a late one still takes its time."""
     out = []
     for m in active:
         first_wait = min((j.deadline for j in m.waiting), default=float("inf"))
