@@ -217,9 +217,10 @@ def arbitrate(models: Sequence[ModelWork], now: float, overhead_s: float = 0.0) 
         return None
     jobs = [j for m in active for j in m.waiting]
     on_time, late = moore_hodgson(jobs, now, _in_progress(active))
-    first_on_time: dict[str, Job] = {}
+    mine: dict[str, list[Job]] = {}  # each model's on-time prompts, in deadline order
     for j in on_time:
-        first_on_time.setdefault(j.model, j)
+        mine.setdefault(j.model, []).append(j)
+    first_on_time = {name: jobs[0] for name, jobs in mine.items()}
     # the shortest step each could take (its decodes, a min_tokens chunk): what another model
     # must wait for at least, since longer prefills are chunked to its slack
     min_step_s = {
@@ -227,21 +228,19 @@ def arbitrate(models: Sequence[ModelWork], now: float, overhead_s: float = 0.0) 
     }
 
     # when each model's prompts (in progress, then its on-time waiting ones) must go on
-    mine: dict[str, list[Job]] = {}
-    for j in on_time:
-        mine.setdefault(j.model, []).append(j)
     prompt_start = {m.name: _prompt_start_by(m, mine.get(m.name, ()), now) for m in active}
 
-    def latest_start(m: ModelWork) -> float:
-        starts = []
-        if m.running.deadline is not None:
-            # its running requests need their next step by then: the decodes and the smallest
-            # chunk (the rest of a prefill in progress is _prompt_start_by's)
-            starts.append(m.running.deadline - min_step_s[m.name])
-        p = prompt_start[m.name]
-        if p is not None:
-            starts.append(p)
+    def start_by(m: ModelWork, due: float | None) -> float:
+        """When m must step: its running requests due by `due` need their next step (the
+        decodes and the smallest chunk; the rest of a prefill in progress is
+        _prompt_start_by's), its prompts by prompt_start."""
+        starts = [] if due is None else [due - min_step_s[m.name]]
+        if prompt_start[m.name] is not None:
+            starts.append(prompt_start[m.name])
         return min(starts, default=float("inf"))
+
+    def latest_start(m: ModelWork) -> float:
+        return start_by(m, m.running.deadline)
 
     def urgent(m: ModelWork) -> bool:
         others = max(
@@ -266,15 +265,10 @@ def arbitrate(models: Sequence[ModelWork], now: float, overhead_s: float = 0.0) 
     def hard_start(m: ModelWork) -> float:
         """latest_start with its streams due by their gap cap: among the hurried, a first
         token at stake goes before a stream whose mean TPOT can absorb a gap."""
-        starts = []
-        if m.running.decode_gap_deadline is not None:
-            starts.append(m.running.decode_gap_deadline - min_step_s[m.name])
-        elif m.running.decode_deadline is not None:
-            starts.append(m.running.decode_deadline - min_step_s[m.name])
-        p = prompt_start[m.name]
-        if p is not None:
-            starts.append(p)
-        return min(starts, default=latest_start(m))
+        r = m.running
+        due = r.decode_gap_deadline if r.decode_gap_deadline is not None else r.decode_deadline
+        hard = start_by(m, due)
+        return hard if hard != float("inf") else latest_start(m)
 
     if hurried:
         pick = min(hurried, key=lambda m: (hard_start(m), latest_start(m), m.name))

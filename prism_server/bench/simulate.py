@@ -122,22 +122,18 @@ def markdown(policy: str, predictions: list[dict]) -> str:
     def pct(x):
         return "-" if x is None else f"{100 * x:.1f}%"
 
+    def cell(d: dict) -> str:
+        return (
+            f"{pct(d['attainment'])} ({pct(d['ttft_attainment'])} / "
+            f"{pct(d['tpot_attainment'])}), {pct(d['busy'])}"
+        )
+
     lines = [
         f"| {policy} scale | simulated: joint (TTFT / TPOT), busy | measured: joint (TTFT / TPOT), "
         "busy |",
         "|---|---|---|",
     ]
     for p in predictions:
-        m = p.get("measured")
-        sim = (
-            f"{pct(p['attainment'])} ({pct(p['ttft_attainment'])} / "
-            f"{pct(p['tpot_attainment'])}), {pct(p['busy'])}"
-        )
-        meas = (
-            f"{pct(m['attainment'])} ({pct(m['ttft_attainment'])} / "
-            f"{pct(m['tpot_attainment'])}), {pct(m['busy'])}"
-            if m
-            else "not run"
-        )
-        lines.append(f"| x{p['scale']:g} | {sim} | {meas} |")
+        measured = cell(p["measured"]) if "measured" in p else "not run"
+        lines.append(f"| x{p['scale']:g} | {cell(p)} | {measured} |")
     return "\n".join(lines)

@@ -26,6 +26,15 @@ def _range(text: str) -> tuple[int, int]:
     return lo, hi
 
 
+def _azure(root: Path, service: str) -> Path:
+    """The Azure 2023 trace of `service` (code or conv) under the traces folder."""
+    return root / "azure_llm_2023" / f"AzureLLMInferenceTrace_{service}.csv.gz"
+
+
+def _mooncake(root: Path) -> Path:
+    return root / "mooncake_fast25" / "conversation_trace.jsonl.gz"
+
+
 def default_traces() -> Path:
     return Path(os.environ.get("PRISM_TRACES", "../shared/traces"))
 
@@ -92,11 +101,7 @@ def build(args: argparse.Namespace) -> tuple[list[wl.Row], dict[str, str]]:
     if args.source == "azure":
         if len(models) != 2:
             raise ValueError("--source azure has two services (code, conv): name two models")
-        az = root / "azure_llm_2023"
-        files = {
-            models[0]: az / "AzureLLMInferenceTrace_code.csv.gz",
-            models[1]: az / "AzureLLMInferenceTrace_conv.csv.gz",
-        }
+        files = {models[0]: _azure(root, "code"), models[1]: _azure(root, "conv")}
         rows = wl.window(wl.from_azure(files, limit_s=end), args.start_s, end)
         mapping = {models[0]: "azure/code", models[1]: "azure/conv"}
     elif args.source == "servegen":
@@ -114,7 +119,7 @@ def build(args: argparse.Namespace) -> tuple[list[wl.Row], dict[str, str]]:
         )
         mapping = traces.servegen_mapping(models, **kw)
     elif args.source == "mooncake":
-        path = root / "mooncake_fast25" / "conversation_trace.jsonl.gz"
+        path = _mooncake(root)
         rows = wl.window(
             traces.from_mooncake(models, path, limit_s=end, seed=args.seed), args.start_s, end
         )
@@ -151,11 +156,10 @@ def length_pairs(name: str, root: Path) -> list[tuple[int, int]]:
     from prism_server.bench import traces
 
     if name == "mooncake":
-        path = root / "mooncake_fast25" / "conversation_trace.jsonl.gz"
-        return [(r.prompt_len, r.output_len) for r in traces.from_mooncake(["m"], path)]
-    service = name.removeprefix("azure-")
-    path = root / "azure_llm_2023" / f"AzureLLMInferenceTrace_{service}.csv.gz"
-    return [(r.prompt_len, r.output_len) for r in wl.from_azure({"m": path})]
+        rows = traces.from_mooncake(["m"], _mooncake(root))
+    else:
+        rows = wl.from_azure({"m": _azure(root, name.removeprefix("azure-"))})
+    return [(r.prompt_len, r.output_len) for r in rows]
 
 
 def describe(rows: list[wl.Row], models: list[str]) -> str:
