@@ -92,7 +92,7 @@ class Engine:
 
     def _profile_budget(self) -> float:
         b = self.config.profile_budget_s
-        return b if b is not None else (1.0 if self.device.type == "cuda" else 0.25)
+        return b if b is not None else (2.5 if self.device.type == "cuda" else 0.25)
 
     def _partition(self) -> None:
         """static: the KV room the weights leave, split into fixed equal quotas that are never

@@ -1,17 +1,24 @@
 """The latency model of one model on one device: how long a step takes, from its shape.
 
-A step computes `tokens` new tokens over `seqs` sequences; its attention work is the number of
-(query, key) pairs it scores, `attn` = sum over sequences of new * (cached + (new + 1) / 2). The
-model is linear in those features:
+A step computes `tokens` new tokens over `seqs` sequences. Its attention has two costs that scale
+differently: the (query, key) pairs it scores, `attn` = sum over sequences of
+new * (cached + (new + 1) / 2), which is compute and dominates a prefill; and the KV it reads,
+`kv` = sum over sequences of cached + new tokens, which is memory traffic and dominates a decode
+step (one query per sequence reads its whole context). One coefficient for both would price a
+decode step's context at a prefill's compute rate, or a prefill's attention at a decode's memory
+rate: off by ten times one way or the other. The model is linear in those features:
 
-    seconds = c0 + c_tok * tokens + c_seq * seqs + c_attn * attn
+    seconds = c0 + c_tok * tokens + c_seq * seqs + c_attn * attn + c_kv * kv
 
 which covers prefill (tokens dominate, attention grows with the prompt), chunked prefill (cached
-context), and decode (one token per sequence, attention over each context). The coefficients are
-fitted by non-negative least squares on a short profile taken at the first activation, and kept
-current online: every measured step joins a window of recent samples and the fit is redone every
-few steps, so the model follows the device (clocks, another model's copy, contention). The relative
-error of each estimate before its measurement is tracked as an EWMA and published.
+context), and decode (one token per sequence, KV reads over each context). In a decode step
+tokens = seqs and attn = kv, so decode steps alone fix only the sums; prefill steps tell the parts
+apart. The coefficients are fitted by non-negative least squares on a short profile taken at the
+first activation, and kept current online: every measured step joins a window of recent samples
+and the fit is redone every few steps, so the model follows the device (clocks, another model's
+copy, contention). Steps that carry prefill tokens keep a window of their own, so that a long run
+of decode steps cannot push them out and leave the split to whatever the decode noise makes of it.
+The relative error of each estimate before its measurement is tracked as an EWMA and published.
 
 Pure: no clock; callers pass measured durations in.
 """
@@ -23,7 +30,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-_ATTN_SCALE = 1e-3  # attn is counted in thousands of pairs (keeps the normal equations tame)
+_ATTN_SCALE = 1e-3  # attn and kv are counted in thousands (keeps the normal equations tame)
 
 
 @dataclass(frozen=True)
@@ -31,17 +38,19 @@ class StepShape:
     tokens: int = 0
     seqs: int = 0
     attn: float = 0.0  # (query, key) pairs scored
+    kv: int = 0  # KV tokens read: each sequence's cached and new tokens
 
     @classmethod
     def of(cls, chunks: Iterable[tuple[int, int]]) -> StepShape:
         """chunks: (cached, new) tokens of each sequence in the step."""
-        tokens = seqs = 0
+        tokens = seqs = kv = 0
         attn = 0.0
         for cached, new in chunks:
             tokens += new
             seqs += 1
             attn += new * (cached + (new + 1) / 2)
-        return cls(tokens, seqs, attn)
+            kv += cached + new
+        return cls(tokens, seqs, attn, kv)
 
     @classmethod
     def prefill(cls, new: int, cached: int = 0) -> StepShape:
@@ -50,17 +59,29 @@ class StepShape:
     @classmethod
     def decode(cls, batch: int, context_tokens: int) -> StepShape:
         """batch sequences of one new token each, over context_tokens cached tokens in all."""
-        return cls(batch, batch, float(context_tokens + batch))
+        return cls(batch, batch, float(context_tokens + batch), context_tokens + batch)
 
     def __add__(self, other: StepShape) -> StepShape:
-        return StepShape(self.tokens + other.tokens, self.seqs + other.seqs, self.attn + other.attn)
+        return StepShape(
+            self.tokens + other.tokens,
+            self.seqs + other.seqs,
+            self.attn + other.attn,
+            self.kv + other.kv,
+        )
 
-    def features(self) -> tuple[float, float, float, float]:
-        return (1.0, float(self.tokens), float(self.seqs), self.attn * _ATTN_SCALE)
+    def features(self) -> tuple[float, float, float, float, float]:
+        return (
+            1.0,
+            float(self.tokens),
+            float(self.seqs),
+            self.attn * _ATTN_SCALE,
+            self.kv * _ATTN_SCALE,
+        )
 
 
-# Before any measurement: a GPU-class guess (2 ms a step, 20 us a token), replaced by the profile
-DEFAULT_COEFFICIENTS = (2e-3, 2e-5, 1e-5, 1e-6)
+# Before any measurement: a GPU-class guess (2 ms a step, 20 us a token, 20 us per thousand KV
+# tokens read), replaced by the profile
+DEFAULT_COEFFICIENTS = (2e-3, 2e-5, 1e-5, 1e-6, 2e-5)
 
 
 class LatencyModel:
@@ -68,12 +89,17 @@ class LatencyModel:
         self,
         coefficients: Sequence[float] = DEFAULT_COEFFICIENTS,
         window: int = 256,
+        prefill_window: int = 64,
         refit_every: int = 16,
         error_alpha: float = 0.1,
     ):
-        self.coefficients = tuple(float(c) for c in coefficients)
+        # a shorter tuple (a record from before the kv term) reads as zeros for the rest
+        n = len(DEFAULT_COEFFICIENTS)
+        self.coefficients = tuple(float(c) for c in coefficients)[:n]
+        self.coefficients += (0.0,) * (n - len(self.coefficients))
         self.profile: list[tuple[StepShape, float]] = []  # kept for good: they anchor the fit
-        self.recent: deque[tuple[StepShape, float]] = deque(maxlen=window)
+        self.recent: deque[tuple[StepShape, float]] = deque(maxlen=window)  # decode steps
+        self.recent_prefill: deque[tuple[StepShape, float]] = deque(maxlen=prefill_window)
         self.refit_every = refit_every
         self.error_alpha = error_alpha
         self.error: float | None = None  # EWMA of |estimate - measured| / measured
@@ -98,7 +124,7 @@ class LatencyModel:
         """The smallest prefill chunk whose tokens cost at least the step's fixed cost (the
         step's own and its sequence's): below it a chunked prefill spends more on steps than on
         tokens, so it is the smallest chunk worth a step."""
-        c0, c_tok, c_seq, _ = self.coefficients
+        c0, c_tok, c_seq, *_ = self.coefficients
         if c_tok <= 0:
             return 1
         return max(1, math.ceil((c0 + c_seq) / c_tok))
@@ -130,7 +156,7 @@ class LatencyModel:
         rel = abs(self.estimate(shape) - seconds) / seconds
         a = self.error_alpha
         self.error = rel if self.error is None else (1 - a) * self.error + a * rel
-        self.recent.append((shape, seconds))
+        (self.recent_prefill if shape.tokens > shape.seqs else self.recent).append((shape, seconds))
         self.observed += 1
         self._since_fit += 1
         if self._since_fit >= self.refit_every:
@@ -140,8 +166,10 @@ class LatencyModel:
         self._since_fit = 0
         # the profile covers shapes the traffic may not (long prefills): it stays in the fit, but
         # counts less as the window of measured steps fills, so the model follows the device
-        w = max(0.1, 1.0 - len(self.recent) / (self.recent.maxlen or 1))
-        samples = [(s, t, w) for s, t in self.profile] + [(s, t, 1.0) for s, t in self.recent]
+        held = len(self.recent) + len(self.recent_prefill)
+        w = max(0.1, 1.0 - held / ((self.recent.maxlen or 1) + (self.recent_prefill.maxlen or 1)))
+        measured = [*self.recent, *self.recent_prefill]
+        samples = [(s, t, w) for s, t in self.profile] + [(s, t, 1.0) for s, t in measured]
         if len(samples) >= 2:
             # relative least squares: each sample weighted by 1/t, so short decode steps count
             # as much as long prefills

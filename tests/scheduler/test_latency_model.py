@@ -7,7 +7,9 @@ import random
 
 from scheduler.latency_model import LatencyModel, StepShape, nnls
 
-TRUE = (3e-3, 4e-5, 2e-5, 5e-7)  # c0, per token, per sequence, per 1k attention pairs
+# c0, per token, per sequence, per 1k attention pairs, per 1k KV tokens read: a decode step's
+# context costs sixty times a prefill's pair (memory against compute), as on a GPU
+TRUE = (3e-3, 4e-5, 2e-5, 5e-7, 3e-5)
 
 
 def _time(shape: StepShape, coef=TRUE, noise: float = 0.0, rng=None) -> float:
@@ -27,6 +29,18 @@ def test_the_profile_fit_recovers_the_cost_law():
     assert lm.profiled
     for s in [StepShape.prefill(1000, 3000), StepShape.decode(32, 32 * 700)]:
         assert abs(lm.estimate(s) - _time(s)) / _time(s) < 1e-6
+
+
+def test_decode_context_and_prefill_attention_are_priced_apart():
+    lm = LatencyModel()
+    lm.fit_profile([(s, _time(s)) for s in _profile_shapes()])
+    long_decode = StepShape.decode(16, 16 * 6000)  # its context is most of its cost
+    late_chunk = StepShape.prefill(2048, 4096)  # its attention pairs are a large part of its cost
+    for s in (long_decode, late_chunk):
+        assert abs(lm.estimate(s) - _time(s)) / _time(s) < 1e-6
+    assert lm.coefficients[4] > 10 * lm.coefficients[3]
+    # a record from before the kv term still loads
+    assert LatencyModel(TRUE[:4]).coefficients == (*TRUE[:4], 0.0)
 
 
 def test_online_samples_follow_a_slower_device_and_the_error_falls():
@@ -64,3 +78,27 @@ def test_max_new_tokens_is_the_largest_chunk_within_the_budget():
             assert lm.estimate(base + StepShape.prefill(n + 1, 500)) > budget
     assert lm.max_new_tokens(0.0, base, 0, 100) == 0
     assert lm.max_new_tokens(100.0, base, 0, 100) == 100
+
+
+def test_prefill_costs_stay_known_through_a_long_run_of_decode_steps():
+    # a profile cut short (a large model within its time budget) has small prefills only, whose
+    # tokens cost more than a full chunk's (GEMMs run faster on more rows); the traffic's own
+    # full chunks correct that, and must still count after thousands of decode steps
+    def device(s: StepShape) -> float:
+        small = s.tokens > s.seqs and s.tokens < 1024
+        return _time(s) * (1.25 if small else 1.0)
+
+    rng = random.Random(1)
+    lm = LatencyModel()
+    small = [StepShape.prefill(n) for n in (16, 128, 512)]
+    small += [StepShape.decode(b, b * ctx) for b in (1, 4, 16, 64) for ctx in (128, 1024)]
+    lm.fit_profile([(s, device(s)) for s in small])
+    chunk = StepShape.prefill(2048, 4096)
+    for cached in (0, 2048, 4096, 0, 2048, 4096):
+        s = StepShape.prefill(2048, cached)
+        lm.observe(s, device(s))
+    for _ in range(3000):
+        s = StepShape.decode(rng.randint(1, 40), rng.randint(200, 6000) * 8)
+        lm.observe(s, device(s))
+    assert len(lm.recent_prefill) == 6 and len(lm.recent) == lm.recent.maxlen
+    assert abs(lm.estimate(chunk) - device(chunk)) / device(chunk) < 0.05
