@@ -95,7 +95,7 @@ class EngineConfig:
     # equal KV quotas, FCFS), swap (only models with queued work resident, FCFS)
     policy: Literal["prism", "static", "swap"] = "prism"
     # how long each model's latency profile may take at load (0: learn from traffic only;
-    # None: 1 s on a GPU, 0.25 s on the CPU)
+    # None: 2.5 s on a GPU, 0.25 s on the CPU)
     profile_budget_s: float | None = None
     # admission reserves KV for up to this many output tokens of each request (None: the
     # policy's, 1024 for prism, 0 for the baselines; 0: greedy admission, preempting when the

@@ -5,10 +5,12 @@ so the event loop never blocks on model work and never reads the thread's live o
 
 from __future__ import annotations
 
+import json
 import logging
 import queue
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -49,7 +51,13 @@ _PUBLISH_S = 0.005  # the most a busy device's snapshot lags its state
 
 
 class DeviceWorker:
-    def __init__(self, pool: PagePool, policy: Policy = POLICIES["prism"], name: str | None = None):
+    def __init__(
+        self,
+        pool: PagePool,
+        policy: Policy = POLICIES["prism"],
+        name: str | None = None,
+        trace: Path | None = None,
+    ):
         self.pool = pool
         self.policy = policy
         self.device = pool.backend.device
@@ -78,6 +86,13 @@ class DeviceWorker:
             target=self._loop, name=f"prism-engine-{self.name}", daemon=True
         )
         self.snapshot = self._take_snapshot()  # replaced (never mutated) as the steps run
+        # the step trace (envs.step_trace): JSON lines, written in batches by the engine thread
+        self._trace_path = None
+        if trace is not None:
+            self._trace_path = trace.with_name(f"{trace.name}.{self.name.replace(':', '')}")
+            self._trace_path.write_text("")
+        self._trace: list[str] = []
+        self._pick: tuple[Any, float] | None = None  # the pick being run and its arbitration's s
 
     def start(self) -> None:
         self._thread.start()
@@ -87,6 +102,13 @@ class DeviceWorker:
         self._wake.set()
         if self._thread.is_alive():
             self._thread.join()
+        self._flush_trace()
+
+    def _flush_trace(self) -> None:
+        if self._trace_path is not None and self._trace:
+            with self._trace_path.open("a") as f:
+                f.write("".join(self._trace))
+            self._trace.clear()
 
     # ---- thread-safe entry points ---------------------------------------------------------------
     def send(self, cmd: Command) -> None:
@@ -278,7 +300,9 @@ class DeviceWorker:
         if serving and self.policy.arbitrate and (len(serving) > 1 or serving[0].scheduler.waiting):
             pick = None
             try:
+                t = time.perf_counter()
                 pick = arbitrate([m.work() for m in serving], now, self.step_overhead_s)
+                self._pick = (pick, time.perf_counter() - t)
             except Exception:
                 log.exception("the arbitrator failed: round-robin this step")
             if pick is not None:
@@ -288,6 +312,7 @@ class DeviceWorker:
                 chosen = self.models[pick.model]
                 order = admit(chosen, pick.admit)
                 ran = self._timed(chosen, lambda: chosen.step(now, order, pick.token_budget))
+            self._pick = None
         if not ran:  # round-robin (or the pick could not run: blocked on memory)
             for m in serving:
                 ran |= self._timed(m, lambda m=m: m.step(now, admit(m, None)))
@@ -411,12 +436,26 @@ class DeviceWorker:
             return False
         self.steps += 1
         self.step_seconds += end - start
+        if self._trace_path is not None:
+            self._trace_step(m, start, end)
         if last is not None:
             gap = start - last  # the host work since the previous step ended
             if gap < 0.05:  # busy back to back (not an idle wait)
                 self.host_seconds += gap
                 self.step_overhead_s += 0.1 * (gap - self.step_overhead_s)
         return True
+
+    def _trace_step(self, m: ModelWorker, start: float, end: float) -> None:
+        shape, estimate, took = m.last_step or (None, 0.0, 0.0)
+        rec: dict[str, Any] = {"t": start, "s": end - start, "model": m.name, "run_s": took}
+        if shape is not None:
+            rec |= {"tokens": shape.tokens, "seqs": shape.seqs, "kv": shape.kv, "est_s": estimate}
+        if self._pick is not None and self._pick[0] is not None:
+            pick, arb_s = self._pick
+            rec |= {"arb_s": arb_s, "budget": pick.token_budget, "admit": len(pick.admit)}
+        self._trace.append(json.dumps(rec) + "\n")
+        if len(self._trace) >= 1000:
+            self._flush_trace()
 
     def _prepare(self, m: ModelWorker, now: float) -> bool:
         """Moves m's transition on; True if it can step now."""

@@ -63,7 +63,7 @@ class Engine:
                 precreate,
             )
             name = str(self.device) if config.devices == 1 else f"{self.device.type}:{i}"
-            w = DeviceWorker(pool, self.policy, name=name)
+            w = DeviceWorker(pool, self.policy, name=name, trace=envs.step_trace())
             w.start()
             self._workers.append(w)
         self.worker, self.pool = self._workers[0], self._workers[0].pool  # the first device

@@ -41,3 +41,12 @@ def cpu_threads() -> int | None:
 def fused_kernels() -> bool:
     """Use FlashInfer's fused norm/activation kernels on CUDA (PRISM_FUSED_KERNELS, default 1)."""
     return os.environ.get("PRISM_FUSED_KERNELS", "1") not in ("0", "false", "no")
+
+
+def step_trace() -> Path | None:
+    """Where each device's engine thread writes one JSON line per step it runs (PRISM_STEP_TRACE;
+    the device's name is added to the file name): its start and length, the model, its shape,
+    the latency model's estimate, and the arbitrator's pick. A diagnostic of scheduling, for a
+    run replayed against the simulator; unset = none."""
+    v = os.environ.get("PRISM_STEP_TRACE")
+    return Path(v) if v else None

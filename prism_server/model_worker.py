@@ -124,6 +124,8 @@ class ModelWorker:
         self._slo_recent = {k: [0, 0] for k in self.slo}
         self.num_deferred = 0  # waiting requests the arbitrator last deferred
         self.latency = LatencyModel()  # kept across evictions: a reactivation does not profile
+        # the last step run: its shape, the latency model's estimate before it, and its seconds
+        self.last_step: tuple[StepShape, float, float] | None = None
         if profile_budget_s > 0:
             t = time.perf_counter()
             self.latency.fit_profile(profile_steps(self.runner, self.scheduler, profile_budget_s))
@@ -319,7 +321,9 @@ class ModelWorker:
             if not tokens and self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()  # nothing sampled: no sync
             took = time.perf_counter() - t  # sampling synchronizes: the step has run
-            self.latency.observe(StepShape.of((c.start, c.num_new) for c in batch), took)
+            shape = StepShape.of((c.start, c.num_new) for c in batch)
+            self.last_step = (shape, self.latency.estimate(shape), took)
+            self.latency.observe(shape, took)
         except Exception as e:  # a failed step fails its requests, not the engine
             log.exception("step of model %s failed", self.name)
             error = f"{type(e).__name__}: {e}"

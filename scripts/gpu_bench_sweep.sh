@@ -8,6 +8,7 @@
 # Results go to $OUT/sweep (sweep.json, sweep.md, plots, server logs). A sweep.json already in
 # docs/bench/h200 is the starting point: its SLOs (measured standalone by the first call) are
 # reused and the new policy's runs are merged in. BUDGET_S (default 520) bounds the sweep's time.
+# The server's step trace (PRISM_STEP_TRACE) goes to $OUT/sweep/steps-POLICY.jsonl.DEVICE.
 # BENCH=docs/bench/h200-pressure runs another set-up (its prism.toml, workload.csv, sweep.json).
 #
 # A run longer than one device command (a low scale of a long workload): DETACH=1 starts the
@@ -46,6 +47,8 @@ mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
 export PYTHONPATH=$PWD:/tmp/site FLASHINFER_CUDA_ARCH_LIST=9.0a PYTHONUNBUFFERED=1
 export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/fi-ws}
+# every step the server runs, for `bench simulate` beside the arbitrator's plan (set it empty: none)
+export PRISM_STEP_TRACE=${PRISM_STEP_TRACE-$out/steps-$policy.jsonl}
 aot=/tmp/site/flashinfer/data/aot
 if [ -f .fiaot/fi_aot.tgz ]; then mkdir -p "$aot" && tar -xzf .fiaot/fi_aot.tgz -C "$aot"; fi
 bench=${BENCH:-docs/bench/h200}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from prism_server.config import EngineConfig, ModelSpec
@@ -195,3 +197,28 @@ def test_a_step_of_only_partial_prefill_chunks_samples_nothing():
         out = e.generate("t", [list(range(10, 40))], params)[0]  # 30 tokens: 4 chunks
         assert out.error is None and len(out.token_ids) == 3
         e.check_integrity()
+
+
+def test_the_step_trace_records_every_step_with_its_shape_and_estimate(tmp_path, monkeypatch):
+    monkeypatch.setenv("PRISM_STEP_TRACE", str(tmp_path / "steps.jsonl"))
+    specs = tuple(
+        ModelSpec(n, "dummy:tiny-llama", block_size=4, max_num_batched_tokens=8, seed=i)
+        for i, n in enumerate("ab")
+    )
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    with Engine(
+        EngineConfig(models=specs, device="cpu", page_bytes=64 << 10, kv_budget_bytes=2 << 20)
+    ) as e:
+        e.generate("a", [list(range(10, 40))], params)  # 30 tokens: 4 chunks, then 2 decodes
+        e.generate("b", [list(range(10, 20)), list(range(20, 25))], params)
+        steps = e.worker.steps
+        e.check_integrity()
+    lines = [json.loads(x) for x in (tmp_path / "steps.jsonl.cpu").read_text().splitlines()]
+    assert len(lines) == steps
+    a = [x for x in lines if x["model"] == "a"]
+    assert [x["tokens"] for x in a] == [8, 8, 8, 6, 1, 1]
+    assert [x["seqs"] for x in a] == [1] * 6 and a[-1]["kv"] == 32
+    assert {x["model"] for x in lines} == {"a", "b"}
+    assert sum(x["tokens"] for x in lines if x["model"] == "b") == 15 + 2 * 2
+    assert all(x["s"] >= x["run_s"] > 0 and x["est_s"] > 0 for x in lines)
+    assert all(a["t"] + a["s"] <= b["t"] for a, b in zip(lines, lines[1:]))
