@@ -240,7 +240,7 @@ def arbitrate(models: Sequence[ModelWork], now: float, overhead_s: float = 0.0) 
         return min(starts, default=float("inf"))
 
     def latest_start(m: ModelWork) -> float:
-        return start_by(m, m.running.deadline)
+        return start_by(m, m.running.decode_deadline)
 
     def urgent(m: ModelWork) -> bool:
         others = max(
@@ -366,10 +366,11 @@ def _token_budget(
 ) -> int:
     """The most tokens m's step may compute without making a running request of the device late,
     nor another model's on-time waiting request, which must start by `start_by` (never fewer
-    than its decodes plus min_tokens: progress over perfection)."""
-    limit = float("inf")
+    than its decodes plus min_tokens, progress over perfection; but its decodes alone where that
+    chunk would make them late)."""
+    limit = own_limit = float("inf")
     if m.running.decode_deadline is not None:
-        limit = m.running.decode_deadline - now - overhead_s
+        limit = own_limit = m.running.decode_deadline - now - overhead_s
     if start_by is not None:
         limit = min(limit, start_by - now - overhead_s)
     for o in active:  # their next step follows this one; its estimate may be short too
@@ -387,6 +388,15 @@ def _token_budget(
         # slow everything down (and make them later still); run a full step
         return m.max_tokens
     extra = m.latency.max_new_tokens(limit, m.base, cached, m.max_tokens)
+    if (
+        extra < m.min_tokens
+        and m.running.num
+        and own_limit / (1 + _err(m))
+        < m.latency.estimate(m.base + StepShape.prefill(m.min_tokens, cached))
+    ):
+        # the smallest chunk worth a step would make its own decodes late: they step alone
+        # (fast), and the slack they gain pays for a chunk later
+        return m.running.num
     return max(
         min(m.running.num + extra, m.max_tokens), min(m.running.num + m.min_tokens, m.max_tokens)
     )

@@ -6,19 +6,23 @@ new * (cached + (new + 1) / 2), which is compute and dominates a prefill; and th
 `kv` = sum over sequences of cached + new tokens, which is memory traffic and dominates a decode
 step (one query per sequence reads its whole context). One coefficient for both would price a
 decode step's context at a prefill's compute rate, or a prefill's attention at a decode's memory
-rate: off by ten times one way or the other. The model is linear in those features:
+rate: off by ten times one way or the other. And a step with prefill tokens pays a fixed cost a
+decode step does not: it runs eagerly, kernel by kernel, where a decode step replays a CUDA graph
+(on the H200 some 25 ms for a 7B model's 500-token chunk, more than its tokens cost). The model is
+linear in those features:
 
-    seconds = c0 + c_tok * tokens + c_seq * seqs + c_attn * attn + c_kv * kv
+    seconds = c0 + c_tok * tokens + c_seq * seqs + c_attn * attn + c_kv * kv + c_pf * prefill
 
-which covers prefill (tokens dominate, attention grows with the prompt), chunked prefill (cached
-context), and decode (one token per sequence, KV reads over each context). In a decode step
-tokens = seqs and attn = kv, so decode steps alone fix only the sums; prefill steps tell the parts
-apart. The coefficients are fitted by non-negative least squares on a short profile taken at the
-first activation, and kept current online: every measured step joins a window of recent samples
-and the fit is redone every few steps, so the model follows the device (clocks, another model's
-copy, contention). Steps that carry prefill tokens keep a window of their own, so that a long run
-of decode steps cannot push them out and leave the split to whatever the decode noise makes of it.
-The relative error of each estimate before its measurement is tracked as an EWMA and published.
+(prefill: 1 for a step with prefill tokens, else 0), which covers prefill (tokens dominate,
+attention grows with the prompt), chunked prefill (cached context), and decode (one token per
+sequence, KV reads over each context). In a decode step tokens = seqs, attn = kv and prefill = 0,
+so decode steps alone fix only the sums; prefill steps tell the parts apart. The coefficients are
+fitted by non-negative least squares on a short profile taken at the first activation, and kept
+current online: every measured step joins a window of recent samples and the fit is redone every
+few steps, so the model follows the device (clocks, another model's copy, contention). Steps that
+carry prefill tokens keep a window of their own, so that a long run of decode steps cannot push
+them out and leave the split to whatever the decode noise makes of it. The relative error of each
+estimate before its measurement is tracked as an EWMA and published.
 
 Pure: no clock; callers pass measured durations in.
 """
@@ -69,19 +73,25 @@ class StepShape:
             self.kv + other.kv,
         )
 
-    def features(self) -> tuple[float, float, float, float, float]:
+    @property
+    def has_prefill(self) -> bool:
+        """Whether the step carries prefill tokens (more tokens than sequences)."""
+        return self.tokens > self.seqs
+
+    def features(self) -> tuple[float, float, float, float, float, float]:
         return (
             1.0,
             float(self.tokens),
             float(self.seqs),
             self.attn * _ATTN_SCALE,
             self.kv * _ATTN_SCALE,
+            1.0 if self.has_prefill else 0.0,
         )
 
 
 # Before any measurement: a GPU-class guess (2 ms a step, 20 us a token, 20 us per thousand KV
-# tokens read), replaced by the profile
-DEFAULT_COEFFICIENTS = (2e-3, 2e-5, 1e-5, 1e-6, 2e-5)
+# tokens read, 5 ms more for a prefill step), replaced by the profile
+DEFAULT_COEFFICIENTS = (2e-3, 2e-5, 1e-5, 1e-6, 2e-5, 5e-3)
 
 
 class LatencyModel:
@@ -93,7 +103,7 @@ class LatencyModel:
         refit_every: int = 16,
         error_alpha: float = 0.1,
     ):
-        # a shorter tuple (a record from before the kv term) reads as zeros for the rest
+        # a shorter tuple (a record from before the kv and prefill terms) reads as zeros for them
         n = len(DEFAULT_COEFFICIENTS)
         self.coefficients = tuple(float(c) for c in coefficients)[:n]
         self.coefficients += (0.0,) * (n - len(self.coefficients))
@@ -122,12 +132,12 @@ class LatencyModel:
 
     def knee_tokens(self) -> int:
         """The smallest prefill chunk whose tokens cost at least the step's fixed cost (the
-        step's own and its sequence's): below it a chunked prefill spends more on steps than on
-        tokens, so it is the smallest chunk worth a step."""
-        c0, c_tok, c_seq, *_ = self.coefficients
+        step's own, its sequence's and a prefill step's): below it a chunked prefill spends more
+        on steps than on tokens, so it is the smallest chunk worth a step."""
+        c0, c_tok, c_seq, _, _, c_pf = self.coefficients
         if c_tok <= 0:
             return 1
-        return max(1, math.ceil((c0 + c_seq) / c_tok))
+        return max(1, math.ceil((c0 + c_seq + c_pf) / c_tok))
 
     def max_new_tokens(self, budget_s: float, base: StepShape, cached: int, cap: int) -> int:
         """The most prefill tokens (one sequence, `cached` tokens already in its KV) that a step
@@ -156,7 +166,7 @@ class LatencyModel:
         rel = abs(self.estimate(shape) - seconds) / seconds
         a = self.error_alpha
         self.error = rel if self.error is None else (1 - a) * self.error + a * rel
-        (self.recent_prefill if shape.tokens > shape.seqs else self.recent).append((shape, seconds))
+        (self.recent_prefill if shape.has_prefill else self.recent).append((shape, seconds))
         self.observed += 1
         self._since_fit += 1
         if self._since_fit >= self.refit_every:
@@ -179,36 +189,41 @@ class LatencyModel:
 
 def nnls(rows: Sequence[Sequence[float]], y: Sequence[float]) -> list[float]:
     """Non-negative least squares, min |A x - y| with x >= 0, for a few columns: solve the normal
-    equations on the free columns, clamp the most negative to zero, repeat."""
+    equations on the free columns, clamp the most negative to zero (or drop a column that adds
+    nothing to the ones before it), repeat. The columns are
+    scaled to unit norm first: a step's features span ten orders of magnitude (a constant beside
+    millions of attention pairs), and unscaled, a small column's pivot looks singular."""
     n = len(rows[0])
+    norms = [math.sqrt(sum(r[i] * r[i] for r in rows)) or 1.0 for i in range(n)]
+    rows = [[r[i] / norms[i] for i in range(n)] for r in rows]
     free = list(range(n))
     x = [0.0] * n
     while free:
         ata = [[sum(r[i] * r[j] for r in rows) for j in free] for i in free]
         aty = [sum(r[i] * v for r, v in zip(rows, y)) for i in free]
         sol = _solve(ata, aty)
-        if sol is None:  # singular (columns without signal): drop the last free column
-            free.pop()
+        if isinstance(sol, int):  # a column without a signal of its own: dropped
+            free.pop(sol)
             continue
         worst = min(range(len(free)), key=lambda k: sol[k])
         if sol[worst] >= 0:
             for k, i in enumerate(free):
-                x[i] = sol[k]
+                x[i] = sol[k] / norms[i]
             return x
         free.pop(worst)
     return x
 
 
-def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
-    """Gaussian elimination with partial pivoting; None if singular."""
+def _solve(a: list[list[float]], b: list[float]) -> list[float] | int:
+    """Solves the normal equations a x = b (a symmetric, positive semi-definite, unit diagonal)
+    by elimination in column order; or, where a column is a combination of the ones before it
+    (a feature the samples never vary apart from others: one sequence per step, say), its
+    index, to be dropped."""
     n = len(b)
     m = [row[:] + [b[i]] for i, row in enumerate(a)]
-    scale = max((abs(v) for row in a for v in row), default=0.0) or 1.0
     for col in range(n):
-        piv = max(range(col, n), key=lambda r: abs(m[r][col]))
-        if abs(m[piv][col]) <= 1e-12 * scale:
-            return None
-        m[col], m[piv] = m[piv], m[col]
+        if m[col][col] <= 1e-9:  # what is left of the column once the earlier ones are out
+            return col
         for r in range(col + 1, n):
             f = m[r][col] / m[col][col]
             for c in range(col, n + 1):

@@ -206,7 +206,7 @@ def test_the_sweep_runs_every_policy_and_its_table_and_plots_are_the_data(tmp_pa
     for name in ("prism", "static"):
         for run in sweep["policies"][name]["runs"]:
             assert set(run["latency"]) == set(MODELS)
-            assert all(len(v["coefficients"]) == 5 for v in run["latency"].values())
+            assert all(len(v["coefficients"]) == 6 for v in run["latency"].values())
             assert all(v["kv_blocks_capacity"] > 0 for v in run["latency"].values())
     capsys.readouterr()
     assert main(["bench", "simulate", str(out), "--scales", "8"]) == 0

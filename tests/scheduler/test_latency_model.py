@@ -7,9 +7,10 @@ import random
 
 from scheduler.latency_model import LatencyModel, StepShape, nnls
 
-# c0, per token, per sequence, per 1k attention pairs, per 1k KV tokens read: a decode step's
-# context costs sixty times a prefill's pair (memory against compute), as on a GPU
-TRUE = (3e-3, 4e-5, 2e-5, 5e-7, 3e-5)
+# c0, per token, per sequence, per 1k attention pairs, per 1k KV tokens read, per prefill step: a
+# decode step's context costs sixty times a prefill's pair (memory against compute), and a step
+# with prefill tokens runs eagerly (kernel by kernel, not a graph), as on a GPU
+TRUE = (3e-3, 4e-5, 2e-5, 5e-7, 3e-5, 2e-2)
 
 
 def _time(shape: StepShape, coef=TRUE, noise: float = 0.0, rng=None) -> float:
@@ -39,8 +40,19 @@ def test_decode_context_and_prefill_attention_are_priced_apart():
     for s in (long_decode, late_chunk):
         assert abs(lm.estimate(s) - _time(s)) / _time(s) < 1e-6
     assert lm.coefficients[4] > 10 * lm.coefficients[3]
-    # a record from before the kv term still loads
-    assert LatencyModel(TRUE[:4]).coefficients == (*TRUE[:4], 0.0)
+    # a record from before the kv and prefill terms still loads
+    assert LatencyModel(TRUE[:4]).coefficients == (*TRUE[:4], 0.0, 0.0)
+
+
+def test_a_small_prefill_chunk_pays_the_prefill_steps_fixed_cost():
+    lm = LatencyModel()
+    lm.fit_profile([(s, _time(s)) for s in _profile_shapes()])
+    small = StepShape.prefill(245)
+    assert abs(lm.estimate(small) - _time(small)) / _time(small) < 1e-6
+    assert lm.estimate(small) > 2 * lm.estimate(StepShape.decode(1, 245))
+    # the smallest chunk worth a step: its tokens cost what the step's fixed costs do
+    c0, c_tok, c_seq, *_, c_pf = TRUE
+    assert lm.knee_tokens() == -(-(c0 + c_seq + c_pf) // c_tok)
 
 
 def test_online_samples_follow_a_slower_device_and_the_error_falls():
