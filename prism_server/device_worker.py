@@ -449,7 +449,8 @@ class DeviceWorker:
         shape, estimate, took = m.last_step or (None, 0.0, 0.0)
         rec: dict[str, Any] = {"t": start, "s": end - start, "model": m.name, "run_s": took}
         if shape is not None:
-            rec |= {"tokens": shape.tokens, "seqs": shape.seqs, "kv": shape.kv, "est_s": estimate}
+            rec |= {"tokens": shape.tokens, "seqs": shape.seqs, "kv": shape.kv, "attn": shape.attn}
+            rec["est_s"] = estimate
         if self._pick is not None and self._pick[0] is not None:
             pick, arb_s = self._pick
             rec |= {"arb_s": arb_s, "budget": pick.token_budget, "admit": len(pick.admit)}

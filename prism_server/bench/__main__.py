@@ -106,6 +106,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     sm.add_argument("--policy", default="prism", choices=["prism", "static"])
     sm.add_argument("--scales", type=_floats, default=[], help="more scales to predict")
     sm.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    sm.add_argument(
+        "--step-trace",
+        help="a run's step trace (PRISM_STEP_TRACE, .gz or not): the step costs fitted to all "
+        "of its steps replace the runs' recorded online fits",
+    )
 
     from prism_server.bench.traces_cli import add_workload_command
 
@@ -215,9 +220,16 @@ def _plot(args) -> int:
 
 
 def _simulate(args) -> int:
-    from prism_server.bench.simulate import markdown, simulate_sweep
+    from prism_server.bench.simulate import (
+        fit_step_trace,
+        markdown,
+        simulate_sweep,
+        with_step_costs,
+    )
 
     sweep = json.loads((Path(args.dir) / "sweep.json").read_text())
+    if args.step_trace:
+        sweep = with_step_costs(sweep, fit_step_trace(args.step_trace), args.policy)
     rows = _rows(args.workload or sweep["config"]["workload"])
     preds = simulate_sweep(sweep, rows, args.policy, args.scales, args.max_num_batched_tokens)
     print(markdown(args.policy, preds))

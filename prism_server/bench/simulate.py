@@ -11,15 +11,23 @@ run's mean). What it does not: a step's noise, one model's steps slowing another
 and evictions. `prism` replays exactly the prism policy's decisions (KV unbounded: the balloon
 lends what a model needs); `static` runs the same arbitrator over each model's fixed KV quota,
 an approximation of static partitioning (which steps models round-robin, FCFS).
+
+With --step-trace, the device's step costs are fitted to a step trace of a run (PRISM_STEP_TRACE:
+every step the device ran, its shape and its measured seconds) instead of taken from the online
+fits the run recorded: all of a model's steps over the run, not the last window of them.
 """
 
 from __future__ import annotations
 
+import gzip
+import json
+from collections import defaultdict
 from collections.abc import Sequence
+from pathlib import Path
 
 from prism_server.bench.workload import Row, scale_rate
 from scheduler.batch_scheduler import SchedulerConfig
-from scheduler.latency_model import LatencyModel
+from scheduler.latency_model import LatencyModel, StepShape
 from scheduler.policy import POLICIES
 from scheduler.simulator import SimArrival, SimModel, simulate
 
@@ -57,6 +65,49 @@ def sim_models(
         )
         for name in sorted(slos)
     ]
+
+
+def fit_step_trace(path: str | Path) -> dict[str, list[float]]:
+    """Each model's latency coefficients fitted to every step of a step trace (JSON lines,
+    gzipped or not)."""
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    samples: dict[str, list[tuple[StepShape, float]]] = defaultdict(list)
+    with opener(path, "rt") as f:
+        for line in f:
+            x = json.loads(line)
+            if "tokens" in x and x.get("run_s", 0) > 0:
+                attn = x.get("attn")
+                if attn is None:  # a trace from before attn was recorded
+                    attn = _attn_of(x["tokens"], x["seqs"], x["kv"])
+                shape = StepShape(x["tokens"], x["seqs"], float(attn), x["kv"])
+                samples[x["model"]].append((shape, x["run_s"]))
+    out = {}
+    for model, steps in samples.items():
+        lm = LatencyModel()
+        lm.fit_profile(steps)
+        out[model] = list(lm.coefficients)
+    return out
+
+
+def _attn_of(tokens: int, seqs: int, kv: int) -> float:
+    """A step's attention pairs from its tokens, sequences and KV tokens: exact for one sequence
+    or decodes only; with a prefill chunk among decodes, each sequence's cache taken as equal."""
+    if tokens == seqs:
+        return float(kv)
+    new = tokens - seqs + 1  # one prefill chunk, the rest decodes
+    cached = (kv - tokens) / seqs
+    return new * (cached + (new + 1) / 2) + (seqs - 1) * (cached + 1)
+
+
+def with_step_costs(sweep: dict, costs: dict[str, list[float]], policy: str = "prism") -> dict:
+    """The sweep with every recorded run of `policy` given these step costs."""
+    sweep = json.loads(json.dumps(sweep))
+    for run in sweep["policies"].get(policy, {}).get("runs", []):
+        for model, rec in (run.get("latency") or {}).items():
+            if model in costs:
+                rec["coefficients"] = costs[model]
+    return sweep
 
 
 def predict(

@@ -306,3 +306,36 @@ def test_the_simulator_replays_a_run_with_its_measured_step_costs():
         sim_models(latency, slos, "swap")
     with pytest.raises(ValueError, match="step costs"):
         simulate_sweep({"config": {"slos": slos}, "policies": {"prism": {"runs": [{}]}}}, rows)
+
+
+def test_step_costs_fitted_to_a_step_trace_replace_the_runs_online_fits(tmp_path):
+    import gzip
+
+    from prism_server.bench.simulate import fit_step_trace, with_step_costs
+    from scheduler.latency_model import StepShape
+
+    true = {"a": (4e-3, 3e-5, 1e-5, 1e-6, 3e-5, 1e-2), "b": (2e-3, 1e-5, 1e-5, 5e-7, 2e-5, 5e-3)}
+    lines = []
+    for model, coef in true.items():
+        for i in range(60):
+            if i % 3 == 0:  # a chunk of a long prompt, alone
+                shape = StepShape.prefill(256 * (1 + i % 8), 512 * (i % 4))
+            else:
+                shape = StepShape.decode(1 + i % 7, (1 + i % 7) * 300 * (1 + i % 5))
+            t = sum(c * f for c, f in zip(coef, shape.features()))
+            rec = {"t": float(i), "s": t, "model": model, "run_s": t, "tokens": shape.tokens}
+            rec |= {"seqs": shape.seqs, "kv": shape.kv}
+            if model == "a":
+                rec["attn"] = shape.attn  # b's trace predates it: read back from its shape
+            lines.append(json.dumps(rec) + "\n")
+    trace = tmp_path / "steps.jsonl.gz"
+    with gzip.open(trace, "wt") as f:
+        f.writelines(lines)
+    got = fit_step_trace(trace)
+    for model, coef in true.items():
+        assert got[model] == pytest.approx(coef, rel=1e-3, abs=1e-9)
+    latency = {m: {"coefficients": [1.0] * 4, "kv_blocks_capacity": 8} for m in true}
+    sweep = {"policies": {"prism": {"runs": [{"scale": 1.0, "latency": latency}]}}}
+    costs = with_step_costs(sweep, got)["policies"]["prism"]["runs"][0]["latency"]
+    assert {m: v["coefficients"] for m, v in costs.items()} == got
+    assert latency["a"]["coefficients"] == [1.0] * 4  # the sweep given is left as it was

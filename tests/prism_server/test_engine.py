@@ -217,7 +217,7 @@ def test_the_step_trace_records_every_step_with_its_shape_and_estimate(tmp_path,
     assert len(lines) == steps
     a = [x for x in lines if x["model"] == "a"]
     assert [x["tokens"] for x in a] == [8, 8, 8, 6, 1, 1]
-    assert [x["seqs"] for x in a] == [1] * 6 and a[-1]["kv"] == 32
+    assert [x["seqs"] for x in a] == [1] * 6 and a[-1]["kv"] == a[-1]["attn"] == 32
     assert {x["model"] for x in lines} == {"a", "b"}
     assert sum(x["tokens"] for x in lines if x["model"] == "b") == 15 + 2 * 2
     assert all(x["s"] >= x["run_s"] > 0 and x["est_s"] > 0 for x in lines)
