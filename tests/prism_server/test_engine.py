@@ -211,8 +211,8 @@ def test_the_step_trace_records_every_step_with_its_shape_and_estimate(tmp_path,
     ) as e:
         e.generate("a", [list(range(10, 40))], params)  # 30 tokens: 4 chunks, then 2 decodes
         e.generate("b", [list(range(10, 20)), list(range(20, 25))], params)
-        steps = e.worker.steps
         e.check_integrity()
+    steps = e.worker.steps  # once its thread has stopped (a step is counted after it publishes)
     lines = [json.loads(x) for x in (tmp_path / "steps.jsonl.cpu").read_text().splitlines()]
     assert len(lines) == steps
     a = [x for x in lines if x["model"] == "a"]
