@@ -322,8 +322,7 @@ class ModelWorker:
                 torch.cuda.current_stream(self.device).synchronize()  # nothing sampled: no sync
             took = time.perf_counter() - t  # sampling synchronizes: the step has run
             shape = StepShape.of((c.start, c.num_new) for c in batch)
-            self.last_step = (shape, self.latency.estimate(shape), took)
-            self.latency.observe(shape, took)
+            self.last_step = (shape, self.latency.observe(shape, took), took)
         except Exception as e:  # a failed step fails its requests, not the engine
             log.exception("step of model %s failed", self.name)
             error = f"{type(e).__name__}: {e}"

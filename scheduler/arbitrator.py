@@ -104,7 +104,6 @@ class _neg(str):
 class Running:
     """What the running requests of one model need next."""
 
-    deadline: float | None = None  # the earliest deadline among them (None: nothing runs)
     # the earliest next-token deadline of the decoding ones: what a prefill chunk must respect
     # (a late prefill is not helped by smaller chunks)
     decode_deadline: float | None = None
@@ -167,7 +166,6 @@ def model_work(name: str, sched: BatchScheduler, lat: LatencyModel) -> ModelWork
         decoding = [r for r in sched.running if r.num_tokens - r.num_computed_tokens <= 1]
         prefilling = [r for r in sched.running if r.num_tokens - r.num_computed_tokens > 1]
         running = Running(
-            deadline=min(r.deadline for r in sched.running),
             decode_deadline=min((r.deadline for r in decoding), default=None),
             decode_gap_deadline=min(
                 (

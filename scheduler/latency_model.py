@@ -159,11 +159,13 @@ class LatencyModel:
         self.profile = [(s, float(t)) for s, t in samples if t > 0]
         self._refit()
 
-    def observe(self, shape: StepShape, seconds: float) -> None:
-        """A measured step: track the estimate's error, and refit every refit_every samples."""
+    def observe(self, shape: StepShape, seconds: float) -> float:
+        """A measured step: track the estimate's error, and refit every refit_every samples.
+        Returns the estimate the step had before its measurement."""
+        estimate = self.estimate(shape)
         if seconds <= 0:
-            return
-        rel = abs(self.estimate(shape) - seconds) / seconds
+            return estimate
+        rel = abs(estimate - seconds) / seconds
         a = self.error_alpha
         self.error = rel if self.error is None else (1 - a) * self.error + a * rel
         (self.recent_prefill if shape.has_prefill else self.recent).append((shape, seconds))
@@ -171,6 +173,7 @@ class LatencyModel:
         self._since_fit += 1
         if self._since_fit >= self.refit_every:
             self._refit()
+        return estimate
 
     def _refit(self) -> None:
         self._since_fit = 0
@@ -190,9 +193,9 @@ class LatencyModel:
 def nnls(rows: Sequence[Sequence[float]], y: Sequence[float]) -> list[float]:
     """Non-negative least squares, min |A x - y| with x >= 0, for a few columns: solve the normal
     equations on the free columns, clamp the most negative to zero (or drop a column that adds
-    nothing to the ones before it), repeat. The columns are
-    scaled to unit norm first: a step's features span ten orders of magnitude (a constant beside
-    millions of attention pairs), and unscaled, a small column's pivot looks singular."""
+    nothing to the ones before it), repeat. The columns are scaled to unit norm first: a step's
+    features span ten orders of magnitude (a constant beside millions of attention pairs), and
+    unscaled, a small column's pivot looks singular."""
     n = len(rows[0])
     norms = [math.sqrt(sum(r[i] * r[i] for r in rows)) or 1.0 for i in range(n)]
     rows = [[r[i] / norms[i] for i in range(n)] for r in rows]

@@ -19,6 +19,7 @@ fits the run recorded: all of a model's steps over the run, not the last window 
 
 from __future__ import annotations
 
+import copy
 import gzip
 import json
 from collections import defaultdict
@@ -102,7 +103,7 @@ def _attn_of(tokens: int, seqs: int, kv: int) -> float:
 
 def with_step_costs(sweep: dict, costs: dict[str, list[float]], policy: str = "prism") -> dict:
     """The sweep with every recorded run of `policy` given these step costs."""
-    sweep = json.loads(json.dumps(sweep))
+    sweep = copy.deepcopy(sweep)
     for run in sweep["policies"].get(policy, {}).get("runs", []):
         for model, rec in (run.get("latency") or {}).items():
             if model in costs:

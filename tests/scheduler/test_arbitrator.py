@@ -98,7 +98,12 @@ def test_pick_is_deterministic_whatever_the_input_order():
                 for k in range(rng.randint(0, 4))
             ]
             run = (
-                Running(d := rng.uniform(1, 1.2), d, rng.uniform(0, 1), rng.randint(1, 8), 500)
+                Running(
+                    decode_deadline=rng.uniform(1, 1.2),
+                    ready_since=rng.uniform(0, 1),
+                    num=rng.randint(1, 8),
+                    context_tokens=500,
+                )
                 if rng.random() < 0.5
                 else Running()
             )
@@ -151,7 +156,11 @@ def test_a_decode_about_to_be_late_runs_before_an_older_prefill():
     lat = _lat(step_s=0.01)
     prefill = _work("p", [_job("p1", "p", 0.0, 10.0, 4000, lat)], lat=lat)
     # its next token is due in 15 ms: the 0.41 s prefill first would make it late
-    decoding = _work("d", running=Running(1.015, 1.015, 0.9, 4, 100), lat=lat)
+    decoding = _work(
+        "d",
+        running=Running(decode_deadline=1.015, ready_since=0.9, num=4, context_tokens=100),
+        lat=lat,
+    )
     pick = arbitrate([prefill, decoding], 1.0)
     assert pick.model == "d"
 
@@ -159,7 +168,11 @@ def test_a_decode_about_to_be_late_runs_before_an_older_prefill():
 def test_a_long_prompt_is_chunked_so_the_other_models_decodes_stay_on_time():
     lat = _lat(step_s=0.005, per_token=1e-4)  # 2048 tokens: 0.21 s
     prefill = _work("p", [_job("p1", "p", 0.0, 1.9, 8000, lat)], lat=lat)
-    decoding = _work("d", running=Running(1.05, 1.05, 1.0, 4, 100), lat=lat)
+    decoding = _work(
+        "d",
+        running=Running(decode_deadline=1.05, ready_since=1.0, num=4, context_tokens=100),
+        lat=lat,
+    )
     pick = arbitrate([prefill, decoding], 1.0)
     assert pick.model == "p"  # it waited longest, and a chunk of it leaves d on time
     # the chunk must leave d its 50 ms less its own 5 ms step
@@ -182,15 +195,11 @@ def test_a_deferred_request_is_not_starved_behind_another_models_decodes():
     lat = _lat(step_s=0.01)
     hopeless = _job("late", "a", 0.0, 0.05, 4000, lat)  # deferred: it cannot be on time
     # b decodes with plenty of slack, and will again after every step: a must still get its turn
-    decoding = Running(
-        deadline=1.5, decode_deadline=1.5, ready_since=0.9, num=4, context_tokens=4096
-    )
+    decoding = Running(decode_deadline=1.5, ready_since=0.9, num=4, context_tokens=4096)
     pick = arbitrate([_work("a", [hopeless], lat=lat), _work("b", running=decoding, lat=lat)], 1.0)
     assert pick.model == "a" and pick.admit == ("late",)
     # unless b's next token is due before another step can run: then b goes first
-    due = Running(
-        deadline=1.012, decode_deadline=1.012, ready_since=0.9, num=4, context_tokens=4096
-    )
+    due = Running(decode_deadline=1.012, ready_since=0.9, num=4, context_tokens=4096)
     pick = arbitrate([_work("a", [hopeless], lat=lat), _work("b", running=due, lat=lat)], 1.0)
     assert pick.model == "b"
 
@@ -198,7 +207,7 @@ def test_a_deferred_request_is_not_starved_behind_another_models_decodes():
 def test_a_late_prefill_of_its_own_does_not_shrink_the_chunk():
     lat = _lat(step_s=0.005, per_token=1e-4)
     # its own request in prefill is past its TTFT deadline; nothing decodes anywhere
-    late = Running(deadline=0.5, decode_deadline=None, ready_since=0.0, prefilling=1)
+    late = Running(ready_since=0.0, prefilling=1, prefills=((0.5, 4000, 0),))
     pick = arbitrate([_work("p", running=late, lat=lat)], 1.0)
     assert pick.token_budget == 2048
 

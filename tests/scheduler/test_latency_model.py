@@ -63,7 +63,8 @@ def test_online_samples_follow_a_slower_device_and_the_error_falls():
     errors = []
     for _ in range(400):
         s = StepShape.decode(rng.randint(1, 64), rng.randint(64, 4096) * 8)
-        lm.observe(s, _time(s, slow, 0.02, rng))
+        before = lm.estimate(s)
+        assert lm.observe(s, _time(s, slow, 0.02, rng)) == before
         errors.append(lm.error)
     assert errors[20] > 0.2  # right after the change the estimates are a third short
     assert lm.error < 0.05
