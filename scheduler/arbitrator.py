@@ -114,10 +114,16 @@ class Running:
     ready_since: float | None = None  # when the oldest of them became ready to step
     num: int = 0  # decoding (one token a step)
     context_tokens: int = 0  # KV tokens the decoding ones attend
-    prefilling: int = 0  # admitted requests still in (chunked) prefill
-    prefill_cached: int = 0  # KV tokens of the oldest of those (its next chunk attends them)
-    # each of those in TTFT-deadline order: (deadline, prompt tokens left, tokens cached)
+    # KV tokens of the oldest admitted request still in (chunked) prefill (its next chunk
+    # attends them)
+    prefill_cached: int = 0
+    # each of those requests in TTFT-deadline order: (deadline, prompt tokens left, tokens cached)
     prefills: tuple[tuple[float, int, int], ...] = ()
+
+    @property
+    def prefilling(self) -> int:
+        """Admitted requests still in (chunked) prefill."""
+        return len(self.prefills)
 
     @property
     def any(self) -> bool:
@@ -178,7 +184,6 @@ def model_work(name: str, sched: BatchScheduler, lat: LatencyModel) -> ModelWork
             ready_since=min(r.last_token_time or r.arrival_time for r in sched.running),
             num=len(decoding),
             context_tokens=sum(r.num_computed_tokens for r in decoding),
-            prefilling=len(prefilling),
             prefill_cached=prefilling[0].num_computed_tokens if prefilling else 0,
             prefills=tuple(
                 sorted(
