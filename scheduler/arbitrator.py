@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 from scheduler.batch_scheduler import BatchScheduler
 from scheduler.latency_model import LatencyModel, StepShape
-from scheduler.request import MAX_GAP_SLOS
+from scheduler.request import MAX_GAP_SLOS, Request
 
 SAFETY = 0.1  # a chunk is sized to its slack / (1 + max(estimate error, SAFETY))
 
@@ -117,8 +117,9 @@ class Running:
     # KV tokens of the oldest admitted request still in (chunked) prefill (its next chunk
     # attends them)
     prefill_cached: int = 0
-    # each of those requests in TTFT-deadline order: (deadline, prompt tokens left, tokens cached)
-    prefills: tuple[tuple[float, int, int], ...] = ()
+    # each of those requests in TTFT-deadline order: (deadline, prompt tokens left, tokens
+    # cached, the seconds its latency model gives the rest of its prefill)
+    prefills: tuple[tuple[float, int, int, float], ...] = ()
 
     @property
     def prefilling(self) -> int:
@@ -185,12 +186,7 @@ def model_work(name: str, sched: BatchScheduler, lat: LatencyModel) -> ModelWork
             num=len(decoding),
             context_tokens=sum(r.num_computed_tokens for r in decoding),
             prefill_cached=prefilling[0].num_computed_tokens if prefilling else 0,
-            prefills=tuple(
-                sorted(
-                    (r.deadline, r.num_tokens - r.num_computed_tokens, r.num_computed_tokens)
-                    for r in prefilling
-                )
-            ),
+            prefills=tuple(sorted(_prefill_left(r, lat) for r in prefilling)),
         )
     cfg = sched.config
     floor = max(16, cfg.block_size, lat.knee_tokens())  # the smallest chunk worth a step
@@ -304,6 +300,12 @@ def _err(m: ModelWork) -> float:
     return max(m.latency.error or 0.0, SAFETY)
 
 
+def _prefill_left(r: Request, lat: LatencyModel) -> tuple[float, int, int, float]:
+    """A request in prefill as Running.prefills holds it."""
+    todo, cached = r.num_tokens - r.num_computed_tokens, r.num_computed_tokens
+    return (r.deadline, todo, cached, lat.prefill_s(todo, cached))
+
+
 def _in_progress(active: Sequence[ModelWork]) -> list[Job]:
     """The prefills in progress as fixed jobs for Moore-Hodgson: each runs before its own
     model's waiting requests (its batch takes running requests first), so it is placed by the
@@ -311,14 +313,14 @@ def _in_progress(active: Sequence[ModelWork]) -> list[Job]:
     out = []
     for m in active:
         first_wait = min((j.deadline for j in m.waiting), default=float("inf"))
-        for i, (deadline, todo, cached) in enumerate(m.running.prefills):
+        for i, (deadline, todo, cached, seconds) in enumerate(m.running.prefills):
             out.append(
                 Job(
                     f"prefill/{m.name}/{i}",
                     m.name,
                     -1.0,
                     min(deadline, first_wait),
-                    m.latency.prefill_s(todo, cached),
+                    seconds,
                     tokens=todo,
                     cached=cached,
                 )
@@ -331,7 +333,7 @@ def _prompt_start_by(m: ModelWork, waiting: Sequence[Job], now: float) -> float 
     its prefills in progress first (its batch runs them before admitting), then its on-time
     waiting ones in deadline order, each after those before it (None: there is none, or each
     is late already: a late prefill is not a limit)."""
-    work = [(d, m.latency.prefill_s(todo, cached)) for d, todo, cached in m.running.prefills]
+    work = [(d, seconds) for d, _, _, seconds in m.running.prefills]
     work += [(j.deadline, j.duration) for j in waiting]
     out, need = None, 0.0
     for deadline, seconds in work:

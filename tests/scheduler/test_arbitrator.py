@@ -207,7 +207,7 @@ def test_a_deferred_request_is_not_starved_behind_another_models_decodes():
 def test_a_late_prefill_of_its_own_does_not_shrink_the_chunk():
     lat = _lat(step_s=0.005, per_token=1e-4)
     # its own request in prefill is past its TTFT deadline; nothing decodes anywhere
-    late = Running(ready_since=0.0, prefills=((0.5, 4000, 0),))
+    late = Running(ready_since=0.0, prefills=((0.5, 4000, 0, lat.prefill_s(4000)),))
     pick = arbitrate([_work("p", running=late, lat=lat)], 1.0)
     assert pick.token_budget == 2048
 
