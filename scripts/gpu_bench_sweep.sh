@@ -4,12 +4,14 @@
 #
 #   bash scripts/gpu_bench_sweep.sh prism "1,2,4,8,16"
 #   bash scripts/gpu_bench_sweep.sh static "0.25,0.5,1,2,4"
+#   STOP_EARLY=1 bash scripts/gpu_bench_sweep.sh static,swap "0.0625"
 #
 # Results go to $OUT/sweep (sweep.json, sweep.md, plots, server logs). A sweep.json already in
 # docs/bench/h200 is the starting point: its SLOs (measured standalone by the first call) are
 # reused and the new policy's runs are merged in. BUDGET_S (default 520) bounds the sweep's time.
 # The server's step trace (PRISM_STEP_TRACE) goes to $OUT/sweep/steps-POLICY.jsonl.DEVICE.
 # BENCH=docs/bench/h200-pressure runs another set-up (its prism.toml, workload.csv, sweep.json).
+# STOP_EARLY=1 ends a run as soon as it can no longer keep 99% (its attainment is then a bound).
 #
 # A run longer than one device command (a low scale of a long workload): DETACH=1 starts the
 # sweep in its own session (it outlives the command while the machine stays warm) and returns;
@@ -47,15 +49,18 @@ mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
 export PYTHONPATH=$PWD:/tmp/site FLASHINFER_CUDA_ARCH_LIST=9.0a PYTHONUNBUFFERED=1
 export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/fi-ws}
-# every step the server runs, for `bench simulate` beside the arbitrator's plan (set it empty: none)
-export PRISM_STEP_TRACE=${PRISM_STEP_TRACE-$out/steps-$policy.jsonl}
 aot=/tmp/site/flashinfer/data/aot
 if [ -f .fiaot/fi_aot.tgz ]; then mkdir -p "$aot" && tar -xzf .fiaot/fi_aot.tgz -C "$aot"; fi
 bench=${BENCH:-docs/bench/h200}
 [ -f "$bench/sweep.json" ] && cp "$bench/sweep.json" "$out/"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
-python3 -m prism_server bench sweep \
-  --workload "$bench/workload.csv" --config "$bench/prism.toml" --out "$out" \
-  --policies "$policy" --scales "$scales" --refine 1 --standalone-requests 5 \
-  --sample-interval 0.5 --budget-s "${BUDGET_S:-520}" --startup-timeout 300 2>&1 | tee "$out/sweep-$policy.log"
-tail -5 "$out/server-$policy.log"
+# policies in turn (comma-separated), each on its own server, merged into one sweep.json;
+# every step each server runs goes to steps-POLICY.jsonl (PRISM_STEP_TRACE= empty: none)
+for p in ${policy//,/ }; do
+  PRISM_STEP_TRACE=${PRISM_STEP_TRACE-$out/steps-$p.jsonl} python3 -m prism_server bench sweep \
+    --workload "$bench/workload.csv" --config "$bench/prism.toml" --out "$out" \
+    --policies "$p" --scales "$scales" --refine 1 --standalone-requests 5 \
+    --sample-interval 0.5 --budget-s "${BUDGET_S:-520}" --startup-timeout 300 \
+    ${STOP_EARLY:+--stop-early} 2>&1 | tee "$out/sweep-$p.log"
+  tail -5 "$out/server-$p.log"
+done

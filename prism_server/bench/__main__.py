@@ -80,6 +80,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument(
         "--budget-s", type=float, help="wall-clock limit: runs that would end past it are skipped"
     )
+    w.add_argument(
+        "--stop-early",
+        action="store_true",
+        help="end a run once more requests missed their SLOs than the target allows",
+    )
     w.add_argument("--slo-file", help="JSON: model -> {ttft_s, tpot_s} (no standalone run)")
     w.add_argument("--sample-interval", type=float, default=0.25, help="status poll, seconds")
     w.add_argument("--startup-timeout", type=float, default=900.0)
@@ -196,6 +201,7 @@ def _sweep(args) -> int:
         budget_s=args.budget_s,
         refine=args.refine,
         keep_going=args.keep_going,
+        stop_early=args.stop_early,
         sample_interval_s=args.sample_interval,
         startup_timeout_s=args.startup_timeout,
         settle_s=args.settle,

@@ -178,6 +178,9 @@ def cdf_runs(sweep: Mapping[str, Any]) -> tuple[dict[str, dict | None], float | 
 
 
 def _attainment(run: Mapping[str, Any]) -> float:
+    """A run's joint attainment (%); a run stopped early, its upper bound."""
+    if run.get("stopped_early"):
+        return 100.0 * run["stopped_early"]["attainment_at_most"]
     a = ((run.get("report") or {}).get("overall") or {}).get("attainment")
     return math.nan if a is None else 100.0 * a
 
@@ -216,7 +219,8 @@ def _empty(ax: Axes, text: str) -> None:
 
 def figure_attainment(sweep: Mapping[str, Any]) -> Figure:
     """Joint attainment (%) against offered rate, a line per policy (label=policy), the target
-    dashed (gid "target"), each sustained rate starred (gid "<policy>/sustained")."""
+    dashed (gid "target"), each sustained rate starred (gid "<policy>/sustained"), the runs
+    stopped early at their upper bound, marked with a down triangle (gid "<policy>/stopped")."""
     cfg = sweep.get("config") or {}
     policies = policy_names(sweep)
     colors = _colors(policies)
@@ -230,6 +234,18 @@ def figure_attainment(sweep: Mapping[str, Any]) -> Figure:
         xs = [float(r["rate_rps"]) for r in runs]
         ys = [_attainment(r) for r in runs]
         ax.plot(xs, ys, marker="o", color=colors[p], label=p, gid=p)
+        cut = [(x, y) for x, y, r in zip(xs, ys, runs) if r.get("stopped_early")]
+        if cut:  # stopped once the target was out of reach: the point is an upper bound
+            ax.plot(
+                *zip(*cut),
+                marker="v",
+                markersize=10,
+                color=colors[p],
+                markeredgecolor="black",
+                linestyle="none",
+                label=f"_{p} stopped early",
+                gid=f"{p}/stopped",
+            )
         rate = entry.get("sustained_rate_rps")
         if rate is None:
             none_passed.append(p)

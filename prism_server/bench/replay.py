@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -29,6 +30,7 @@ class Result:
     tokens: int = 0
     status: int = 0
     error: str | None = None
+    done: bool = False  # the stream ended (or failed)
 
     @property
     def ok(self) -> bool:
@@ -51,6 +53,31 @@ class Result:
     @property
     def e2e(self) -> float | None:
         return self.token_times[-1] - self.sent if self.token_times else None
+
+    def missed(self, ttft_slo: float, tpot_slo: float, now: float) -> bool:
+        """Whether this request has already failed its SLOs for certain, `now` seconds from the
+        start: an error, a first token later than the TTFT SLO (or none by then), or a stream
+        still short of its last token when even instant tokens from now on would leave its mean
+        inter-token time over the TPOT SLO. Implies that the report counts it as a miss."""
+        if self.error is not None or (self.done and not self.ok):
+            return True
+        if not self.sent and not self.token_times:
+            return False  # not sent yet (a request is sent at > 0 s)
+        if self.ttft is not None:
+            if self.ttft > ttft_slo:
+                return True
+        elif now - self.sent > ttft_slo:
+            return True
+        n = self.row.output_len
+        if self.done:
+            return self.tpot is not None and self.tpot > tpot_slo
+        # not done: the last token comes after now, and at most n tokens come in all
+        return bool(self.token_times) and n > 1 and now - self.token_times[0] > tpot_slo * (n - 1)
+
+
+def allowed_misses(n: int, target: float) -> int:
+    """How many of n requests may miss while the attainment still reaches `target`."""
+    return n - math.ceil(target * n - 1e-9)
 
 
 def prompt_ids(row: Row, index: int, vocab: int = 256) -> list[int]:
@@ -97,6 +124,27 @@ async def _one(session, url: str, i: int, row: Row, res: Result, t0: float, key:
                 res.tokens += n
     except (aiohttp.ClientError, asyncio.TimeoutError) as e:
         res.error = f"{type(e).__name__}: {e}"
+    finally:
+        res.done = True
+
+
+STOPPED = "the run stopped early: the target attainment could no longer be reached"
+
+
+@dataclass
+class EarlyStop:
+    """Stop a replay once more requests than `misses` have certainly missed their SLOs
+    (model -> (TTFT SLO s, TPOT SLO s)): the rest of the run cannot change that it fails.
+    After the replay, `at_s` is when it stopped (None: it ran to the end) and `missed` how many
+    had missed by then."""
+
+    slos: Mapping[str, tuple[float, float]]
+    misses: int
+    at_s: float | None = None
+    missed: int = 0
+
+    def count(self, results: Sequence[Result], now: float) -> int:
+        return sum(r.missed(*self.slos[r.row.model], now) for r in results)
 
 
 async def replay(
@@ -106,11 +154,14 @@ async def replay(
     timeout_s: float = 600.0,
     monitor: Monitor | None = None,
     progress: bool = True,
+    stop: EarlyStop | None = None,
 ) -> list[Result]:
     """Sends every row at its arrival time; returns once all have finished (results in row
     order). With a monitor, the server's status is sampled from just before the first request to
     just after the last one finished (its t0 is set to the replay's start). The progress bar
-    (finished requests) shows only on a terminal."""
+    (finished requests) shows only on a terminal. With `stop`, the replay ends as soon as more
+    requests than it allows have missed their SLOs: the requests in flight are cancelled (the
+    server sees their clients go) and the rest are not sent; both get the error STOPPED."""
     results = [Result(r) for r in rows]
     conn = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=timeout_s)
@@ -127,12 +178,33 @@ async def replay(
             bar.update()
 
         tasks = []
-        for i, (row, res) in enumerate(zip(rows, results)):
-            delay = row.arrival_s - (time.monotonic() - t0)
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one(i, row, res)))
-        await asyncio.gather(*tasks)
+
+        async def send_all() -> None:
+            for i, (row, res) in enumerate(zip(rows, results)):
+                delay = row.arrival_s - (time.monotonic() - t0)
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                tasks.append(asyncio.create_task(one(i, row, res)))
+            await asyncio.gather(*tasks)
+
+        sender = asyncio.create_task(send_all())
+        if stop is None:
+            await sender
+        else:
+            while not sender.done():
+                await asyncio.wait([sender], timeout=0.05)
+                now = time.monotonic() - t0
+                stop.missed = stop.count(results, now)
+                if stop.missed > stop.misses and not sender.done():
+                    stop.at_s = now
+                    cut = [r for r in results if not r.done]  # in flight or not sent
+                    for t in (sender, *tasks):
+                        t.cancel()
+                    await asyncio.gather(sender, *tasks, return_exceptions=True)
+                    for res in cut:
+                        res.error, res.done = STOPPED, True
+            if sender.done() and not sender.cancelled() and sender.exception():
+                raise sender.exception()
         if monitor is not None:
             await monitor.stop(session)
     bar.close()

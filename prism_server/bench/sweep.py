@@ -27,7 +27,7 @@ from pathlib import Path
 import aiohttp
 
 from prism_server.bench.monitor import Monitor, state_at
-from prism_server.bench.replay import Result, replay
+from prism_server.bench.replay import EarlyStop, Result, allowed_misses, replay
 from prism_server.bench.report import markdown, percentile, report
 from prism_server.bench.standalone import slos_from, standalone
 from prism_server.bench.workload import Row, scale_rate
@@ -62,6 +62,9 @@ class SweepConfig:
     # wall-clock seconds the whole invocation may take (None: no limit): a run that would end
     # past it is not started, so a sweep under a time limit keeps what it measured
     budget_s: float | None = None
+    # end a run as soon as more requests have missed their SLOs than the target allows: the
+    # run fails whatever comes after (its attainment is then only bounded from above)
+    stop_early: bool = False
     extra: dict = field(default_factory=dict)  # recorded as is (the machine, the command)
 
 
@@ -180,18 +183,31 @@ async def run_once(
     base_rate: float,
     interval_s: float = 0.25,
     api_key: str | None = None,
+    stop_below: float | None = None,
 ) -> dict:
-    """Replays `rows` at `scale` x their rate, sampling the status; the run's record."""
+    """Replays `rows` at `scale` x their rate, sampling the status; the run's record.
+    stop_below: end the run as soon as its joint attainment can no longer reach this."""
     scaled = scale_rate(rows, scale)
     span = max(scaled[-1].arrival_s, 1e-9)
     mon = Monitor(url, 0.0, interval_s, api_key)
-    results = await replay(url, scaled, api_key, monitor=mon)
+    slo = _slo_tuples(slos, {r.model for r in rows})
+    stop = None if stop_below is None else EarlyStop(slo, allowed_misses(len(rows), stop_below))
+    results = await replay(url, scaled, api_key, monitor=mon, stop=stop)
     timeline = mon.timeline()
     waited = [
         state_at(timeline.get(r.row.model, []), r.sent) not in (None, "resident") for r in results
     ]
     duration = max([span] + [r.sent + (r.e2e or 0.0) for r in results])
-    rep = report(results, _slo_tuples(slos, {r.model for r in rows}), span)
+    stopped = None
+    if stop is not None and stop.at_s is not None:
+        duration = stop.at_s
+        stopped = {
+            "at_s": stop.at_s,
+            "missed": stop.missed,
+            "sent": sum(r.sent > 0 for r in results),
+            "attainment_at_most": 1 - stop.missed / len(results),
+        }
+    rep = report(results, slo, span)
     wait_ttfts = [r.ttft for r, w in zip(results, waited) if w and r.ttft is not None]
     acts, evs = mon.moved()
     transitions = {}
@@ -216,6 +232,7 @@ async def run_once(
         "requests": [_record(r, w) for r, w in zip(results, waited)],
         "samples": mon.samples,
         "transitions": transitions,
+        "stopped_early": stopped,
     }
 
 
@@ -300,7 +317,14 @@ async def sweep_policy(
                 return None
             await _quiet(server.url, cfg.api_key, cfg.settle_s)
             run = await run_once(
-                server.url, rows, slos, scale, base_rate, cfg.sample_interval_s, cfg.api_key
+                server.url,
+                rows,
+                slos,
+                scale,
+                base_rate,
+                cfg.sample_interval_s,
+                cfg.api_key,
+                stop_below=cfg.target if cfg.stop_early else None,
             )
             runs[:] = [r for r in runs if r["scale"] != scale] + [run]
             _log_run(policy, run)
@@ -358,6 +382,18 @@ def _log_run(policy: str, run: dict) -> None:
         run["activations"],
         run["evictions"],
     )
+    if run.get("stopped_early"):
+        st = run["stopped_early"]
+        log.info(
+            "%s x%g: stopped at %.1f s, %d requests missed (%d of %d sent): attainment <= %.1f%%",
+            policy,
+            run["scale"],
+            st["at_s"],
+            st["missed"],
+            st["sent"],
+            len(run["requests"]),
+            100 * st["attainment_at_most"],
+        )
 
 
 # ---- the whole sweep -------------------------------------------------------------------------
@@ -402,10 +438,7 @@ def table(sweep: dict) -> str:
             ratio = f"{r['ratio']:.2f}"
         elif r:
             ratio = f"> {r['at_least']:.2f}"
-        per_scale = ", ".join(
-            f"x{x['scale']:g}: {100 * (x['report']['overall']['attainment'] or 0):.1f}%"
-            for x in p["runs"]
-        )
+        per_scale = ", ".join(f"x{x['scale']:g}: {_attainment(x)}" for x in p["runs"])
         shown = best or (p["runs"][0] if p["runs"] else None)
         moves = f"{shown['activations']} / {shown['evictions']}" if shown else "-"
         aw = shown["activation_wait"] if shown else None
@@ -424,6 +457,17 @@ def table(sweep: dict) -> str:
             head = f"\n**{name}** at x{shown['scale']:g} ({which}):\n\n"
             out.append(head + markdown(shown["report"]) + _engine_line(shown.get("engine")))
     return "\n".join(out)
+
+
+def _attainment(run: dict) -> str:
+    """A run's joint attainment; a run stopped early shows its bound and when it stopped."""
+    st = run.get("stopped_early")
+    if st:
+        return (
+            f"<= {100 * st['attainment_at_most']:.1f}% (stopped at {st['at_s']:.0f} s, "
+            f"{st['missed']} missed)"
+        )
+    return f"{100 * (run['report']['overall']['attainment'] or 0):.1f}%"
 
 
 def _engine_line(engine: dict | None) -> str:

@@ -282,6 +282,17 @@ def test_attainment_lines_are_the_runs():
     assert list(stars["static/sustained"].get_xdata()) == [2.0]
 
 
+def test_a_run_stopped_early_is_plotted_at_its_bound():
+    sweep = make_sweep()
+    run = sweep["policies"]["swap"]["runs"][-1]
+    run["stopped_early"] = {"at_s": 3.0, "missed": 2, "sent": 5, "attainment_at_most": 0.8}
+    (ax,) = figure_attainment(sweep).axes
+    assert list(lines_by_label(ax)["swap"].get_ydata())[-1] == pytest.approx(80.0)
+    (cut,) = [ln for ln in ax.get_lines() if ln.get_gid() == "swap/stopped"]
+    assert list(cut.get_xdata()) == [run["rate_rps"]] and list(cut.get_ydata()) == [80.0]
+    assert not [ln for ln in ax.get_lines() if ln.get_gid() == "prism/stopped"]
+
+
 def test_residency_bars_are_the_segments():
     sweep = make_sweep()
     fig = figure_residency(sweep)

@@ -85,3 +85,61 @@ def test_prompts_are_exact_in_length_and_share_no_prefix_across_requests():
     assert all(10 <= t < 256 for p in prompts for t in p)
     assert len({tuple(p[:16]) for p in prompts}) == len(prompts)
     assert prompt_ids(Row(0.0, "m", 1, 4), 5) == [10]  # a one-token prompt still works
+
+
+def test_a_replay_stops_once_the_target_is_out_of_reach_and_the_server_loses_nothing():
+    """One miss is more than 99% of 4 requests allows: the replay ends at once, the stream in
+    flight is cancelled (the server aborts it and frees its KV), the later rows are not sent,
+    and the server keeps serving."""
+    from prism_server.bench.replay import STOPPED, EarlyStop, allowed_misses
+    from prism_server.bench.sweep import _quiet
+
+    specs = tuple(
+        ModelSpec(n, "dummy:tiny-llama", block_size=4, seed=i) for i, n in enumerate("ab")
+    )
+    rows = [
+        Row(0.0, "b", 8, 2000),
+        Row(0.05, "a", 6, 4),
+        Row(30.0, "a", 6, 4),
+        Row(30.0, "b", 6, 4),
+    ]
+    assert allowed_misses(len(rows), 0.99) == 0 and allowed_misses(200, 0.99) == 2
+    stop = EarlyStop({"a": (0.0, 1.0), "b": (60.0, 1.0)}, misses=0)  # no TTFT of a meets 0 s
+    srv = serve_in_thread(Engine(EngineConfig(models=specs, device="cpu", page_bytes=64 << 10)))
+    try:
+        results = asyncio.run(replay(srv.url, rows, stop=stop))
+        assert stop.at_s is not None and stop.at_s < 10 and stop.missed == 1
+        long, late_a = results[0], results[1]
+        assert long.error == STOPPED and 0 < long.tokens < 2000  # cut in flight
+        assert late_a.sent > 0  # the miss
+        assert all(r.sent == 0 and r.error == STOPPED and not r.token_times for r in results[2:])
+        rep = report(results, {"a": (0.0, 1.0), "b": (60.0, 1.0)}, span_s=30.0)
+        assert rep["overall"]["attainment"] == 0.0 and rep["overall"]["errors"] >= 3
+        asyncio.run(_quiet(srv.url, None, 0.0, timeout_s=60))  # the cancelled stream was aborted
+        srv.engine.check_integrity()
+        again = asyncio.run(replay(srv.url, [Row(0.0, "b", 6, 3)]))
+        assert again[0].ok and again[0].tokens == 3
+    finally:
+        srv.close()
+    srv.engine.check_integrity()
+
+
+def test_a_miss_is_called_only_when_certain():
+    from prism_server.bench.replay import Result
+
+    def res(out_len, sent, times, done=False, error=None):
+        return Result(Row(0.0, "a", 5, out_len), sent, list(times), len(times), 200, error, done)
+
+    slo = (1.0, 0.1)  # TTFT 1 s, TPOT 0.1 s
+    assert not res(10, 0.0, []).missed(*slo, now=50.0)  # not sent yet
+    assert not res(10, 1.0, []).missed(*slo, now=1.9)  # may still start in time
+    assert res(10, 1.0, []).missed(*slo, now=2.1)  # no first token by its SLO
+    assert res(10, 1.0, [2.5]).missed(*slo, now=2.6)  # a late first token
+    # 10 tokens, first at 1.5: the mean gap misses once 9 gaps cannot fit in the time left
+    assert not res(10, 1.0, [1.5, 1.6]).missed(*slo, now=2.3)
+    assert res(10, 1.0, [1.5, 1.6]).missed(*slo, now=2.5)
+    done = [1.5 + 0.05 * i for i in range(10)]
+    assert not res(10, 1.0, done, done=True).missed(*slo, now=9.0)
+    assert res(10, 1.0, [1.5 + 0.2 * i for i in range(10)], done=True).missed(*slo, now=9.0)
+    assert res(10, 1.0, [], done=True, error="HTTP 503").missed(*slo, now=1.1)
+    assert not res(1, 1.0, [1.5]).missed(*slo, now=100.0)  # one token: no TPOT to miss

@@ -104,6 +104,30 @@ def test_the_monitor_sees_activations_and_which_requests_waited_for_one():
     assert eng["step_seconds"] > 0 and 0 <= eng["step_overhead_s"] < 0.05
 
 
+def test_a_run_stopped_early_records_when_and_its_bound_and_the_table_shows_it():
+    from prism_server.bench.sweep import table
+
+    srv = _server("prism")
+    rows = [Row(0.0, "a", 8, 4), Row(0.2, "b", 8, 4)] + [Row(20.0 + i, "a", 8, 4) for i in range(8)]
+    slos = {"a": {"ttft_s": 10.0, "tpot_s": 10.0}, "b": {"ttft_s": 0.0, "tpot_s": 10.0}}
+    try:
+        run = asyncio.run(run_once(srv.url, rows, slos, 1.0, 0.5, 0.05, stop_below=0.99))
+        full = asyncio.run(run_once(srv.url, rows[:2], slos, 1.0, 0.5, 0.05, stop_below=None))
+    finally:
+        srv.close()
+    st = run["stopped_early"]
+    assert st["missed"] == 1 and st["at_s"] < 10 and run["duration_s"] == st["at_s"]
+    assert st["sent"] == sum(r["sent_s"] > 0 for r in run["requests"]) == 2
+    assert st["attainment_at_most"] == 1 - 1 / 10 and not passed(run, 0.99)
+    assert full["stopped_early"] is None and full["report"]["overall"]["attainment"] == 0.5
+    sweep = {
+        "config": {"target": 0.99},
+        "policies": {"static": {"runs": [run], "sustained_scale": None}},
+        "ratios": {},
+    }
+    assert f"x1: <= 90.0% (stopped at {st['at_s']:.0f} s, 1 missed)" in table(sweep)
+
+
 def test_standalone_sets_each_slo_to_k_times_the_p99():
     srv = _server("prism")
     rows = [Row(0.1 * i, "ab"[i % 2], 6 + i, 3 + i % 3) for i in range(8)]
