@@ -11,6 +11,10 @@ from scheduler.sampling_params import SamplingParams
 
 # the longest gap between two tokens of a stream that a plan may make, in TPOT SLOs
 MAX_GAP_SLOS = 4.0
+# the share of the TPOT SLO a plan keeps in reserve: a client sees each token a little after the
+# engine emits it (the stream's delivery, host jitter, the estimate's error), and a short
+# output's mean TPOT has one or two gaps to absorb it
+TPOT_MARGIN = 0.05
 
 
 class RequestStatus(enum.Enum):
@@ -105,14 +109,15 @@ class Request:
     def deadline(self) -> float:
         """When its next token is due: its TTFT deadline until the first token; then the time
         that keeps its mean TPOT (what the SLO bounds: (last - first) / (n - 1)) within the SLO,
-        first token + tokens so far x TPOT SLO. Slack a fast stream banks lets another model's
+        first token + tokens so far x TPOT SLO (less TPOT_MARGIN). Slack a fast stream banks lets another model's
         long step run, but a gap is never planned past MAX_GAP_SLOS x the SLO after its latest
         token (a stream that stalls for seconds is broken, whatever its mean)."""
         if self.last_token_time is None or self.first_token_time is None:
             return self.ttft_deadline
         if self.tpot_slo is None:
             return float("inf")
-        banked = self.first_token_time + self.num_output_tokens * self.tpot_slo
+        tpot = self.tpot_slo * (1 - TPOT_MARGIN)
+        banked = self.first_token_time + self.num_output_tokens * tpot
         return min(banked, self.last_token_time + MAX_GAP_SLOS * self.tpot_slo)
 
     def append_token(self, token_id: int) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from scheduler.latency_model import LatencyModel
-from scheduler.request import MAX_GAP_SLOS, Request
+from scheduler.request import MAX_GAP_SLOS, TPOT_MARGIN, Request
 from scheduler.sampling_params import SamplingParams
 from scheduler.simulator import SimArrival, SimModel, simulate
 
@@ -68,15 +68,17 @@ def test_the_deadline_of_a_stream_keeps_its_mean_tpot_and_caps_its_gap():
     assert r.deadline == 0.5  # before its first token: the TTFT deadline
     r.append_token(7)
     r.first_token_time = r.last_token_time = 0.2
-    assert r.deadline == pytest.approx(0.3)  # the second token: one SLO after the first
+    # the second token: one SLO after the first, less the margin a plan keeps in reserve
+    assert r.deadline == pytest.approx(0.2 + 0.1 * (1 - TPOT_MARGIN)) and 0 < TPOT_MARGIN < 0.2
     for _ in range(9):  # nine more, fast (10 ms each): they bank 90 ms each
         r.append_token(7)
         r.last_token_time += 0.01
     assert r.last_token_time == pytest.approx(0.29)
-    # mean-keeping deadline: first + 10 x 0.1 = 1.2; capped at the latest + 4 SLOs = 0.69
+    # mean-keeping deadline: first + 10 x 0.1 (less the margin) = 1.15; capped at the latest
+    # + 4 SLOs = 0.69
     assert r.deadline == pytest.approx(0.29 + MAX_GAP_SLOS * 0.1)
     r.last_token_time = 1.0  # one slow gap later: the banked budget binds
-    assert r.deadline == pytest.approx(1.2)
+    assert r.deadline == pytest.approx(0.2 + 10 * 0.1 * (1 - TPOT_MARGIN))
 
 
 def test_the_knee_is_where_a_chunks_tokens_cost_what_its_step_does():
