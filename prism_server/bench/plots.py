@@ -26,6 +26,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
+from prism_server.bench.report import showcase_run
+
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
@@ -44,20 +46,6 @@ _OTHER_STATE_COLOR = "tab:gray"
 
 
 # ---- pure helpers --------------------------------------------------------------------------------
-def showcase_run(policy_entry: Mapping[str, Any]) -> dict | None:
-    """The run a policy is shown by: the one at its sustained scale, else its lowest-scale run
-    (also when the sustained scale names no run); None when it has no runs."""
-    runs = list(policy_entry.get("runs") or [])
-    if not runs:
-        return None
-    scale = policy_entry.get("sustained_scale")
-    if scale is not None:
-        for run in runs:
-            if math.isclose(run["scale"], scale, rel_tol=1e-9, abs_tol=1e-12):
-                return run
-    return min(runs, key=lambda r: r["scale"])
-
-
 def residency_segments(
     transitions: Sequence[Sequence[Any]], duration_s: float
 ) -> list[tuple[float, float, str]]:

@@ -4,7 +4,9 @@ errors; as a dict (JSON) and a markdown table. Computed from the per-request res
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from prism_server.bench.replay import Result
 
@@ -87,3 +89,18 @@ def markdown(rep: dict) -> str:
         "| | |"
     )
     return "\n".join(lines)
+
+
+def showcase_run(policy_entry: Mapping[str, Any]) -> dict | None:
+    """The run a policy is shown by: the one at its sustained scale, else its lowest-scale run
+    that ran to the end (also when the sustained scale names no run; a run stopped early saw
+    only the start of the workload), else its lowest; None when it has no runs."""
+    runs = list(policy_entry.get("runs") or [])
+    if not runs:
+        return None
+    scale = policy_entry.get("sustained_scale")
+    if scale is not None:
+        for run in runs:
+            if math.isclose(run["scale"], scale, rel_tol=1e-9, abs_tol=1e-12):
+                return run
+    return min(runs, key=lambda r: (bool(r.get("stopped_early")), r["scale"]))

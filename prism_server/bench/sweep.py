@@ -28,7 +28,7 @@ import aiohttp
 
 from prism_server.bench.monitor import Monitor, state_at
 from prism_server.bench.replay import EarlyStop, Result, allowed_misses, replay
-from prism_server.bench.report import markdown, percentile, report
+from prism_server.bench.report import markdown, percentile, report, showcase_run
 from prism_server.bench.standalone import slos_from, standalone
 from prism_server.bench.workload import Row, scale_rate
 
@@ -194,8 +194,9 @@ async def run_once(
     stop = None if stop_below is None else EarlyStop(slo, allowed_misses(len(rows), stop_below))
     results = await replay(url, scaled, api_key, monitor=mon, stop=stop)
     timeline = mon.timeline()
-    waited = [
-        state_at(timeline.get(r.row.model, []), r.sent) not in (None, "resident") for r in results
+    waited = [  # a request the run stopped before sending waited for nothing
+        r.sent > 0 and state_at(timeline.get(r.row.model, []), r.sent) not in (None, "resident")
+        for r in results
     ]
     duration = max([span] + [r.sent + (r.e2e or 0.0) for r in results])
     stopped = None
@@ -426,7 +427,6 @@ def table(sweep: dict) -> str:
         "|---|---|---|---|---|---|",
     ]
     for name, p in sweep["policies"].items():
-        best = next((r for r in p["runs"] if r["scale"] == p["sustained_scale"]), None)
         rate = (
             f"{p['sustained_rate_rps']:.3f} (x{p['sustained_scale']:g})"
             if p["sustained_scale"] is not None
@@ -439,7 +439,7 @@ def table(sweep: dict) -> str:
         elif r:
             ratio = f"> {r['at_least']:.2f}"
         per_scale = ", ".join(f"x{x['scale']:g}: {_attainment(x)}" for x in p["runs"])
-        shown = best or (p["runs"][0] if p["runs"] else None)
+        shown = showcase_run(p)
         moves = f"{shown['activations']} / {shown['evictions']}" if shown else "-"
         aw = shown["activation_wait"] if shown else None
         waited = (
@@ -450,10 +450,15 @@ def table(sweep: dict) -> str:
         lines.append(f"| {name} | {rate} | {ratio} | {per_scale} | {moves} | {waited} |")
     out = ["\n".join(lines)]
     for name, p in sweep["policies"].items():
-        best = next((r for r in p["runs"] if r["scale"] == p["sustained_scale"]), None)
-        shown = best or (p["runs"][0] if p["runs"] else None)
+        shown = showcase_run(p)
         if shown:
-            which = "sustained" if best else "lowest, not sustained"
+            which = (
+                "sustained"
+                if p["sustained_scale"] is not None
+                else "lowest run to the end, not sustained"
+                if not shown.get("stopped_early")
+                else "lowest, not sustained, stopped early"
+            )
             head = f"\n**{name}** at x{shown['scale']:g} ({which}):\n\n"
             out.append(head + markdown(shown["report"]) + _engine_line(shown.get("engine")))
     return "\n".join(out)

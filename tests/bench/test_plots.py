@@ -218,6 +218,9 @@ def test_showcase_run_is_the_sustained_scale_else_the_lowest():
     swap = sweep["policies"]["swap"]
     swap["runs"].reverse()
     assert showcase_run(swap)["scale"] == 0.5  # none passed: the lowest, whatever the order
+    lowest = min(swap["runs"], key=lambda r: r["scale"])
+    lowest["stopped_early"] = {"at_s": 1.0, "missed": 1, "sent": 1, "attainment_at_most": 0.9}
+    assert showcase_run(swap)["scale"] > 0.5  # the lowest that ran to the end
     assert showcase_run({"sustained_scale": None, "runs": []}) is None
 
 
