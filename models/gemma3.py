@@ -17,7 +17,7 @@ from models.config import ModelConfig
 from models.layers.causal_lm import CausalLM
 from models.layers.gated_mlp import GatedMLP
 from models.layers.rms_norm import RMSNorm
-from models.layers.rotary_embedding import RotaryEmbedding
+from models.layers.rotary_embedding import Rope, RotaryEmbedding
 from models.layers.self_attention import SelfAttention
 
 
@@ -34,9 +34,7 @@ class Gemma3DecoderLayer(nn.Module):
         self.mlp = GatedMLP(h, config.intermediate_size, config.hidden_act, config.mlp_bias)
         self.post_feedforward_layernorm = RMSNorm(h, eps, unit_offset=True)
 
-    def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, ctx: ForwardContext) -> torch.Tensor:
         # x: [T, hidden] -> [T, hidden]
         x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rope, ctx))
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
@@ -59,7 +57,7 @@ class Gemma3Model(nn.Module):
         x = self.embed_tokens(input_ids)
         # NOTE: HF rounds sqrt(hidden) to the model dtype first (55.4256 -> 55.5 in bf16).
         x = x * torch.tensor(self.embed_scale, dtype=x.dtype).item()
-        rope_full = self.rotary_emb(positions)  # (cos, sin), each [T, 1, head_dim]
+        rope_full = self.rotary_emb(positions)  # this step's rotary tables
         rope_local = self.rotary_emb_local(positions)
         for layer in self.layers:
             x = layer(x, rope_local if layer.is_sliding else rope_full, ctx)

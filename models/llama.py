@@ -31,11 +31,11 @@ class LlamaModel(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
         # input_ids, positions: [T] -> [T, hidden]
-        x = self.embed_tokens(input_ids)
-        rope = self.rotary_emb(positions)  # (cos, sin), each [T, 1, head_dim]
+        x, residual = self.embed_tokens(input_ids), None
+        rope = self.rotary_emb(positions)  # this step's rotary table, shared by every layer
         for layer in self.layers:
-            x = layer(x, rope, ctx)
-        return self.norm(x)
+            x, residual = layer(x, residual, rope, ctx)
+        return self.norm.add(x, residual)[0] if residual is not None else self.norm(x)
 
 
 class LlamaForCausalLM(CausalLM):

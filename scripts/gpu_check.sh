@@ -8,6 +8,12 @@
 #   bash scripts/gpu_check.sh            # set-up transcript + tests + benchmarks
 #   bash scripts/gpu_check.sh --quick    # set-up transcript + tests + pool benchmark only
 #   bash scripts/gpu_check.sh --api      # set-up transcript + tests + pool and API benchmarks
+#   bash scripts/gpu_check.sh --decode   # the model's GPU tests + decode A/B + engine benchmark
+#
+# --decode is for a change to the model's step: the tests of the kernels and of the tokens (GPU
+# vs CPU, graphs), then decode TPOT of this tree beside a baseline tree in .baseline (when there
+# is one: `git archive REV prism_server models kvpool scheduler scripts | tar -x -C .baseline`),
+# then the engine benchmark without its HF and KV-write sections.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/prism-gpu-check}
@@ -23,8 +29,26 @@ if [ -f .fiaot/fi_aot.tgz ]; then
 fi
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.mem --format=csv,noheader
 
+if [ "$quick" = "--decode" ]; then
+  t0=$SECONDS
+  timeout 300 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/gpu/test_fused_ops_gpu.py \
+    tests/gpu/test_gpu_vs_cpu.py tests/gpu/test_cuda_graphs.py 2>&1 | tee "$OUT/pytest.log"
+  echo "tests: $((SECONDS - t0)) s"
+  if [ -d .baseline ]; then
+    for side in before after; do
+      tree=.; [ "$side" = before ] && tree=.baseline
+      timeout 150 python3 scripts/bench_decode_ab.py --tree "$tree" --label "$side" --batches 1,16,64 \
+        --json "$OUT/ab-$side.json" 2>&1 | tail -4
+    done
+  fi
+  t0=$SECONDS
+  timeout 250 python3 scripts/bench_gpu_engine.py --skip-hf --skip-append --json "$OUT/engine.json" \
+    2>&1 | tee "$OUT/bench.log"
+  echo "engine bench: $((SECONDS - t0)) s"
+fi
 # What the README's set-up does on this machine (the decision only: it has no registry access),
 # then the start-up lines of a server on it (attention backend, graphs, kernels, page pool).
+if [ "$quick" != "--decode" ]; then
 t0=$SECONDS
 {
   echo "\$ bash scripts/install.sh --dry-run"; bash scripts/install.sh --dry-run
@@ -65,6 +89,7 @@ if [ -z "$quick" ] || [ "$quick" = "--api" ]; then
   timeout 300 python3 scripts/bench_api.py --json "$OUT/api.json" 2>&1 | tee -a "$OUT/bench.log"
   echo "api bench (prefix cache TTFT, structured-output TPOT): $((SECONDS - t0)) s"
 fi
+fi  # not --decode
 
 # Keep the JIT-compiled FlashInfer modules for the next run (carry them as .fiaot/fi_aot.tgz).
 jit=$(find "$FLASHINFER_WORKSPACE_BASE/.cache/flashinfer" -path '*cached_ops*' -name '*.so' 2>/dev/null)

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.layers.fused_ops import fused, rms_norm
+from models.layers.fused_ops import add_rms_norm, fused, rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -35,6 +35,16 @@ class RMSNorm(nn.Module):
         if self.unit_offset:
             return (xf * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * xf.to(x.dtype)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x): the residual stream's add and the next norm, one
+        kernel where FlashInfer's applies (it overwrites x and residual); x, residual [T, dim]."""
+        fi = fused(x) if self.fused_kernels and not self.unit_offset else None
+        if fi is not None and x.is_contiguous() and residual.is_contiguous():
+            add_rms_norm(fi, x, residual, self.weight, self.eps)
+            return x, residual
+        residual = residual + x
+        return self(residual), residual
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}, unit_offset={self.unit_offset}"

@@ -1,7 +1,10 @@
 """Rotary position embedding (GPT-NeoX / HF "rotate_half" layout), plain, linear or llama3-scaled.
 
-cos/sin are computed once per step from the positions and shared by every layer that uses the same
-rope (`RotaryEmbedding.forward`); each attention layer then calls `apply_rotary`.
+cos/sin are computed once per step from the positions (`RotaryEmbedding.forward`) and shared by
+every layer that uses the same rope (`Rope`); each attention layer then calls `Rope.apply`. On CUDA
+that is one FlashInfer kernel rotating q and k in place, reading this step's fp32 table (rows
+0..T-1: no table of every position per model); elsewhere `apply_rotary`, HF's arithmetic, with
+cos/sin cast to the model's dtype once per step rather than once per layer.
 """
 
 from __future__ import annotations
@@ -10,6 +13,8 @@ import math
 
 import torch
 from torch import nn
+
+from models.layers.fused_ops import fused
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -50,10 +55,9 @@ class RotaryEmbedding(nn.Module):
             self.inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling).to(device)
         return self
 
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor) -> Rope:
         freqs = positions.float().unsqueeze(-1) * self.inv_freq  # [T, head_dim // 2]
-        emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)  # [T, 1, head_dim]
-        return emb.cos(), emb.sin()
+        return Rope(freqs.cos(), freqs.sin())
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, theta={self.theta}, scaling={self.scaling}"
@@ -65,3 +69,35 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class Rope:
+    """One step's rotary table: cos and sin of each token's angles, [T, head_dim // 2] fp32."""
+
+    def __init__(self, cos_half: torch.Tensor, sin_half: torch.Tensor):
+        self.cos_half, self.sin_half = cos_half, sin_half
+        self._cast: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._table: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def cos_sin(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin), each [T, 1, head_dim] in `dtype` (HF's: computed in fp32, then cast)."""
+        if dtype not in self._cast:
+            emb = (torch.cat((h, h), dim=-1).unsqueeze(1) for h in (self.cos_half, self.sin_half))
+            self._cast[dtype] = tuple(e.to(dtype) for e in emb)
+        return self._cast[dtype]
+
+    def apply(
+        self, q: torch.Tensor, k: torch.Tensor, fused_kernels: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, Hq, D], k: [T, Hkv, D] -> both rotated (in place where the kernel runs)."""
+        fi = fused(q) if fused_kernels else None
+        if fi is None:
+            cos, sin = self.cos_sin(q.dtype)
+            return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self._table is None:  # [T, head_dim]: the cos half, then the sin half
+            table = torch.cat((self.cos_half, self.sin_half), dim=-1).contiguous()
+            rows = torch.arange(table.shape[0], dtype=torch.int32, device=table.device)
+            self._table = (table, rows)
+        table, rows = self._table
+        fi.rope.apply_rope_with_cos_sin_cache_inplace(rows, q, k, q.shape[-1], table, is_neox=True)
+        return q, k

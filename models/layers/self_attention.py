@@ -9,7 +9,7 @@ from models.attention.base import ForwardContext, LayerAttention
 from models.config import ModelConfig
 from models.layers.merged_linear import MergedLinear
 from models.layers.rms_norm import RMSNorm
-from models.layers.rotary_embedding import apply_rotary
+from models.layers.rotary_embedding import Rope
 
 
 class SelfAttention(nn.Module):
@@ -31,6 +31,7 @@ class SelfAttention(nn.Module):
             bias=config.attention_bias,
         )
         self.o_proj = nn.Linear(q_rows, config.hidden_size, bias=config.attention_out_bias)
+        self.fused_kernels = True  # FlashInfer's rope kernel where it applies (see fused_ops)
         if config.qk_norm:
             gemma = config.architecture == "gemma3"
             self.q_norm = RMSNorm(d, config.rms_norm_eps, unit_offset=gemma)
@@ -44,10 +45,8 @@ class SelfAttention(nn.Module):
             logit_softcap=config.attn_logit_softcapping,
         )
 
-    def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext
-    ) -> torch.Tensor:
-        # x: [T, hidden]; rope: (cos, sin), each [T, 1, head_dim] -> [T, hidden]
+    def forward(self, x: torch.Tensor, rope: Rope, ctx: ForwardContext) -> torch.Tensor:
+        # x: [T, hidden]; rope: this step's rotary table -> [T, hidden]
         t = x.shape[0]
         q_rows, kv_rows = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(x).split([q_rows, kv_rows, kv_rows], dim=-1)
@@ -56,6 +55,6 @@ class SelfAttention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        q, k = rope.apply(q, k, self.fused_kernels)
         out = ctx.attention(self.layer_idx, q, k, v, self.spec)  # [T, Hq, D]
         return self.o_proj(out.reshape(t, q_rows))
