@@ -1,10 +1,16 @@
 """Token sampling for one step: greedy fast path; logit bias, min_tokens, repetition / frequency /
 presence penalties (batched over the rows that need them), structured output (a grammar's token
 bitmask), temperature, min-p, top-k, top-p, per-request seeds, and logprobs (of the model's raw
-distribution, as vLLM reports them)."""
+distribution, as vLLM reports them).
+
+Random rows without a seed are sampled together: temperature and min-p batched in torch, then on
+CUDA FlashInfer's top-k/top-p kernel (rejection sampling from the logits, no sort), elsewhere the
+same filters batched in torch. A row with a seed draws from its request's own generator, one row
+at a time, so that its tokens do not depend on what else shares the step."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -56,10 +62,27 @@ class Sampler:
         if all(r.params.greedy for r in reqs):
             tokens = logits.argmax(dim=-1).tolist()
         else:
-            tokens = [self._sample_row(logits[i], r) for i, r in enumerate(reqs)]
+            tokens = self._sample_mixed(logits, reqs)
         if constrained:
             self.completed = self.guides.accept(reqs, tokens)
         return tokens, self._logprobs(raw, tokens, reqs)
+
+    def _sample_mixed(self, logits: torch.Tensor, reqs: list[Request]) -> list[int]:
+        """Greedy rows by one argmax, unseeded random rows by one batched draw, seeded rows one
+        by one from their own generators; one host sync for all."""
+        out = torch.empty(len(reqs), dtype=torch.long, device=logits.device)
+        greedy = [i for i, r in enumerate(reqs) if r.params.greedy]
+        batched = [i for i, r in enumerate(reqs) if not r.params.greedy and r.params.seed is None]
+        if greedy:
+            idx = torch.tensor(greedy, device=logits.device)
+            out[idx] = logits[idx].argmax(dim=-1)
+        if batched:
+            idx = torch.tensor(batched, device=logits.device)
+            out[idx] = sample_batch(logits[idx], [reqs[i].params for i in batched])
+        for i, r in enumerate(reqs):
+            if not r.params.greedy and r.params.seed is not None:
+                out[i] = self._sample_row(logits[i], r)
+        return out.tolist()
 
     def _sample_row(self, row: torch.Tensor, r: Request) -> int:
         p = r.params
@@ -97,6 +120,49 @@ class Sampler:
             top = list(zip(top_i[j, :n].tolist(), top_v[j, :n].tolist())) if n else []
             out[i] = TokenLogprob(tokens[i], chosen[j], top)
         return out
+
+
+@functools.cache
+def _flashinfer_sampling():
+    try:
+        from flashinfer import sampling
+
+        return sampling
+    except ImportError:
+        return None
+
+
+def sample_batch(logits: torch.Tensor, params: list, use_kernel: bool = True) -> torch.Tensor:
+    """One token per row of logits [n, vocab] (float32) under each row's SamplingParams
+    (temperature > 0; its seed unused), the filters in the per-row order: temperature, min-p,
+    top-k, then top-p of what is left. On CUDA (use_kernel) top-k/top-p run in FlashInfer's
+    kernel. -> [n] int64, on logits' device."""
+    dev, vocab = logits.device, logits.shape[-1]
+    temps = torch.tensor([p.temperature for p in params], device=dev, dtype=logits.dtype)
+    x = logits / temps[:, None]
+    min_p = [p.min_p for p in params]
+    if any(m > 0 for m in min_p):  # min_p = 0: the threshold is -inf, nothing dropped
+        logs = torch.tensor([math.log(m) if m > 0 else -math.inf for m in min_p], device=dev)
+        x = x.masked_fill(x < x.max(dim=-1, keepdim=True).values + logs[:, None], float("-inf"))
+    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    top_p = [p.top_p for p in params]
+    fi = _flashinfer_sampling() if use_kernel and logits.is_cuda else None
+    if fi is not None:
+        k = torch.tensor(top_k, device=dev, dtype=torch.int32)
+        p = torch.tensor(top_p, device=dev, dtype=torch.float32)
+        return fi.top_k_top_p_sampling_from_logits(x, k, p, deterministic=True).long()
+    if any(k < vocab for k in top_k):
+        kth = x.topk(max(top_k), dim=-1).values  # [n, max k], descending
+        rows = torch.arange(len(params), device=dev)
+        cut = kth[rows, torch.tensor(top_k, device=dev) - 1]
+        x = x.masked_fill(x < cut[:, None], float("-inf"))
+    probs = x.softmax(dim=-1)
+    if any(p < 1.0 for p in top_p):
+        sorted_p, idx = probs.sort(dim=-1, descending=True)
+        cum = sorted_p.cumsum(dim=-1)
+        drop = cum - sorted_p > torch.tensor(top_p, device=dev)[:, None]
+        probs = probs.scatter(1, idx, sorted_p.masked_fill(drop, 0.0))
+    return torch.multinomial(probs, 1).squeeze(1)
 
 
 def token_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[TokenLogprob]:

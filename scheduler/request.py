@@ -109,9 +109,10 @@ class Request:
     def deadline(self) -> float:
         """When its next token is due: its TTFT deadline until the first token; then the time
         that keeps its mean TPOT (what the SLO bounds: (last - first) / (n - 1)) within the SLO,
-        first token + tokens so far x TPOT SLO (less TPOT_MARGIN). Slack a fast stream banks lets another model's
-        long step run, but a gap is never planned past MAX_GAP_SLOS x the SLO after its latest
-        token (a stream that stalls for seconds is broken, whatever its mean)."""
+        first token + tokens so far x TPOT SLO (less TPOT_MARGIN). Slack a fast stream banks
+        lets another model's long step run, but a gap is never planned past MAX_GAP_SLOS x the
+        SLO after its latest token (a stream that stalls for seconds is broken, whatever its
+        mean)."""
         if self.last_token_time is None or self.first_token_time is None:
             return self.ttft_deadline
         if self.tpot_slo is None:

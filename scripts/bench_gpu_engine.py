@@ -168,6 +168,28 @@ def prism_decode_prefill(engine: Engine, ceil: dict) -> dict:
     return out
 
 
+@section("sampler")
+def sampler_bench(batch: int = 64, vocab: int = 128256) -> dict:
+    """A step's random sampling (temperature 0.8, top-k 50, top-p 0.9) of `batch` rows: one row
+    at a time (the path of seeded rows), the batched torch filters, and FlashInfer's kernel."""
+    from prism_server.sampler import Sampler, sample_batch
+
+    x = torch.randn(batch, vocab, device="cuda") * 4
+    p = SamplingParams(temperature=0.8, top_k=50, top_p=0.9)
+    reqs = [Request(f"r{i}", [1], p, frozenset(), arrival_time=0.0) for i in range(batch)]
+    s = Sampler(torch.device("cuda"))
+    out = {
+        "per_row_ms": cuda_time_ms(lambda: [s._sample_row(x[i], r) for i, r in enumerate(reqs)]),
+        "batched_torch_ms": cuda_time_ms(lambda: sample_batch(x, [p] * batch, use_kernel=False)),
+        "batched_kernel_ms": cuda_time_ms(lambda: sample_batch(x, [p] * batch)),
+    }
+    print(
+        f"   sampling B={batch}: per row {out['per_row_ms']:.2f} ms, batched torch "
+        f"{out['batched_torch_ms']:.2f} ms, FlashInfer kernel {out['batched_kernel_ms']:.2f} ms"
+    )
+    return out
+
+
 @section("profile batch-1 decode")
 def profile_decode(engine: Engine, batch: int = 1) -> dict:
     """A second ModelWorker on the same weights and pool, stepped from this thread: decode step
@@ -370,6 +392,7 @@ def main() -> None:
     if vmm is not None:
         if not args.vmm_vs_plain_only:
             save("prism", prism_decode_prefill(vmm, RESULTS["ceilings"]))
+            save("sampler", sampler_bench())
             save("profile", profile_decode(vmm))
             save("profile_b64", profile_decode(vmm, 64))
         plain = section("load (plain tensor)")(make_engine)(plain=True)
