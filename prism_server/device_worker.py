@@ -311,11 +311,16 @@ class DeviceWorker:
                     m.num_deferred = sum(r.request_id in deferred for r in m.scheduler.waiting)
                 chosen = self.models[pick.model]
                 order = admit(chosen, pick.admit)
-                ran = self._timed(chosen, lambda: chosen.step(now, order, pick.token_budget))
+                ran = self._timed(
+                    chosen,
+                    lambda: chosen.step(now, order, pick.token_budget, self.flush_outputs),
+                )
             self._pick = None
         if not ran:  # round-robin (or the pick could not run: blocked on memory)
             for m in serving:
-                ran |= self._timed(m, lambda m=m: m.step(now, admit(m, None)))
+                ran |= self._timed(
+                    m, lambda m=m: m.step(now, admit(m, None), while_running=self.flush_outputs)
+                )
         blocked = [m for m in serving if m.scheduler.blocked]
         starved += [m for m in blocked if m.scheduler.has_new_work]
         # only models the balloon can help: their pages exist once others' KV is freed
@@ -325,7 +330,15 @@ class DeviceWorker:
         if self.policy.evict_for_kv:
             for m in dict.fromkeys(starved + blocked):
                 self._balloon(m, serving, starved, now)
+        if not ran:  # no step to hide it behind: the last tokens' text now
+            self.flush_outputs()
         return ran
+
+    def flush_outputs(self) -> None:
+        """Every model's tokens whose text is not made yet (a model's step leaves it to the
+        device's next step, to do while the device runs it)."""
+        for m in self.models.values():
+            self._guard(m, m.flush_outputs)
 
     def _next_taker(self, starved: list[ModelWorker]) -> str | None:
         """The starved model that takes memory first. The current one keeps its turn while it

@@ -119,13 +119,18 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(
-        self, batch: list[ScheduledChunk], scores: list[tuple[Request, list]] | None = None
+        self,
+        batch: list[ScheduledChunk],
+        scores: list[tuple[Request, list]] | None = None,
+        on_launch: Callable[[], None] | None = None,
     ) -> torch.Tensor:
         """Runs one step; returns float32 logits [num_sampling_requests, vocab] for the chunks
         that reach the end of their request's tokens, in batch order. scores: where to put, per
         request that asks for prompt logprobs, those of the prompt tokens this step's chunk
-        predicts (not yet computed). The calling thread has the device current (the device
-        worker sets it once)."""
+        predicts (not yet computed). on_launch: host work to do while the device runs the step:
+        called once the graph replay is launched, or before an eager forward (whose launches
+        keep the host busy). The calling thread has the device current (the device worker sets
+        it once)."""
         ids: list[int] = []
         positions: list[int] = []
         last: list[int] = []  # index in the flat stream of each sampling chunk's last token
@@ -141,7 +146,12 @@ class ModelRunner:
         rows = self._device_tensor(last)
         spans = _prompt_spans(batch) if scores is not None else []
         if not spans and self.graphs is not None and self.graphs.can_run(md):
-            return self.graphs.run(input_ids, pos, md)[rows]
+            logits = self.graphs.run(input_ids, pos, md)[rows]
+            if on_launch is not None:
+                on_launch()
+            return logits
+        if on_launch is not None:
+            on_launch()
         ctx = ForwardContext(attn=self.attention(self.kv_cache.layer_views, md))
         hidden = self.model(input_ids, pos, ctx)  # writes this step's K/V, sampling or not
         for req, flat, lo, hi in spans:

@@ -17,7 +17,7 @@ import bisect
 import logging
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
 import torch
@@ -31,7 +31,7 @@ from prism_server.sampler import Sampler
 from scheduler.arbitrator import ModelWork, model_work
 from scheduler.batch_scheduler import BatchScheduler, ScheduledChunk, SchedulerConfig
 from scheduler.latency_model import LatencyModel, StepShape
-from scheduler.request import FinishReason, Request, RequestOutput
+from scheduler.request import FinishReason, Request, RequestOutput, TokenLogprob
 from scheduler.snapshot import ACTIVATION_BUCKETS, LatencySnapshot, ModelSnapshot, Residency
 
 log = logging.getLogger(__name__)
@@ -123,6 +123,9 @@ class ModelWorker:
         self.slo_log: deque[tuple[float, str, bool]] = deque()
         self._slo_recent = {k: [0, 0] for k in self.slo}
         self.num_deferred = 0  # waiting requests the arbitrator last deferred
+        # sampled tokens whose text is not made yet (request, token, logprob, visible): made
+        # while the device runs the next step (flush_outputs), in order
+        self._unrendered: list[tuple[Request, int, TokenLogprob | None, bool]] = []
         self.latency = LatencyModel()  # kept across evictions: a reactivation does not profile
         # the last step run: its shape, the latency model's estimate before it, and its seconds
         self.last_step: tuple[StepShape, float, float] | None = None
@@ -217,6 +220,7 @@ class ModelWorker:
             self._offload()
 
     def _offload(self) -> None:
+        self.flush_outputs()
         self.scheduler.preempt_all()
         self.kv.allocator.release_all()
         self.weights.unmap()
@@ -292,21 +296,33 @@ class ModelWorker:
         return model_work(self.name, self.scheduler, self.latency)
 
     def abort(self, request_id: str) -> None:
+        self.flush_outputs()
         req = self.requests.get(request_id)
         if req is not None:
             self._finish(req, self.outputs.final(req, FinishReason.ABORT))
 
     def fail_all(self, error: str) -> None:
         """Finishes every request of this model with an error (the model's state is suspect)."""
+        self.flush_outputs()
         for req in list(self.requests.values()):
             self._finish(req, self.outputs.final(req, FinishReason.ERROR, error))
 
     # ---- the step -------------------------------------------------------------------------------
     def step(
-        self, now: float, admit: Sequence[str] | None = None, token_budget: int | None = None
+        self,
+        now: float,
+        admit: Sequence[str] | None = None,
+        token_budget: int | None = None,
+        while_running: Callable[[], None] | None = None,
     ) -> bool:
         """Runs one batch of this model; False if nothing could be scheduled. admit and
-        token_budget: the arbitrator's pick (None: FCFS, the configured budget)."""
+        token_budget: the arbitrator's pick (None: FCFS, the configured budget).
+
+        while_running: host work for the time the device runs this step (a graph replay is
+        launched and the host would only wait): the device's earlier tokens' text. Given it,
+        this step's tokens that do not end their request by their ids leave their text (detok,
+        stop strings, the delta to the client) to the next step's while_running, or to
+        flush_outputs; without it, every token is rendered here."""
         batch = self.scheduler.schedule(now, admit, token_budget)
         if not batch:
             return False
@@ -314,26 +330,34 @@ class ModelWorker:
         try:
             t = time.perf_counter()
             scores: list = []
-            logits = self.runner.execute(batch, scores)
+            logits = self.runner.execute(batch, scores, on_launch=while_running)
             for req, lps in scores:
                 req.prompt_logprobs += lps
-            tokens, logprobs = self.sampler.sample(logits, [c.request for c in batch if c.samples])
-            if not tokens and self.device.type == "cuda":
+            sampling = [c.request for c in batch if c.samples]
+            live = [i for i, r in enumerate(sampling) if not r.is_finished]
+            if len(live) < len(sampling):  # ended by a stop string while this step ran
+                logits = logits[torch.tensor(live, device=logits.device)]
+            got, got_lp = self.sampler.sample(logits, [sampling[i] for i in live])
+            tokens, logprobs = [-1] * len(sampling), [None] * len(sampling)  # -1: not sampled
+            for i, tok, lp in zip(live, got, got_lp):
+                tokens[i], logprobs[i] = tok, lp
+            if not got and self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()  # nothing sampled: no sync
             took = time.perf_counter() - t  # sampling synchronizes: the step has run
             shape = StepShape.of((c.start, c.num_new) for c in batch)
             self.last_step = (shape, self.latency.observe(shape, took), took)
         except Exception as e:  # a failed step fails its requests, not the engine
             log.exception("step of model %s failed", self.name)
+            self.flush_outputs()
             error = f"{type(e).__name__}: {e}"
             for c in batch:
                 self._finish(c.request, self.outputs.final(c.request, FinishReason.ERROR, error))
             return True
         self.scheduler.advance(batch)
-        self._publish(batch, tokens, logprobs)
+        self._publish(batch, tokens, logprobs, defer=while_running is not None)
         return True
 
-    def _publish(self, batch: list[ScheduledChunk], tokens, logprobs) -> None:
+    def _publish(self, batch: list[ScheduledChunk], tokens, logprobs, defer: bool) -> None:
         it = iter(zip(tokens, logprobs))
         now = time.monotonic()
         for c in batch:
@@ -341,16 +365,35 @@ class ModelWorker:
                 continue
             tok, lp = next(it)
             req = c.request
+            if req.is_finished:  # a stop string in its text, made while this step ran
+                continue
             if req.first_token_time is None:
                 req.first_token_time = now
                 if req.ttft_slo is not None:
                     self._slo("ttft", now - req.arrival_time > req.ttft_slo, now)
             req.last_token_time = now
-            out = self.outputs.process(c.request, tok, lp, req.request_id in self.sampler.completed)
-            if out.finished:
-                self._finish(c.request, out)
-            else:
-                self._emit(c.request, out)
+            complete = req.request_id in self.sampler.completed
+            reason, visible = self.outputs.accept(req, tok, complete)
+            if defer and reason is None:
+                self._unrendered.append((req, tok, lp, visible))
+                continue
+            self.flush_outputs()  # its earlier tokens' text first
+            self._render(req, tok, lp, reason, visible)
+
+    def flush_outputs(self) -> None:
+        """Makes the text of the tokens sampled but not yet rendered, in order, and sends it;
+        a stop string in it ends its request."""
+        todo, self._unrendered = self._unrendered, []
+        for req, tok, lp, visible in todo:
+            if not req.is_finished:
+                self._render(req, tok, lp, None, visible)
+
+    def _render(self, req: Request, tok: int, lp, reason, visible: bool) -> None:
+        out = self.outputs.render(req, tok, lp, reason, visible)
+        if out.finished:
+            self._finish(req, out)
+        else:
+            self._emit(req, out)
 
     def _slo(self, kind: str, missed: bool, now: float) -> None:
         self.slo[kind][missed] += 1

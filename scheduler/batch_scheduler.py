@@ -263,6 +263,8 @@ class BatchScheduler:
         bs = self.config.block_size
         for c in batch:
             req = c.request
+            if req.is_finished:  # ended while its step ran (a stop string): its blocks are gone
+                continue
             req.num_computed_tokens = c.start + c.num_new
             self.tokens_computed += c.num_new
             if self.prefix is not None and req.num_computed_tokens // bs > c.start // bs:

@@ -1,0 +1,96 @@
+"""A step's tokens leave their text to the next step's launch (the host renders while the device
+runs): the order of every request's deltas, the flush when nothing else runs, and a stop string
+found in that text one step late, whose request ends there with the token computed meanwhile
+dropped, the KV accounting exact."""
+
+from __future__ import annotations
+
+from kvpool import CpuBackend, PagePool
+from scheduler.request import FinishReason, Request
+from scheduler.sampling_params import SamplingParams
+from tests.gpu.common import model_engine, tiny_model
+
+
+def worker():
+    cfg, model = tiny_model()
+    backend = CpuBackend()
+    page = backend.round_up(1 << 20)
+    pool = PagePool(backend, page, 40 * page, precreate=8)
+    return model_engine("m", cfg, model, pool)
+
+
+def submit(me, name: str, params: SamplingParams, log: list) -> Request:
+    r = Request(name, [5, 6, 7, 8, 9], params, frozenset({2}), 0.0)
+    r.sink = lambda out: log.append((name, out))
+    me.add(r)
+    return r
+
+
+def run(me, deferred: bool, events: list) -> None:
+    """Steps until nothing is left, recording each hook call among the deltas."""
+
+    def hook():
+        events.append(("hook", None))
+        me.flush_outputs()
+
+    while me.has_work:
+        me.step(0.0, while_running=hook if deferred else None)
+    me.flush_outputs()
+
+
+def test_text_comes_one_step_later_in_order_and_the_same():
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    plain: list = []
+    me = worker()
+    submit(me, "a", params, plain)
+    run(me, False, [])
+    me2 = worker()
+    deferred: list = []
+    submit(me2, "a", params, deferred)
+    run(me2, True, deferred)
+    outs = [o for _, o in plain]
+    later = [o for k, o in deferred if k == "a"]
+    assert [o.new_token_ids for o in later] == [o.new_token_ids for o in outs]
+    assert "".join(o.new_text for o in later) == "".join(o.new_text for o in outs)
+    assert later[-1].finished and later[-1].finish_reason is FinishReason.LENGTH
+    # each token's delta comes in the next step's hook (the last one, ending its request, at once)
+    kinds = [k for k, _ in deferred]
+    assert kinds[0] == "hook" and kinds.count("a") == 6
+    for i, k in enumerate(kinds[1:-1], start=1):
+        if k == "a":
+            assert kinds[i - 1] == "hook"
+    me2.check_integrity()
+
+
+def test_a_stop_string_found_a_step_late_ends_the_request_as_at_once_and_drops_the_extra_token():
+    """The same request with a stop string, its text made at once and a step late: the same
+    deltas, tokens and ending; the token computed meanwhile is dropped, and a request sharing
+    the steps runs on."""
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    me = worker()
+    base: list = []
+    submit(me, "a", greedy, base)
+    run(me, False, [])
+    text = "".join(o.new_text for _, o in base)
+    cut = next(i for i in range(2, len(text)) if text[i] not in text[:i])  # a fresh character
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, stop=(text[cut],))
+    results = {}
+    for deferred in (False, True):
+        me = worker()
+        got: list = []
+        other = submit(me, "b", greedy, got)  # shares the steps, runs on to its end
+        r = submit(me, "a", params, got)
+        run(me, deferred, [])
+        mine = [o for n, o in got if n == "a"]
+        assert other.finish_reason is FinishReason.LENGTH and other.num_output_tokens == 8
+        me.check_integrity()
+        results[deferred] = (
+            [o.new_token_ids for o in mine],
+            [o.new_text for o in mine],
+            mine[-1].finish_reason,
+            list(r.output_token_ids),
+        )
+    assert results[True] == results[False]
+    ids, texts, reason, output = results[True]
+    assert reason is FinishReason.STOP and "".join(texts) == text[:cut]
+    assert output == [t for x in ids for t in x] and len(output) < 8  # nothing past the stop
