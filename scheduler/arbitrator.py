@@ -152,7 +152,9 @@ class ModelWork:
 
 def model_work(name: str, sched: BatchScheduler, lat: LatencyModel) -> ModelWork:
     """What the arbitrator needs of one model: its waiting requests as jobs (their prefill
-    estimated by its latency model) and what its running ones need next."""
+    estimated by its latency model, in the chunks its step's token limit cuts it into) and
+    what its running ones need next."""
+    chunk = sched.config.max_num_batched_tokens
     jobs = []
     for r in sched.waiting:
         cached, todo = r.num_computed_tokens, r.num_tokens - r.num_computed_tokens
@@ -162,7 +164,7 @@ def model_work(name: str, sched: BatchScheduler, lat: LatencyModel) -> ModelWork
                 name,
                 r.arrival_time,
                 r.deadline,
-                lat.prefill_s(todo, cached),
+                lat.chunked_prefill_s(todo, cached, chunk),
                 r.priority,
                 cached,
                 todo,
@@ -186,7 +188,7 @@ def model_work(name: str, sched: BatchScheduler, lat: LatencyModel) -> ModelWork
             num=len(decoding),
             context_tokens=sum(r.num_computed_tokens for r in decoding),
             prefill_cached=prefilling[0].num_computed_tokens if prefilling else 0,
-            prefills=tuple(sorted(_prefill_left(r, lat) for r in prefilling)),
+            prefills=tuple(sorted(_prefill_left(r, lat, chunk) for r in prefilling)),
         )
     cfg = sched.config
     floor = max(16, cfg.block_size, lat.knee_tokens())  # the smallest chunk worth a step
@@ -300,10 +302,10 @@ def _err(m: ModelWork) -> float:
     return max(m.latency.error or 0.0, SAFETY)
 
 
-def _prefill_left(r: Request, lat: LatencyModel) -> tuple[float, int, int, float]:
+def _prefill_left(r: Request, lat: LatencyModel, chunk: int) -> tuple[float, int, int, float]:
     """A request in prefill as Running.prefills holds it."""
     todo, cached = r.num_tokens - r.num_computed_tokens, r.num_computed_tokens
-    return (r.deadline, todo, cached, lat.prefill_s(todo, cached))
+    return (r.deadline, todo, cached, lat.chunked_prefill_s(todo, cached, chunk))
 
 
 def _in_progress(active: Sequence[ModelWork]) -> list[Job]:

@@ -127,6 +127,19 @@ class LatencyModel:
     def prefill_s(self, tokens: int, cached: int = 0) -> float:
         return self.estimate(StepShape.prefill(tokens, cached))
 
+    def chunked_prefill_s(self, tokens: int, cached: int = 0, chunk: int | None = None) -> float:
+        """A prefill of `tokens` run in steps of at most `chunk` tokens (a step's token limit):
+        each step pays the fixed costs again, so a prompt longer than a step costs more than
+        one step of its whole length would."""
+        if chunk is None or chunk <= 0 or tokens <= chunk:
+            return self.prefill_s(tokens, cached)
+        total, done = 0.0, 0
+        while done < tokens:
+            n = min(chunk, tokens - done)
+            total += self.prefill_s(n, cached + done)
+            done += n
+        return total
+
     def decode_s(self, batch: int, context_tokens: int) -> float:
         return self.estimate(StepShape.decode(batch, context_tokens))
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import itertools
 import random
 
+import pytest
+
 from scheduler.arbitrator import Job, ModelWork, Running, arbitrate, moore_hodgson
 from scheduler.latency_model import LatencyModel
 
@@ -234,3 +236,35 @@ def test_committed_prefills_delay_the_jobs_behind_them_and_are_never_dropped():
         for j in sorted(kept + fixed, key=lambda j: (j.deadline, j.priority, j.arrival, j.key)):
             t += j.duration
             assert j in fixed or t <= j.deadline + 1e-9
+
+
+def test_a_prompt_longer_than_a_step_is_estimated_in_its_chunks():
+    """A 6144-token prompt under a 2048-token step runs in three steps, each paying the step's
+    fixed costs: the arbitrator's estimate of it (a waiting job, or a prefill in progress) is
+    the three chunks', not one 6144-token step's."""
+    from scheduler.arbitrator import model_work
+    from scheduler.request import Request
+    from scheduler.sampling_params import SamplingParams
+
+    lat = LatencyModel((2e-3, 3e-5, 1e-4, 1e-9, 1e-8, 15e-3))  # 15 ms a prefill step
+    one = lat.prefill_s(6144)
+    chunks = lat.prefill_s(2048) + lat.prefill_s(2048, 2048) + lat.prefill_s(2048, 4096)
+    assert lat.chunked_prefill_s(6144, 0, 2048) == pytest.approx(chunks)
+    assert chunks - one == pytest.approx(2 * (2e-3 + 1e-4 + 15e-3), rel=1e-4)
+    assert lat.chunked_prefill_s(100, 0, 2048) == lat.prefill_s(100)
+
+    from tests.scheduler.test_batch_scheduler import make
+
+    sched, kv = make(pages=512, max_num_batched_tokens=2048, max_model_len=8192)
+    r = Request("r", list(range(6144)), SamplingParams(max_tokens=4), frozenset(), 0.0)
+    sched.add(r)
+    (job,) = model_work("m", sched, lat).waiting
+    assert job.duration == pytest.approx(chunks)
+    batch = sched.schedule(0.0)  # its first chunk runs: 4096 tokens in two chunks are left
+    assert [c.num_new for c in batch] == [2048]
+    sched.advance(batch)
+    ((_, todo, cached, seconds),) = model_work("m", sched, lat).running.prefills
+    assert (todo, cached) == (4096, 2048)
+    assert seconds == pytest.approx(lat.prefill_s(2048, 2048) + lat.prefill_s(2048, 4096))
+    sched.finish(r)
+    kv.check_integrity()
