@@ -336,7 +336,7 @@ class ModelWorker:
             sampling = [c.request for c in batch if c.samples]
             live = [i for i, r in enumerate(sampling) if not r.is_finished]
             if len(live) < len(sampling):  # ended by a stop string while this step ran
-                logits = logits[torch.tensor(live, device=logits.device)]
+                logits = logits[torch.tensor(live, dtype=torch.long, device=logits.device)]
             got, got_lp = self.sampler.sample(logits, [sampling[i] for i in live])
             tokens, logprobs = [-1] * len(sampling), [None] * len(sampling)  # -1: not sampled
             for i, tok, lp in zip(live, got, got_lp):

@@ -5,6 +5,8 @@ dropped, the KV accounting exact."""
 
 from __future__ import annotations
 
+import pytest
+
 from kvpool import CpuBackend, PagePool
 from scheduler.request import FinishReason, Request
 from scheduler.sampling_params import SamplingParams
@@ -62,10 +64,13 @@ def test_text_comes_one_step_later_in_order_and_the_same():
     me2.check_integrity()
 
 
-def test_a_stop_string_found_a_step_late_ends_the_request_as_at_once_and_drops_the_extra_token():
+@pytest.mark.parametrize("company", [True, False], ids=["shared-steps", "alone"])
+def test_a_stop_string_found_a_step_late_ends_the_request_as_at_once_and_drops_the_extra_token(
+    company,
+):
     """The same request with a stop string, its text made at once and a step late: the same
-    deltas, tokens and ending; the token computed meanwhile is dropped, and a request sharing
-    the steps runs on."""
+    deltas, tokens and ending; the token computed meanwhile is dropped (alone: nothing of its
+    step is sampled), and a request sharing the steps runs on."""
     greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     me = worker()
     base: list = []
@@ -78,11 +83,12 @@ def test_a_stop_string_found_a_step_late_ends_the_request_as_at_once_and_drops_t
     for deferred in (False, True):
         me = worker()
         got: list = []
-        other = submit(me, "b", greedy, got)  # shares the steps, runs on to its end
+        other = submit(me, "b", greedy, got) if company else None  # shares the steps
         r = submit(me, "a", params, got)
         run(me, deferred, [])
         mine = [o for n, o in got if n == "a"]
-        assert other.finish_reason is FinishReason.LENGTH and other.num_output_tokens == 8
+        if other is not None:  # it runs on to its end
+            assert other.finish_reason is FinishReason.LENGTH and other.num_output_tokens == 8
         me.check_integrity()
         results[deferred] = (
             [o.new_token_ids for o in mine],
