@@ -205,6 +205,20 @@ def _empty(ax: Axes, text: str) -> None:
     ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="gray")
 
 
+def _mark(ax: Axes, points, marker: str, size: int, color, gid: str) -> None:
+    """Points drawn as markers only, outside the legend (gid names them)."""
+    ax.plot(
+        *zip(*points),
+        marker=marker,
+        markersize=size,
+        color=color,
+        markeredgecolor="black",
+        linestyle="none",
+        label=f"_{gid}",
+        gid=gid,
+    )
+
+
 def figure_attainment(sweep: Mapping[str, Any]) -> Figure:
     """Joint attainment (%) against offered rate, a line per policy (label=policy), the target
     dashed (gid "target"), each sustained rate starred (gid "<policy>/sustained"), the runs
@@ -224,33 +238,14 @@ def figure_attainment(sweep: Mapping[str, Any]) -> Figure:
         ax.plot(xs, ys, marker="o", color=colors[p], label=p, gid=p)
         cut = [(x, y) for x, y, r in zip(xs, ys, runs) if r.get("stopped_early")]
         if cut:  # stopped once the target was out of reach: the point is an upper bound
-            ax.plot(
-                *zip(*cut),
-                marker="v",
-                markersize=10,
-                color=colors[p],
-                markeredgecolor="black",
-                linestyle="none",
-                label=f"_{p} stopped early",
-                gid=f"{p}/stopped",
-            )
+            _mark(ax, cut, "v", 10, colors[p], f"{p}/stopped")
         rate = entry.get("sustained_rate_rps")
         if rate is None:
             none_passed.append(p)
             continue
         run = showcase_run(entry)
         y = _attainment(run) if run is not None else (100.0 * target if target else math.nan)
-        ax.plot(
-            [rate],
-            [y],
-            marker="*",
-            markersize=16,
-            color=colors[p],
-            markeredgecolor="black",
-            linestyle="none",
-            label=f"_{p} sustained",
-            gid=f"{p}/sustained",
-        )
+        _mark(ax, [(rate, y)], "*", 16, colors[p], f"{p}/sustained")
         ax.annotate(
             f"{rate:.3g} req/s",
             (rate, y),

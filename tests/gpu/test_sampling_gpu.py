@@ -9,22 +9,13 @@ import torch
 from prism_server.sampler import sample_batch
 from scheduler.sampling_params import SamplingParams
 from tests.gpu.common import GPU
-from tests.prism_server.test_sampler import MIXED, filtered
+from tests.prism_server.test_sampler import draws_follow_each_rows_distribution
 
 pytestmark = GPU
 
 
 def test_the_kernel_draws_each_rows_filtered_distribution():
-    torch.manual_seed(0)
-    x = torch.randn(len(MIXED), 12, generator=torch.Generator().manual_seed(3)) * 3
-    draws = 4000
-    rows = x.repeat(draws, 1).cuda()
-    got = sample_batch(rows, MIXED * draws).view(draws, len(MIXED)).cpu()
-    for j, p in enumerate(MIXED):
-        want = filtered(x[j], p)
-        seen = torch.bincount(got[:, j], minlength=12).float() / draws
-        assert set(got[:, j].tolist()) <= set(torch.nonzero(want).flatten().tolist())
-        assert (seen - want).abs().sum() / 2 < 0.04, (j, seen, want)
+    draws_follow_each_rows_distribution("cuda")
 
 
 def test_top_k_one_on_a_large_vocabulary_is_the_argmax():

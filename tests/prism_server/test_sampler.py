@@ -176,21 +176,25 @@ MIXED = [
 ]
 
 
-def test_a_batched_draw_follows_each_rows_own_filtered_distribution():
-    """Rows of different settings drawn together: each row's tokens have its own distribution
-    (total variation against the exact one, over 4000 draws per row)."""
+def draws_follow_each_rows_distribution(device: str) -> None:
+    """Rows of different settings drawn together by sample_batch on `device`: each row's tokens
+    have its own distribution (total variation against the exact one, 4000 draws a row)."""
     from prism_server.sampler import sample_batch
 
     torch.manual_seed(0)
     x = logits(len(MIXED), 12, seed=3)
     draws = 4000
-    rows = x.repeat(draws, 1)
-    got = sample_batch(rows, MIXED * draws).view(draws, len(MIXED))
+    rows = x.repeat(draws, 1).to(device)
+    got = sample_batch(rows, MIXED * draws).view(draws, len(MIXED)).cpu()
     for j, p in enumerate(MIXED):
         want = filtered(x[j], p)
         seen = torch.bincount(got[:, j], minlength=12).float() / draws
         assert set(got[:, j].tolist()) <= set(torch.nonzero(want).flatten().tolist())
         assert (seen - want).abs().sum() / 2 < 0.04, (j, seen, want)
+
+
+def test_a_batched_draw_follows_each_rows_own_filtered_distribution():
+    draws_follow_each_rows_distribution("cpu")
 
 
 def test_greedy_seeded_and_unseeded_rows_share_a_step():
