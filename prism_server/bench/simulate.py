@@ -143,7 +143,8 @@ def simulate_sweep(
     max_num_batched_tokens: int = 2048,
 ) -> list[dict]:
     """Per run of `policy` with measured step costs: its prediction beside its measurement;
-    then each of `scales` predicted with the step costs of the policy's latest such run."""
+    then each of `scales` not run yet predicted with the step costs of the policy's latest such
+    run."""
     slos = sweep["config"]["slos"]
     runs = [r for r in sweep["policies"].get(policy, {}).get("runs", []) if r.get("latency")]
     if not runs:
@@ -166,7 +167,8 @@ def simulate_sweep(
         out.append(p)
     latest = max(runs, key=lambda r: r["scale"])
     models = sim_models(latest["latency"], slos, policy, max_num_batched_tokens)
-    out += [predict(rows, models, s, _overhead(latest)) for s in scales]
+    measured = {r["scale"] for r in runs}  # predicted beside their measurement above already
+    out += [predict(rows, models, s, _overhead(latest)) for s in scales if s not in measured]
     return out
 
 

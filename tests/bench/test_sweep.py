@@ -315,7 +315,7 @@ def test_the_simulator_replays_a_run_with_its_measured_step_costs():
         "engine": {"cpu": {"busy": 0.4, "host_per_step_s": 2e-4}},
     }
     sweep = {"config": {"slos": slos}, "policies": {"prism": {"runs": [run]}}}
-    got = simulate_sweep(sweep, rows, "prism", scales=[4.0])
+    got = simulate_sweep(sweep, rows, "prism", scales=[2.0, 4.0])  # 2.0 ran: not again
     assert [p["scale"] for p in got] == [2.0, 4.0]
     assert got[0]["measured"] == {**overall, "busy": 0.4} and "measured" not in got[1]
     cfg = sim_models(latency, slos)[0].config
