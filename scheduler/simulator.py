@@ -5,11 +5,13 @@ milliseconds, without a GPU, so a change to a decision can be tried on a trace (
 measured on the device) before it meets the device.
 
 Pure: no clock, no torch; every model's KV is a plain block count: unbounded by default (no
-memory pressure), or a fixed number of blocks (`SimModel.kv_blocks`: a static partition's quota)."""
+memory pressure), or a fixed number of blocks (`SimModel.kv_blocks`: a static partition's quota).
+A step lasts exactly its cost model's figure, unless `noise` draws each step's ratio to it (the
+device's own scatter around its fit: what the arbitrator's estimates cannot know)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from scheduler.arbitrator import arbitrate, model_work
@@ -17,6 +19,9 @@ from scheduler.batch_scheduler import BatchScheduler, SchedulerConfig
 from scheduler.latency_model import LatencyModel, StepShape
 from scheduler.request import Request
 from scheduler.sampling_params import SamplingParams
+
+# a step's seconds over its cost model's figure, drawn per step: (model, the step's shape) -> ratio
+StepNoise = Callable[[str, StepShape], float]
 
 
 @dataclass(frozen=True)
@@ -95,10 +100,14 @@ class Simulation:
 
 
 def simulate(
-    models: Iterable[SimModel], arrivals: Iterable[SimArrival], overhead_s: float = 0.0
+    models: Iterable[SimModel],
+    arrivals: Iterable[SimArrival],
+    overhead_s: float = 0.0,
+    noise: StepNoise | None = None,
 ) -> Simulation:
     """Replays the arrivals on one device whose models are `models`; overhead_s: the host time
-    between two steps. Every request runs to its output length."""
+    between two steps; noise: each step's ratio to its cost (None: 1). Every request runs to its
+    output length."""
     specs = {m.name: m for m in models}
     scheds = {n: BatchScheduler(m.config, _Blocks(m.kv_blocks)) for n, m in specs.items()}
     pending = sorted(arrivals, key=lambda a: (a.time, a.model))
@@ -143,9 +152,10 @@ def simulate(
             now = max(now, pending[nxt].time)
             continue
         sched = scheds[pick.model]
-        seconds = specs[pick.model].device_latency.estimate(
-            StepShape.of((c.start, c.num_new) for c in batch)
-        )
+        shape = StepShape.of((c.start, c.num_new) for c in batch)
+        seconds = specs[pick.model].device_latency.estimate(shape)
+        if noise is not None:
+            seconds *= noise(pick.model, shape)
         steps.append(
             SimStep(
                 now,

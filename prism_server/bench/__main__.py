@@ -116,6 +116,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="a run's step trace (PRISM_STEP_TRACE, .gz or not): the step costs fitted to all "
         "of its steps replace the runs' recorded online fits",
     )
+    sm.add_argument(
+        "--noise-seeds",
+        type=int,
+        default=0,
+        help="with --step-trace: each step lasts its fit times a ratio drawn from the trace; "
+        "every prediction the mean (and worst) over this many seeds",
+    )
 
     from prism_server.bench.traces_cli import add_workload_command
 
@@ -230,14 +237,28 @@ def _simulate(args) -> int:
         fit_step_trace,
         markdown,
         simulate_sweep,
+        step_ratios,
         with_step_costs,
     )
 
     sweep = json.loads((Path(args.dir) / "sweep.json").read_text())
+    ratios = None
+    if args.noise_seeds and not args.step_trace:
+        raise ValueError("--noise-seeds draws from a step trace: give --step-trace")
     if args.step_trace:
-        sweep = with_step_costs(sweep, fit_step_trace(args.step_trace), args.policy)
+        costs = fit_step_trace(args.step_trace)
+        sweep = with_step_costs(sweep, costs, args.policy)
+        ratios = step_ratios(args.step_trace, costs) if args.noise_seeds else None
     rows = _rows(args.workload or sweep["config"]["workload"])
-    preds = simulate_sweep(sweep, rows, args.policy, args.scales, args.max_num_batched_tokens)
+    preds = simulate_sweep(
+        sweep,
+        rows,
+        args.policy,
+        args.scales,
+        args.max_num_batched_tokens,
+        ratios,
+        args.noise_seeds,
+    )
     print(markdown(args.policy, preds))
     return 0
 

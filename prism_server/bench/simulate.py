@@ -14,7 +14,10 @@ an approximation of static partitioning (which steps models round-robin, FCFS).
 
 With --step-trace, the device's step costs are fitted to a step trace of a run (PRISM_STEP_TRACE:
 every step the device ran, its shape and its measured seconds) instead of taken from the online
-fits the run recorded: all of a model's steps over the run, not the last window of them.
+fits the run recorded: all of a model's steps over the run, not the last window of them. With
+--noise-seeds N too, each step of the simulation lasts its fit times a ratio drawn from that trace
+(a model's measured / fitted seconds of its steps of the same kind, prefill or decode), and every
+prediction is the mean over N seeds, with its worst: the device's scatter that no estimate knows.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import copy
 import gzip
 import json
+import random
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
@@ -30,7 +34,7 @@ from prism_server.bench.workload import Row, scale_rate
 from scheduler.batch_scheduler import SchedulerConfig
 from scheduler.latency_model import LatencyModel, StepShape
 from scheduler.policy import POLICIES
-from scheduler.simulator import SimArrival, SimModel, simulate
+from scheduler.simulator import SimArrival, SimModel, StepNoise, simulate
 
 SIMULATED = ("prism", "static")
 
@@ -68,9 +72,8 @@ def sim_models(
     ]
 
 
-def fit_step_trace(path: str | Path) -> dict[str, list[float]]:
-    """Each model's latency coefficients fitted to every step of a step trace (JSON lines,
-    gzipped or not)."""
+def read_step_trace(path: str | Path) -> dict[str, list[tuple[StepShape, float]]]:
+    """Each model's steps in a step trace (JSON lines, gzipped or not): (shape, seconds)."""
     path = Path(path)
     opener = gzip.open if path.suffix == ".gz" else open
     samples: dict[str, list[tuple[StepShape, float]]] = defaultdict(list)
@@ -83,12 +86,48 @@ def fit_step_trace(path: str | Path) -> dict[str, list[float]]:
                     attn = _attn_of(x["tokens"], x["seqs"], x["kv"])
                 shape = StepShape(x["tokens"], x["seqs"], float(attn), x["kv"])
                 samples[x["model"]].append((shape, x["run_s"]))
+    return dict(samples)
+
+
+def fit_step_trace(path: str | Path) -> dict[str, list[float]]:
+    """Each model's latency coefficients fitted to every step of a step trace."""
     out = {}
-    for model, steps in samples.items():
+    for model, steps in read_step_trace(path).items():
         lm = LatencyModel()
         lm.fit_profile(steps)
         out[model] = list(lm.coefficients)
     return out
+
+
+def _kind(shape: StepShape) -> str:
+    return "prefill" if shape.tokens > shape.seqs else "decode"
+
+
+def step_ratios(path: str | Path, costs: dict[str, list[float]]) -> dict[str, dict[str, list]]:
+    """Each model's steps in a trace as measured / fitted seconds (`costs`: the fits), by
+    kind (prefill: a step with a prompt chunk; decode); "*": every model's, pooled."""
+    out: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for model, steps in read_step_trace(path).items():
+        lm = LatencyModel(tuple(costs[model]))
+        for shape, seconds in steps:
+            est = lm.estimate(shape)
+            if est > 0:
+                out[model][_kind(shape)].append(seconds / est)
+                out["*"][_kind(shape)].append(seconds / est)
+    return {m: dict(k) for m, k in out.items()}
+
+
+def noise_from(ratios: dict[str, dict[str, list[float]]], seed: int) -> StepNoise:
+    """Draws a step's ratio from its model's measured ratios of its kind (every model's where
+    it has none), with its own seeded generator."""
+    rng = random.Random(seed)
+
+    def draw(model: str, shape: StepShape) -> float:
+        kind = _kind(shape)
+        pool = ratios.get(model, {}).get(kind) or ratios.get("*", {}).get(kind)
+        return rng.choice(pool) if pool else 1.0
+
+    return draw
 
 
 def _attn_of(tokens: int, seqs: int, kv: int) -> float:
@@ -112,13 +151,35 @@ def with_step_costs(sweep: dict, costs: dict[str, list[float]], policy: str = "p
 
 
 def predict(
-    rows: Sequence[Row], models: list[SimModel], scale: float, overhead_s: float = 0.0
+    rows: Sequence[Row],
+    models: list[SimModel],
+    scale: float,
+    overhead_s: float = 0.0,
+    ratios: dict | None = None,
+    seeds: int = 0,
 ) -> dict:
     """The workload at `scale` in the simulator: attainment (joint, TTFT, TPOT) and the share
-    of time the device is busy."""
+    of time the device is busy. With `ratios` and seeds > 0: each figure the mean over that many
+    noisy simulations (noise_from), and `attainment_min` the worst joint attainment."""
+    if ratios and seeds > 0:
+        runs = [
+            _predict(rows, models, scale, overhead_s, noise_from(ratios, s)) for s in range(seeds)
+        ]
+        out = {k: sum(r[k] for r in runs) / seeds for k in runs[0] if k != "scale"}
+        return {"scale": scale, **out, "attainment_min": min(r["attainment"] for r in runs)}
+    return _predict(rows, models, scale, overhead_s)
+
+
+def _predict(
+    rows: Sequence[Row],
+    models: list[SimModel],
+    scale: float,
+    overhead_s: float,
+    noise: StepNoise | None = None,
+) -> dict:
     scaled = scale_rate(rows, scale)
     arrivals = [SimArrival(r.arrival_s, r.model, r.prompt_len, r.output_len) for r in scaled]
-    sim = simulate(models, arrivals, overhead_s)
+    sim = simulate(models, arrivals, overhead_s, noise)
     n = max(len(sim.results), 1)
     end = max((s.start + s.seconds for s in sim.steps), default=0.0)
     return {
@@ -141,6 +202,8 @@ def simulate_sweep(
     policy: str = "prism",
     scales: Sequence[float] = (),
     max_num_batched_tokens: int = 2048,
+    ratios: dict | None = None,
+    seeds: int = 0,
 ) -> list[dict]:
     """Per run of `policy` with measured step costs: its prediction beside its measurement;
     then each of `scales` not run yet predicted with the step costs of the policy's latest such
@@ -155,7 +218,7 @@ def simulate_sweep(
     out = []
     for run in runs:
         models = sim_models(run["latency"], slos, policy, max_num_batched_tokens)
-        p = predict(rows, models, run["scale"], _overhead(run))
+        p = predict(rows, models, run["scale"], _overhead(run), ratios, seeds)
         o = run["report"]["overall"]
         busy = [e["busy"] for e in (run.get("engine") or {}).values()]
         p["measured"] = {
@@ -168,7 +231,11 @@ def simulate_sweep(
     latest = max(runs, key=lambda r: r["scale"])
     models = sim_models(latest["latency"], slos, policy, max_num_batched_tokens)
     measured = {r["scale"] for r in runs}  # predicted beside their measurement above already
-    out += [predict(rows, models, s, _overhead(latest)) for s in scales if s not in measured]
+    out += [
+        predict(rows, models, s, _overhead(latest), ratios, seeds)
+        for s in scales
+        if s not in measured
+    ]
     return out
 
 
@@ -177,9 +244,10 @@ def markdown(policy: str, predictions: list[dict]) -> str:
         return "-" if x is None else f"{100 * x:.1f}%"
 
     def cell(d: dict) -> str:
+        worst = f", worst {pct(d['attainment_min'])}" if "attainment_min" in d else ""
         return (
             f"{pct(d['attainment'])} ({pct(d['ttft_attainment'])} / "
-            f"{pct(d['tpot_attainment'])}), {pct(d['busy'])}"
+            f"{pct(d['tpot_attainment'])}{worst}), {pct(d['busy'])}"
         )
 
     lines = [

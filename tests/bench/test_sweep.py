@@ -363,3 +363,43 @@ def test_step_costs_fitted_to_a_step_trace_replace_the_runs_online_fits(tmp_path
     costs = with_step_costs(sweep, got)["policies"]["prism"]["runs"][0]["latency"]
     assert {m: v["coefficients"] for m, v in costs.items()} == got
     assert latency["a"]["coefficients"] == [1.0] * 4  # the sweep given is left as it was
+
+
+def test_step_noise_is_drawn_from_the_traces_own_scatter(tmp_path):
+    """Each step of a trace as measured / fitted, by model and kind; a seeded draw from the
+    right pool (every model's where one has none); noisy predictions are a mean with its worst."""
+    import gzip
+
+    from prism_server.bench.simulate import noise_from, predict, sim_models, step_ratios
+    from scheduler.latency_model import LatencyModel, StepShape
+
+    coef = [4e-3, 3e-5, 1e-5, 1e-6, 3e-5, 1e-2]
+    lm = LatencyModel(tuple(coef))
+    lines = []
+    for i in range(40):
+        prefill = i % 2 == 0
+        shape = StepShape.prefill(128 + i, 64) if prefill else StepShape.decode(1 + i % 5, 900)
+        ratio = (1.5 if i % 4 == 0 else 2.0) if prefill else 1.0
+        t = lm.estimate(shape) * ratio
+        rec = {"t": float(i), "s": t, "model": "a", "run_s": t, "tokens": shape.tokens}
+        lines.append(json.dumps(rec | {"seqs": shape.seqs, "kv": shape.kv, "attn": shape.attn}))
+    trace = tmp_path / "steps.jsonl.gz"
+    with gzip.open(trace, "wt") as f:
+        f.write("\n".join(lines) + "\n")
+    ratios = step_ratios(trace, {"a": coef})
+    assert sorted(set(ratios["a"]["prefill"])) == pytest.approx([1.5, 2.0])
+    assert ratios["a"]["decode"] == pytest.approx([1.0] * 20) and ratios["*"] == ratios["a"]
+    draw = noise_from(ratios, seed=3)
+    seen = [draw("a", StepShape.prefill(100)) for _ in range(200)]
+    assert sorted({round(x, 9) for x in seen}) == [1.5, 2.0]
+    assert draw("other", StepShape.decode(2, 100)) == pytest.approx(1.0)  # the pooled ratios
+    again = noise_from(ratios, seed=3)
+    assert [again("a", StepShape.prefill(100)) for _ in range(200)] == seen
+    latency = {"a": {"coefficients": coef, "kv_blocks_capacity": 64}}
+    slos = {"a": {"ttft_s": 0.05, "tpot_s": 0.02}}
+    rows = [Row(0.1 * i, "a", 300, 6) for i in range(30)]
+    models = sim_models(latency, slos)
+    calm = predict(rows, models, 1.0)
+    noisy = predict(rows, models, 1.0, ratios=ratios, seeds=4)
+    assert noisy["attainment_min"] <= noisy["attainment"] <= calm["attainment"]
+    assert noisy["busy"] > calm["busy"]  # prefill steps last 1.5-2x their fit

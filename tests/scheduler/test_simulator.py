@@ -147,3 +147,22 @@ def test_a_loose_long_prompt_makes_way_for_tighter_ones_that_came_after_it():
     assert all(r.met_ttft and r.met_tpot for r in sim.results), [
         (r.arrival.model, round(r.ttft_s, 3)) for r in sim.results
     ]
+
+
+def test_noise_stretches_each_step_by_its_draw():
+    """A noise of 2 doubles every step the simulator runs; the decisions still come from the
+    cost model (the arbitrator does not know the noise)."""
+    lat = LatencyModel((2e-3, 1e-5, 0.0, 0.0))
+    m = SimModel("m", lat, ttft_slo_s=10.0, tpot_slo_s=1.0)
+    arrivals = [SimArrival(0.0, "m", 100, 4), SimArrival(0.001, "m", 50, 3)]
+    calm = simulate([m], arrivals)
+    seen = []
+
+    def double(model, shape):
+        seen.append((model, shape.tokens))
+        return 2.0
+
+    noisy = simulate([m], arrivals, noise=double)
+    assert [s.seconds for s in noisy.steps] == pytest.approx([2 * s.seconds for s in calm.steps])
+    assert len(seen) == len(noisy.steps) and {mod for mod, _ in seen} == {"m"}
+    assert noisy.results[0].ttft_s == pytest.approx(2 * calm.results[0].ttft_s)
