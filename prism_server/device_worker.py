@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from kvpool import PagePool
+from models.attention.flashinfer_paged import DEFAULT_KERNELS, KernelChoice
 from prism_server.commands import (
     Abort,
     Activate,
@@ -57,6 +58,7 @@ class DeviceWorker:
         policy: Policy = POLICIES["prism"],
         name: str | None = None,
         trace: Path | None = None,
+        kernels: KernelChoice = DEFAULT_KERNELS,
     ):
         self.pool = pool
         self.policy = policy
@@ -77,7 +79,7 @@ class DeviceWorker:
         # back-to-back ones (the device's utilisation and the engine's overhead, for the status)
         self.steps = 0
         self.step_seconds = self.host_seconds = 0.0
-        self.resources = DeviceResources(self.device)  # shared by its models' runners
+        self.resources = DeviceResources(self.device, kernels)  # shared by its models' runners
         self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = False

@@ -14,6 +14,7 @@ from dataclasses import replace
 import torch
 
 from kvpool import HostCopy, PagePool, WeightBuffer, WeightLayout
+from models.attention.flashinfer_paged import KernelChoice
 from models.embedded import resolve_source
 from models.loader import ModelSource, load_model
 from prism_server import envs, gpu_setup
@@ -52,6 +53,7 @@ class Engine:
         # keeps them; on the host it creates them on demand.
         precreate = budget // config.page_bytes if self.device.type == "cuda" else 0
         self.policy = policy(config.policy)
+        kernels = KernelChoice(envs.decode_tensor_cores(), envs.prefill_backend())
         # one page pool and one engine thread per device; several CPU devices are emulated
         # (each its own pool and thread), for the multi-device control plane on any machine
         self._workers: list[DeviceWorker] = []
@@ -63,7 +65,7 @@ class Engine:
                 precreate,
             )
             name = str(self.device) if config.devices == 1 else f"{self.device.type}:{i}"
-            w = DeviceWorker(pool, self.policy, name=name, trace=envs.step_trace())
+            w = DeviceWorker(pool, self.policy, name=name, trace=envs.step_trace(), kernels=kernels)
             w.start()
             self._workers.append(w)
         self.worker, self.pool = self._workers[0], self._workers[0].pool  # the first device

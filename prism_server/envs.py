@@ -43,6 +43,17 @@ def fused_kernels() -> bool:
     return os.environ.get("PRISM_FUSED_KERNELS", "1") not in ("0", "false", "no")
 
 
+def decode_tensor_cores() -> bool:
+    """Decode attention through FlashInfer's tensor-core kernel (PRISM_DECODE_TENSOR_CORES,
+    default 1; 0: its CUDA-core decode kernel)."""
+    return os.environ.get("PRISM_DECODE_TENSOR_CORES", "1") not in ("0", "false", "no")
+
+
+def prefill_backend() -> str:
+    """FlashInfer's prefill backend (PRISM_PREFILL_BACKEND: fa2, the default; fa3; auto)."""
+    return os.environ.get("PRISM_PREFILL_BACKEND") or "fa2"
+
+
 def step_trace() -> Path | None:
     """Where each device's engine thread writes one JSON line per step it runs (PRISM_STEP_TRACE;
     the device's name is added to the file name): its start and length, the model, its shape,

@@ -81,9 +81,11 @@ def check(device: torch.device, memory_backend: str) -> list[str]:
     else:
         fused = "on" if envs.fused_kernels() else "off (PRISM_FUSED_KERNELS=0)"
         sizes = ", ".join(map(str, DEFAULT_BATCH_SIZES))
+        cores = "tensor-core" if envs.decode_tensor_cores() else "CUDA-core"
         lines.append(
-            f"{device}: attention FlashInfer {fi} (paged prefill and decode), CUDA graphs for "
-            f"decode batches {sizes}, fused norm/activation kernels {fused}"
+            f"{device}: attention FlashInfer {fi} (paged prefill, {envs.prefill_backend()}; "
+            f"paged decode, {cores}), CUDA graphs for decode batches {sizes}, fused "
+            f"norm/activation/rope kernels {fused}"
         )
     return lines
 

@@ -20,9 +20,11 @@ from models.attention.base import (
     layer_specs,
 )
 from models.attention.flashinfer_paged import (
+    DEFAULT_KERNELS,
     WORKSPACE_BYTES,
     AttentionShape,
     FlashInferBackend,
+    KernelChoice,
     flashinfer_available,
 )
 from models.attention.torch_paged import TorchPagedAttention
@@ -36,11 +38,12 @@ AttentionFactory = Callable[[list[torch.Tensor], AttentionMetadata], AttentionBa
 
 class DeviceResources:
     """What every model of one device shares, because one engine thread runs their steps one at a
-    time on one stream: FlashInfer's float workspace and the CUDA-graph memory pool. Created on
-    first use (never on CPU)."""
+    time on one stream: FlashInfer's float workspace and the CUDA-graph memory pool (created on
+    first use, never on CPU), and which attention kernels they run."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, kernels: KernelChoice = DEFAULT_KERNELS):
         self.device = device
+        self.kernels = kernels
         self._workspace: torch.Tensor | None = None
         self._graph_pool = None
 
@@ -74,7 +77,8 @@ def default_attention(
         kv_dtype=lay.dtype,
     )
     workspace = resources.workspace() if resources is not None else None
-    return FlashInferBackend(shape, layer_specs(model), device, workspace)
+    kernels = resources.kernels if resources is not None else DEFAULT_KERNELS
+    return FlashInferBackend(shape, layer_specs(model), device, workspace, kernels)
 
 
 class ModelRunner:

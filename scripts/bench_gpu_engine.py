@@ -12,6 +12,7 @@ beside the reference it is judged by, all measured in this run (DESIGN.md §7).
 - K/V cache writes: index_copy_ (what Prism uses) vs flashinfer.append_paged_kv_cache.
 
     python3 scripts/bench_gpu_engine.py [--json out.json] [--skip-hf] [--skip-append]
+    PRISM_PREFILL_BACKEND=fa3 python3 scripts/bench_gpu_engine.py --speed-only   # a kernel choice
 """
 
 from __future__ import annotations
@@ -377,6 +378,11 @@ def main() -> None:
         help="only the VMM-vs-plain comparison, with --repeats alternations",
     )
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument(
+        "--speed-only",
+        action="store_true",
+        help="only decode TPOT and prefill (a kernel choice measured beside the default)",
+    )
     args = ap.parse_args()
 
     def save(key: str, value) -> None:  # after every section: a killed run keeps what it got
@@ -390,6 +396,10 @@ def main() -> None:
     vmm = section("load (VMM)")(make_engine)()
     save("load_s", time.perf_counter() - t)
     if vmm is not None:
+        if args.speed_only:
+            save("prism", prism_decode_prefill(vmm, RESULTS["ceilings"]))
+            vmm.close()
+            return
         if not args.vmm_vs_plain_only:
             save("prism", prism_decode_prefill(vmm, RESULTS["ceilings"]))
             save("sampler", sampler_bench())

@@ -13,7 +13,8 @@
 # --decode is for a change to the model's step: the tests of the kernels and of the tokens (GPU
 # vs CPU, graphs), then decode TPOT of this tree beside a baseline tree in .baseline (when there
 # is one: `git archive REV prism_server models kvpool scheduler scripts | tar -x -C .baseline`),
-# then the engine benchmark without its HF and KV-write sections.
+# then the engine benchmark without its HF and KV-write sections, then its decode and prefill
+# figures under each other kernel choice (KERNELS, default: CUDA-core decode, fa3 prefill).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/prism-gpu-check}
@@ -46,6 +47,13 @@ if [ "$quick" = "--decode" ]; then
   timeout 250 python3 scripts/bench_gpu_engine.py --skip-hf --skip-append --json "$OUT/engine.json" \
     2>&1 | tee "$OUT/bench.log"
   echo "engine bench: $((SECONDS - t0)) s"
+  # the kernel choices beside the default (KERNELS="" skips them)
+  for choice in ${KERNELS-PRISM_DECODE_TENSOR_CORES=0 PRISM_PREFILL_BACKEND=fa3}; do
+    t0=$SECONDS
+    env "$choice" timeout 200 python3 scripts/bench_gpu_engine.py --speed-only \
+      --json "$OUT/engine-${choice%%=*}.json" 2>&1 | grep -E "decode B=|prefill" | sed "s/^/$choice: /"
+    echo "$choice: $((SECONDS - t0)) s"
+  done
 fi
 # What the README's set-up does on this machine (the decision only: it has no registry access),
 # then the start-up lines of a server on it (attention backend, graphs, kernels, page pool).

@@ -53,6 +53,24 @@ class AttentionShape:
     kv_dtype: torch.dtype
 
 
+@dataclass(frozen=True)
+class KernelChoice:
+    """Which FlashInfer kernels a model's attention runs; the defaults are what the H200 runs
+    measured best so far, the others are there to be measured beside them."""
+
+    decode_tensor_cores: bool = True  # decode through the tensor-core kernel (else CUDA cores)
+    prefill_backend: str = "fa2"  # FlashInfer's prefill backend: "fa2", "fa3" (Hopper), "auto"
+
+    def __post_init__(self):
+        if self.prefill_backend not in PREFILL_BACKENDS:
+            choices = ", ".join(PREFILL_BACKENDS)
+            raise ValueError(f"prefill backend {self.prefill_backend!r}: choose from {choices}")
+
+
+PREFILL_BACKENDS = ("fa2", "fa3", "auto")
+DEFAULT_KERNELS = KernelChoice()
+
+
 @dataclass
 class PagedKVIndex:
     """A step's block tables in FlashInfer's CSR form (host int32 tensors)."""
@@ -169,21 +187,25 @@ class FlashInferBackend:
         specs: Sequence[LayerAttention],
         device: torch.device,
         workspace: torch.Tensor | None = None,
+        kernels: KernelChoice = DEFAULT_KERNELS,
     ):
         import flashinfer
 
         self._fi = flashinfer
         self.shape, self.specs, self.device = shape, list(specs), device
+        self.kernels = kernels
         if workspace is None:
             workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.workspace = workspace
         self.prefill = {
-            s: flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2")
+            s: flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+                self.workspace, "NHD", backend=kernels.prefill_backend
+            )
             for s in self.specs
         }
         self.decode = {
             s: flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                self.workspace, "NHD", use_tensor_cores=True
+                self.workspace, "NHD", use_tensor_cores=kernels.decode_tensor_cores
             )
             for s in self.specs
         }
@@ -265,7 +287,7 @@ class DecodeGraphAttention(FlashInferAttention):
                 backend.workspace,
                 "NHD",
                 use_cuda_graph=True,
-                use_tensor_cores=True,
+                use_tensor_cores=backend.kernels.decode_tensor_cores,
                 paged_kv_indptr_buffer=self.indptr,
                 paged_kv_indices_buffer=self.indices,
                 paged_kv_last_page_len_buffer=self.last_page_len,

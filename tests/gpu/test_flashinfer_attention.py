@@ -15,7 +15,12 @@ import torch
 
 from kvpool import KVLayout, PagedKV
 from models.attention.base import AttentionMetadata, LayerAttention, SeqChunk
-from models.attention.flashinfer_paged import AttentionShape, FlashInferBackend, kv_rows
+from models.attention.flashinfer_paged import (
+    AttentionShape,
+    FlashInferBackend,
+    KernelChoice,
+    kv_rows,
+)
 from models.attention.torch_paged import TorchPagedAttention
 from tests.gpu.common import GPU, cuda_pool
 
@@ -97,9 +102,19 @@ def run_and_compare(kv, md, attn, spec, case, gen, pad_to: int = 0) -> None:
         check_close(out, ref)
 
 
+KERNELS = {
+    "default": KernelChoice(),
+    "cuda-core-decode": KernelChoice(decode_tensor_cores=False),
+    "fa3-prefill": KernelChoice(prefill_backend="fa3"),
+}
+
+
 @pytest.mark.parametrize("name", list(CASES))
 @pytest.mark.parametrize("kind", ["mixed", "decode", "graph-decode"])
-def test_flashinfer_matches_reference(name, kind):
+@pytest.mark.parametrize("kernels", list(KERNELS))
+def test_flashinfer_matches_reference(name, kind, kernels):
+    if kernels != "default" and (kernels == "fa3-prefill") != (kind == "mixed"):
+        pytest.skip("the choice does not touch this kind of step")
     case = CASES[name]
     gen = torch.Generator().manual_seed(zlib.crc32(f"{name}/{kind}".encode()))
     kv = make_cache(case)
@@ -111,7 +126,7 @@ def test_flashinfer_matches_reference(name, kind):
     shape = AttentionShape(
         case["heads"], case["kv_heads"], case["head_dim"], BLOCK, torch.bfloat16, torch.bfloat16
     )
-    backend = FlashInferBackend(shape, [spec], torch.device("cuda"))
+    backend = FlashInferBackend(shape, [spec], torch.device("cuda"), kernels=KERNELS[kernels])
     md, blocks = make_step(kv, MIXED if kind == "mixed" else DECODE, gen)
     pad = 0
     if kind == "graph-decode":  # the CUDA-graph attention, batch 7 padded to 8, run eagerly
