@@ -126,6 +126,10 @@ class ModelWorker:
         # sampled tokens whose text is not made yet (request, token, logprob, visible): made
         # while the device runs the next step (flush_outputs), in order
         self._unrendered: list[tuple[Request, int, TokenLogprob | None, bool]] = []
+        # while this model's step runs on the device (its text made meanwhile), a request that
+        # ends keeps its KV blocks until the step is done: the step may still write them
+        self._running_step = False
+        self._ended_in_step: list[Request] = []
         self.latency = LatencyModel()  # kept across evictions: a reactivation does not profile
         # the last step run: its shape, the latency model's estimate before it, and its seconds
         self.last_step: tuple[StepShape, float, float] | None = None
@@ -330,11 +334,12 @@ class ModelWorker:
         try:
             t = time.perf_counter()
             scores: list = []
+            self._running_step = True
             logits = self.runner.execute(batch, scores, on_launch=while_running)
             for req, lps in scores:
                 req.prompt_logprobs += lps
             sampling = [c.request for c in batch if c.samples]
-            live = [i for i, r in enumerate(sampling) if not r.is_finished]
+            live = [i for i, r in enumerate(sampling) if r.finish_reason is None]
             if len(live) < len(sampling):  # ended by a stop string while this step ran
                 logits = logits[torch.tensor(live, dtype=torch.long, device=logits.device)]
             got, got_lp = self.sampler.sample(logits, [sampling[i] for i in live])
@@ -344,10 +349,14 @@ class ModelWorker:
             if not got and self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()  # nothing sampled: no sync
             took = time.perf_counter() - t  # sampling synchronizes: the step has run
+            self._release_ended()
             shape = StepShape.of((c.start, c.num_new) for c in batch)
             self.last_step = (shape, self.latency.observe(shape, took), took)
         except Exception as e:  # a failed step fails its requests, not the engine
             log.exception("step of model %s failed", self.name)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # what it launched is done (or failed)
+            self._release_ended()
             self.flush_outputs()
             error = f"{type(e).__name__}: {e}"
             for c in batch:
@@ -385,7 +394,7 @@ class ModelWorker:
         a stop string in it ends its request."""
         todo, self._unrendered = self._unrendered, []
         for req, tok, lp, visible in todo:
-            if not req.is_finished:
+            if req.finish_reason is None:
                 self._render(req, tok, lp, None, visible)
 
     def _render(self, req: Request, tok: int, lp, reason, visible: bool) -> None:
@@ -407,10 +416,22 @@ class ModelWorker:
         if n > 1 and req.tpot_slo is not None and req.first_token_time is not None:
             tpot = (req.last_token_time - req.first_token_time) / (n - 1)
             self._slo("tpot", tpot > req.tpot_slo, req.last_token_time)
-        self.scheduler.finish(req)
-        self.sampler.forget(req.request_id)
+        req.finish_reason = out.finish_reason
+        if self._running_step:  # its blocks may be written by the step running: free them after
+            self._ended_in_step.append(req)
+        else:
+            self.scheduler.finish(req)
+            self.sampler.forget(req.request_id)
         self.requests.pop(req.request_id, None)
         self._emit(req, out)
+
+    def _release_ended(self) -> None:
+        """The step is done: the requests that ended while it ran give back their blocks."""
+        self._running_step = False
+        ended, self._ended_in_step = self._ended_in_step, []
+        for req in ended:
+            self.scheduler.finish(req)
+            self.sampler.forget(req.request_id)
 
     def _emit(self, req: Request, out: RequestOutput) -> None:
         if req.sink is None:

@@ -28,12 +28,19 @@ def submit(me, name: str, params: SamplingParams, log: list) -> Request:
     return r
 
 
-def run(me, deferred: bool, events: list) -> None:
-    """Steps until nothing is left, recording each hook call among the deltas."""
+def run(me, deferred: bool, events: list, held: list | None = None) -> None:
+    """Steps until nothing is left, recording each hook call among the deltas; held: the block
+    counts that requests ended during a step still hold until the step is done."""
 
     def hook():
         events.append(("hook", None))
         me.flush_outputs()
+        if held is not None:
+            held.extend(
+                len(r.block_table)
+                for r in me.scheduler.running
+                if r.finish_reason is not None and not r.is_finished
+            )
 
     while me.has_work:
         me.step(0.0, while_running=hook if deferred else None)
@@ -85,7 +92,11 @@ def test_a_stop_string_found_a_step_late_ends_the_request_as_at_once_and_drops_t
         got: list = []
         other = submit(me, "b", greedy, got) if company else None  # shares the steps
         r = submit(me, "a", params, got)
-        run(me, deferred, [])
+        held: list = []
+        run(me, deferred, [], held)
+        # ended by its text during a step, it kept its blocks until the step was done
+        assert (held and all(n > 0 for n in held)) if deferred else not held
+        assert not r.block_table
         mine = [o for n, o in got if n == "a"]
         if other is not None:  # it runs on to its end
             assert other.finish_reason is FinishReason.LENGTH and other.num_output_tokens == 8
