@@ -14,6 +14,7 @@ the model offloaded."""
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
 import time
 from collections import deque
@@ -355,12 +356,15 @@ class ModelWorker:
         except Exception as e:  # a failed step fails its requests, not the engine
             log.exception("step of model %s failed", self.name)
             if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)  # what it launched is done (or failed)
+                with contextlib.suppress(Exception):  # what it launched is done (or failed)
+                    torch.cuda.synchronize(self.device)
             self._release_ended()
             self.flush_outputs()
             error = f"{type(e).__name__}: {e}"
             for c in batch:
-                self._finish(c.request, self.outputs.final(c.request, FinishReason.ERROR, error))
+                if c.request.finish_reason is None:  # not ended by its text meanwhile
+                    req = c.request
+                    self._finish(req, self.outputs.final(req, FinishReason.ERROR, error))
             return True
         self.scheduler.advance(batch)
         self._publish(batch, tokens, logprobs, defer=while_running is not None)

@@ -111,3 +111,41 @@ def test_a_stop_string_found_a_step_late_ends_the_request_as_at_once_and_drops_t
     ids, texts, reason, output = results[True]
     assert reason is FinishReason.STOP and "".join(texts) == text[:cut]
     assert output == [t for x in ids for t in x] and len(output) < 8  # nothing past the stop
+
+
+def test_a_step_that_fails_after_a_request_ended_by_its_text_ends_each_request_once():
+    """A stop string ends one request while the step runs, then the step fails: that request
+    keeps its one ending (stop), the others end with the error, every block comes back."""
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    me = worker()
+    base: list = []
+    submit(me, "a", greedy, base)
+    run(me, False, [])
+    text = "".join(o.new_text for _, o in base)
+    cut = next(i for i in range(2, len(text)) if text[i] not in text[:i])
+    me = worker()
+    got: list = []
+    other = submit(me, "b", greedy, got)
+    r = submit(me, "a", SamplingParams(max_tokens=8, temperature=0, stop=(text[cut],)), got)
+    sample, ended = me.sampler.sample, []
+
+    def failing(logits, reqs):
+        if r.finish_reason is not None and not ended:
+            ended.append(True)
+            raise RuntimeError("the device failed")
+        return sample(logits, reqs)
+
+    me.sampler.sample = failing
+
+    def hook():
+        me.flush_outputs()
+
+    while me.has_work:
+        me.step(0.0, while_running=hook)
+    me.flush_outputs()
+    assert ended
+    finals = {n: [o for m, o in got if m == n and o.finished] for n in "ab"}
+    assert [o.finish_reason for o in finals["a"]] == [FinishReason.STOP]
+    assert [o.finish_reason for o in finals["b"]] == [FinishReason.ERROR]
+    assert other.is_finished and r.is_finished
+    me.check_integrity()
