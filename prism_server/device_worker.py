@@ -559,4 +559,5 @@ class DeviceWorker:
                 timeout = left if timeout is None else min(timeout, left)
             self._wake.wait(timeout=timeout)
         self._drain()
+        self.flush_outputs()  # the last step's text, for the streams still open
         self._publish()
