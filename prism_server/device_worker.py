@@ -315,7 +315,9 @@ class DeviceWorker:
                 order = admit(chosen, pick.admit)
                 ran = self._timed(
                     chosen,
-                    lambda: chosen.step(now, order, pick.token_budget, self.flush_outputs),
+                    lambda: chosen.step(
+                        now, order, pick.token_budget, while_running=self.flush_outputs
+                    ),
                 )
             self._pick = None
         if not ran:  # round-robin (or the pick could not run: blocked on memory)

@@ -378,7 +378,7 @@ class ModelWorker:
                 continue
             tok, lp = next(it)
             req = c.request
-            if req.is_finished:  # a stop string in its text, made while this step ran
+            if req.finish_reason is not None:  # a stop string in its text, made as this step ran
                 continue
             if req.first_token_time is None:
                 req.first_token_time = now
@@ -420,7 +420,6 @@ class ModelWorker:
         if n > 1 and req.tpot_slo is not None and req.first_token_time is not None:
             tpot = (req.last_token_time - req.first_token_time) / (n - 1)
             self._slo("tpot", tpot > req.tpot_slo, req.last_token_time)
-        req.finish_reason = out.finish_reason
         if self._running_step:  # its blocks may be written by the step running: free them after
             self._ended_in_step.append(req)
         else:

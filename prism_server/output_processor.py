@@ -41,20 +41,13 @@ class OutputProcessor:
             return FinishReason.LENGTH, True
         return None, True
 
-    def process(
-        self, req: Request, tok: int, logprob: TokenLogprob | None, complete: bool = False
-    ) -> RequestOutput:
-        """Append a sampled token; return the delta (with finish_reason set if it finished).
-        complete: the request's grammar is complete with this token (its output ends)."""
-        reason, visible = self.accept(req, tok, complete)
-        return self.render(req, tok, logprob, reason, visible)
-
     def accept(
         self, req: Request, tok: int, complete: bool = False
     ) -> tuple[FinishReason | None, bool]:
-        """The part of `process` that needs no text: append the token, and decide from token
-        ids alone whether the request ends (EOS, stop ids, length, a complete grammar). ->
-        (finish reason or None, whether the token's text is part of the output)."""
+        """Append a sampled token and decide from token ids alone whether the request ends
+        (EOS, stop ids, length; complete: its grammar is complete with this token). -> (finish
+        reason or None, whether the token's text is part of the output). `render` makes its
+        text."""
         req.append_token(tok)
         reason, visible = self._token_stop(req, tok)
         if complete and reason is None:  # the grammar's end (under ignore_eos): EOS is not text
@@ -69,8 +62,8 @@ class OutputProcessor:
         reason: FinishReason | None,
         visible: bool,
     ) -> RequestOutput:
-        """The rest of `process`, for the latest token `accept` took: its text, the stop
-        strings (which may end the request here), the delta."""
+        """The delta of the latest token `accept` took (with finish_reason set if it finished):
+        its text, and the stop strings, which may end the request here."""
         st = self._state(req)
         new = st.detok.step([tok]) if visible else ""
         if reason is not None:

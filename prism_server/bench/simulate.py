@@ -100,7 +100,7 @@ def fit_step_trace(path: str | Path) -> dict[str, list[float]]:
 
 
 def _kind(shape: StepShape) -> str:
-    return "prefill" if shape.tokens > shape.seqs else "decode"
+    return "prefill" if shape.has_prefill else "decode"
 
 
 def step_ratios(path: str | Path, costs: dict[str, list[float]]) -> dict[str, dict[str, list]]:

@@ -71,6 +71,22 @@ def test_text_comes_one_step_later_in_order_and_the_same():
     me2.check_integrity()
 
 
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+
+def stop_after_a_few_tokens() -> tuple[str, int, SamplingParams]:
+    """The greedy text of request "a" alone, where a stop string would cut it (a character not
+    seen before, after at least two), and the params that stop there."""
+    me = worker()
+    base: list = []
+    submit(me, "a", GREEDY, base)
+    run(me, False, [])
+    text = "".join(o.new_text for _, o in base)
+    cut = next(i for i in range(2, len(text)) if text[i] not in text[:i])  # a fresh character
+    stop = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, stop=(text[cut],))
+    return text, cut, stop
+
+
 @pytest.mark.parametrize("company", [True, False], ids=["shared-steps", "alone"])
 def test_a_stop_string_found_a_step_late_ends_the_request_as_at_once_and_drops_the_extra_token(
     company,
@@ -78,19 +94,12 @@ def test_a_stop_string_found_a_step_late_ends_the_request_as_at_once_and_drops_t
     """The same request with a stop string, its text made at once and a step late: the same
     deltas, tokens and ending; the token computed meanwhile is dropped (alone: nothing of its
     step is sampled), and a request sharing the steps runs on."""
-    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    me = worker()
-    base: list = []
-    submit(me, "a", greedy, base)
-    run(me, False, [])
-    text = "".join(o.new_text for _, o in base)
-    cut = next(i for i in range(2, len(text)) if text[i] not in text[:i])  # a fresh character
-    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, stop=(text[cut],))
+    text, cut, params = stop_after_a_few_tokens()
     results = {}
     for deferred in (False, True):
         me = worker()
         got: list = []
-        other = submit(me, "b", greedy, got) if company else None  # shares the steps
+        other = submit(me, "b", GREEDY, got) if company else None  # shares the steps
         r = submit(me, "a", params, got)
         held: list = []
         run(me, deferred, [], held)
@@ -116,17 +125,11 @@ def test_a_stop_string_found_a_step_late_ends_the_request_as_at_once_and_drops_t
 def test_a_step_that_fails_after_a_request_ended_by_its_text_ends_each_request_once():
     """A stop string ends one request while the step runs, then the step fails: that request
     keeps its one ending (stop), the others end with the error, every block comes back."""
-    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    me = worker()
-    base: list = []
-    submit(me, "a", greedy, base)
-    run(me, False, [])
-    text = "".join(o.new_text for _, o in base)
-    cut = next(i for i in range(2, len(text)) if text[i] not in text[:i])
+    _, _, params = stop_after_a_few_tokens()
     me = worker()
     got: list = []
-    other = submit(me, "b", greedy, got)
-    r = submit(me, "a", SamplingParams(max_tokens=8, temperature=0, stop=(text[cut],)), got)
+    other = submit(me, "b", GREEDY, got)
+    r = submit(me, "a", params, got)
     sample, ended = me.sampler.sample, []
 
     def failing(logits, reqs):
