@@ -106,6 +106,7 @@ class CudaGraphRunner:
                 self.buffers.logits[bs] = self._forward(bs, attn)
             pool = graph.pool()
             self.graphs[bs] = _Graph(graph, attn)
+        self.pool = pool  # the pool they were captured into (other graphs of the model share it)
         torch.cuda.synchronize(self.device)
         log.info("captured decode graphs for batch sizes %s", self.batch_sizes)
 
@@ -127,14 +128,21 @@ class CudaGraphRunner:
         return next(s for s in self.batch_sizes if s >= b)
 
     def run(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        md: AttentionMetadata,
+        planned: torch.cuda.Event | None = None,
     ) -> torch.Tensor:
         """One decode step of md.num_seqs tokens -> logits [num_seqs, vocab] (a view of the
-        graph's static output: valid until the next replay)."""
+        graph's static output: valid until the next replay). planned: recorded once the plan's
+        copies are queued, before the replay."""
         b = md.num_seqs
         g = self.graphs[self._size_for(b)]
         self.buffers.input_ids[:b].copy_(input_ids)
         self.buffers.positions[:b].copy_(positions)
         g.attn.plan(md)
+        if planned is not None:
+            planned.record()
         g.graph.replay()
         return self.buffers.logits[g.attn.batch_size][:b]

@@ -32,6 +32,7 @@ from prism_server.model_runner import DeviceResources
 from prism_server.model_worker import ModelWorker
 from scheduler.arbitrator import arbitrate
 from scheduler.balloon import reclaim_order
+from scheduler.latency_model import StepShape
 from scheduler.policy import POLICIES, Policy
 from scheduler.snapshot import (
     DeviceSnapshot,
@@ -59,6 +60,8 @@ class DeviceWorker:
         name: str | None = None,
         trace: Path | None = None,
         kernels: KernelChoice = DEFAULT_KERNELS,
+        launch_ahead: bool | None = None,
+        piecewise: bool = True,
     ):
         self.pool = pool
         self.policy = policy
@@ -79,7 +82,8 @@ class DeviceWorker:
         # back-to-back ones (the device's utilisation and the engine's overhead, for the status)
         self.steps = 0
         self.step_seconds = self.host_seconds = 0.0
-        self.resources = DeviceResources(self.device, kernels)  # shared by its models' runners
+        # shared by its models' runners
+        self.resources = DeviceResources(self.device, kernels, launch_ahead, piecewise)
         self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = False
@@ -152,6 +156,8 @@ class DeviceWorker:
             if cmd.worker.name in self.models:
                 raise ValueError(f"a model named {cmd.worker.name!r} is already on {self.device}")
             self.models[cmd.worker.name] = cmd.worker
+            if self._trace_path is not None:
+                cmd.worker.on_step = self._trace_step
         elif isinstance(cmd, RemoveModel):
             self.models.pop(cmd.model).close()
         elif isinstance(cmd, Activate):
@@ -316,14 +322,14 @@ class DeviceWorker:
                 ran = self._timed(
                     chosen,
                     lambda: chosen.step(
-                        now, order, pick.token_budget, while_running=self.flush_outputs
+                        now, order, pick.token_budget, while_running=self._hook(chosen)
                     ),
                 )
             self._pick = None
         if not ran:  # round-robin (or the pick could not run: blocked on memory)
             for m in serving:
                 ran |= self._timed(
-                    m, lambda m=m: m.step(now, admit(m, None), while_running=self.flush_outputs)
+                    m, lambda m=m: m.step(now, admit(m, None), while_running=self._hook(m))
                 )
         blocked = [m for m in serving if m.scheduler.blocked]
         starved += [m for m in blocked if m.scheduler.has_new_work]
@@ -338,11 +344,16 @@ class DeviceWorker:
             self.flush_outputs()
         return ran
 
-    def flush_outputs(self) -> None:
+    def flush_outputs(self, stepping: ModelWorker | None = None) -> None:
         """Every model's tokens whose text is not made yet (a model's step leaves it to the
-        device's next step, to do while the device runs it)."""
+        device's next step, to do while the device runs it), those of steps launched ahead
+        first, but for the step `stepping` has just launched."""
         for m in self.models.values():
-            self._guard(m, m.flush_outputs)
+            self._guard(m, lambda m=m: m.flush_outputs(collect=m is not stepping))
+
+    def _hook(self, m: ModelWorker):
+        """What the host does while m's step runs: every model's text so far."""
+        return lambda: self.flush_outputs(stepping=m)
 
     def _next_taker(self, starved: list[ModelWorker]) -> str | None:
         """The starved model that takes memory first. The current one keeps its turn while it
@@ -419,6 +430,11 @@ class DeviceWorker:
         ]
         if not victims:
             return
+        for o in {id(o): o for _, o in victims}.values():
+            o.sync()  # its step launched ahead may still write the victim's blocks
+        victims = [(r, o) for r, o in victims if r.finish_reason is None and not r.is_finished]
+        if not victims:
+            return
         req, owner = min(
             victims, key=lambda v: (v[0].num_computed_tokens, -v[0].arrival_time, v[0].request_id)
         )
@@ -453,8 +469,6 @@ class DeviceWorker:
             return False
         self.steps += 1
         self.step_seconds += end - start
-        if self._trace_path is not None:
-            self._trace_step(m, start, end)
         if last is not None:
             gap = start - last  # the host work since the previous step ended
             if gap < 0.05:  # busy back to back (not an idle wait)
@@ -462,14 +476,16 @@ class DeviceWorker:
                 self.step_overhead_s += 0.1 * (gap - self.step_overhead_s)
         return True
 
-    def _trace_step(self, m: ModelWorker, start: float, end: float) -> None:
-        shape, estimate, took = m.last_step or (None, 0.0, 0.0)
-        rec: dict[str, Any] = {"t": start, "s": end - start, "model": m.name, "run_s": took}
-        if shape is not None:
-            rec |= {"tokens": shape.tokens, "seqs": shape.seqs, "kv": shape.kv, "attn": shape.attn}
-            rec["est_s"] = estimate
-        if self._pick is not None and self._pick[0] is not None:
-            pick, arb_s = self._pick
+    def _trace_step(
+        self, m: ModelWorker, start: float, shape: StepShape, estimate: float, took: float
+    ) -> None:
+        """One line of the step trace for a step done (a step launched ahead is done once its
+        tokens are read, in a later engine step): from when the device could start it."""
+        rec: dict[str, Any] = {"t": start, "s": took, "model": m.name, "run_s": took}
+        rec |= {"tokens": shape.tokens, "seqs": shape.seqs, "kv": shape.kv, "attn": shape.attn}
+        rec["est_s"] = estimate
+        if self._pick is not None and self._pick[0] is not None and self._pick[0].model == m.name:
+            pick, arb_s = self._pick  # the arbitration of the engine step that reads it
             rec |= {"arb_s": arb_s, "budget": pick.token_budget, "admit": len(pick.admit)}
         self._trace.append(json.dumps(rec) + "\n")
         if len(self._trace) >= 1000:

@@ -65,7 +65,15 @@ class Engine:
                 precreate,
             )
             name = str(self.device) if config.devices == 1 else f"{self.device.type}:{i}"
-            w = DeviceWorker(pool, self.policy, name=name, trace=envs.step_trace(), kernels=kernels)
+            w = DeviceWorker(
+                pool,
+                self.policy,
+                name=name,
+                trace=envs.step_trace(),
+                kernels=kernels,
+                launch_ahead=envs.launch_ahead(),
+                piecewise=envs.piecewise_graphs(),
+            )
             w.start()
             self._workers.append(w)
         self.worker, self.pool = self._workers[0], self._workers[0].pool  # the first device

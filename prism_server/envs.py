@@ -54,6 +54,21 @@ def prefill_backend() -> str:
     return os.environ.get("PRISM_PREFILL_BACKEND") or "fa2"
 
 
+def piecewise_graphs() -> bool:
+    """Capture piecewise CUDA graphs for the steps decode graphs cannot run: prefill chunks,
+    mixed batches (PRISM_PIECEWISE_GRAPHS, default 1)."""
+    return os.environ.get("PRISM_PIECEWISE_GRAPHS", "1") not in ("0", "false", "no")
+
+
+def launch_ahead() -> bool | None:
+    """Launch a model's next decode step before its last one's tokens are read
+    (PRISM_LAUNCH_AHEAD: 1 or 0; unset: on a GPU only)."""
+    v = os.environ.get("PRISM_LAUNCH_AHEAD")
+    if v is None or v == "":
+        return None
+    return v not in ("0", "false", "no")
+
+
 def step_trace() -> Path | None:
     """Where each device's engine thread writes one JSON line per step it runs (PRISM_STEP_TRACE;
     the device's name is added to the file name): its start and length, the model, its shape,

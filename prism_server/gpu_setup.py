@@ -12,6 +12,7 @@ import torch
 
 from prism_server import envs
 from prism_server.cuda_graph_runner import DEFAULT_BATCH_SIZES
+from prism_server.piecewise_graphs import DEFAULT_TOKEN_BUCKETS
 
 log = logging.getLogger("prism")
 
@@ -82,10 +83,16 @@ def check(device: torch.device, memory_backend: str) -> list[str]:
         fused = "on" if envs.fused_kernels() else "off (PRISM_FUSED_KERNELS=0)"
         sizes = ", ".join(map(str, DEFAULT_BATCH_SIZES))
         cores = "tensor-core" if envs.decode_tensor_cores() else "CUDA-core"
+        pieces = (
+            f"piecewise for other steps of up to {DEFAULT_TOKEN_BUCKETS[-1]} tokens"
+            if envs.piecewise_graphs()
+            else "no piecewise graphs (PRISM_PIECEWISE_GRAPHS=0)"
+        )
+        ahead = {None: "on", True: "on", False: "off (PRISM_LAUNCH_AHEAD=0)"}[envs.launch_ahead()]
         lines.append(
             f"{device}: attention FlashInfer {fi} (paged prefill, {envs.prefill_backend()}; "
-            f"paged decode, {cores}), CUDA graphs for decode batches {sizes}, fused "
-            f"norm/activation/rope kernels {fused}"
+            f"paged decode, {cores}), CUDA graphs for decode batches {sizes}, {pieces}, "
+            f"fused norm/activation/rope kernels {fused}, decode steps launched ahead {ahead}"
         )
     return lines
 

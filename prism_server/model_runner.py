@@ -29,6 +29,7 @@ from models.attention.flashinfer_paged import (
 )
 from models.attention.torch_paged import TorchPagedAttention
 from prism_server.cuda_graph_runner import DEFAULT_BATCH_SIZES, CudaGraphRunner
+from prism_server.piecewise_graphs import DEFAULT_TOKEN_BUCKETS, PiecewiseGraphs
 from prism_server.sampler import token_logprobs
 from scheduler.batch_scheduler import ScheduledChunk
 from scheduler.request import Request
@@ -39,11 +40,21 @@ AttentionFactory = Callable[[list[torch.Tensor], AttentionMetadata], AttentionBa
 class DeviceResources:
     """What every model of one device shares, because one engine thread runs their steps one at a
     time on one stream: FlashInfer's float workspace and the CUDA-graph memory pool (created on
-    first use, never on CPU), and which attention kernels they run."""
+    first use, never on CPU), which attention kernels they run, and whether a model's next
+    decode step is launched before its last one's tokens are read (launch_ahead; None: on a
+    GPU, where the host's work then hides behind the device's)."""
 
-    def __init__(self, device: torch.device, kernels: KernelChoice = DEFAULT_KERNELS):
+    def __init__(
+        self,
+        device: torch.device,
+        kernels: KernelChoice = DEFAULT_KERNELS,
+        launch_ahead: bool | None = None,
+        piecewise: bool = True,
+    ):
         self.device = device
         self.kernels = kernels
+        self.launch_ahead = device.type == "cuda" if launch_ahead is None else launch_ahead
+        self.piecewise = piecewise  # piecewise graphs for the steps decode graphs cannot run
         self._workspace: torch.Tensor | None = None
         self._graph_pool = None
 
@@ -90,9 +101,12 @@ class ModelRunner:
         attention: AttentionFactory | None = None,
         cuda_graph_sizes: Sequence[int] | None = None,
         resources: DeviceResources | None = None,
+        piecewise_sizes: Sequence[int] | None = None,
     ):
         """cuda_graph_sizes: decode batch sizes to capture; None = DEFAULT_BATCH_SIZES where the
-        attention backend supports graphs (FlashInfer on CUDA), () = no graphs. resources: the
+        attention backend supports graphs (FlashInfer on CUDA), () = no graphs at all.
+        piecewise_sizes: the token buckets of the piecewise graphs of other steps; None =
+        DEFAULT_TOKEN_BUCKETS where decode graphs are captured, () = none. resources: the
         device's shared workspace and graph pool (None: this runner's own)."""
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -117,6 +131,17 @@ class ModelRunner:
                 pool=resources.graph_pool() if resources is not None else None,
             )
             self.graphs.capture()
+        self.pieces: PiecewiseGraphs | None = None
+        buckets = DEFAULT_TOKEN_BUCKETS if piecewise_sizes is None else tuple(piecewise_sizes)
+        if resources is not None and not resources.piecewise:
+            buckets = ()
+        if self.graphs is not None and buckets:
+            self.pieces = PiecewiseGraphs(model, buckets, device, pool=self.graphs.pool)
+            self.pieces.capture()
+        # FlashInfer's plan stages its tables in pinned host buffers that a queued copy reads:
+        # the next plan waits for the last one's copies (recorded here), so that the host may
+        # plan a step while the previous one is still queued behind another
+        self._planned = torch.cuda.Event() if device.type == "cuda" else None
 
     def _device_tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
@@ -127,41 +152,58 @@ class ModelRunner:
         batch: list[ScheduledChunk],
         scores: list[tuple[Request, list]] | None = None,
         on_launch: Callable[[], None] | None = None,
+        input_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Runs one step; returns float32 logits [num_sampling_requests, vocab] for the chunks
         that reach the end of their request's tokens, in batch order. scores: where to put, per
         request that asks for prompt logprobs, those of the prompt tokens this step's chunk
         predicts (not yet computed). on_launch: host work to do while the device runs the step:
         called once the graph replay is launched, or before an eager forward (whose launches
-        keep the host busy). The calling thread has the device current (the device worker sets
-        it once)."""
+        keep the host busy). input_ids: the step's tokens, already on the device (a step
+        launched before the previous one's tokens were read: every chunk one token, sampling).
+        The calling thread has the device current (the device worker sets it once). Nothing
+        here waits for the device to finish earlier steps."""
         ids: list[int] = []
         positions: list[int] = []
         last: list[int] = []  # index in the flat stream of each sampling chunk's last token
         for c in batch:
             start = c.start
-            ids.extend(c.request.all_token_ids[start : start + c.num_new])
+            if input_ids is None:
+                ids.extend(c.request.all_token_ids[start : start + c.num_new])
             positions.extend(range(start, start + c.num_new))
             if c.samples:
-                last.append(len(ids) - 1)
+                last.append(len(positions) - 1)
+        if input_ids is None:
+            input_ids = self._device_tensor(ids)
+        if self._planned is not None:
+            self._planned.synchronize()  # the last plan's staged copies have run
         chunks = [SeqChunk(c.start, c.num_new, c.request.block_table) for c in batch]
         md = AttentionMetadata.build(chunks, self.block_size, self.device)
-        input_ids, pos = self._device_tensor(ids), self._device_tensor(positions)
+        pos = self._device_tensor(positions)
         rows = self._device_tensor(last)
         spans = _prompt_spans(batch) if scores is not None else []
         if not spans and self.graphs is not None and self.graphs.can_run(md):
-            logits = self.graphs.run(input_ids, pos, md)[rows]
+            logits = self.graphs.run(input_ids, pos, md, self._planned)[rows]
             if on_launch is not None:
                 on_launch()
             return logits
+        if not spans and self.pieces is not None and self.pieces.fits(len(positions)):
+            attn = self.attention(self.kv_cache.layer_views, md)
+            self._planned.record()
+            hidden = self.pieces.run(input_ids, pos, attn)
+            if on_launch is not None:
+                on_launch()
+            return self.model.compute_logits(hidden[rows]) if last else _no_logits(hidden)
         if on_launch is not None:
             on_launch()
         ctx = ForwardContext(attn=self.attention(self.kv_cache.layer_views, md))
+        if self._planned is not None:
+            self._planned.record()
         hidden = self.model(input_ids, pos, ctx)  # writes this step's K/V, sampling or not
         for req, flat, lo, hi in spans:
             scores.append((req, self._score(hidden[flat : flat + hi - lo], req, lo, hi)))
         if not last:
-            return hidden.new_empty(0, 0, dtype=torch.float32)
+            return _no_logits(hidden)
         return self.model.compute_logits(hidden[rows])
 
     def _score(self, hidden: torch.Tensor, req: Request, lo: int, hi: int) -> list:
@@ -177,6 +219,11 @@ class ModelRunner:
 
 
 _SCORE_SLICE = 256  # prompt positions scored at once
+
+
+def _no_logits(hidden: torch.Tensor) -> torch.Tensor:
+    """The logits of a step that samples nothing (its chunks stop short of their prompts)."""
+    return hidden.new_empty(0, 0, dtype=torch.float32)
 
 
 def _prompt_spans(batch: list[ScheduledChunk]) -> list[tuple[Request, int, int, int]]:

@@ -20,6 +20,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 import torch
 
@@ -28,7 +29,7 @@ from models.layers.causal_lm import weight_bytes
 from prism_server.model_runner import DeviceResources, ModelRunner
 from prism_server.output_processor import OutputProcessor
 from prism_server.profiler import profile_steps
-from prism_server.sampler import Sampler
+from prism_server.sampler import Sampler, to_device
 from scheduler.arbitrator import ModelWork, model_work
 from scheduler.batch_scheduler import BatchScheduler, ScheduledChunk, SchedulerConfig
 from scheduler.latency_model import LatencyModel, StepShape
@@ -127,13 +128,22 @@ class ModelWorker:
         # sampled tokens whose text is not made yet (request, token, logprob, visible): made
         # while the device runs the next step (flush_outputs), in order
         self._unrendered: list[tuple[Request, int, TokenLogprob | None, bool]] = []
-        # while this model's step runs on the device (its text made meanwhile), a request that
-        # ends keeps its KV blocks until the step is done: the step may still write them
-        self._running_step = False
+        # while a step of this model runs on the device (its text made meanwhile, or its tokens
+        # not read yet), a request that ends keeps its KV blocks until no step in flight has it:
+        # the step may still write them
+        self._launching = False
         self._ended_in_step: list[Request] = []
+        # launch ahead: a step whose tokens stay on the device until the next step of this
+        # model is launched (or something needs them); its requests' next decode step is
+        # launched first, from those tokens, so that the host's work hides behind the device's
+        self.launch_ahead = resources.launch_ahead if resources is not None else False
+        self._ahead: _InFlight | None = None
         self.latency = LatencyModel()  # kept across evictions: a reactivation does not profile
-        # the last step run: its shape, the latency model's estimate before it, and its seconds
+        # the last step done: its shape, the latency model's estimate before it, and its seconds
         self.last_step: tuple[StepShape, float, float] | None = None
+        # told of each step once done: (the worker, when it started (perf_counter), shape,
+        # estimate, seconds); the device's step trace
+        self.on_step: Callable[[ModelWorker, float, StepShape, float, float], None] | None = None
         if profile_budget_s > 0:
             t = time.perf_counter()
             self.latency.fit_profile(profile_steps(self.runner, self.scheduler, profile_budget_s))
@@ -327,7 +337,21 @@ class ModelWorker:
         launched and the host would only wait): the device's earlier tokens' text. Given it,
         this step's tokens that do not end their request by their ids leave their text (detok,
         stop strings, the delta to the client) to the next step's while_running, or to
-        flush_outputs; without it, every token is rendered here."""
+        flush_outputs; without it, every token is rendered here.
+
+        With launch_ahead, a step whose sampling needs nothing of the host leaves its tokens on
+        the device; the next call launches its requests' next decode step from them (when the
+        pick admits no one new and each has its blocks), then reads them while that step runs.
+        A request that the unread token ended (EOS) runs one step for nothing, its token
+        dropped. Anything else reads them first (`sync`)."""
+        prev = self._ahead
+        if prev is not None:
+            follow = self._follow(prev, admit, token_budget)
+            if follow is not None:
+                self.last_used = now
+                self._step_ahead(prev, follow, while_running)
+                return True
+            self.sync()
         batch = self.scheduler.schedule(now, admit, token_budget)
         if not batch:
             return False
@@ -335,14 +359,24 @@ class ModelWorker:
         try:
             t = time.perf_counter()
             scores: list = []
-            self._running_step = True
+            self._launching = True
             logits = self.runner.execute(batch, scores, on_launch=while_running)
             for req, lps in scores:
                 req.prompt_logprobs += lps
             sampling = [c.request for c in batch if c.samples]
             live = [i for i, r in enumerate(sampling) if r.finish_reason is None]
+            if (
+                self.launch_ahead
+                and sampling
+                and len(live) == len(sampling)
+                and not any(self.sampler.needs_host(r) for r in sampling)
+            ):
+                tokens = self.sampler.launch(logits, sampling)
+                self._ahead = _InFlight(batch, sampling, tokens, t, while_running is not None)
+                self._launching = False
+                return True
             if len(live) < len(sampling):  # ended by a stop string while this step ran
-                logits = logits[torch.tensor(live, dtype=torch.long, device=logits.device)]
+                logits = logits[to_device(live, torch.long, logits.device)]
             got, got_lp = self.sampler.sample(logits, [sampling[i] for i in live])
             tokens, logprobs = [-1] * len(sampling), [None] * len(sampling)  # -1: not sampled
             for i, tok, lp in zip(live, got, got_lp):
@@ -350,34 +384,129 @@ class ModelWorker:
             if not got and self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()  # nothing sampled: no sync
             took = time.perf_counter() - t  # sampling synchronizes: the step has run
+            self._launching = False
             self._release_ended()
-            shape = StepShape.of((c.start, c.num_new) for c in batch)
-            self.last_step = (shape, self.latency.observe(shape, took), took)
+            self._done(batch, t, took)
         except Exception as e:  # a failed step fails its requests, not the engine
-            log.exception("step of model %s failed", self.name)
-            if self.device.type == "cuda":
-                with contextlib.suppress(Exception):  # what it launched is done (or failed)
-                    torch.cuda.synchronize(self.device)
-            self._release_ended()
-            self.flush_outputs()
-            error = f"{type(e).__name__}: {e}"
-            for c in batch:
-                if c.request.finish_reason is None:  # not ended by its text meanwhile
-                    req = c.request
-                    self._finish(req, self.outputs.final(req, FinishReason.ERROR, error))
+            self._fail_step(batch, e)
             return True
         self.scheduler.advance(batch)
-        self._publish(batch, tokens, logprobs, defer=while_running is not None)
+        self._publish(sampling, tokens, logprobs, defer=while_running is not None)
         return True
 
-    def _publish(self, batch: list[ScheduledChunk], tokens, logprobs, defer: bool) -> None:
-        it = iter(zip(tokens, logprobs))
-        now = time.monotonic()
+    def _follow(
+        self, prev: _InFlight, admit: Sequence[str] | None, token_budget: int | None
+    ) -> list[tuple[ScheduledChunk, int]] | None:
+        """The decode step that can be launched before prev's tokens are read, as (chunk, row of
+        prev's tokens that is its input); None if the pick admits new work, a running request
+        is not one of prev's sampling rows (a prefill chunk), the budget is short, a request's
+        next token needs the host, or blocks are short (the usual step then preempts)."""
+        s = self.scheduler
+        if admit or (admit is None and s.waiting and s.admitting):
+            return None
+        rows = {id(r): i for i, r in enumerate(prev.rows) if r.finish_reason is None}
+        running = [r for r in s.running if r.finish_reason is None]
+        if any(id(r) not in rows for r in running):
+            return None
+        limit = s.config.max_model_len
+        # prev's token ends a request by its length: no step after it
+        go = [
+            r
+            for r in running
+            if r.num_output_tokens + 1 < r.params.max_tokens and r.num_tokens + 1 < limit
+        ]
+        if not go or (token_budget is not None and len(go) > token_budget):
+            return None
+        if any(self.sampler.needs_host(r, pending=1) for r in go):
+            return None
+        go.sort(key=lambda r: rows[id(r)])
+        for r in go:  # position num_tokens: prev's token, the input of this step
+            if not s.grow(r, r.num_tokens + 1):
+                return None  # blocks taken for the others stay theirs: their next steps use them
+        return [(ScheduledChunk(r, r.num_tokens, 1), rows[id(r)]) for r in go]
+
+    def _step_ahead(
+        self,
+        prev: _InFlight,
+        follow: list[tuple[ScheduledChunk, int]],
+        while_running: Callable[[], None] | None,
+    ) -> None:
+        """Launch the decode step that follows prev from prev's tokens on the device, then read
+        prev's tokens (the device runs this step meanwhile) and publish them."""
+        batch = [c for c, _ in follow]
+        cur = None
+        try:
+            t = time.perf_counter()
+            self._launching = True
+            for c in batch:
+                c.request.reserve_token()
+            rows = [i for _, i in follow]
+            ids = prev.tokens
+            if rows != list(range(len(prev.rows))):
+                ids = ids[to_device(rows, torch.long, ids.device)]
+            logits = self.runner.execute(batch, input_ids=ids)
+            reqs = [c.request for c in batch]
+            cur = _InFlight(batch, reqs, self.sampler.launch(logits, reqs), t, prev.defer)
+            self._ahead = cur
+            self._launching = False
+            self._collect(prev, cur)
+        except Exception as e:
+            self._ahead = None
+            self._launching = False
+            self._fail_step(prev.batch + (cur.batch if cur is not None else batch), e)
+            return
+        if while_running is not None:
+            while_running()
+
+    def sync(self) -> None:
+        """Read the tokens of the step launched ahead, if any, and publish them (waits for the
+        device); then no step of this model is in flight."""
+        f, self._ahead = self._ahead, None
+        if f is None:
+            return
+        try:
+            self._collect(f, None)
+        except Exception as e:
+            self._fail_step(f.batch, e)
+
+    def _collect(self, f: _InFlight, nxt: _InFlight | None) -> None:
+        """f's tokens, once the device has them; nxt: the step launched after f, in flight (it
+        starts on the device as f ends)."""
+        tokens = f.read()
+        done = time.perf_counter()
+        if nxt is not None:
+            nxt.start = max(nxt.start, done)
+        self._release_ended()
+        self._done(f.batch, f.start, done - f.start)
+        self.scheduler.advance(f.batch)
+        self._publish(f.rows, tokens, [None] * len(tokens), defer=f.defer)
+
+    def _done(self, batch: list[ScheduledChunk], start: float, took: float) -> None:
+        """A step has run, from start for took seconds: the latency model learns it."""
+        shape = StepShape.of((c.start, c.num_new) for c in batch)
+        self.last_step = (shape, self.latency.observe(shape, took), took)
+        if self.on_step is not None:
+            self.on_step(self, start, shape, self.last_step[1], took)
+
+    def _fail_step(self, batch: list[ScheduledChunk], e: Exception) -> None:
+        """A failed step fails its requests (the model's state is suspect), not the engine."""
+        log.exception("step of model %s failed", self.name, exc_info=e)
+        if self.device.type == "cuda":
+            with contextlib.suppress(Exception):  # what it launched is done (or failed)
+                torch.cuda.synchronize(self.device)
+        self._launching = False
+        self._release_ended()
+        self.flush_outputs(collect=False)
+        error = f"{type(e).__name__}: {e}"
         for c in batch:
-            if not c.samples:
-                continue
-            tok, lp = next(it)
             req = c.request
+            if req.finish_reason is None and not req.is_finished:  # not ended meanwhile
+                self._finish(req, self.outputs.final(req, FinishReason.ERROR, error))
+
+    def _publish(self, rows: list[Request], tokens, logprobs, defer: bool) -> None:
+        """Each sampling row's token (-1: not sampled) and logprob to its request."""
+        now = time.monotonic()
+        for req, tok, lp in zip(rows, tokens, logprobs):
             if req.finish_reason is not None:  # a stop string in its text, made as this step ran
                 continue
             if req.first_token_time is None:
@@ -390,12 +519,15 @@ class ModelWorker:
             if defer and reason is None:
                 self._unrendered.append((req, tok, lp, visible))
                 continue
-            self.flush_outputs()  # its earlier tokens' text first
+            self.flush_outputs(collect=False)  # its earlier tokens' text first
             self._render(req, tok, lp, reason, visible)
 
-    def flush_outputs(self) -> None:
+    def flush_outputs(self, collect: bool = True) -> None:
         """Makes the text of the tokens sampled but not yet rendered, in order, and sends it;
-        a stop string in it ends its request."""
+        a stop string in it ends its request. collect: the tokens of a step launched ahead
+        first (waits for it)."""
+        if collect:
+            self.sync()
         todo, self._unrendered = self._unrendered, []
         for req, tok, lp, visible in todo:
             if req.finish_reason is None:
@@ -420,7 +552,7 @@ class ModelWorker:
         if n > 1 and req.tpot_slo is not None and req.first_token_time is not None:
             tpot = (req.last_token_time - req.first_token_time) / (n - 1)
             self._slo("tpot", tpot > req.tpot_slo, req.last_token_time)
-        if self._running_step:  # its blocks may be written by the step running: free them after
+        if self._on_device:  # its blocks may be written by a step in flight: free them after
             self._ended_in_step.append(req)
         else:
             self.scheduler.finish(req)
@@ -428,13 +560,22 @@ class ModelWorker:
         self.requests.pop(req.request_id, None)
         self._emit(req, out)
 
+    @property
+    def _on_device(self) -> bool:
+        """Whether a step of this model is in flight (launching, or its tokens not read)."""
+        return self._launching or self._ahead is not None
+
     def _release_ended(self) -> None:
-        """The step is done: the requests that ended while it ran give back their blocks."""
-        self._running_step = False
+        """A step is done: the requests that ended while it ran give back their blocks, but
+        for those in the step still in flight (launched ahead)."""
+        busy = {id(r) for r in self._ahead.rows} if self._ahead is not None else set()
         ended, self._ended_in_step = self._ended_in_step, []
         for req in ended:
-            self.scheduler.finish(req)
-            self.sampler.forget(req.request_id)
+            if id(req) in busy:
+                self._ended_in_step.append(req)
+            else:
+                self.scheduler.finish(req)
+                self.sampler.forget(req.request_id)
 
     def _emit(self, req: Request, out: RequestOutput) -> None:
         if req.sink is None:
@@ -505,6 +646,7 @@ class ModelWorker:
         )
 
     def check_integrity(self) -> None:
+        self.sync()
         self.kv.check_integrity()
         if self.weights is not None:
             self.weights.check_integrity()
@@ -513,6 +655,7 @@ class ModelWorker:
             assert self.kv.allocator.num_mapped_pages == 0, "an offloaded model holds KV pages"
 
     def close(self) -> None:
+        self.sync()  # nothing of it on the device when its pages go
         if self._transfer is not None:  # never free pages a copy is still writing
             self._transfer.wait()
             self._transfer = None
@@ -524,6 +667,32 @@ class ModelWorker:
             self.weights.close()
         if self.host is not None:
             self.host.close()
+
+
+@dataclass
+class _InFlight:
+    """A step launched whose tokens are not read yet."""
+
+    batch: list[ScheduledChunk]
+    rows: list[Request]  # the requests of `tokens`' rows
+    tokens: torch.Tensor  # [len(rows)] int64 on the device
+    start: float  # perf_counter when the device could start it
+    defer: bool  # its tokens' text waits for the next step's launch
+    host: torch.Tensor | None = None  # tokens' copy in pinned host memory (CUDA)
+    copied: torch.cuda.Event | None = None
+
+    def __post_init__(self):
+        if self.tokens.is_cuda:  # the copy back starts now, behind the step
+            self.host = torch.empty(len(self.rows), dtype=torch.long, pin_memory=True)
+            self.host.copy_(self.tokens, non_blocking=True)
+            self.copied = torch.cuda.Event()
+            self.copied.record()
+
+    def read(self) -> list[int]:
+        if self.copied is None:
+            return self.tokens.tolist()
+        self.copied.synchronize()
+        return self.host.tolist()
 
 
 def _allocated(device: torch.device) -> int:

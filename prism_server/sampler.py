@@ -39,6 +39,27 @@ class Sampler:
             self._generators[req.request_id] = g
         return g
 
+    @staticmethod
+    def needs_host(req: Request, pending: int = 0) -> bool:
+        """Whether sampling req's next token reads host state that a step still on the device
+        changes (its output tokens: penalties, min_tokens, a grammar's state) or returns more
+        than the token (logprobs). pending: its tokens sampled on the device, not read yet."""
+        p = req.params
+        return (
+            p.adjusts_logits
+            or p.constrained
+            or p.logprobs is not None
+            or req.num_output_tokens + pending < p.min_tokens
+        )
+
+    def launch(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        """The tokens of requests that need nothing of the host (`needs_host` false), left on
+        logits' device: [N] int64, launched without waiting for the device."""
+        self.completed = set()
+        if all(r.params.greedy for r in reqs):
+            return logits.argmax(dim=-1)
+        return self._sample_mixed(logits, reqs)
+
     def sample(
         self, logits: torch.Tensor, reqs: list[Request]
     ) -> tuple[list[int], list[TokenLogprob | None]]:
@@ -62,32 +83,32 @@ class Sampler:
         if all(r.params.greedy for r in reqs):
             tokens = logits.argmax(dim=-1).tolist()
         else:
-            tokens = self._sample_mixed(logits, reqs)
+            tokens = self._sample_mixed(logits, reqs).tolist()
         if constrained:
             self.completed = self.guides.accept(reqs, tokens)
         return tokens, self._logprobs(raw, tokens, reqs)
 
-    def _sample_mixed(self, logits: torch.Tensor, reqs: list[Request]) -> list[int]:
+    def _sample_mixed(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         """Greedy rows by one argmax, unseeded random rows by one batched draw, seeded rows one
-        by one from their own generators; one host sync for all."""
-        out = torch.empty(len(reqs), dtype=torch.long, device=logits.device)
+        by one from their own generators; on the device, nothing waits for it."""
+        dev = logits.device
+        out = torch.empty(len(reqs), dtype=torch.long, device=dev)
         greedy = [i for i, r in enumerate(reqs) if r.params.greedy]
         batched = [i for i, r in enumerate(reqs) if not r.params.greedy and r.params.seed is None]
         if greedy:
-            idx = torch.tensor(greedy, device=logits.device)
+            idx = to_device(greedy, torch.long, dev)
             out[idx] = logits[idx].argmax(dim=-1)
         if batched:
-            idx = torch.tensor(batched, device=logits.device)
+            idx = to_device(batched, torch.long, dev)
             out[idx] = sample_batch(logits[idx], [reqs[i].params for i in batched])
         for i, r in enumerate(reqs):
             if not r.params.greedy and r.params.seed is not None:
                 out[i] = self._sample_row(logits[i], r)
-        return out.tolist()
+        return out
 
-    def _sample_row(self, row: torch.Tensor, r: Request) -> int:
+    def _sample_row(self, row: torch.Tensor, r: Request) -> torch.Tensor:
+        """One random token of a seeded request, from its own generator: a 0-d tensor."""
         p = r.params
-        if p.greedy:
-            return int(row.argmax())
         row = row / p.temperature
         if p.min_p > 0:
             # p(t) < min_p * p_max  <=>  logit(t) < logit_max + log(min_p)
@@ -101,7 +122,7 @@ class Sampler:
             cum = sorted_p.cumsum(-1)
             drop = cum - sorted_p > p.top_p  # keep the smallest prefix whose mass reaches top_p
             probs = probs.scatter(0, idx, sorted_p.masked_fill(drop, 0.0))
-        return int(torch.multinomial(probs, 1, generator=self._generator(r)))
+        return torch.multinomial(probs, 1, generator=self._generator(r))[0]
 
     @staticmethod
     def _logprobs(
@@ -138,18 +159,18 @@ def sample_batch(logits: torch.Tensor, params: list, use_kernel: bool = True) ->
     top-k, then top-p of what is left. On CUDA (use_kernel) top-k/top-p run in FlashInfer's
     kernel. -> [n] int64, on logits' device."""
     dev, vocab = logits.device, logits.shape[-1]
-    temps = torch.tensor([p.temperature for p in params], device=dev, dtype=logits.dtype)
+    temps = to_device([p.temperature for p in params], logits.dtype, dev)
     x = logits / temps[:, None]
     min_p = [p.min_p for p in params]
     if any(m > 0 for m in min_p):  # min_p = 0: the threshold is -inf, nothing dropped
-        logs = torch.tensor([math.log(m) if m > 0 else -math.inf for m in min_p], device=dev)
+        logs = to_device([math.log(m) if m > 0 else -math.inf for m in min_p], torch.float32, dev)
         x = x.masked_fill(x < x.max(dim=-1, keepdim=True).values + logs[:, None], float("-inf"))
     top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
     top_p = [p.top_p for p in params]
     fi = _flashinfer_sampling() if use_kernel and logits.is_cuda else None
     if fi is not None:
-        k = torch.tensor(top_k, device=dev, dtype=torch.int32)
-        p = torch.tensor(top_p, device=dev, dtype=torch.float32)
+        k = to_device(top_k, torch.int32, dev)
+        p = to_device(top_p, torch.float32, dev)
         return fi.top_k_top_p_sampling_from_logits(x, k, p, deterministic=True).long()
     if any(k < vocab for k in top_k):
         kth = x.topk(max(top_k), dim=-1).values  # [n, max k], descending
@@ -163,6 +184,12 @@ def sample_batch(logits: torch.Tensor, params: list, use_kernel: bool = True) ->
         drop = cum - sorted_p > torch.tensor(top_p, device=dev)[:, None]
         probs = probs.scatter(1, idx, sorted_p.masked_fill(drop, 0.0))
     return torch.multinomial(probs, 1).squeeze(1)
+
+
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list on the device without waiting for the device to drain (a tensor built with
+    device= is a blocking copy, which waits for every step queued before it)."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
 def token_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[TokenLogprob]:

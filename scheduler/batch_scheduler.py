@@ -131,7 +131,7 @@ class BatchScheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self._grow(req, req.num_computed_tokens + num_new):
+            while not self.grow(req, req.num_computed_tokens + num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted = True
@@ -161,7 +161,7 @@ class BatchScheduler:
                 if not self.blocks.can_allocate(reserved + mine):
                     self._unadmit(req)
                     break
-            if not self._grow(req, req.num_computed_tokens + num_new):
+            if not self.grow(req, req.num_computed_tokens + num_new):
                 self._unadmit(req)
                 break
             if self.config.reserve_output_tokens:
@@ -214,7 +214,9 @@ class BatchScheduler:
         by_id = {r.request_id: r for r in self.waiting}
         yield from (by_id[k] for k in admit if k in by_id)
 
-    def _grow(self, req: Request, num_tokens: int) -> bool:
+    def grow(self, req: Request, num_tokens: int) -> bool:
+        """Whether req holds the blocks of num_tokens tokens, taking what it lacks (none if they
+        cannot all be had)."""
         need = self.blocks_needed(num_tokens) - len(req.block_table)
         if need <= 0:
             return True

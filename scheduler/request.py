@@ -15,6 +15,7 @@ MAX_GAP_SLOS = 4.0
 # engine emits it (the stream's delivery, host jitter, the estimate's error), and a short
 # output's mean TPOT has one or two gaps to absorb it
 TPOT_MARGIN = 0.05
+PENDING = -1  # a reserved token slot: sampled by a step on the device, not read yet
 
 
 class RequestStatus(enum.Enum):
@@ -121,6 +122,14 @@ class Request:
         banked = self.first_token_time + self.num_output_tokens * tpot
         return min(banked, self.last_token_time + MAX_GAP_SLOS * self.tpot_slo)
 
+    def reserve_token(self) -> None:
+        """A slot for the output token a step still running on the device samples, so that the
+        next step can be scheduled before it is known (PENDING until `append_token` fills it)."""
+        self.all_token_ids.append(PENDING)
+
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
-        self.all_token_ids.append(token_id)
+        if len(self.all_token_ids) == self.num_prompt_tokens + len(self.output_token_ids):
+            self.all_token_ids[-1] = token_id  # its slot was reserved
+        else:
+            self.all_token_ids.append(token_id)

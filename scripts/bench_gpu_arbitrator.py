@@ -88,33 +88,20 @@ def run(e: Engine) -> dict:
     }
 
 
-def trace_steps() -> list:
-    """Records every model step (model, token budget, tokens run, seconds, estimate): where the
-    time between the decoder's tokens goes."""
-    from prism_server.model_worker import ModelWorker
-    from scheduler.latency_model import StepShape
-
+def trace_steps(e: Engine) -> list:
+    """Records every model step once done (model, the arbitrator's token budget, tokens run,
+    seconds, estimate): where the time between the decoder's tokens goes."""
     steps: list = []
-    step = ModelWorker.step
 
-    def traced(self, now, admit=None, token_budget=None):
-        sched = self.scheduler
-        before = {id(r): r.num_computed_tokens for r in sched.running}
-        t = time.perf_counter()
-        ran = step(self, now, admit, token_budget)
-        took = time.perf_counter() - t
-        if ran:
-            chunks = [
-                (before.get(id(r), 0), r.num_computed_tokens - before.get(id(r), 0))
-                for r in sched.running
-            ]
-            shape = StepShape.of(c for c in chunks if c[1] > 0)
-            steps.append(
-                (self.name, token_budget, shape.tokens, took, self.latency.estimate(shape))
-            )
-        return ran
+    def record(m, start, shape, estimate, took):
+        pick = e.worker._pick  # the engine step's arbitration, read on the engine thread
+        budget = None
+        if pick is not None and pick[0] is not None and pick[0].model == m.name:
+            budget = pick[0].token_budget
+        steps.append((m.name, budget, shape.tokens, took, estimate))
 
-    ModelWorker.step = traced
+    for m in e.worker.call(lambda: list(e.worker.models.values())):
+        m.on_step = record
     return steps
 
 
@@ -158,8 +145,12 @@ def main() -> None:
         ),
     )
     out = {}
-    steps = trace_steps()
-    with Engine(EngineConfig(models=specs, device="cuda", kv_budget_bytes=40 * GiB)) as e:
+    # no prefix cache: the warm-up's prompts are the measured run's, and must be computed again
+    cfg = EngineConfig(
+        models=specs, device="cuda", kv_budget_bytes=40 * GiB, enable_prefix_caching=False
+    )
+    with Engine(cfg) as e:
+        steps = trace_steps(e)
         prism = e.worker.policy
         for name, pol in (("arbitrator", prism), ("round-robin", replace(prism, arbitrate=False))):
             e.worker.policy = pol

@@ -191,19 +191,81 @@ def sampler_bench(batch: int = 64, vocab: int = 128256) -> dict:
     return out
 
 
-@section("profile batch-1 decode")
-def profile_decode(engine: Engine, batch: int = 1) -> dict:
-    """A second ModelWorker on the same weights and pool, stepped from this thread: decode step
-    wall time, graph replay time, kernel time by kind, and where the host time goes."""
+def side_worker(engine: Engine, name: str) -> ModelWorker:
+    """A second ModelWorker on the engine model's weights and pool, stepped from this thread
+    (the engine's thread is idle between the benchmark's requests)."""
     me0 = engine.worker.models["m"]
-    me = ModelWorker(
-        "profile",
+    return ModelWorker(
+        name,
         me0.runner.model,
         me0.outputs.tokenizer,
         engine.pool,
         me0.scheduler.config,
         torch.bfloat16,
     )
+
+
+@section("profile small prefill steps")
+def profile_prefill(engine: Engine, sizes=(32, 128, 512)) -> dict:
+    """One prompt of n tokens as one step, through the piecewise graphs and eagerly: the host's
+    time to launch it (until execute returns) beside the whole step (until the device is done).
+    Equal: the host is the bound."""
+    me = side_worker(engine, "profile-prefill")
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    pieces = me.runner.pieces
+    out: dict = {}
+    for n in sizes:
+        for way in ("piecewise", "eager"):
+            me.runner.pieces = pieces if way == "piecewise" else None
+            host, step = [], []
+            for i in range(7):
+                r = Request(f"q{n}-{i}", prompt(n, 900 + i), params, frozenset(), 0.0)
+                me.add(r)
+                batch = me.scheduler.schedule(time.monotonic())
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                me.runner.execute(batch)
+                t1 = time.perf_counter()
+                torch.cuda.synchronize()
+                t2 = time.perf_counter()
+                me.scheduler.finish(r)
+                me.requests.pop(r.request_id)
+                if i >= 2:  # after a warm-up
+                    host.append(t1 - t0)
+                    step.append(t2 - t0)
+            h, t = statistics.median(host) * 1e3, statistics.median(step) * 1e3
+            out[f"{way}_{n}"] = {"host_ms": h, "step_ms": t}
+            print(f"   {n} tokens, {way}: host {h:.2f} ms of a {t:.2f} ms step")
+    me.runner.pieces = pieces
+    import cProfile
+    import io
+    import pstats
+
+    n = sizes[0]
+    r = Request(f"q{n}-prof", prompt(n, 999), params, frozenset(), 0.0)
+    me.add(r)
+    batch = me.scheduler.schedule(time.monotonic())
+    torch.cuda.synchronize()
+    host = cProfile.Profile()
+    host.enable()
+    me.runner.execute(batch)
+    host.disable()
+    torch.cuda.synchronize()
+    me.scheduler.finish(r)
+    me.requests.pop(r.request_id)
+    text = io.StringIO()
+    pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(15)
+    out["host_profile"] = text.getvalue()
+    print(text.getvalue())
+    me.close()
+    return out
+
+
+@section("profile batch-1 decode")
+def profile_decode(engine: Engine, batch: int = 1) -> dict:
+    """A second ModelWorker on the same weights and pool, stepped from this thread: decode step
+    wall time, graph replay time, kernel time by kind, and where the host time goes."""
+    me = side_worker(engine, "profile")
     params = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
     reqs = [Request(f"p{i}", prompt(1024, 5 + i), params, frozenset(), 0.0) for i in range(batch)]
     for r in reqs:
@@ -215,6 +277,21 @@ def profile_decode(engine: Engine, batch: int = 1) -> dict:
     for _ in range(30):
         me.step(time.monotonic())
     step_ms = (time.perf_counter() - t) / 30 * 1e3
+    # the same steps launched ahead (the engine's way on a GPU): the next step is launched
+    # before this one's tokens are read, and the text is made while it runs
+    me.launch_ahead = True
+
+    def hook():
+        me.flush_outputs(collect=False)
+
+    for _ in range(3):
+        me.step(time.monotonic(), while_running=hook)
+    t = time.perf_counter()
+    for _ in range(30):
+        me.step(time.monotonic(), while_running=hook)
+    ahead_ms = (time.perf_counter() - t) / 30 * 1e3
+    me.sync()
+    me.launch_ahead = False
     graph = me.runner.graphs.graphs[batch].graph  # planned for the live batch: replay is safe
     replay_ms = cuda_time_ms(graph.replay, iters=20)
     import cProfile
@@ -261,12 +338,16 @@ def profile_decode(engine: Engine, batch: int = 1) -> dict:
         "batch": batch,
         "host_profile": text.getvalue(),
         "step_ms": step_ms,
+        "step_ahead_ms": ahead_ms,
         "graph_replay_ms": replay_ms,
         "kernel_ms_per_step": kinds,
         "kernels_per_step": counts,
         "top_kernels": top[:12],
     }
-    print(f"   B={batch}: step {step_ms:.2f} ms, graph replay {replay_ms:.2f} ms, kernels {kinds}")
+    print(
+        f"   B={batch}: step {step_ms:.2f} ms, launched ahead {ahead_ms:.2f} ms, graph replay "
+        f"{replay_ms:.2f} ms, kernels {kinds}"
+    )
     print("\n".join(text.getvalue().splitlines()[:30]))
     for ms, n, name in top[:12]:
         print(f"     {ms:7.3f} ms  x{n:5.0f}  {name}")
@@ -405,6 +486,7 @@ def main() -> None:
             save("sampler", sampler_bench())
             save("profile", profile_decode(vmm))
             save("profile_b64", profile_decode(vmm, 64))
+            save("profile_prefill", profile_prefill(vmm))
         plain = section("load (plain tensor)")(make_engine)(plain=True)
         if plain is not None:
             save("vmm_vs_plain", vmm_vs_plain(vmm, plain, args.repeats))

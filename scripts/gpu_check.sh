@@ -33,7 +33,7 @@ nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.mem --form
 if [ "$quick" = "--decode" ]; then
   t0=$SECONDS
   timeout 300 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/gpu/test_fused_ops_gpu.py \
-    tests/gpu/test_sampling_gpu.py \
+    tests/gpu/test_sampling_gpu.py tests/gpu/test_launch_ahead_gpu.py tests/gpu/test_piecewise_graphs.py \
     tests/gpu/test_gpu_vs_cpu.py tests/gpu/test_cuda_graphs.py 2>&1 | tee "$OUT/pytest.log"
   echo "tests: $((SECONDS - t0)) s"
   if [ -d .baseline ]; then

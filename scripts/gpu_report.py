@@ -108,13 +108,14 @@ def main() -> None:
         prof = eng.get(key) or {}
         gemm = get(prof, "kernel_ms_per_step", "gemm")
         other = get(prof, "kernel_ms_per_step", "other")
+        ahead, replay = prof.get("step_ahead_ms"), prof.get("graph_replay_ms")
         rows.append(
             (
-                f"B={prof.get('batch', '?')} step / graph replay (ms)",
-                f"{fmt(prof.get('step_ms'))} / {fmt(prof.get('graph_replay_ms'))}",
+                f"B={prof.get('batch', '?')} step / ahead / replay (ms)",
+                f"{fmt(prof.get('step_ms'))} / {fmt(ahead)} / {fmt(replay)}",
                 f"GEMM {fmt(gemm)}; elementwise {fmt(other)}",
-                "-",
-                "-",
+                fmt(ahead / replay if ahead and replay else None, "", 3),
+                "ahead <= 1.1 x replay",
             )
         )
     for name in ("decode_b64", "prefill_8k"):

@@ -49,9 +49,10 @@ TINY = {
 _ids = itertools.count()
 
 
-def tiny_model(seed: int = 0) -> tuple[ModelConfig, torch.nn.Module]:
-    """The tiny Llama on the CPU in float32, with weights exactly representable in bf16."""
-    cfg = ModelConfig.from_hf(dict(TINY))
+def tiny_model(seed: int = 0, **hf) -> tuple[ModelConfig, torch.nn.Module]:
+    """The tiny Llama on the CPU in float32, with weights exactly representable in bf16; hf:
+    config fields that change it (another architecture of the same shape)."""
+    cfg = ModelConfig.from_hf(dict(TINY, **hf))
     with torch.device("meta"):
         model = get_model_class(cfg.hf_architecture)(cfg)
     model = model.to_empty(device="cpu").float()

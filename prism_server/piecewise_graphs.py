@@ -1,0 +1,154 @@
+"""Piecewise CUDA graphs for the steps a decode graph cannot run: prefill chunks, mixed batches,
+decode batches past the largest decode graph.
+
+An eager forward launches every kernel through Python: for an 8B model that is about 1,500
+launches a step, some 10-18 ms of host time on the H200, whatever the step's size. So a small
+prefill step costs three times its device time. Here everything between two attention calls
+(embedding, norms, projections, rope, MLPs, the final norm) is captured once per token bucket,
+one graph per segment: num_layers + 1 graphs per bucket. A step of T tokens replays the smallest
+bucket >= T. Between the graphs, attention runs eagerly, planned for the step's own batch. It
+reads q/k/v from static buffers (the segment before it copies them there) and its output is
+copied into a static buffer that the next segment reads. Padded rows (T..bucket) compute rows
+that nothing reads: every op between attention calls works row by row.
+
+All buckets share one memory pool (the device's graph pool) and never replay concurrently; each
+bucket's replays are self-contained (nothing of one step's replay is read by another's).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from models.attention.base import ForwardContext, LayerAttention
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TOKEN_BUCKETS = (8, 16, 32, 64, 128, 256, 512)
+
+
+@dataclass
+class _Bucket:
+    graphs: list[torch.cuda.CUDAGraph]  # num_layers + 1 segments
+    layers: list[tuple[int, LayerAttention]]  # the attention call after each segment but the last
+    hidden: torch.Tensor  # [bucket, hidden]: the last segment's output (static)
+
+
+class _SegmentHook:
+    """The attention backend of a capture: at each attention call, the segment captured so far
+    ends (after copying q/k/v to the static buffers) and the next one begins; the call returns
+    the static output buffer. In the warm-up run (capturing False) it only copies."""
+
+    def __init__(self, owner: PiecewiseGraphs, capturing: bool):
+        self.owner, self.capturing = owner, capturing
+        self.graphs: list[torch.cuda.CUDAGraph] = []
+        self.layers: list[tuple[int, LayerAttention]] = []
+
+    def begin(self) -> None:
+        g = torch.cuda.CUDAGraph()
+        pool = self.owner.pool
+        g.capture_begin(pool=pool, capture_error_mode="thread_local")
+        if pool is None:
+            self.owner.pool = g.pool()
+        self.graphs.append(g)
+
+    def end(self) -> None:
+        self.graphs[-1].capture_end()
+
+    def forward(self, layer_idx: int, q, k, v, spec: LayerAttention) -> torch.Tensor:
+        o = self.owner
+        t = q.shape[0]
+        o.ensure_buffers(q, k)
+        o.q[:t].copy_(q)
+        o.k[:t].copy_(k)
+        o.v[:t].copy_(v)
+        if self.capturing:
+            self.end()
+            self.layers.append((layer_idx, spec))
+            self.begin()
+        return o.out[:t]
+
+
+_CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """One side stream per device for every piecewise capture (a new stream per capture would
+    cycle through torch's stream pool, each with a cuBLAS workspace of its own)."""
+    if device not in _CAPTURE_STREAMS:
+        _CAPTURE_STREAMS[device] = torch.cuda.Stream(device)
+    return _CAPTURE_STREAMS[device]
+
+
+class PiecewiseGraphs:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        buckets: Sequence[int],
+        device: torch.device,
+        pool=None,
+    ):
+        """buckets: the step sizes (tokens) to capture; pool: a graph memory pool shared with
+        graphs that never replay concurrently (None: its own)."""
+        self.model, self.device, self.pool = model, device, pool
+        self.buckets = sorted(set(buckets))
+        n = self.buckets[-1]
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
+        self.positions = torch.zeros(n, dtype=torch.long, device=device)
+        # q/k/v before each attention call and its output after, [bucket, heads, head_dim]:
+        # shared by every layer and bucket (made at the first warm-up, from the model's shapes)
+        self.q = self.k = self.v = self.out = None
+        self._buckets: dict[int, _Bucket] = {}
+
+    @property
+    def max_tokens(self) -> int:
+        return self.buckets[-1]
+
+    def ensure_buffers(self, q: torch.Tensor, k: torch.Tensor) -> None:
+        if self.q is None:
+            n, dev = self.max_tokens, self.device
+            self.q = torch.zeros(n, *q.shape[1:], dtype=q.dtype, device=dev)
+            self.k = torch.zeros(n, *k.shape[1:], dtype=k.dtype, device=dev)
+            self.v = torch.zeros(n, *k.shape[1:], dtype=k.dtype, device=dev)
+            self.out = torch.zeros_like(self.q)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every bucket, largest first (the pool's high-water mark is set once), on the
+        device's capture stream, warmed up on it first: the kernels are chosen and the
+        per-stream workspaces (cuBLAS's) made before any capture."""
+        stream = _capture_stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for n in reversed(self.buckets):
+                ids, pos = self.input_ids[:n], self.positions[:n]
+                self.model(ids, pos, ForwardContext(attn=_SegmentHook(self, capturing=False)))
+                stream.synchronize()
+                hook = _SegmentHook(self, capturing=True)
+                hook.begin()
+                hidden = self.model(ids, pos, ForwardContext(attn=hook))
+                hook.end()
+                self._buckets[n] = _Bucket(hook.graphs, hook.layers, hidden)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+        log.info("captured piecewise graphs for steps of up to %s tokens", self.buckets)
+
+    def fits(self, num_tokens: int) -> bool:
+        return num_tokens <= self.max_tokens
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, attention) -> torch.Tensor:
+        """One step of len(input_ids) tokens, attention (the step's planned backend) between the
+        segments -> hidden [T, hidden] (a view of a static buffer: valid until the next run)."""
+        t = input_ids.shape[0]
+        b = self._buckets[next(n for n in self.buckets if n >= t)]
+        self.input_ids[:t].copy_(input_ids)
+        self.positions[:t].copy_(positions)
+        q, k, v, out = self.q[:t], self.k[:t], self.v[:t], self.out[:t]
+        for g, (layer_idx, spec) in zip(b.graphs, b.layers):
+            g.replay()
+            out.copy_(attention.forward(layer_idx, q, k, v, spec))
+        b.graphs[-1].replay()
+        return b.hidden[:t]

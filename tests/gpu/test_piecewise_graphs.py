@@ -1,0 +1,85 @@
+"""Piecewise CUDA graphs: prefill steps and mixed steps (a prompt's last chunk beside decodes)
+replayed segment by segment, attention eager between them, give the eager tokens and logits; a
+step larger than the largest bucket runs eagerly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from prism_server.model_runner import ModelRunner
+from tests.gpu.common import (
+    GPU,
+    assert_no_real_divergence,
+    cuda_pool,
+    first_divergence,
+    greedy,
+    model_engine,
+    on_gpu,
+    prompts,
+    tiny_model,
+)
+
+pytestmark = GPU
+
+QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}  # q/k norms in segments
+
+
+def count_runs(me) -> list[int]:
+    """Counts the steps run through piecewise graphs, and their token counts."""
+    sizes: list[int] = []
+    run = me.runner.pieces.run
+
+    def counting(input_ids, *a, **k):
+        sizes.append(input_ids.shape[0])
+        return run(input_ids, *a, **k)
+
+    me.runner.pieces.run = counting
+    return sizes
+
+
+@pytest.mark.parametrize("hf", [{}, QWEN3], ids=["llama", "qwen3"])
+def test_prefill_and_mixed_steps_replayed_piecewise_give_the_eager_tokens(hf):
+    cfg, cpu_model = tiny_model(seed=5, **hf)
+    model = on_gpu(cpu_model)
+    pool = cuda_pool(pages=8)
+    pieces = model_engine("pieces", cfg, model, pool, graphs=True)
+    eager = model_engine("eager", cfg, model, pool, graphs=False)
+    assert pieces.runner.pieces is not None and eager.runner.pieces is None
+    sizes = count_runs(pieces)
+    # 6 prompts, 292 tokens under a 256-token step budget: a 256-token prefill step (bucket 256),
+    # then the last prompt's remaining chunk beside five decodes (a mixed step, bucket 64)
+    ps = prompts(6, seed=4)
+    ref_tokens, ref_logits = greedy(eager, ps, 12)
+    tokens, logits = greedy(pieces, ps, 12)
+    same = assert_no_real_divergence(ref_tokens, ref_logits, tokens, tie=0.02)
+    assert same >= 3, same
+    for rt, t, rl, lg in zip(ref_tokens, tokens, ref_logits, logits):
+        k = first_divergence(rt, t) or len(t)
+        rel = (lg[:k] - rl[:k]).norm() / rl[:k].norm()
+        assert rel < 1e-2, float(rel)
+    assert sizes[:2] == [256, sum(map(len, ps)) - 256 + 5], sizes
+    for me in (pieces, eager):
+        me.check_integrity()
+        me.close()
+    torch.cuda.synchronize()
+
+
+def test_a_step_past_the_largest_bucket_runs_eagerly():
+    """Buckets of 8 and 16 tokens: a 5-token prompt replays the 8-token bucket, a 34-token one
+    runs eagerly; both give the eager engine's tokens."""
+    cfg, cpu_model = tiny_model(seed=6)
+    model = on_gpu(cpu_model)
+    pool = cuda_pool(pages=8)
+    small = model_engine("small", cfg, model, pool)
+    small.runner = ModelRunner(model, small.kv.cache, small.device, piecewise_sizes=(8, 16))
+    eager = model_engine("eager", cfg, model, pool, graphs=False)
+    sizes = count_runs(small)
+    for p in prompts(2, seed=9):  # 5 and 34 tokens, one at a time
+        ref_tokens, ref_logits = greedy(eager, [p], 4)
+        tokens, _ = greedy(small, [p], 4)
+        assert_no_real_divergence(ref_tokens, ref_logits, tokens, tie=0.02)
+    assert sizes == [5], sizes
+    for me in (small, eager):
+        me.check_integrity()
+        me.close()
