@@ -4,7 +4,9 @@ process, on the same engine: with the arbitrator (prism: the long prompts are pr
 chunks that fit the decoder's slack) and with round-robin (each model with work steps in turn,
 full 2,048-token prefill steps). Prints the decoder's TPOT attainment, per token (each gap
 within the SLO) and per request (mean TPOT within the SLO), and the burst's TTFT; also the
-latency model's estimates against measured steps.
+latency model's estimates against measured steps. The SLO is on each request's mean TPOT
+(what its client sees over the stream): a stream that ran fast before the burst may have gaps
+beyond 50 ms during it and still meet it.
 
     python3 scripts/bench_gpu_arbitrator.py [--json out.json]
 """
@@ -76,10 +78,15 @@ def run(e: Engine) -> dict:
         if len(during) > 1:
             tpots.append((during[-1] - during[0]) / (len(during) - 1))
     ttfts = sorted(t[0] - arrival for t in burst_times)
+    # the SLO's own measure: each request's mean TPOT over its whole output (slack a stream
+    # banks before the burst may be spent during it)
+    whole = [(t[-1] - t[0]) / (len(t) - 1) for t in dec_times if len(t) > 1]
     return {
         "decoder_gaps": len(gaps),
         "token_attainment": sum(g <= TPOT_SLO_S for g in gaps) / max(len(gaps), 1),
         "request_attainment": sum(x <= TPOT_SLO_S for x in tpots) / max(len(tpots), 1),
+        "slo_attainment": sum(x <= TPOT_SLO_S for x in whole) / max(len(whole), 1),
+        "mean_tpot_max_ms": 1e3 * max(whole),
         "gap_p50_ms": 1e3 * statistics.median(gaps) if gaps else None,
         "gap_max_ms": 1e3 * max(gaps) if gaps else None,
         "burst_ttft_p50_s": ttfts[len(ttfts) // 2],
@@ -179,8 +186,10 @@ def main() -> None:
     )
     for name, x in (("arbitrator", a), ("round-robin", r)):
         print(
-            f"  {name:11}  per token {100 * x['token_attainment']:5.1f}%  per request "
-            f"{100 * x['request_attainment']:5.1f}%  gap p50 {x['gap_p50_ms']:.1f} ms max "
+            f"  {name:11}  SLO (mean TPOT) {100 * x['slo_attainment']:5.1f}% (worst "
+            f"{x['mean_tpot_max_ms']:.1f} ms)  per token {100 * x['token_attainment']:5.1f}%  "
+            f"per request over the burst {100 * x['request_attainment']:5.1f}%  "
+            f"gap p50 {x['gap_p50_ms']:.1f} ms max "
             f"{x['gap_max_ms']:.1f} ms  burst TTFT p50 {x['burst_ttft_p50_s']:.2f} s max "
             f"{x['burst_ttft_max_s']:.2f} s"
         )
