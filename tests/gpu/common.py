@@ -96,6 +96,14 @@ def model_engine(
     return me
 
 
+def tiny_cpu_worker(name: str = "m") -> ModelWorker:
+    """The tiny Llama served on the CPU, on a host pool of its own."""
+    cfg, model = tiny_model()
+    backend = CpuBackend()
+    page = backend.round_up(1 << 20)
+    return model_engine(name, cfg, model, PagePool(backend, page, 40 * page, precreate=8))
+
+
 def start(me: ModelWorker, prompt_ids: list[list[int]], max_tokens: int) -> list[Request]:
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     reqs = []

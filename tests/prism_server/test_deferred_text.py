@@ -7,18 +7,13 @@ from __future__ import annotations
 
 import pytest
 
-from kvpool import CpuBackend, PagePool
 from scheduler.request import FinishReason, Request
 from scheduler.sampling_params import SamplingParams
-from tests.gpu.common import model_engine, tiny_model
+from tests.gpu.common import tiny_cpu_worker
 
 
 def worker():
-    cfg, model = tiny_model()
-    backend = CpuBackend()
-    page = backend.round_up(1 << 20)
-    pool = PagePool(backend, page, 40 * page, precreate=8)
-    return model_engine("m", cfg, model, pool)
+    return tiny_cpu_worker()
 
 
 def submit(me, name: str, params: SamplingParams, log: list) -> Request:

@@ -8,20 +8,11 @@ from __future__ import annotations
 
 import pytest
 
-from kvpool import CpuBackend, PagePool
 from scheduler.request import PENDING, FinishReason, Request
 from scheduler.sampling_params import SamplingParams
-from tests.gpu.common import model_engine, tiny_model
+from tests.gpu.common import tiny_cpu_worker
 
 PROMPT = [5, 6, 7, 8, 9]
-
-
-def cpu_worker():
-    cfg, model = tiny_model()
-    backend = CpuBackend()
-    page = backend.round_up(1 << 20)
-    pool = PagePool(backend, page, 40 * page, precreate=8)
-    return model_engine("m", cfg, model, pool)
 
 
 class Run:
@@ -29,7 +20,7 @@ class Run:
     runs, never reading the step just launched) and records what each request received.
     make: a new ModelWorker (the tiny model on the CPU by default)."""
 
-    def __init__(self, ahead: bool, make=cpu_worker):
+    def __init__(self, ahead: bool, make=tiny_cpu_worker):
         self.me = make()
         self.me.launch_ahead = ahead
         self.got: dict[str, list] = {}
@@ -87,7 +78,7 @@ class Run:
         )
 
 
-def both(setup, on_step=None, make=cpu_worker) -> tuple[Run, Run]:
+def both(setup, on_step=None, make=tiny_cpu_worker) -> tuple[Run, Run]:
     """The same requests run with tokens read before each next step and launched ahead: each
     request's outcome is the same."""
     runs = []
@@ -119,14 +110,14 @@ def test_decode_steps_launch_ahead_with_the_same_tokens_and_text():
     assert ahead.outcome("a")[2] is FinishReason.LENGTH
 
 
-def greedy_output(n: int = 10, make=cpu_worker) -> list[int]:
+def greedy_output(n: int = 10, make=tiny_cpu_worker) -> list[int]:
     run = Run(False, make)
     run.submit("a", greedy(n))
     run.until_done()
     return run.outcome("a")[3]
 
 
-def eos_in_the_unread_token(make=cpu_worker) -> None:
+def eos_in_the_unread_token(make=tiny_cpu_worker) -> None:
     out = greedy_output(make=make)
     k = next(i for i in range(2, len(out)) if out[i] not in out[:i])  # a fresh token
     eos = frozenset({out[k]})
