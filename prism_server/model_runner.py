@@ -102,12 +102,15 @@ class ModelRunner:
         cuda_graph_sizes: Sequence[int] | None = None,
         resources: DeviceResources | None = None,
         piecewise_sizes: Sequence[int] | None = None,
+        piecewise_kv: bool = False,
     ):
         """cuda_graph_sizes: decode batch sizes to capture; None = DEFAULT_BATCH_SIZES where the
         attention backend supports graphs (FlashInfer on CUDA), () = no graphs at all.
         piecewise_sizes: the token buckets of the piecewise graphs of other steps; None =
-        DEFAULT_TOKEN_BUCKETS where decode graphs are captured, () = none. resources: the
-        device's shared workspace and graph pool (None: this runner's own)."""
+        DEFAULT_TOKEN_BUCKETS where decode graphs are captured, () = none. piecewise_kv: the
+        piecewise graphs write K/V too (the step's eager part is then attention alone; not yet
+        measured on a GPU). resources: the device's shared workspace and graph pool (None: this
+        runner's own)."""
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         self.model = model
@@ -136,7 +139,10 @@ class ModelRunner:
         if resources is not None and not resources.piecewise:
             buckets = ()
         if self.graphs is not None and buckets:
-            self.pieces = PiecewiseGraphs(model, buckets, device, pool=self.graphs.pool)
+            views = kv_cache.layer_views if piecewise_kv else None
+            self.pieces = PiecewiseGraphs(
+                model, buckets, device, pool=self.graphs.pool, kv_views=views
+            )
             self.pieces.capture()
         # FlashInfer's plan stages its tables in pinned host buffers that a queued copy reads:
         # the next plan waits for the last one's copies (recorded here), so that the host may
@@ -188,9 +194,12 @@ class ModelRunner:
                 on_launch()
             return logits
         if not spans and self.pieces is not None and self.pieces.fits(len(positions)):
-            attn = self.attention(self.kv_cache.layer_views, md)
+            if self.pieces.writes_kv:
+                attn = self.attention(self.kv_cache.layer_views, md, write_kv=False)
+            else:
+                attn = self.attention(self.kv_cache.layer_views, md)
             self._planned.record()
-            hidden = self.pieces.run(input_ids, pos, attn)
+            hidden = self.pieces.run(input_ids, pos, attn, md.slot_mapping)
             if on_launch is not None:
                 on_launch()
             return self.model.compute_logits(hidden[rows]) if last else _no_logits(hidden)

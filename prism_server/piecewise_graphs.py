@@ -11,6 +11,10 @@ reads q/k/v from static buffers (the segment before it copies them there) and it
 copied into a static buffer that the next segment reads. Padded rows (T..bucket) compute rows
 that nothing reads: every op between attention calls works row by row.
 
+With kv_views, each segment also writes its layer's K/V (index_copy_ at rows made from a
+static slot buffer, refilled each step; padded rows write the null block, as in decode graphs),
+so the eager part of a step is the attention kernels alone.
+
 All buckets share one memory pool (the device's graph pool) and never replay concurrently; each
 bucket's replays are self-contained (nothing of one step's replay is read by another's).
 """
@@ -24,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from models.attention.base import ForwardContext, LayerAttention
+from models.attention.flashinfer_paged import kv_rows, write_kv
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +40,7 @@ class _Bucket:
     graphs: list[torch.cuda.CUDAGraph]  # num_layers + 1 segments
     layers: list[tuple[int, LayerAttention]]  # the attention call after each segment but the last
     hidden: torch.Tensor  # [bucket, hidden]: the last segment's output (static)
+    rows: torch.Tensor | None  # the K/V rows the segments write (static), with kv_views
 
 
 class _SegmentHook:
@@ -46,6 +52,7 @@ class _SegmentHook:
         self.owner, self.capturing = owner, capturing
         self.graphs: list[torch.cuda.CUDAGraph] = []
         self.layers: list[tuple[int, LayerAttention]] = []
+        self.rows: torch.Tensor | None = None  # made by the first segment, read by all
 
     def begin(self) -> None:
         g = torch.cuda.CUDAGraph()
@@ -65,6 +72,10 @@ class _SegmentHook:
         o.q[:t].copy_(q)
         o.k[:t].copy_(k)
         o.v[:t].copy_(v)
+        if o.kv_views is not None:
+            if self.rows is None:
+                self.rows = kv_rows(o.slots[:t], o.block_size)
+            write_kv(o.kv_views[layer_idx], self.rows, k, v)
         if self.capturing:
             self.end()
             self.layers.append((layer_idx, spec))
@@ -90,14 +101,20 @@ class PiecewiseGraphs:
         buckets: Sequence[int],
         device: torch.device,
         pool=None,
+        kv_views: list[torch.Tensor] | None = None,
     ):
         """buckets: the step sizes (tokens) to capture; pool: a graph memory pool shared with
-        graphs that never replay concurrently (None: its own)."""
+        graphs that never replay concurrently (None: its own); kv_views: the model's KV cache
+        views ([num_blocks, 2, block_size, H, D] per layer) when the segments write K/V (the
+        step's attention then must not)."""
         self.model, self.device, self.pool = model, device, pool
         self.buckets = sorted(set(buckets))
         n = self.buckets[-1]
         self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
         self.positions = torch.zeros(n, dtype=torch.long, device=device)
+        self.kv_views = kv_views
+        self.block_size = kv_views[0].shape[2] if kv_views else 0
+        self.slots = torch.zeros(n, dtype=torch.long, device=device)  # 0: the null block
         # q/k/v before each attention call and its output after, [bucket, heads, head_dim]:
         # shared by every layer and bucket (made at the first warm-up, from the model's shapes)
         self.q = self.k = self.v = self.out = None
@@ -131,7 +148,7 @@ class PiecewiseGraphs:
                 hook.begin()
                 hidden = self.model(ids, pos, ForwardContext(attn=hook))
                 hook.end()
-                self._buckets[n] = _Bucket(hook.graphs, hook.layers, hidden)
+                self._buckets[n] = _Bucket(hook.graphs, hook.layers, hidden, hook.rows)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
         log.info("captured piecewise graphs for steps of up to %s tokens", self.buckets)
@@ -139,13 +156,28 @@ class PiecewiseGraphs:
     def fits(self, num_tokens: int) -> bool:
         return num_tokens <= self.max_tokens
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, attention) -> torch.Tensor:
+    @property
+    def writes_kv(self) -> bool:
+        return self.kv_views is not None
+
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attention,
+        slot_mapping: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """One step of len(input_ids) tokens, attention (the step's planned backend) between the
-        segments -> hidden [T, hidden] (a view of a static buffer: valid until the next run)."""
+        segments -> hidden [T, hidden] (a view of a static buffer: valid until the next run).
+        slot_mapping: the step's KV slots [T], when the segments write K/V."""
         t = input_ids.shape[0]
-        b = self._buckets[next(n for n in self.buckets if n >= t)]
+        size = next(n for n in self.buckets if n >= t)
+        b = self._buckets[size]
         self.input_ids[:t].copy_(input_ids)
         self.positions[:t].copy_(positions)
+        if self.writes_kv:
+            self.slots[:t].copy_(slot_mapping)
+            self.slots[t:size].zero_()  # padded rows write the null block
         q, k, v, out = self.q[:t], self.k[:t], self.v[:t], self.out[:t]
         for g, (layer_idx, spec) in zip(b.graphs, b.layers):
             g.replay()

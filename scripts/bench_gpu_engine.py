@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from models.presets import get_preset  # noqa: E402
 from prism_server.config import EngineConfig, ModelSpec  # noqa: E402
 from prism_server.engine import Engine  # noqa: E402
+from prism_server.model_runner import ModelRunner  # noqa: E402
 from prism_server.model_worker import ModelWorker  # noqa: E402
 from scheduler.request import Request  # noqa: E402
 from scheduler.sampling_params import SamplingParams  # noqa: E402
@@ -212,11 +213,14 @@ def profile_prefill(engine: Engine, sizes=(32, 128, 512)) -> dict:
     Equal: the host is the bound."""
     me = side_worker(engine, "profile-prefill")
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-    pieces = me.runner.pieces
+    runner = me.runner
+    kv_runner = ModelRunner(runner.model, me.kv.cache, me.device, piecewise_kv=True)
+    pieces = runner.pieces
     out: dict = {}
     for n in sizes:
-        for way in ("piecewise", "eager"):
-            me.runner.pieces = pieces if way == "piecewise" else None
+        for way in ("piecewise", "piecewise-kv", "eager"):
+            me.runner = kv_runner if way == "piecewise-kv" else runner
+            runner.pieces = None if way == "eager" else pieces
             host, step = [], []
             for i in range(7):
                 r = Request(f"q{n}-{i}", prompt(n, 900 + i), params, frozenset(), 0.0)
@@ -236,7 +240,7 @@ def profile_prefill(engine: Engine, sizes=(32, 128, 512)) -> dict:
             h, t = statistics.median(host) * 1e3, statistics.median(step) * 1e3
             out[f"{way}_{n}"] = {"host_ms": h, "step_ms": t}
             print(f"   {n} tokens, {way}: host {h:.2f} ms of a {t:.2f} ms step")
-    me.runner.pieces = pieces
+    me.runner, runner.pieces = runner, pieces
     import cProfile
     import io
     import pstats

@@ -210,11 +210,15 @@ class FlashInferBackend:
             for s in self.specs
         }
 
-    def __call__(self, kv_caches: list[torch.Tensor], md: AttentionMetadata) -> FlashInferAttention:
+    def __call__(
+        self, kv_caches: list[torch.Tensor], md: AttentionMetadata, write_kv: bool = True
+    ) -> FlashInferAttention:
+        """The step's attention, planned for md. write_kv False: the step's K/V are written by
+        someone else before each layer's call (a piecewise graph)."""
         index = PagedKVIndex.from_metadata(md)
         sh = self.shape
         if md.is_decode_only:
-            write = RowsWriter(kv_rows(md.slot_mapping, sh.block_size))
+            write = RowsWriter(kv_rows(md.slot_mapping, sh.block_size)) if write_kv else None
             wrappers = self.decode
             for spec, w in wrappers.items():
                 w.plan(
@@ -228,7 +232,9 @@ class FlashInferBackend:
                     **plan_kwargs(spec, sh),
                 )
         else:
-            write = AppendWriter(self._fi, append_inputs(index, md, self.device))
+            write = (
+                AppendWriter(self._fi, append_inputs(index, md, self.device)) if write_kv else None
+            )
             wrappers = self.prefill
             for spec, w in wrappers.items():
                 w.plan(
@@ -260,7 +266,8 @@ class FlashInferAttention:
     def forward(self, layer_idx: int, q, k, v, spec: LayerAttention) -> torch.Tensor:
         # q: [T, Hq, D]; k, v: [T, Hkv, D] -> [T, Hq, D]
         cache = self.kv_caches[layer_idx]
-        self.write(cache, k, v)
+        if self.write is not None:
+            self.write(cache, k, v)
         return self.wrappers[spec].run(q, cache)
 
 

@@ -38,14 +38,20 @@ def count_runs(me) -> list[int]:
     return sizes
 
 
+@pytest.mark.parametrize("kv_in_graph", [False, True], ids=["kv-eager", "kv-in-graph"])
 @pytest.mark.parametrize("hf", [{}, QWEN3], ids=["llama", "qwen3"])
-def test_prefill_and_mixed_steps_replayed_piecewise_give_the_eager_tokens(hf):
+def test_prefill_and_mixed_steps_replayed_piecewise_give_the_eager_tokens(hf, kv_in_graph):
+    """kv_in_graph: the segments write K/V (from the step's slots), the eager part is attention
+    alone."""
     cfg, cpu_model = tiny_model(seed=5, **hf)
     model = on_gpu(cpu_model)
     pool = cuda_pool(pages=8)
     pieces = model_engine("pieces", cfg, model, pool, graphs=True)
+    if kv_in_graph:
+        pieces.runner = ModelRunner(model, pieces.kv.cache, pieces.device, piecewise_kv=True)
     eager = model_engine("eager", cfg, model, pool, graphs=False)
     assert pieces.runner.pieces is not None and eager.runner.pieces is None
+    assert pieces.runner.pieces.writes_kv is kv_in_graph
     sizes = count_runs(pieces)
     # 6 prompts, 292 tokens under a 256-token step budget: a 256-token prefill step (bucket 256),
     # then the last prompt's remaining chunk beside five decodes (a mixed step, bucket 64)
