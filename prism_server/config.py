@@ -101,8 +101,8 @@ class EngineConfig:
     # policy's, 1024 for prism, 0 for the baselines; 0: greedy admission, preempting when the
     # blocks run out)
     reserve_output_tokens: int | None = None
-    # devices, each with its own page pool and engine thread; on the CPU, more than one are
-    # emulated (for the multi-device control plane); several GPUs are not supported yet
+    # devices, each with its own page pool and engine thread: GPUs cuda:0 .. devices-1, or on
+    # the CPU, emulated devices (for the multi-device control plane)
     devices: int = 1
     # how often the control loop re-plans residency (prism policy)
     plan_interval_s: float = 0.5

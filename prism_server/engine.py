@@ -4,6 +4,7 @@ to the right device as typed commands. `generate` is the synchronous convenience
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import queue
@@ -44,22 +45,23 @@ class Engine:
         self.device = config.torch_device()
         if self.device.type == "cpu" and envs.cpu_threads():
             torch.set_num_threads(envs.cpu_threads())
-        if config.devices > 1 and self.device.type != "cpu":
-            raise ValueError("devices > 1 is only supported on the CPU (emulated devices) so far")
-        gpu_setup.report(self.device, config.memory_backend)  # MissingPackage: cannot run here
+        devices = _devices(self.device, config.devices)
+        for d in devices:  # MissingPackage: cannot run here
+            gpu_setup.report(d, config.memory_backend)
         check_host_budget(config, self.device)
-        budget = pool_budget(config, self.device)
-        # On a GPU the pool creates every handle now (creating is the slow driver call) and
-        # keeps them; on the host it creates them on demand.
-        precreate = budget // config.page_bytes if self.device.type == "cuda" else 0
         self.policy = policy(config.policy)
         kernels = KernelChoice(envs.decode_tensor_cores(), envs.prefill_backend())
-        # one page pool and one engine thread per device; several CPU devices are emulated
-        # (each its own pool and thread), for the multi-device control plane on any machine
+        # one page pool and one engine thread per device: each GPU of devices (cuda:0 ..), or
+        # several emulated CPU devices (each its own pool and thread), for the multi-device
+        # control plane on any machine
         self._workers: list[DeviceWorker] = []
-        for i in range(config.devices):
+        for i, device in enumerate(devices):
+            budget = pool_budget(config, device)
+            # On a GPU the pool creates every handle now (creating is the slow driver call) and
+            # keeps them; on the host it creates them on demand.
+            precreate = budget // config.page_bytes if device.type == "cuda" else 0
             pool = PagePool(
-                make_backend(self.device, config.memory_backend),
+                make_backend(device, config.memory_backend),
                 config.page_bytes,
                 budget,
                 precreate,
@@ -172,6 +174,7 @@ class Engine:
         dtype = spec.torch_dtype(self.device)
         dev = self._device_for(spec)
         pool = dev.pool
+        device = pool.backend.device  # the model's GPU (or the host)
         box: dict = {}
 
         def place(tensors):
@@ -193,48 +196,15 @@ class Engine:
             return wb.views()
 
         try:
-            loaded = load_model(
-                ModelSource.parse(resolve_source(spec.source)),
-                dtype=dtype,
-                device=self.device,
-                seed=spec.seed,
-                cache_root=envs.gguf_cache_dir(),
-                fused_kernels=envs.fused_kernels(),
-                place=place,
-            )
-            cfg, tok = loaded.config, loaded.tokenizer
-            reserve = self.config.reserve_output_tokens
-            if reserve is None:
-                reserve = self.policy.reserve_output_tokens
-            sched = spec.scheduler_config(
-                cfg.max_position_embeddings, reserve, self.config.enable_prefix_caching
-            )
-            weights = box["weights"]
-            host = HostCopy(weights.nbytes, self.device)
-            host.save(weights.bytes())
-            worker = ModelWorker(
-                spec.name,
-                loaded.model,
-                tok,
-                pool,
-                sched,
-                dtype,
-                spec.max_cached_pages,
-                weights=weights,
-                host=host,
-                pinned=spec.pinned or self.policy.all_resident,
-                keep_alive_s=spec.keep_alive_s,
-                resources=dev.resources,
-                ttft_slo_s=spec.ttft_slo_ms / 1e3 if spec.ttft_slo_ms else None,
-                tpot_slo_s=spec.tpot_slo_ms / 1e3 if spec.tpot_slo_ms else None,
-                profile_budget_s=self._profile_budget(),
-            )
+            with _current(device):
+                worker, loaded, sched = self._build(spec, dtype, dev, device, place, box)
         except BaseException:
             if "weights" in box:
                 dev.call(box["weights"].close)
             for name in box.get("evicted", ()):  # as it was before this load
                 dev.execute(Activate(name))
             raise
+        cfg, tok = loaded.config, loaded.tokenizer
         dev.execute(AddModel(worker))
         if box["evicted"]:  # earlier models first: this one waits offloaded
             dev.execute(Evict(spec.name))
@@ -256,6 +226,47 @@ class Engine:
         )
         self.served[spec.name] = served
         return served
+
+    def _build(self, spec: ModelSpec, dtype, dev: DeviceWorker, device, place, box: dict):
+        """The model's weights loaded into dev's pool (through `place`), its host copy and its
+        worker (runner, graphs, latency profile), built on `device` (current while it runs).
+        -> (worker, the loaded model, its scheduler config)."""
+        loaded = load_model(
+            ModelSource.parse(resolve_source(spec.source)),
+            dtype=dtype,
+            device=device,
+            seed=spec.seed,
+            cache_root=envs.gguf_cache_dir(),
+            fused_kernels=envs.fused_kernels(),
+            place=place,
+        )
+        reserve = self.config.reserve_output_tokens
+        if reserve is None:
+            reserve = self.policy.reserve_output_tokens
+        sched = spec.scheduler_config(
+            loaded.config.max_position_embeddings, reserve, self.config.enable_prefix_caching
+        )
+        weights = box["weights"]
+        host = HostCopy(weights.nbytes, device)
+        host.save(weights.bytes())
+        worker = ModelWorker(
+            spec.name,
+            loaded.model,
+            loaded.tokenizer,
+            dev.pool,
+            sched,
+            dtype,
+            spec.max_cached_pages,
+            weights=weights,
+            host=host,
+            pinned=spec.pinned or self.policy.all_resident,
+            keep_alive_s=spec.keep_alive_s,
+            resources=dev.resources,
+            ttft_slo_s=spec.ttft_slo_ms / 1e3 if spec.ttft_slo_ms else None,
+            tpot_slo_s=spec.tpot_slo_ms / 1e3 if spec.tpot_slo_ms else None,
+            profile_budget_s=self._profile_budget(),
+        )
+        return worker, loaded, sched
 
     # ---- the frontend's side ---------------------------------------------------------------------
     def model(self, name: str) -> ServedModel:
@@ -381,3 +392,20 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _devices(device: torch.device, n: int) -> list[torch.device]:
+    """The devices of an engine of n: on CUDA, GPUs 0 .. n-1 (one GPU: the configured one);
+    on the host, n emulated devices."""
+    if device.type != "cuda":
+        return [device] * n
+    have = torch.cuda.device_count()
+    if n > have:
+        raise ValueError(f"devices = {n}, but this machine has {have} CUDA device(s)")
+    return [device] if n == 1 else [torch.device("cuda", i) for i in range(n)]
+
+
+def _current(device: torch.device):
+    """A context in which `device` is the current CUDA device (graphs are captured and streams
+    made on the current one); nothing on the host."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()

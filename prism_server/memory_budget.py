@@ -74,7 +74,9 @@ def default_pool_budget(device: torch.device) -> int:
 
 
 def pool_budget(config, device: torch.device) -> int:
-    """The budget an engine config gives its device's pool (weights and KV)."""
+    """The budget an engine config gives its device's pool (weights and KV). With a KV budget:
+    it beside every model's weights, as any device may hold any model; over several GPUs, at
+    most what the GPU has free."""
     if config.pool_budget_bytes:
         return config.pool_budget_bytes
     kv = config.kv_budget_bytes or envs.kv_budget_bytes()
@@ -86,6 +88,8 @@ def pool_budget(config, device: torch.device) -> int:
             weights += weight_pool_bytes(s, device, config.page_bytes)
         except Exception:  # a model that cannot even be sized fails (and is reported) at load
             continue
+    if config.devices > 1 and device.type == "cuda":
+        return min(kv + weights, default_pool_budget(device))
     return kv + weights
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 
 from prism_server.config import EngineConfig, ModelSpec
 from prism_server.engine import Engine
@@ -72,6 +73,9 @@ def test_the_baselines_run_on_every_device(policy):
         e.check_integrity()
 
 
-def test_several_gpus_are_refused_for_now():
-    with pytest.raises(ValueError, match="only supported on the CPU"):
-        Engine(EngineConfig(models=(), device="cuda", devices=2))
+@pytest.mark.parametrize("extra", [1, 2])
+def test_more_gpus_than_the_machine_has_are_refused(extra):
+    have = torch.cuda.device_count()
+    n = have + extra
+    with pytest.raises(ValueError, match=f"devices = {n}, but this machine has {have} CUDA"):
+        Engine(EngineConfig(models=(), device="cuda", devices=n))
