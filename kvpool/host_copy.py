@@ -66,10 +66,17 @@ class HostCopy:
         self._stream = None
         if device.type == "cuda" and nbytes:
             self.data.fill_(0)  # touch every page before pinning (registering is faster then)
-            err = torch.cuda.cudart().cudaHostRegister(self.data.data_ptr(), nbytes, 0)
+            # portable: pinned for every GPU's context (a model may move to another GPU)
+            err = torch.cuda.cudart().cudaHostRegister(self.data.data_ptr(), nbytes, 1)
             if int(err) != 0:
                 raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed: {err}")
             self.pinned = True
+            self._stream = torch.cuda.Stream(device)
+
+    def retarget(self, device: torch.device) -> None:
+        """Copy to `device` from now on (its model moved there): a copy stream of that GPU."""
+        self.device = device
+        if self._stream is not None:
             self._stream = torch.cuda.Stream(device)
 
     def save(self, src: torch.Tensor) -> None:

@@ -117,6 +117,20 @@ def load_model(
     return LoadedModel(_finish(model), load_tokenizer(path), config, source.name)
 
 
+def empty_model(
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    place: Placement,
+    fused_kernels: bool = True,
+) -> CausalLM:
+    """A model of `config` whose parameters are the tensors `place` gives, left as they are (a
+    model moving to another device, its weights copied in from elsewhere)."""
+    model = _empty_model(config, dtype, torch.device(device), place)
+    set_fused_kernels(model, fused_kernels)
+    return _finish(model)
+
+
 def model_dir(source: ModelSource, cache_root: str | Path | None) -> Path:
     """The HF-style directory of a file source (a GGUF file is converted, once, under
     cache_root)."""

@@ -6,7 +6,10 @@ sends its moves to the device workers as commands:
   models with demand before their requests have to wait for them);
 - an offloaded model the plan places, that has demand and was evicted for room (not by an admin
   or its keep-alive), is activated ahead of its next request when its device has the room free
-  (it evicts nobody: a request would).
+  (it evicts nobody: a request would);
+- such a model the plan places on another device moves there (`Engine.migrate`: built there
+  from its host copy, when that device has its weight pages free), after the round's other
+  moves are sent.
 
 It decides nothing itself (scheduler.planner does) and touches no engine-thread object: snapshots
 in, commands out. `tick(now)` is one round, callable directly (tests)."""
@@ -44,6 +47,7 @@ class ControlLoop:
         self._seen: dict[str, int] = {}
         self.last: PlanView | None = None
         self.moves_sent = 0
+        self.migrations = 0  # models moved to another device
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="prism-control", daemon=True)
 
@@ -85,6 +89,7 @@ class ControlLoop:
                 current[m.name] = (snap.device,) if m.residency.on_device else None
                 where[m.name] = (snap.device, m)
         placement = plan(models, devices, current, self.threshold, idle_kv_fraction=0.0)
+        moving = []
         for name, src, dst in placement.moves(current):
             device, m = where[name]
             w = workers[device]
@@ -93,9 +98,15 @@ class ControlLoop:
                 self.moves_sent += 1
             elif src is None and dst is not None:
                 demand = next(x.demand for x in models if x.name == name)
-                if demand > 0:
+                if demand > 0 and dst[0] != device:
+                    moving.append((name, dst[0]))
+                elif demand > 0:
                     w.send(Call(lambda w=w, n=name: w.prefetch(n)))
                     self.moves_sent += 1
+        for name, device in moving:  # each waits for its model to be built on the other device
+            if self.engine.migrate(name, device):
+                self.moves_sent += 1
+                self.migrations += 1
         self.last = PlanView(
             now,
             placement,

@@ -259,6 +259,22 @@ class DeviceWorker:
         log.info("evicted %s: the plan gives its memory to models with demand", name)
         return True
 
+    def detach(self, name: str, dst: str) -> ModelWorker | None:
+        """Take an offloaded model off this device, to move it to device `dst`, if it has no
+        request, left for room (not by an admin or its keep-alive) and no transition is under
+        way; None otherwise (it stays). Its pages here are given back; the caller builds it
+        on the other device from the worker returned."""
+        m = self.models.get(name)
+        if m is None or m.residency is not Residency.OFFLOADED or m.requests:
+            return None
+        if m.evicted_for not in ("evict", "plan", "preempt") or not m.evictable:
+            return None
+        if self.policy.max_resident is not None or self._taker is not None:
+            return None
+        self.models.pop(name)
+        log.info("moving %s from %s to %s", name, self.name, dst)
+        return m
+
     def prefetch(self, name: str) -> bool:
         """Activate an offloaded model the plan places, ahead of its next request, if it left
         for room (not by an admin or its keep-alive) and the pool has its pages free."""

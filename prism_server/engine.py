@@ -8,6 +8,7 @@ import contextlib
 import itertools
 import logging
 import queue
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -17,9 +18,17 @@ import torch
 from kvpool import HostCopy, PagePool, WeightBuffer, WeightLayout
 from models.attention.flashinfer_paged import KernelChoice
 from models.embedded import resolve_source
-from models.loader import ModelSource, load_model
+from models.loader import ModelSource, empty_model, load_model
 from prism_server import envs, gpu_setup
-from prism_server.commands import Abort, Activate, AddModel, Evict, RemoveModel, Submit
+from prism_server.commands import (
+    Abort,
+    Activate,
+    AddModel,
+    Evict,
+    RemoveModel,
+    Submit,
+    TransitionRefused,
+)
 from prism_server.completion import Completion
 from prism_server.config import EngineConfig, ModelSpec
 from prism_server.control_loop import ControlLoop, PlanView
@@ -30,7 +39,7 @@ from prism_server.model_worker import ModelWorker
 from prism_server.served_model import ModelFailed, ModelNotFound, ServedModel
 from scheduler.planner import DeviceCapacity, ModelDemand, plan
 from scheduler.policy import policy, static_quota
-from scheduler.request import Request, RequestOutput
+from scheduler.request import FinishReason, Request, RequestOutput
 from scheduler.sampling_params import SamplingParams
 from scheduler.snapshot import DeviceSnapshot
 
@@ -80,6 +89,10 @@ class Engine:
             self._workers.append(w)
         self.worker, self.pool = self._workers[0], self._workers[0].pool  # the first device
         self._where: dict[str, DeviceWorker] = {}  # model -> the worker of its device
+        # a model moving to another device: the commands sent to it meanwhile, in order (they
+        # go to its new device once it is there); guarded by _route with _where
+        self._moving: dict[str, list] = {}
+        self._route = threading.Lock()
         self.served: dict[str, ServedModel] = {}  # config order, failed models included
         self._ids = itertools.count()
         for spec in config.models:
@@ -305,8 +318,17 @@ class Engine:
         rid = f"r{next(self._ids)}"
         arrival = time.monotonic() if arrival_time is None else arrival_time
         req = Request(rid, prompt_ids, params, served.eos_token_ids, arrival, sink)
-        self._where[served.name].send(Submit(served.name, req))
+        self._send(served.name, Submit(served.name, req))
         return req
+
+    def _send(self, model: str, cmd) -> None:
+        """A command for a model's device (held while the model moves to another)."""
+        with self._route:
+            held = self._moving.get(model)
+            if held is not None:
+                held.append(cmd)
+            elif model in self._where:
+                self._where[model].send(cmd)
 
     def add_request(
         self,
@@ -323,16 +345,14 @@ class Engine:
         return self.submit(served, ids, params, sink)
 
     def abort(self, model: str, request_id: str) -> None:
-        w = self._where.get(model)
-        if w is not None:
-            w.send(Abort(model, request_id))
+        self._send(model, Abort(model, request_id))
 
     def activate(self, name: str) -> float:
         """Make a model resident now (thread-safe; blocks until done); returns the seconds the
         transition took. TransitionRefused if it cannot be done now."""
         self.model(name)
         t = time.perf_counter()
-        self._where[name].execute(Activate(name))
+        self._settled(name).execute(Activate(name))
         return time.perf_counter() - t
 
     def evict(self, name: str, drain_s: float | None = None) -> float:
@@ -342,8 +362,114 @@ class Engine:
         served = self.model(name)
         t = time.perf_counter()
         drain = served.spec.drain_timeout_s if drain_s is None else drain_s
-        self._where[name].execute(Evict(name, drain))
+        self._settled(name).execute(Evict(name, drain))
         return time.perf_counter() - t
+
+    def _settled(self, name: str) -> DeviceWorker:
+        """The device of a model that is not moving (an admin transition waits for none)."""
+        with self._route:
+            if name in self._moving:
+                raise TransitionRefused(f"`{name}` is moving to another device; retry")
+            return self._where[name]
+
+    # ---- moving a model to another device ------------------------------------------------------
+    def migrate(self, name: str, device: str) -> bool:
+        """Move an offloaded model to `device` (the planner placed it there): it is built there
+        from its host copy and is resident there; requests sent meanwhile wait and then go
+        there. False if it cannot move now: it has requests, it is not offloaded for room, or
+        `device` has not its weight pages free (moving evicts nobody)."""
+        served = self.served.get(name)
+        dst = next((w for w in self._workers if w.name == device), None)
+        with self._route:
+            src = self._where.get(name)
+            if served is None or served.failed or dst is None or src in (None, dst):
+                return False
+            if name in self._moving:
+                return False
+            self._moving[name] = []
+        home, lost = src, None
+        try:
+            pages = src.call(lambda: _weight_pages(src.models.get(name)))
+            if pages is None or not dst.call(lambda: dst.pool.num_available >= pages):
+                return False
+            old = src.call(lambda: src.detach(name, dst.name))
+            if old is None:
+                return False
+            host = src.call(old.leave_device)  # its pages here go back to this device's pool
+            try:
+                worker, home = self._rebuild(served, old, host, dst), dst
+            except Exception:
+                log.exception("moving %s to %s failed: it stays on %s", name, dst.name, src.name)
+                try:
+                    worker = self._rebuild(served, old, host, src)
+                except Exception as e:
+                    log.exception("model %s was lost moving to another device", name)
+                    lost = f"{type(e).__name__}: {e}"
+                    return False
+            home.execute(AddModel(worker))
+            return home is dst
+        finally:
+            with self._route:
+                self._where[name] = home
+                if lost is not None:
+                    self.served[name] = replace(served, error=lost)
+                elif home is not src:
+                    self.served[name] = replace(served, device=home.name)
+                held = self._moving.pop(name)
+                if lost is None:
+                    for cmd in held:
+                        home.send(cmd)
+            if lost is not None:  # what was sent meanwhile ends with the error
+                for cmd in held:
+                    if isinstance(cmd, Submit) and cmd.request.sink is not None:
+                        cmd.request.sink(_failed(cmd.request, lost))
+
+    def _rebuild(
+        self, served: ServedModel, old: ModelWorker, host: HostCopy, dev: DeviceWorker
+    ) -> ModelWorker:
+        """`old`'s model on dev: its weights mapped in dev's pool and copied in from the host
+        copy, a runner and graphs of its own there; the history of `old` carried over."""
+        device = dev.pool.backend.device
+        model0 = old.runner.model
+        dtype = next(model0.parameters()).dtype
+        box: dict = {}
+
+        def place(tensors):
+            wb = box["weights"] = WeightBuffer(
+                dev.pool, f"{served.name}/weights", WeightLayout.pack(tensors)
+            )
+            if not dev.call(wb.map):
+                raise MemoryError(f"{dev.name} has not the pages of {served.name}'s weights")
+            return wb.views()
+
+        try:
+            with _current(device):
+                model = empty_model(model0.config, dtype, device, place, envs.fused_kernels())
+                host.retarget(device)
+                host.load(box["weights"].bytes())
+                spec = served.spec
+                worker = ModelWorker(
+                    served.name,
+                    model,
+                    old.outputs.tokenizer,
+                    dev.pool,
+                    old.scheduler.config,
+                    old.kv.layout.dtype,
+                    spec.max_cached_pages,
+                    weights=box["weights"],
+                    host=host,
+                    pinned=old.pinned,
+                    keep_alive_s=old.keep_alive_s,
+                    resources=dev.resources,
+                    ttft_slo_s=old.ttft_slo_s,
+                    tpot_slo_s=old.tpot_slo_s,
+                )
+        except BaseException:
+            if "weights" in box:
+                dev.call(box["weights"].close)
+            raise
+        worker.inherit(old)
+        return worker
 
     def encode(self, model: str, prompt: str | list[int]) -> list[int]:
         return self.model(model).encode(prompt)
@@ -409,3 +535,14 @@ def _current(device: torch.device):
     """A context in which `device` is the current CUDA device (graphs are captured and streams
     made on the current one); nothing on the host."""
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def _weight_pages(m: ModelWorker | None) -> int | None:
+    """The pages of an evictable model's weights (None: it has none of its own to move)."""
+    return m.weights.num_pages if m is not None and m.weights is not None else None
+
+
+def _failed(req: Request, error: str) -> RequestOutput:
+    return RequestOutput(
+        req.request_id, [], "", None, True, FinishReason.ERROR, req.num_prompt_tokens, 0, error
+    )

@@ -654,6 +654,38 @@ class ModelWorker:
         if not self.serving:
             assert self.kv.allocator.num_mapped_pages == 0, "an offloaded model holds KV pages"
 
+    def leave_device(self) -> HostCopy:
+        """An offloaded model with no request gives back everything it holds on its device (its
+        KV range, its weight range) and hands over its host copy: it moves to another device.
+        This worker is done with."""
+        assert self.residency is Residency.OFFLOADED and not self.requests, self.residency
+        self._fail_waiters(RuntimeError(f"model {self.name} moved to another device"))
+        self.kv.close()
+        self.weights.close()
+        host, self.host = self.host, None
+        return host
+
+    def inherit(self, old: ModelWorker) -> None:
+        """Take over the history of the worker this model had on another device: its latency
+        model, counters, SLO outcomes and residency timeline (what the status and the
+        control loop read)."""
+        self.latency = old.latency
+        for name in (
+            "activations",
+            "evictions",
+            "bytes_activated",
+            "activation_seconds",
+            "activation_buckets",
+            "last_activation_s",
+            "last_eviction_s",
+            "requests_total",
+            "slo",
+            "slo_log",
+            "_slo_recent",
+        ):
+            setattr(self, name, getattr(old, name))
+        self.transitions = deque([*old.transitions, *self.transitions], maxlen=TRANSITION_LOG)
+
     def close(self) -> None:
         self.sync()  # nothing of it on the device when its pages go
         if self._transfer is not None:  # never free pages a copy is still writing
