@@ -19,3 +19,12 @@ def server() -> ServerThread:
     s = serve_in_thread(engine)
     yield s
     s.close()
+
+
+@pytest.fixture(params=["read-first", "launch-ahead"])
+def steps_ahead(request, monkeypatch) -> bool:
+    """The engines a test builds read each step's tokens first, or launch the next decode step
+    before reading them (the GPU's default, PRISM_LAUNCH_AHEAD=1, run here on the CPU)."""
+    ahead = request.param == "launch-ahead"
+    monkeypatch.setenv("PRISM_LAUNCH_AHEAD", "1" if ahead else "0")
+    return ahead

@@ -76,7 +76,7 @@ def test_batched_equals_sequential(sequential):
         e.check_integrity()
 
 
-def test_batched_equals_sequential_under_preemption_and_chunked_prefill(sequential):
+def test_batched_equals_sequential_under_preemption_and_chunked_prefill(sequential, steps_ahead):
     # 5 usable pages = 400 tokens of KV for 16 requests of ~20-60 + 20 tokens each; prompts are
     # prefilled in chunks of at most 32 tokens. Greedy admission (no output reserved), so that
     # blocks run out mid-decode.

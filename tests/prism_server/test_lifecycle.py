@@ -115,7 +115,7 @@ def test_admin_transitions_and_what_they_refuse(reference):
         e.check_integrity()
 
 
-def test_an_admin_evict_under_load_loses_nothing(reference):
+def test_an_admin_evict_under_load_loses_nothing(reference, steps_ahead):
     with Engine(two_at_a_time()) as e:
         results: dict[int, list[int]] = {}
         long = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)

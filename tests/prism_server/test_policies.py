@@ -138,7 +138,7 @@ def test_prism_meets_more_deadlines_than_static_and_swap(capsys):
     assert _prism_wins(tries[-1][1]), tries
 
 
-def test_models_starved_at_once_take_memory_in_turn_without_thrashing():
+def test_models_starved_at_once_take_memory_in_turn_without_thrashing(steps_ahead):
     """Four bursts at once on a pool that holds about two of them: every starved model would take
     the others' pages (evict the stalled, preempt the running), and two of them taking from each
     other evicted each other hundreds of times. One taker at a time: each model activates a few
