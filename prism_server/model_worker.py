@@ -29,7 +29,7 @@ from models.layers.causal_lm import weight_bytes
 from prism_server.model_runner import DeviceResources, ModelRunner
 from prism_server.output_processor import OutputProcessor
 from prism_server.profiler import profile_steps
-from prism_server.sampler import Sampler, to_device
+from prism_server.sampler import Sampled, Sampler, logprob_list, to_device
 from scheduler.arbitrator import ModelWork, model_work
 from scheduler.batch_scheduler import BatchScheduler, ScheduledChunk, SchedulerConfig
 from scheduler.latency_model import LatencyModel, StepShape
@@ -371,8 +371,8 @@ class ModelWorker:
                 and len(live) == len(sampling)
                 and not any(self.sampler.needs_host(r) for r in sampling)
             ):
-                tokens = self.sampler.launch(logits, sampling)
-                self._ahead = _InFlight(batch, sampling, tokens, t, while_running is not None)
+                sampled = self.sampler.launch(logits, sampling)
+                self._ahead = _InFlight(batch, sampling, sampled, t, while_running is not None)
                 self._launching = False
                 return True
             if len(live) < len(sampling):  # ended by a stop string while this step ran
@@ -441,7 +441,7 @@ class ModelWorker:
             for c in batch:
                 c.request.reserve_token()
             rows = [i for _, i in follow]
-            ids = prev.tokens
+            ids = prev.sampled.tokens
             if rows != list(range(len(prev.rows))):
                 ids = ids[to_device(rows, torch.long, ids.device)]
             logits = self.runner.execute(batch, input_ids=ids)
@@ -472,14 +472,14 @@ class ModelWorker:
     def _collect(self, f: _InFlight, nxt: _InFlight | None) -> None:
         """f's tokens, once the device has them; nxt: the step launched after f, in flight (it
         starts on the device as f ends)."""
-        tokens = f.read()
+        tokens, lps = f.read()
         done = time.perf_counter()
         if nxt is not None:
             nxt.start = max(nxt.start, done)
         self._release_ended()
         self._done(f.batch, f.start, done - f.start)
         self.scheduler.advance(f.batch)
-        self._publish(f.rows, tokens, [None] * len(tokens), defer=f.defer)
+        self._publish(f.rows, tokens, logprob_list(tokens, f.rows, lps), defer=f.defer)
 
     def _done(self, batch: list[ScheduledChunk], start: float, took: float) -> None:
         """A step has run, from start for took seconds: the latency model learns it."""
@@ -706,25 +706,31 @@ class _InFlight:
     """A step launched whose tokens are not read yet."""
 
     batch: list[ScheduledChunk]
-    rows: list[Request]  # the requests of `tokens`' rows
-    tokens: torch.Tensor  # [len(rows)] int64 on the device
+    rows: list[Request]  # the requests of the sampled rows
+    sampled: Sampled  # the tokens (and logprobs) on the device
     start: float  # perf_counter when the device could start it
     defer: bool  # its tokens' text waits for the next step's launch
-    host: torch.Tensor | None = None  # tokens' copy in pinned host memory (CUDA)
+    host: list[torch.Tensor] | None = None  # their copies in pinned host memory (CUDA)
     copied: torch.cuda.Event | None = None
 
     def __post_init__(self):
-        if self.tokens.is_cuda:  # the copy back starts now, behind the step
-            self.host = torch.empty(len(self.rows), dtype=torch.long, pin_memory=True)
-            self.host.copy_(self.tokens, non_blocking=True)
+        if self.sampled.tokens.is_cuda:  # the copy back starts now, behind the step
+            self.host = []
+            for t in self.sampled.tensors():
+                h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                h.copy_(t, non_blocking=True)
+                self.host.append(h)
             self.copied = torch.cuda.Event()
             self.copied.record()
 
-    def read(self) -> list[int]:
+    def read(self) -> tuple[list[int], list[list] | None]:
+        """The tokens, and the logprob lists (rows, chosen, top values, top ids) or None."""
         if self.copied is None:
-            return self.tokens.tolist()
-        self.copied.synchronize()
-        return self.host.tolist()
+            got = [t.tolist() for t in self.sampled.tensors()]
+        else:
+            self.copied.synchronize()
+            got = [h.tolist() for h in self.host]
+        return got[0], got[1:] or None
 
 
 def _allocated(device: torch.device) -> int:

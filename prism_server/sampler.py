@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -42,23 +43,20 @@ class Sampler:
     @staticmethod
     def needs_host(req: Request, pending: int = 0) -> bool:
         """Whether sampling req's next token reads host state that a step still on the device
-        changes (its output tokens: penalties, min_tokens, a grammar's state) or returns more
-        than the token (logprobs). pending: its tokens sampled on the device, not read yet."""
+        changes (its output tokens: penalties, min_tokens, a grammar's state). pending: its
+        tokens sampled on the device, not read yet."""
         p = req.params
-        return (
-            p.adjusts_logits
-            or p.constrained
-            or p.logprobs is not None
-            or req.num_output_tokens + pending < p.min_tokens
-        )
+        return p.adjusts_logits or p.constrained or req.num_output_tokens + pending < p.min_tokens
 
-    def launch(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
-        """The tokens of requests that need nothing of the host (`needs_host` false), left on
-        logits' device: [N] int64, launched without waiting for the device."""
+    def launch(self, logits: torch.Tensor, reqs: list[Request]) -> Sampled:
+        """The tokens (and the logprobs asked for) of requests that need nothing of the host
+        (`needs_host` false), left on logits' device, launched without waiting for it."""
         self.completed = set()
         if all(r.params.greedy for r in reqs):
-            return logits.argmax(dim=-1)
-        return self._sample_mixed(logits, reqs)
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = self._sample_mixed(logits, reqs)
+        return Sampled(tokens, _logprob_tensors(logits, tokens, reqs))
 
     def sample(
         self, logits: torch.Tensor, reqs: list[Request]
@@ -81,12 +79,14 @@ class Sampler:
         if constrained:
             self.guides.mask(logits, reqs)
         if all(r.params.greedy for r in reqs):
-            tokens = logits.argmax(dim=-1).tolist()
+            got = logits.argmax(dim=-1)
         else:
-            tokens = self._sample_mixed(logits, reqs).tolist()
+            got = self._sample_mixed(logits, reqs)
+        lps = _logprob_tensors(raw, got, reqs)
+        tokens = got.tolist()
         if constrained:
             self.completed = self.guides.accept(reqs, tokens)
-        return tokens, self._logprobs(raw, tokens, reqs)
+        return tokens, logprob_list(tokens, reqs, lps and [t.tolist() for t in lps])
 
     def _sample_mixed(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         """Greedy rows by one argmax, unseeded random rows by one batched draw, seeded rows one
@@ -124,23 +124,49 @@ class Sampler:
             probs = probs.scatter(0, idx, sorted_p.masked_fill(drop, 0.0))
         return torch.multinomial(probs, 1, generator=self._generator(r))[0]
 
-    @staticmethod
-    def _logprobs(
-        raw: torch.Tensor, tokens: list[int], reqs: list[Request]
-    ) -> list[TokenLogprob | None]:
-        wanted = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
-        out: list[TokenLogprob | None] = [None] * len(reqs)
-        if not wanted:
-            return out
-        lp = raw[wanted].log_softmax(-1)
-        k = max(reqs[i].params.logprobs for i in wanted)
-        top_v, top_i = lp.topk(max(k, 1), dim=-1) if k else (None, None)
-        chosen = lp[torch.arange(len(wanted)), torch.tensor([tokens[i] for i in wanted])].tolist()
-        for j, i in enumerate(wanted):
-            n = reqs[i].params.logprobs
-            top = list(zip(top_i[j, :n].tolist(), top_v[j, :n].tolist())) if n else []
-            out[i] = TokenLogprob(tokens[i], chosen[j], top)
+
+@dataclass
+class Sampled:
+    """A step's sampled tokens left on the device: [N] int64, and for the rows that asked for
+    logprobs (in row order) their token's logprob and the top k (k: the most any asked for):
+    (rows [n], chosen [n], top values [n, k], top ids [n, k]), or None."""
+
+    tokens: torch.Tensor
+    logprobs: tuple[torch.Tensor, ...] | None = None
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.tokens, *(self.logprobs or ())]
+
+
+def _logprob_tensors(
+    raw: torch.Tensor, tokens: torch.Tensor, reqs: list[Request]
+) -> tuple[torch.Tensor, ...] | None:
+    """The logprobs of the model's raw distribution (vLLM's) for the rows that want them, on
+    the device: (rows, chosen, top values, top ids), or None when no row wants any."""
+    wanted = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
+    if not wanted:
+        return None
+    rows = to_device(wanted, torch.long, raw.device)
+    lp = raw[rows].log_softmax(-1)
+    chosen = lp.gather(1, tokens[rows].unsqueeze(1)).squeeze(1)
+    k = max(reqs[i].params.logprobs for i in wanted)
+    top_v, top_i = lp.topk(max(k, 1), dim=-1)
+    return rows, chosen, top_v, top_i
+
+
+def logprob_list(
+    tokens: list[int], reqs: list[Request], lps: list[list] | None
+) -> list[TokenLogprob | None]:
+    """Each row's TokenLogprob (None where none was asked), from `_logprob_tensors`' lists."""
+    out: list[TokenLogprob | None] = [None] * len(reqs)
+    if lps is None:
         return out
+    rows, chosen, top_v, top_i = lps
+    for j, i in enumerate(rows):
+        n = reqs[i].params.logprobs
+        top = list(zip(top_i[j][:n], top_v[j][:n])) if n else []
+        out[i] = TokenLogprob(tokens[i], chosen[j], top)
+    return out
 
 
 @functools.cache

@@ -1,6 +1,6 @@
 """Launch ahead on the GPU: decode steps replayed from the last step's tokens still on the
-device (graphs, the pinned copy back, the staged plan) give the tokens of steps that read them
-first, and an EOS in the unread token ends its request with exact KV accounting."""
+device (graphs, the pinned copy back, the staged plan) give the tokens (and logprobs) of steps
+that read them first, and an EOS in the unread token ends its request with exact KV accounting."""
 
 from __future__ import annotations
 
@@ -37,6 +37,8 @@ def test_a_batch_launched_ahead_replays_graphs_with_the_same_tokens():
                 f"g{i}", SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), prompt=p
             )
         run.submit("s", SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, seed=5))
+        lp = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=2)
+        run.submit("l", lp)  # its logprobs copied back with the tokens
 
     plain, ahead = both(setup, make=gpu_worker)
     assert ahead.ahead_steps >= 18
