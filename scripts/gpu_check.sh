@@ -13,7 +13,8 @@
 # --decode is for a change to the model's step: the tests of the kernels and of the tokens (GPU
 # vs CPU, graphs), then decode TPOT of this tree beside a baseline tree in .baseline (when there
 # is one: `git archive REV prism_server models kvpool scheduler scripts | tar -x -C .baseline`),
-# then the engine benchmark without its HF and KV-write sections, then its decode and prefill
+# then the engine benchmark without its HF and KV-write sections, two small models' decode at
+# once against one after the other (bench_gpu_concurrent.py), then the decode and prefill
 # figures under each other kernel choice (KERNELS, default: CUDA-core decode, fa3 prefill).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -47,6 +48,8 @@ if [ "$quick" = "--decode" ]; then
   timeout 250 python3 scripts/bench_gpu_engine.py --skip-hf --skip-append --json "$OUT/engine.json" \
     2>&1 | tee "$OUT/bench.log"
   echo "engine bench: $((SECONDS - t0)) s"
+  # two small models' decode steps at once on two streams against one after the other
+  timeout 150 python3 scripts/bench_gpu_concurrent.py --json "$OUT/concurrent.json" 2>&1 | tail -2
   # the kernel choices beside the default (KERNELS="" skips them)
   for choice in ${KERNELS-PRISM_DECODE_TENSOR_CORES=0 PRISM_PREFILL_BACKEND=fa3}; do
     t0=$SECONDS
