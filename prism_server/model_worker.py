@@ -417,7 +417,7 @@ class ModelWorker:
         ]
         if not go or (token_budget is not None and len(go) > token_budget):
             return None
-        if any(self.sampler.needs_host(r, pending=1) for r in go):
+        if any(self.sampler.needs_host(r) for r in go):
             return None
         go.sort(key=lambda r: rows[id(r)])
         for r in go:  # position num_tokens: prev's token, the input of this step
@@ -446,7 +446,8 @@ class ModelWorker:
                 ids = ids[to_device(rows, torch.long, ids.device)]
             logits = self.runner.execute(batch, input_ids=ids)
             reqs = [c.request for c in batch]
-            cur = _InFlight(batch, reqs, self.sampler.launch(logits, reqs), t, prev.defer)
+            sampled = self.sampler.launch(logits, reqs, pending=1)  # prev's token, unread
+            cur = _InFlight(batch, reqs, sampled, t, prev.defer)
             self._ahead = cur
             self._launching = False
             self._collect(prev, cur)

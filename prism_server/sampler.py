@@ -41,22 +41,32 @@ class Sampler:
         return g
 
     @staticmethod
-    def needs_host(req: Request, pending: int = 0) -> bool:
-        """Whether sampling req's next token reads host state that a step still on the device
-        changes (its output tokens: penalties, min_tokens, a grammar's state). pending: its
-        tokens sampled on the device, not read yet."""
+    def needs_host(req: Request) -> bool:
+        """Whether sampling req's next token reads what a step still on the device changes: its
+        output tokens (repetition, frequency and presence penalties) or its grammar's state."""
         p = req.params
-        return p.adjusts_logits or p.constrained or req.num_output_tokens + pending < p.min_tokens
+        return p.needs_penalties or p.repetition_penalty != 1.0 or p.constrained
 
-    def launch(self, logits: torch.Tensor, reqs: list[Request]) -> Sampled:
+    def launch(self, logits: torch.Tensor, reqs: list[Request], pending: int = 0) -> Sampled:
         """The tokens (and the logprobs asked for) of requests that need nothing of the host
-        (`needs_host` false), left on logits' device, launched without waiting for it."""
+        (`needs_host` false), left on logits' device, launched without waiting for it. pending:
+        each request's tokens sampled on the device but not read yet (min_tokens counts them);
+        logit bias and min_tokens' ban apply as in `sample`."""
         self.completed = set()
+        raw = logits
+        adjust = [
+            (i, r)
+            for i, r in enumerate(reqs)
+            if r.params.logit_bias or r.num_output_tokens + pending < r.params.min_tokens
+        ]
+        if adjust:
+            logits = logits.clone()
+            _adjust(logits, adjust, pending)
         if all(r.params.greedy for r in reqs):
             tokens = logits.argmax(dim=-1)
         else:
             tokens = self._sample_mixed(logits, reqs)
-        return Sampled(tokens, _logprob_tensors(logits, tokens, reqs))
+        return Sampled(tokens, _logprob_tensors(raw, tokens, reqs))
 
     def sample(
         self, logits: torch.Tensor, reqs: list[Request]
@@ -238,9 +248,10 @@ def _token_matrix(rows: list[list[int]], pad: int, device) -> torch.Tensor:
     return torch.tensor([r + [pad] * (width - len(r)) for r in rows], device=device).long()
 
 
-def _adjust(logits: torch.Tensor, rows: list[tuple[int, Request]]) -> None:
+def _adjust(logits: torch.Tensor, rows: list[tuple[int, Request]], pending: int = 0) -> None:
     """In place, batched over the rows that need it (vLLM's order): logit bias, min_tokens' ban
-    on stop tokens, then repetition, frequency and presence penalties."""
+    on stop tokens (pending: output tokens not read yet, counted), then repetition, frequency
+    and presence penalties (over the tokens read: never with pending ones)."""
     dev, vocab = logits.device, logits.shape[-1]
     where, cols, vals = [], [], []
     for i, r in rows:
@@ -248,16 +259,16 @@ def _adjust(logits: torch.Tensor, rows: list[tuple[int, Request]]) -> None:
         for tok, bias in p.logit_bias:
             where.append(i), cols.append(tok), vals.append(bias)
     if where:
-        idx = (torch.tensor(where, device=dev), torch.tensor(cols, device=dev))
-        logits.index_put_(idx, torch.tensor(vals, device=dev, dtype=logits.dtype), accumulate=True)
+        idx = (to_device(where, torch.long, dev), to_device(cols, torch.long, dev))
+        logits.index_put_(idx, to_device(vals, logits.dtype, dev), accumulate=True)
     where, cols = [], []
     for i, r in rows:
         p = r.params
-        if r.num_output_tokens < p.min_tokens:
+        if r.num_output_tokens + pending < p.min_tokens:
             banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(r.eos_token_ids))
             where.extend([i] * len(banned)), cols.extend(banned)
     if where:
-        logits[torch.tensor(where, device=dev), torch.tensor(cols, device=dev)] = float("-inf")
+        logits[to_device(where, torch.long, dev), to_device(cols, torch.long, dev)] = float("-inf")
     rep = [(i, r) for i, r in rows if r.params.repetition_penalty != 1.0]
     if rep:  # vLLM's rule: over prompt and output, positive logits divided, negative multiplied
         idx = torch.tensor([i for i, _ in rep], device=dev)

@@ -178,18 +178,36 @@ def test_a_new_request_is_admitted_between_steps_launched_ahead():
 
 @pytest.mark.parametrize(
     "params",
-    [greedy(6, presence_penalty=0.5), SamplingParams(max_tokens=6, temperature=0, min_tokens=4)],
-    ids=["penalty", "min-tokens"],
+    [greedy(6, presence_penalty=0.5), greedy(6, repetition_penalty=1.3)],
+    ids=["presence", "repetition"],
 )
-def test_requests_whose_sampling_needs_the_host_read_their_tokens_first(params):
+def test_requests_whose_penalties_read_their_history_read_their_tokens_first(params):
     def setup(run):
         run.submit("a", params)
+        run.submit("b", greedy(6))  # it shares their steps: none launches ahead
 
     plain, ahead = both(setup)
-    if params.min_tokens:  # once min_tokens are out, the steps launch ahead
-        assert 0 < ahead.ahead_steps < 6
-    else:
-        assert ahead.ahead_steps == 0
+    assert ahead.ahead_steps == 0
+
+
+def test_logit_bias_and_min_tokens_launch_ahead_with_the_same_tokens():
+    """A bias against the token a request would pick second, and a min_tokens that bans the EOS
+    (the token it would pick third) through its fifth token, counting the unread token: the
+    same outputs as when the tokens are read first."""
+    out = greedy_output(8)
+    eos = out[2]
+
+    def setup(run):
+        run.submit("a", greedy(8, logit_bias=((out[1], -100.0),)))
+        run.submit(
+            "b", SamplingParams(max_tokens=8, temperature=0, min_tokens=5), eos=frozenset({eos})
+        )
+
+    plain, ahead = both(setup)
+    assert ahead.ahead_steps == 7
+    assert out[1] not in ahead.outcome("a")[3][1:2]  # the bias moved its second token
+    tokens_b = ahead.outcome("b")[3]
+    assert len(tokens_b) >= 5 and eos not in tokens_b[:5]  # its third token, without the ban
 
 
 def test_logprobs_come_back_with_the_tokens_launched_ahead():
@@ -231,11 +249,11 @@ def test_a_failure_while_running_ahead_ends_each_request_once_with_the_error():
     launch = run.me.sampler.launch
     calls = []
 
-    def failing(logits, reqs):
+    def failing(logits, reqs, **kw):
         calls.append(1)
         if len(calls) == 4:
             raise RuntimeError("the device failed")
-        return launch(logits, reqs)
+        return launch(logits, reqs, **kw)
 
     run.me.sampler.launch = failing
     run.until_done()
