@@ -446,7 +446,7 @@ class ModelWorker:
                 ids = ids[to_device(rows, torch.long, ids.device)]
             logits = self.runner.execute(batch, input_ids=ids)
             reqs = [c.request for c in batch]
-            sampled = self.sampler.launch(logits, reqs, pending=1)  # prev's token, unread
+            sampled = self.sampler.launch(logits, reqs, unread=ids)  # prev's tokens, unread
             cur = _InFlight(batch, reqs, sampled, t, prev.defer)
             self._ahead = cur
             self._launching = False

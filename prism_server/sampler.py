@@ -42,26 +42,28 @@ class Sampler:
 
     @staticmethod
     def needs_host(req: Request) -> bool:
-        """Whether sampling req's next token reads what a step still on the device changes: its
-        output tokens (repetition, frequency and presence penalties) or its grammar's state."""
-        p = req.params
-        return p.needs_penalties or p.repetition_penalty != 1.0 or p.constrained
+        """Whether sampling req's next token needs the host to know its last token first: a
+        grammar's state advances on the host, token by token."""
+        return req.params.constrained
 
-    def launch(self, logits: torch.Tensor, reqs: list[Request], pending: int = 0) -> Sampled:
+    def launch(
+        self, logits: torch.Tensor, reqs: list[Request], unread: torch.Tensor | None = None
+    ) -> Sampled:
         """The tokens (and the logprobs asked for) of requests that need nothing of the host
-        (`needs_host` false), left on logits' device, launched without waiting for it. pending:
-        each request's tokens sampled on the device but not read yet (min_tokens counts them);
-        logit bias and min_tokens' ban apply as in `sample`."""
+        (`needs_host` false), left on logits' device, launched without waiting for it. unread:
+        each row's last output token, sampled on the device and not read yet ([N] int64, or
+        None): min_tokens counts it and the penalties see it, as `sample` would once read."""
         self.completed = set()
         raw = logits
+        pending = 0 if unread is None else 1
         adjust = [
             (i, r)
             for i, r in enumerate(reqs)
-            if r.params.logit_bias or r.num_output_tokens + pending < r.params.min_tokens
+            if r.params.adjusts_logits or r.num_output_tokens + pending < r.params.min_tokens
         ]
         if adjust:
             logits = logits.clone()
-            _adjust(logits, adjust, pending)
+            _adjust(logits, adjust, unread)
         if all(r.params.greedy for r in reqs):
             tokens = logits.argmax(dim=-1)
         else:
@@ -245,14 +247,17 @@ def token_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[Tok
 def _token_matrix(rows: list[list[int]], pad: int, device) -> torch.Tensor:
     """[len(rows), longest] int64, padded with `pad` (a column past the vocabulary)."""
     width = max(map(len, rows), default=0)
-    return torch.tensor([r + [pad] * (width - len(r)) for r in rows], device=device).long()
+    return to_device([r + [pad] * (width - len(r)) for r in rows], torch.long, device)
 
 
-def _adjust(logits: torch.Tensor, rows: list[tuple[int, Request]], pending: int = 0) -> None:
+def _adjust(
+    logits: torch.Tensor, rows: list[tuple[int, Request]], unread: torch.Tensor | None = None
+) -> None:
     """In place, batched over the rows that need it (vLLM's order): logit bias, min_tokens' ban
-    on stop tokens (pending: output tokens not read yet, counted), then repetition, frequency
-    and presence penalties (over the tokens read: never with pending ones)."""
+    on stop tokens, then repetition, frequency and presence penalties. unread: each logits
+    row's output token not read yet ([N] on the device, or None), counted with the others."""
     dev, vocab = logits.device, logits.shape[-1]
+    pending = 0 if unread is None else 1
     where, cols, vals = [], [], []
     for i, r in rows:
         p = r.params
@@ -271,20 +276,25 @@ def _adjust(logits: torch.Tensor, rows: list[tuple[int, Request]], pending: int 
         logits[to_device(where, torch.long, dev), to_device(cols, torch.long, dev)] = float("-inf")
     rep = [(i, r) for i, r in rows if r.params.repetition_penalty != 1.0]
     if rep:  # vLLM's rule: over prompt and output, positive logits divided, negative multiplied
-        idx = torch.tensor([i for i, _ in rep], device=dev)
+        idx = to_device([i for i, _ in rep], torch.long, dev)
         seen = torch.zeros(len(rep), vocab + 1, dtype=torch.bool, device=dev)
-        seen.scatter_(1, _token_matrix([r.all_token_ids for _, r in rep], vocab, dev), True)
-        pen = torch.tensor([r.params.repetition_penalty for _, r in rep], device=dev)[:, None]
+        known = [r.all_token_ids[: r.num_prompt_tokens + r.num_output_tokens] for _, r in rep]
+        seen.scatter_(1, _token_matrix(known, vocab, dev), True)
+        if unread is not None:
+            seen[torch.arange(len(rep), device=dev), unread[idx]] = True
+        pen = to_device([r.params.repetition_penalty for _, r in rep], torch.float32, dev)[:, None]
         sub = logits[idx]
         hit = torch.where(sub > 0, sub / pen, sub * pen)
         logits[idx] = torch.where(seen[:, :vocab], hit, sub)
-    pens = [(i, r) for i, r in rows if r.params.needs_penalties and r.output_token_ids]
+    pens = [(i, r) for i, r in rows if r.params.needs_penalties and (r.output_token_ids or pending)]
     if pens:
-        idx = torch.tensor([i for i, _ in pens], device=dev)
+        idx = to_device([i for i, _ in pens], torch.long, dev)
         ids = _token_matrix([list(r.output_token_ids) for _, r in pens], vocab, dev)
         counts = torch.zeros(len(pens), vocab + 1, device=dev, dtype=logits.dtype)
         counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=logits.dtype))
+        if unread is not None:
+            counts[torch.arange(len(pens), device=dev), unread[idx]] += 1
         counts = counts[:, :vocab]
-        freq = torch.tensor([r.params.frequency_penalty for _, r in pens], device=dev)[:, None]
-        pres = torch.tensor([r.params.presence_penalty for _, r in pens], device=dev)[:, None]
+        freq = to_device([r.params.frequency_penalty for _, r in pens], logits.dtype, dev)[:, None]
+        pres = to_device([r.params.presence_penalty for _, r in pens], logits.dtype, dev)[:, None]
         logits[idx] -= freq * counts + pres * (counts > 0)

@@ -178,16 +178,24 @@ def test_a_new_request_is_admitted_between_steps_launched_ahead():
 
 @pytest.mark.parametrize(
     "params",
-    [greedy(6, presence_penalty=0.5), greedy(6, repetition_penalty=1.3)],
-    ids=["presence", "repetition"],
+    [
+        greedy(10, presence_penalty=-2.0),  # negative: repeats are drawn in, so the last
+        greedy(10, frequency_penalty=-2.0),  # token (the unread one) matters at once
+        greedy(10, repetition_penalty=0.2),
+    ],
+    ids=["presence", "frequency", "repetition"],
 )
-def test_requests_whose_penalties_read_their_history_read_their_tokens_first(params):
+def test_penalties_see_the_unread_token_and_launch_ahead_with_the_same_tokens(params):
+    """The penalties read the output so far: launched ahead, the token not read yet is counted
+    from the device, and the outputs are those of steps that read their tokens first."""
+
     def setup(run):
         run.submit("a", params)
-        run.submit("b", greedy(6))  # it shares their steps: none launches ahead
+        run.submit("b", greedy(10))  # unpenalized, sharing the steps
 
     plain, ahead = both(setup)
-    assert ahead.ahead_steps == 0
+    assert ahead.ahead_steps == 9
+    assert plain.outcome("a")[3] != plain.outcome("b")[3]  # the penalty changed the output
 
 
 def test_logit_bias_and_min_tokens_launch_ahead_with_the_same_tokens():
