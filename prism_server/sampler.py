@@ -54,21 +54,8 @@ class Sampler:
         each row's last output token, sampled on the device and not read yet ([N] int64, or
         None): min_tokens counts it and the penalties see it, as `sample` would once read."""
         self.completed = set()
-        raw = logits
-        pending = 0 if unread is None else 1
-        adjust = [
-            (i, r)
-            for i, r in enumerate(reqs)
-            if r.params.adjusts_logits or r.num_output_tokens + pending < r.params.min_tokens
-        ]
-        if adjust:
-            logits = logits.clone()
-            _adjust(logits, adjust, unread)
-        if all(r.params.greedy for r in reqs):
-            tokens = logits.argmax(dim=-1)
-        else:
-            tokens = self._sample_mixed(logits, reqs)
-        return Sampled(tokens, _logprob_tensors(raw, tokens, reqs))
+        tokens = self._draw(logits, reqs, unread)
+        return Sampled(tokens, _logprob_tensors(logits, tokens, reqs))
 
     def sample(
         self, logits: torch.Tensor, reqs: list[Request]
@@ -77,28 +64,34 @@ class Sampler:
         self.completed = set()
         if not reqs:  # a step of prefill chunks that all stop short of their prompt's end
             return [], []
-        raw = logits
+        got = self._draw(logits, reqs)
+        lps = _logprob_tensors(logits, got, reqs)
+        tokens = got.tolist()
+        if any(r.params.constrained for r in reqs):
+            self.completed = self.guides.accept(reqs, tokens)
+        return tokens, logprob_list(tokens, reqs, lps and [t.tolist() for t in lps])
+
+    def _draw(
+        self, logits: torch.Tensor, reqs: list[Request], unread: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Each row's token, on the device: logit bias, min_tokens' ban and the penalties
+        (counting `unread`), grammar masks, then greedy or sampled (logits stay as they are)."""
+        pending = 0 if unread is None else 1
         adjust = [
-            i
+            (i, r)
             for i, r in enumerate(reqs)
-            if r.params.adjusts_logits or r.num_output_tokens < r.params.min_tokens
+            if r.params.adjusts_logits or r.num_output_tokens + pending < r.params.min_tokens
         ]
         constrained = any(r.params.constrained for r in reqs)
         if adjust or constrained:
             logits = logits.clone()
         if adjust:
-            _adjust(logits, [(i, reqs[i]) for i in adjust])
+            _adjust(logits, adjust, unread)
         if constrained:
             self.guides.mask(logits, reqs)
         if all(r.params.greedy for r in reqs):
-            got = logits.argmax(dim=-1)
-        else:
-            got = self._sample_mixed(logits, reqs)
-        lps = _logprob_tensors(raw, got, reqs)
-        tokens = got.tolist()
-        if constrained:
-            self.completed = self.guides.accept(reqs, tokens)
-        return tokens, logprob_list(tokens, reqs, lps and [t.tolist() for t in lps])
+            return logits.argmax(dim=-1)
+        return self._sample_mixed(logits, reqs)
 
     def _sample_mixed(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         """Greedy rows by one argmax, unseeded random rows by one batched draw, seeded rows one
