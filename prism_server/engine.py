@@ -262,10 +262,29 @@ class Engine:
         weights = box["weights"]
         host = HostCopy(weights.nbytes, device)
         host.save(weights.bytes())
-        worker = ModelWorker(
+        worker = self._worker(
+            spec, loaded.model, loaded.tokenizer, dev, sched, dtype, weights, host
+        )
+        return worker, loaded, sched
+
+    def _worker(
+        self,
+        spec: ModelSpec,
+        model,
+        tokenizer,
+        dev: DeviceWorker,
+        sched,
+        dtype,
+        weights,
+        host,
+        profile: bool = True,
+    ) -> ModelWorker:
+        """The worker of `spec`'s model on dev, its weights and host copy given (profile: its
+        latency profile now, within the engine's budget)."""
+        return ModelWorker(
             spec.name,
-            loaded.model,
-            loaded.tokenizer,
+            model,
+            tokenizer,
             dev.pool,
             sched,
             dtype,
@@ -277,9 +296,8 @@ class Engine:
             resources=dev.resources,
             ttft_slo_s=spec.ttft_slo_ms / 1e3 if spec.ttft_slo_ms else None,
             tpot_slo_s=spec.tpot_slo_ms / 1e3 if spec.tpot_slo_ms else None,
-            profile_budget_s=self._profile_budget(),
+            profile_budget_s=self._profile_budget() if profile else 0.0,
         )
-        return worker, loaded, sched
 
     # ---- the frontend's side ---------------------------------------------------------------------
     def model(self, name: str) -> ServedModel:
@@ -447,22 +465,16 @@ class Engine:
                 model = empty_model(model0.config, dtype, device, place, envs.fused_kernels())
                 host.retarget(device)
                 host.load(box["weights"].bytes())
-                spec = served.spec
-                worker = ModelWorker(
-                    served.name,
+                worker = self._worker(
+                    served.spec,
                     model,
                     old.outputs.tokenizer,
-                    dev.pool,
+                    dev,
                     old.scheduler.config,
                     old.kv.layout.dtype,
-                    spec.max_cached_pages,
-                    weights=box["weights"],
-                    host=host,
-                    pinned=old.pinned,
-                    keep_alive_s=old.keep_alive_s,
-                    resources=dev.resources,
-                    ttft_slo_s=old.ttft_slo_s,
-                    tpot_slo_s=old.tpot_slo_s,
+                    box["weights"],
+                    host,
+                    profile=False,  # its latency model comes with its history (inherit)
                 )
         except BaseException:
             if "weights" in box:

@@ -30,7 +30,7 @@ from models.attention.flashinfer_paged import (
 from models.attention.torch_paged import TorchPagedAttention
 from prism_server.cuda_graph_runner import DEFAULT_BATCH_SIZES, CudaGraphRunner
 from prism_server.piecewise_graphs import DEFAULT_TOKEN_BUCKETS, PiecewiseGraphs
-from prism_server.sampler import token_logprobs
+from prism_server.sampler import to_device, token_logprobs
 from scheduler.batch_scheduler import ScheduledChunk
 from scheduler.request import Request
 
@@ -149,9 +149,6 @@ class ModelRunner:
         # plan a step while the previous one is still queued behind another
         self._planned = torch.cuda.Event() if device.type == "cuda" else None
 
-    def _device_tensor(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
-
     @torch.inference_mode()
     def execute(
         self,
@@ -180,13 +177,13 @@ class ModelRunner:
             if c.samples:
                 last.append(len(positions) - 1)
         if input_ids is None:
-            input_ids = self._device_tensor(ids)
+            input_ids = to_device(ids, torch.long, self.device)
         if self._planned is not None:
             self._planned.synchronize()  # the last plan's staged copies have run
         chunks = [SeqChunk(c.start, c.num_new, c.request.block_table) for c in batch]
         md = AttentionMetadata.build(chunks, self.block_size, self.device)
-        pos = self._device_tensor(positions)
-        rows = self._device_tensor(last)
+        pos = to_device(positions, torch.long, self.device)
+        rows = to_device(last, torch.long, self.device)
         spans = _prompt_spans(batch) if scores is not None else []
         if not spans and self.graphs is not None and self.graphs.can_run(md):
             logits = self.graphs.run(input_ids, pos, md, self._planned)[rows]
@@ -194,10 +191,8 @@ class ModelRunner:
                 on_launch()
             return logits
         if not spans and self.pieces is not None and self.pieces.fits(len(positions)):
-            if self.pieces.writes_kv:
-                attn = self.attention(self.kv_cache.layer_views, md, write_kv=False)
-            else:
-                attn = self.attention(self.kv_cache.layer_views, md)
+            # FlashInfer's (pieces exist only with it): its writes skipped where the graphs write
+            attn = self.attention(self.kv_cache.layer_views, md, write_kv=not self.pieces.writes_kv)
             self._planned.record()
             hidden = self.pieces.run(input_ids, pos, attn, md.slot_mapping)
             if on_launch is not None:

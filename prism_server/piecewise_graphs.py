@@ -21,6 +21,7 @@ bucket's replays are self-contained (nothing of one step's replay is read by ano
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -83,15 +84,11 @@ class _SegmentHook:
         return o.out[:t]
 
 
-_CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
-
-
+@functools.cache
 def _capture_stream(device: torch.device) -> torch.cuda.Stream:
     """One side stream per device for every piecewise capture (a new stream per capture would
     cycle through torch's stream pool, each with a cuBLAS workspace of its own)."""
-    if device not in _CAPTURE_STREAMS:
-        _CAPTURE_STREAMS[device] = torch.cuda.Stream(device)
-    return _CAPTURE_STREAMS[device]
+    return torch.cuda.Stream(device)
 
 
 class PiecewiseGraphs:
