@@ -59,7 +59,9 @@ class Engine:
             gpu_setup.report(d, config.memory_backend)
         check_host_budget(config, self.device)
         self.policy = policy(config.policy)
-        kernels = KernelChoice(envs.decode_tensor_cores(), envs.prefill_backend())
+        kernels = KernelChoice(
+            envs.decode_tensor_cores(), envs.prefill_backend(), envs.ragged_prefill()
+        )
         # one page pool and one engine thread per device: each GPU of devices (cuda:0 ..), or
         # several emulated CPU devices (each its own pool and thread), for the multi-device
         # control plane on any machine

@@ -54,6 +54,12 @@ def prefill_backend() -> str:
     return os.environ.get("PRISM_PREFILL_BACKEND") or "fa2"
 
 
+def ragged_prefill() -> bool:
+    """Steps of fresh prompts attend over their own K/V tensors, not the paged cache
+    (PRISM_RAGGED_PREFILL, default 1)."""
+    return os.environ.get("PRISM_RAGGED_PREFILL", "1") not in ("0", "false", "no")
+
+
 def piecewise_graphs() -> bool:
     """Capture piecewise CUDA graphs for the steps decode graphs cannot run: prefill chunks,
     mixed batches (PRISM_PIECEWISE_GRAPHS, default 1)."""

@@ -89,8 +89,10 @@ def check(device: torch.device, memory_backend: str) -> list[str]:
             else "no piecewise graphs (PRISM_PIECEWISE_GRAPHS=0)"
         )
         ahead = {None: "on", True: "on", False: "off (PRISM_LAUNCH_AHEAD=0)"}[envs.launch_ahead()]
+        fresh = "ragged" if envs.ragged_prefill() else "paged (PRISM_RAGGED_PREFILL=0)"
         lines.append(
-            f"{device}: attention FlashInfer {fi} (paged prefill, {envs.prefill_backend()}; "
+            f"{device}: attention FlashInfer {fi} ({envs.prefill_backend()} prefill, fresh "
+            f"prompts {fresh}, prefixes paged; "
             f"paged decode, {cores}), CUDA graphs for decode batches {sizes}, {pieces}, "
             f"fused norm/activation/rope kernels {fused}, decode steps launched ahead {ahead}"
         )

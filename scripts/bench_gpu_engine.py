@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from models.presets import get_preset  # noqa: E402
 from prism_server.config import EngineConfig, ModelSpec  # noqa: E402
 from prism_server.engine import Engine  # noqa: E402
-from prism_server.model_runner import ModelRunner  # noqa: E402
+from prism_server.model_runner import DeviceResources, ModelRunner  # noqa: E402
 from prism_server.model_worker import ModelWorker  # noqa: E402
 from scheduler.request import Request  # noqa: E402
 from scheduler.sampling_params import SamplingParams  # noqa: E402
@@ -194,8 +194,10 @@ def sampler_bench(batch: int = 64, vocab: int = 128256) -> dict:
 
 def side_worker(engine: Engine, name: str) -> ModelWorker:
     """A second ModelWorker on the engine model's weights and pool, stepped from this thread
-    (the engine's thread is idle between the benchmark's requests)."""
+    (the engine's thread is idle between the benchmark's requests), with the engine's choice of
+    attention kernels; its steps read their tokens first unless told otherwise."""
     me0 = engine.worker.models["m"]
+    kernels = engine.worker.resources.kernels
     return ModelWorker(
         name,
         me0.runner.model,
@@ -203,6 +205,7 @@ def side_worker(engine: Engine, name: str) -> ModelWorker:
         engine.pool,
         me0.scheduler.config,
         torch.bfloat16,
+        resources=DeviceResources(me0.device, kernels, launch_ahead=False),
     )
 
 
@@ -214,12 +217,12 @@ def profile_prefill(engine: Engine, sizes=(32, 128, 512)) -> dict:
     me = side_worker(engine, "profile-prefill")
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     runner = me.runner
-    kv_runner = ModelRunner(runner.model, me.kv.cache, me.device, piecewise_kv=True)
+    kv_runner = ModelRunner(runner.model, me.kv.cache, me.device, piecewise_kv=False)
     pieces = runner.pieces
     out: dict = {}
     for n in sizes:
-        for way in ("piecewise", "piecewise-kv", "eager"):
-            me.runner = kv_runner if way == "piecewise-kv" else runner
+        for way in ("piecewise", "piecewise-kv-eager", "eager"):
+            me.runner = kv_runner if way == "piecewise-kv-eager" else runner
             runner.pieces = None if way == "eager" else pieces
             host, step = [], []
             for i in range(7):
@@ -265,7 +268,91 @@ def profile_prefill(engine: Engine, sizes=(32, 128, 512)) -> dict:
     return out
 
 
-@section("profile batch-1 decode")
+def kernel_time(fn, runs: int) -> tuple[dict, dict, list]:
+    """Runs fn under the CUDA profiler: device time (ms) and launches per run by kind of kernel
+    (gemm, attention, kv_write, other), and the kernels that took longest."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    kinds = {"gemm": 0.0, "attention": 0.0, "kv_write": 0.0, "other": 0.0}
+    counts = dict.fromkeys(kinds, 0.0)
+    top = []
+    for ev in prof.key_averages():
+        us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if not us or ev.count == 0 or ev.key.startswith(("ProfilerStep", "cudaGraph")):
+            continue
+        name = ev.key
+        if re.search(r"gemm|gemv|cutlass|nvjet|xmma|cublas|splitKreduce", name, re.I):
+            kind = "gemm"
+        elif re.search(r"PrefillWith|DecodeWith|MergeState|PersistentVar|fmha|flash_fwd", name):
+            kind = "attention"
+        elif re.search(r"index_copy|indexCopy|index_put|scatter|AppendPagedKV", name, re.I):
+            kind = "kv_write"
+        else:
+            kind = "other"
+        kinds[kind] += us / runs / 1e3
+        counts[kind] += ev.count / runs
+        top.append((us / runs / 1e3, ev.count / runs, name[:90]))
+    top.sort(reverse=True)
+    return kinds, counts, top
+
+
+@section("profile long prefills")
+def profile_long_prefill(engine: Engine, sizes=(1024, 8192)) -> dict:
+    """One prompt of n tokens (chunks of the step budget) on a side worker: its wall time from
+    the first step to the last, the device time by kind of kernel, and the GEMMs' and the
+    attention's own rates (FLOPs counted as in the prefill figure)."""
+    me = side_worker(engine, "profile-long")
+    cfg = me.runner.model.config
+    linear = weight_bytes(engine) // 2 - 2 * cfg.vocab_size * cfg.hidden_size
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    out: dict = {}
+    for n in sizes:
+        seeds = iter(range(700 + 10 * n, 800 + 10 * n))
+
+        def one(seeds=seeds, n=n) -> float:
+            r = Request(f"long{n}-{next(seeds)}", prompt(n, next(seeds)), params, frozenset(), 0.0)
+            me.add(r)
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            while r.request_id in me.requests and not r.num_output_tokens:
+                me.step(time.monotonic())
+            me.sync()
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - t
+            if r.request_id in me.requests:
+                me.abort(r.request_id)
+            return wall * 1e3
+
+        one()  # warm-up
+        walls = [one() for _ in range(3)]
+        kinds, counts, top = kernel_time(one, 1)
+        wall = statistics.median(walls)
+        attn_flops = 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * n * n
+        busy = sum(kinds.values())
+        out[f"prefill_{n}"] = row = {
+            "wall_ms": wall,
+            "kernel_ms": kinds,
+            "launches": counts,
+            "device_busy": busy / wall,
+            "gemm_tflops": 2 * linear * n / kinds["gemm"] / 1e9,
+            "attention_tflops": attn_flops / kinds["attention"] / 1e9,
+            "top_kernels": top[:10],
+        }
+        print(
+            f"   {n} tokens: wall {wall:.2f} ms, kernels {busy:.2f} ms "
+            f"({', '.join(f'{k} {v:.2f}' for k, v in kinds.items())}); GEMMs "
+            f"{row['gemm_tflops']:.0f} TFLOP/s, attention {row['attention_tflops']:.0f} TFLOP/s"
+        )
+        for ms, c, name in top[:8]:
+            print(f"     {ms:7.3f} ms  x{c:5.0f}  {name}")
+    me.close()
+    return out
+
+
+@section("profile decode")
 def profile_decode(engine: Engine, batch: int = 1) -> dict:
     """A second ModelWorker on the same weights and pool, stepped from this thread: decode step
     wall time, graph replay time, kernel time by kind, and where the host time goes."""
@@ -309,32 +396,7 @@ def profile_decode(engine: Engine, batch: int = 1) -> dict:
     host.disable()
     text = io.StringIO()
     pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(12)
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(10):
-            me.step(time.monotonic())
-        torch.cuda.synchronize()
-    kinds = {"gemm": 0.0, "attention": 0.0, "kv_write": 0.0, "other": 0.0}
-    counts = dict.fromkeys(kinds, 0)
-    top = []
-    for ev in prof.key_averages():
-        us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
-        if not us or ev.count == 0 or ev.key.startswith(("ProfilerStep", "cudaGraph")):
-            continue
-        name = ev.key
-        if re.search(r"gemm|gemv|cutlass|nvjet|xmma|cublas|splitKreduce", name, re.I):
-            kind = "gemm"
-        elif re.search(r"flashinfer|BatchPrefill|BatchDecode|MergeState|Persistent", name):
-            kind = "attention"
-        elif re.search(r"index_copy|indexCopy|index_put|scatter", name, re.I):
-            kind = "kv_write"
-        else:
-            kind = "other"
-        kinds[kind] += us / 10 / 1e3
-        counts[kind] += ev.count / 10
-        top.append((us / 10 / 1e3, ev.count / 10, name[:90]))
-    top.sort(reverse=True)
+    kinds, counts, top = kernel_time(lambda: [me.step(time.monotonic()) for _ in range(10)], 10)
     for r in reqs:
         me.abort(r.request_id)
     me.close()
@@ -483,13 +545,16 @@ def main() -> None:
     if vmm is not None:
         if args.speed_only:
             save("prism", prism_decode_prefill(vmm, RESULTS["ceilings"]))
+            save("profile_long_prefill", profile_long_prefill(vmm))
             vmm.close()
             return
         if not args.vmm_vs_plain_only:
             save("prism", prism_decode_prefill(vmm, RESULTS["ceilings"]))
             save("sampler", sampler_bench())
             save("profile", profile_decode(vmm))
+            save("profile_b16", profile_decode(vmm, 16))
             save("profile_b64", profile_decode(vmm, 64))
+            save("profile_long_prefill", profile_long_prefill(vmm))
             save("profile_prefill", profile_prefill(vmm))
         plain = section("load (plain tensor)")(make_engine)(plain=True)
         if plain is not None:

@@ -6,9 +6,13 @@ block tables, so plan() runs once per step for each distinct kind of layer (soft
 window, logit soft cap: a Gemma 3 model has two) and run() once per layer.
 
 - Decode-only steps: BatchDecodeWithPagedKVCacheWrapper with tensor cores.
-- Anything else (prefill chunks over a cached prefix, mixed with decodes): the fa2
+- Steps of fresh prompts only (every chunk starts at position 0: nothing cached before it): the
+  BatchPrefillWithRaggedKVCacheWrapper over the step's own K/V tensors, causal. The K/V are
+  still written to the cache, for the decodes that follow; attention does not read them back.
+- Anything else (prefill chunks over a cached prefix, mixed with decodes): the
   BatchPrefillWithPagedKVCacheWrapper, causal (FlashInfer aligns each query chunk to the end of
-  its sequence). Both share one JIT module per (dtype, head_dim, window?, soft cap?).
+  its sequence). Ragged, paged and tensor-core decode share one JIT module per (dtype, head_dim,
+  window?, soft cap?).
 - CUDA graphs: `DecodeGraphAttention`, one per captured batch size, owns fixed index buffers that
   plan() refills outside the graph before each replay; padded rows read and write the null block.
 
@@ -60,6 +64,7 @@ class KernelChoice:
 
     decode_tensor_cores: bool = True  # decode through the tensor-core kernel (else CUDA cores)
     prefill_backend: str = "fa2"  # FlashInfer's prefill backend: "fa2", "fa3" (Hopper), "auto"
+    ragged_prefill: bool = True  # fresh prompts attend over their own K/V tensors (else paged)
 
     def __post_init__(self):
         if self.prefill_backend not in PREFILL_BACKENDS:
@@ -203,6 +208,12 @@ class FlashInferBackend:
             )
             for s in self.specs
         }
+        self.ragged = {
+            s: flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
+                self.workspace, "NHD", backend=kernels.prefill_backend
+            )
+            for s in self.specs
+        }
         self.decode = {
             s: flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                 self.workspace, "NHD", use_tensor_cores=kernels.decode_tensor_cores
@@ -235,6 +246,18 @@ class FlashInferBackend:
             write = (
                 AppendWriter(self._fi, append_inputs(index, md, self.device)) if write_kv else None
             )
+            if self.kernels.ragged_prefill and md.seq_lens_cpu == md.query_lens_cpu:
+                for spec, w in self.ragged.items():
+                    w.plan(
+                        index.qo_indptr,
+                        index.qo_indptr,
+                        sh.num_qo_heads,
+                        sh.num_kv_heads,
+                        sh.head_dim,
+                        causal=True,
+                        **{**plan_kwargs(spec, sh), "kv_data_type": sh.q_dtype},  # k, v as q
+                    )
+                return RaggedAttention(kv_caches, self.ragged, write)
             wrappers = self.prefill
             for spec, w in wrappers.items():
                 w.plan(
@@ -269,6 +292,15 @@ class FlashInferAttention:
         if self.write is not None:
             self.write(cache, k, v)
         return self.wrappers[spec].run(q, cache)
+
+
+class RaggedAttention(FlashInferAttention):
+    """A step of fresh prompts: writes K/V for later steps, attends over the step's own K/V."""
+
+    def forward(self, layer_idx: int, q, k, v, spec: LayerAttention) -> torch.Tensor:
+        if self.write is not None:
+            self.write(self.kv_caches[layer_idx], k, v)
+        return self.wrappers[spec].run(q, k, v)
 
 
 class DecodeGraphAttention(FlashInferAttention):

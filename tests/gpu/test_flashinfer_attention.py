@@ -1,8 +1,9 @@
 """FlashInfer attention vs the torch reference on random inputs, over kvpool's VMM layout.
 
-Mixed steps (prefill chunks over a cached prefix, fresh prompts, decodes) go through the prefill
-wrapper; decode-only steps through the decode wrapper and through the CUDA-graph decode attention
-(padded batch). Reference: TorchPagedAttention in float32 over the same bf16 cache. Cases: the
+Mixed steps (prefill chunks over a cached prefix, fresh prompts, decodes) go through the paged
+prefill wrapper; steps of fresh prompts only through the ragged one (or the paged one);
+decode-only steps through the decode wrapper and through the CUDA-graph decode attention (padded
+batch). Reference: TorchPagedAttention in float32 over the same bf16 cache. Cases: the
 Llama-3.1-8B head shape, and a Gemma-like head_dim 256 with a sliding window and a logit soft cap.
 """
 
@@ -19,6 +20,7 @@ from models.attention.flashinfer_paged import (
     AttentionShape,
     FlashInferBackend,
     KernelChoice,
+    RaggedAttention,
     kv_rows,
 )
 from models.attention.torch_paged import TorchPagedAttention
@@ -34,6 +36,8 @@ CASES = {
 }
 MIXED = [(0, 37), (50, 20), (100, 1), (7, 1), (33, 64), (130, 3)]  # (cached, new) per sequence
 DECODE = [(n, 1) for n in (0, 16, 63, 100, 254, 31, 9)]
+FRESH = [(0, 37), (0, 150), (0, 5), (0, 64), (0, 2)]  # fresh prompts only: ragged attention
+STEPS = {"mixed": MIXED, "fresh": FRESH, "decode": DECODE, "graph-decode": DECODE}
 
 
 def make_cache(case: dict) -> PagedKV:
@@ -106,14 +110,20 @@ KERNELS = {
     "default": KernelChoice(),
     "cuda-core-decode": KernelChoice(decode_tensor_cores=False),
     "fa3-prefill": KernelChoice(prefill_backend="fa3"),
+    "paged-fresh": KernelChoice(ragged_prefill=False),
+}
+TOUCHES = {  # the kinds of step each choice changes
+    "cuda-core-decode": {"decode", "graph-decode"},
+    "fa3-prefill": {"mixed", "fresh"},
+    "paged-fresh": {"fresh"},
 }
 
 
 @pytest.mark.parametrize("name", list(CASES))
-@pytest.mark.parametrize("kind", ["mixed", "decode", "graph-decode"])
+@pytest.mark.parametrize("kind", list(STEPS))
 @pytest.mark.parametrize("kernels", list(KERNELS))
 def test_flashinfer_matches_reference(name, kind, kernels):
-    if kernels != "default" and (kernels == "fa3-prefill") != (kind == "mixed"):
+    if kernels != "default" and kind not in TOUCHES[kernels]:
         pytest.skip("the choice does not touch this kind of step")
     case = CASES[name]
     gen = torch.Generator().manual_seed(zlib.crc32(f"{name}/{kind}".encode()))
@@ -127,7 +137,7 @@ def test_flashinfer_matches_reference(name, kind, kernels):
         case["heads"], case["kv_heads"], case["head_dim"], BLOCK, torch.bfloat16, torch.bfloat16
     )
     backend = FlashInferBackend(shape, [spec], torch.device("cuda"), kernels=KERNELS[kernels])
-    md, blocks = make_step(kv, MIXED if kind == "mixed" else DECODE, gen)
+    md, blocks = make_step(kv, STEPS[kind], gen)
     pad = 0
     if kind == "graph-decode":  # the CUDA-graph attention, batch 7 padded to 8, run eagerly
         pad = 8
@@ -136,6 +146,8 @@ def test_flashinfer_matches_reference(name, kind, kernels):
         attn.prepare()
     else:
         attn = backend(kv.layer_views, md)
+        ragged = kind == "fresh" and KERNELS[kernels].ragged_prefill
+        assert isinstance(attn, RaggedAttention) is ragged
     run_and_compare(kv, md, attn, spec, case, gen, pad)
     kv.allocator.free(blocks)
     kv.check_integrity()

@@ -23,6 +23,19 @@ from tests.gpu.common import (
 pytestmark = GPU
 
 QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}  # q/k norms in segments
+GEMMA3 = {  # sliding and full layers, each with its own rope; a final soft cap
+    "architectures": ["Gemma3ForCausalLM"],
+    "model_type": "gemma3_text",
+    "hidden_activation": "gelu_pytorch_tanh",
+    "query_pre_attn_scalar": 96,
+    "sliding_window": 16,
+    "layer_types": ["sliding_attention", "full_attention"],
+    "rope_parameters": {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+        "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1_000_000.0},
+    },
+    "final_logit_softcapping": 5.0,
+}
 
 
 def count_runs(me) -> list[int]:
@@ -39,7 +52,7 @@ def count_runs(me) -> list[int]:
 
 
 @pytest.mark.parametrize("kv_in_graph", [False, True], ids=["kv-eager", "kv-in-graph"])
-@pytest.mark.parametrize("hf", [{}, QWEN3], ids=["llama", "qwen3"])
+@pytest.mark.parametrize("hf", [{}, QWEN3, GEMMA3], ids=["llama", "qwen3", "gemma3"])
 def test_prefill_and_mixed_steps_replayed_piecewise_give_the_eager_tokens(hf, kv_in_graph):
     """kv_in_graph: the segments write K/V (from the step's slots), the eager part is attention
     alone."""
@@ -47,8 +60,7 @@ def test_prefill_and_mixed_steps_replayed_piecewise_give_the_eager_tokens(hf, kv
     model = on_gpu(cpu_model)
     pool = cuda_pool(pages=8)
     pieces = model_engine("pieces", cfg, model, pool, graphs=True)
-    if kv_in_graph:
-        pieces.runner = ModelRunner(model, pieces.kv.cache, pieces.device, piecewise_kv=True)
+    pieces.runner = ModelRunner(model, pieces.kv.cache, pieces.device, piecewise_kv=kv_in_graph)
     eager = model_engine("eager", cfg, model, pool, graphs=False)
     assert pieces.runner.pieces is not None and eager.runner.pieces is None
     assert pieces.runner.pieces.writes_kv is kv_in_graph

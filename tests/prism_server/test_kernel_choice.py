@@ -12,7 +12,7 @@ from prism_server.engine import Engine
 
 
 def test_the_defaults_and_a_bad_backend():
-    assert KernelChoice(decode_tensor_cores=True, prefill_backend="fa2") == DEFAULT_KERNELS
+    assert KernelChoice(True, "fa2", ragged_prefill=True) == DEFAULT_KERNELS
     assert KernelChoice(prefill_backend="fa3").prefill_backend == "fa3"
     with pytest.raises(ValueError, match="choose from fa2, fa3, auto"):
         KernelChoice(prefill_backend="fa4")
@@ -21,11 +21,13 @@ def test_the_defaults_and_a_bad_backend():
 def test_the_environment_reaches_every_devices_resources(monkeypatch):
     monkeypatch.setenv("PRISM_DECODE_TENSOR_CORES", "0")
     monkeypatch.setenv("PRISM_PREFILL_BACKEND", "fa3")
+    monkeypatch.setenv("PRISM_RAGGED_PREFILL", "0")
     assert not envs.decode_tensor_cores() and envs.prefill_backend() == "fa3"
+    assert not envs.ragged_prefill()
     spec = ModelSpec("a", "dummy:tiny-llama", block_size=4)
     with Engine(EngineConfig(models=(spec,), device="cpu", page_bytes=64 << 10, devices=2)) as e:
         kinds = {w.resources.kernels for w in e._workers}
-        assert kinds == {KernelChoice(decode_tensor_cores=False, prefill_backend="fa3")}
+        assert kinds == {KernelChoice(False, "fa3", ragged_prefill=False)}
         e.check_integrity()
     monkeypatch.setenv("PRISM_PREFILL_BACKEND", "fa4")
     with pytest.raises(ValueError, match="fa4"):
