@@ -284,10 +284,10 @@ def kernel_time(fn, runs: int) -> tuple[dict, dict, list]:
         if not us or ev.count == 0 or ev.key.startswith(("ProfilerStep", "cudaGraph")):
             continue
         name = ev.key
-        if re.search(r"gemm|gemv|cutlass|nvjet|xmma|cublas|splitKreduce", name, re.I):
+        if re.search(r"PrefillWith|DecodeWith|MergeState|PersistentVar|fmha|FlashAttn|attn", name):
+            kind = "attention"  # before gemm: fa3's kernels are CUTLASS kernels
+        elif re.search(r"gemm|gemv|cutlass|nvjet|xmma|cublas|splitKreduce", name, re.I):
             kind = "gemm"
-        elif re.search(r"PrefillWith|DecodeWith|MergeState|PersistentVar|fmha|flash_fwd", name):
-            kind = "attention"
         elif re.search(r"index_copy|indexCopy|index_put|scatter|AppendPagedKV", name, re.I):
             kind = "kv_write"
         else:
@@ -297,6 +297,38 @@ def kernel_time(fn, runs: int) -> tuple[dict, dict, list]:
         top.append((us / runs / 1e3, ev.count / runs, name[:90]))
     top.sort(reverse=True)
     return kinds, counts, top
+
+
+def device_idle(fn) -> dict:
+    """Runs fn under the profiler: how long the device sat idle before fn's first kernel, between
+    its kernels, and after its last one (ms), on the profiler's one clock."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    with profile(activities=activities) as prof, record_function("measured"):
+        fn()
+        torch.cuda.synchronize()
+    events = prof.events()
+    span = next(e for e in events if e.name == "measured").time_range
+    kernels = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in events
+        if e.device_type == DeviceType.CUDA and span.start <= e.time_range.start <= span.end
+    )
+    if not kernels:
+        return {}
+    busy, end = 0.0, kernels[0][0]
+    for a, b in kernels:  # union of the intervals (one stream: they barely overlap)
+        busy += max(0.0, b - max(a, end))
+        end = max(end, b)
+    first, last = kernels[0][0], max(b for _, b in kernels)
+    return {
+        "before_ms": (first - span.start) / 1e3,
+        "between_ms": (last - first - busy) / 1e3,
+        "after_ms": (span.end - last) / 1e3,
+        "wall_ms": (span.end - span.start) / 1e3,
+    }
 
 
 @section("profile long prefills")
@@ -309,6 +341,7 @@ def profile_long_prefill(engine: Engine, sizes=(1024, 8192)) -> dict:
     linear = weight_bytes(engine) // 2 - 2 * cfg.vocab_size * cfg.hidden_size
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     out: dict = {}
+    probe = None
     for n in sizes:
         seeds = iter(range(700 + 10 * n, 800 + 10 * n))
 
@@ -327,9 +360,11 @@ def profile_long_prefill(engine: Engine, sizes=(1024, 8192)) -> dict:
             return wall * 1e3
 
         one()  # warm-up
+        probe = probe if n != sizes[0] else one  # the host profile is of the first size
         walls = [one() for _ in range(3)]
         kinds, counts, top = kernel_time(one, 1)
         wall = statistics.median(walls)
+        idle = device_idle(one)
         attn_flops = 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * n * n
         busy = sum(kinds.values())
         out[f"prefill_{n}"] = row = {
@@ -337,8 +372,9 @@ def profile_long_prefill(engine: Engine, sizes=(1024, 8192)) -> dict:
             "kernel_ms": kinds,
             "launches": counts,
             "device_busy": busy / wall,
-            "gemm_tflops": 2 * linear * n / kinds["gemm"] / 1e9,
-            "attention_tflops": attn_flops / kinds["attention"] / 1e9,
+            "device_idle": idle,
+            "gemm_tflops": 2 * linear * n / max(kinds["gemm"], 1e-9) / 1e9,
+            "attention_tflops": attn_flops / max(kinds["attention"], 1e-9) / 1e9,
             "top_kernels": top[:10],
         }
         print(
@@ -346,8 +382,24 @@ def profile_long_prefill(engine: Engine, sizes=(1024, 8192)) -> dict:
             f"({', '.join(f'{k} {v:.2f}' for k, v in kinds.items())}); GEMMs "
             f"{row['gemm_tflops']:.0f} TFLOP/s, attention {row['attention_tflops']:.0f} TFLOP/s"
         )
+        print(
+            "     device idle (ms): "
+            + ", ".join(f"{k.removesuffix('_ms')} {v:.2f}" for k, v in idle.items())
+        )
         for ms, c, name in top[:8]:
             print(f"     {ms:7.3f} ms  x{c:5.0f}  {name}")
+    import cProfile
+    import io
+    import pstats
+
+    host = cProfile.Profile()
+    host.enable()
+    probe()
+    host.disable()
+    text = io.StringIO()
+    pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(20)
+    out["host_profile"] = text.getvalue()
+    print(text.getvalue())
     me.close()
     return out
 
