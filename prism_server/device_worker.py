@@ -62,6 +62,7 @@ class DeviceWorker:
         kernels: KernelChoice = DEFAULT_KERNELS,
         launch_ahead: bool | None = None,
         piecewise: bool = True,
+        piecewise_tokens: int | None = None,
     ):
         self.pool = pool
         self.policy = policy
@@ -83,7 +84,9 @@ class DeviceWorker:
         self.steps = 0
         self.step_seconds = self.host_seconds = 0.0
         # shared by its models' runners
-        self.resources = DeviceResources(self.device, kernels, launch_ahead, piecewise)
+        self.resources = DeviceResources(
+            self.device, kernels, launch_ahead, piecewise, piecewise_tokens
+        )
         self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = False

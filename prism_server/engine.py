@@ -86,6 +86,7 @@ class Engine:
                 kernels=kernels,
                 launch_ahead=envs.launch_ahead(),
                 piecewise=envs.piecewise_graphs(),
+                piecewise_tokens=envs.piecewise_max_tokens(),
             )
             w.start()
             self._workers.append(w)

@@ -66,6 +66,15 @@ def piecewise_graphs() -> bool:
     return os.environ.get("PRISM_PIECEWISE_GRAPHS", "1") not in ("0", "false", "no")
 
 
+def piecewise_max_tokens() -> int | None:
+    """The largest step replayed through piecewise graphs (PRISM_PIECEWISE_MAX_TOKENS; unset: 512).
+    Larger steps run eagerly; each bucket past 512 tokens costs capture time and graph memory."""
+    n = _int("PRISM_PIECEWISE_MAX_TOKENS", None)
+    if n is not None and n < 8:
+        raise ValueError(f"PRISM_PIECEWISE_MAX_TOKENS must be at least 8, got {n}")
+    return n
+
+
 def launch_ahead() -> bool | None:
     """Launch a model's next decode step before its last one's tokens are read
     (PRISM_LAUNCH_AHEAD: 1 or 0; unset: on a GPU only)."""

@@ -12,7 +12,7 @@ import torch
 
 from prism_server import envs
 from prism_server.cuda_graph_runner import DEFAULT_BATCH_SIZES
-from prism_server.piecewise_graphs import DEFAULT_TOKEN_BUCKETS
+from prism_server.piecewise_graphs import DEFAULT_MAX_TOKENS
 
 log = logging.getLogger("prism")
 
@@ -84,7 +84,8 @@ def check(device: torch.device, memory_backend: str) -> list[str]:
         sizes = ", ".join(map(str, DEFAULT_BATCH_SIZES))
         cores = "tensor-core" if envs.decode_tensor_cores() else "CUDA-core"
         pieces = (
-            f"piecewise for other steps of up to {DEFAULT_TOKEN_BUCKETS[-1]} tokens"
+            f"piecewise for other steps of up to "
+            f"{envs.piecewise_max_tokens() or DEFAULT_MAX_TOKENS} tokens"
             if envs.piecewise_graphs()
             else "no piecewise graphs (PRISM_PIECEWISE_GRAPHS=0)"
         )

@@ -29,7 +29,12 @@ from models.attention.flashinfer_paged import (
 )
 from models.attention.torch_paged import TorchPagedAttention
 from prism_server.cuda_graph_runner import DEFAULT_BATCH_SIZES, CudaGraphRunner
-from prism_server.piecewise_graphs import DEFAULT_TOKEN_BUCKETS, PiecewiseGraphs
+from prism_server.piecewise_graphs import (
+    DEFAULT_MAX_TOKENS,
+    DEFAULT_TOKEN_BUCKETS,
+    PiecewiseGraphs,
+    token_buckets,
+)
 from prism_server.sampler import to_device, token_logprobs
 from scheduler.batch_scheduler import ScheduledChunk
 from scheduler.request import Request
@@ -50,11 +55,15 @@ class DeviceResources:
         kernels: KernelChoice = DEFAULT_KERNELS,
         launch_ahead: bool | None = None,
         piecewise: bool = True,
+        piecewise_tokens: int | None = None,
     ):
         self.device = device
         self.kernels = kernels
         self.launch_ahead = device.type == "cuda" if launch_ahead is None else launch_ahead
-        self.piecewise = piecewise  # piecewise graphs for the steps decode graphs cannot run
+        # piecewise graphs for the steps decode graphs cannot run, of up to piecewise_tokens
+        self.piecewise_buckets = (
+            token_buckets(piecewise_tokens or DEFAULT_MAX_TOKENS) if piecewise else ()
+        )
         self._workspace: torch.Tensor | None = None
         self._graph_pool = None
 
@@ -135,9 +144,10 @@ class ModelRunner:
             )
             self.graphs.capture()
         self.pieces: PiecewiseGraphs | None = None
-        buckets = DEFAULT_TOKEN_BUCKETS if piecewise_sizes is None else tuple(piecewise_sizes)
-        if resources is not None and not resources.piecewise:
-            buckets = ()
+        if piecewise_sizes is not None:
+            buckets = tuple(piecewise_sizes)
+        else:
+            buckets = DEFAULT_TOKEN_BUCKETS if resources is None else resources.piecewise_buckets
         if self.graphs is not None and buckets:
             views = kv_cache.layer_views if piecewise_kv else None
             self.pieces = PiecewiseGraphs(

@@ -33,7 +33,20 @@ from models.attention.flashinfer_paged import kv_rows, write_kv
 
 log = logging.getLogger(__name__)
 
-DEFAULT_TOKEN_BUCKETS = (8, 16, 32, 64, 128, 256, 512)
+DEFAULT_MAX_TOKENS = 512
+
+
+def token_buckets(max_tokens: int) -> tuple[int, ...]:
+    """The step sizes captured for steps of up to max_tokens: powers of two from 8 to 512, then
+    every 256 tokens (a step replays the smallest bucket at least its size: padded rows cost
+    GEMM time, so the large buckets are close together); () if max_tokens < 8."""
+    small = [n for n in (8, 16, 32, 64, 128, 256, 512) if n <= max_tokens]
+    large = list(range(768, max_tokens + 1, 256))
+    top = [max_tokens] if max_tokens >= 8 and max_tokens not in small + large else []
+    return tuple(small + large + top)
+
+
+DEFAULT_TOKEN_BUCKETS = token_buckets(DEFAULT_MAX_TOKENS)
 
 
 @dataclass

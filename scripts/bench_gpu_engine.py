@@ -195,9 +195,14 @@ def sampler_bench(batch: int = 64, vocab: int = 128256) -> dict:
 def side_worker(engine: Engine, name: str) -> ModelWorker:
     """A second ModelWorker on the engine model's weights and pool, stepped from this thread
     (the engine's thread is idle between the benchmark's requests), with the engine's choice of
-    attention kernels; its steps read their tokens first unless told otherwise."""
+    attention kernels and piecewise graphs; its steps read their tokens first unless told
+    otherwise."""
     me0 = engine.worker.models["m"]
-    kernels = engine.worker.resources.kernels
+    shared = engine.worker.resources
+    buckets = shared.piecewise_buckets
+    resources = DeviceResources(
+        me0.device, shared.kernels, False, bool(buckets), max(buckets, default=None)
+    )
     return ModelWorker(
         name,
         me0.runner.model,
@@ -205,7 +210,7 @@ def side_worker(engine: Engine, name: str) -> ModelWorker:
         engine.pool,
         me0.scheduler.config,
         torch.bfloat16,
-        resources=DeviceResources(me0.device, kernels, launch_ahead=False),
+        resources=resources,
     )
 
 
@@ -301,7 +306,9 @@ def kernel_time(fn, runs: int) -> tuple[dict, dict, list]:
 
 def device_idle(fn) -> dict:
     """Runs fn under the profiler: how long the device sat idle before fn's first kernel, between
-    its kernels, and after its last one (ms), on the profiler's one clock."""
+    its kernels, and after its last one (ms), on the profiler's one clock; the longest gaps
+    between kernels, and what the host ran for 0.1 ms or more before the first kernel and in
+    those gaps (ops and CUDA runtime calls)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -312,22 +319,48 @@ def device_idle(fn) -> dict:
     events = prof.events()
     span = next(e for e in events if e.name == "measured").time_range
     kernels = sorted(
-        (e.time_range.start, e.time_range.end)
+        (e.time_range.start, e.time_range.end, e.name)
         for e in events
-        if e.device_type == DeviceType.CUDA and span.start <= e.time_range.start <= span.end
+        if e.device_type == DeviceType.CUDA
+        and e.name != "measured"  # the marker's own span on the device's timeline
+        and span.start <= e.time_range.start <= span.end
     )
     if not kernels:
         return {}
-    busy, end = 0.0, kernels[0][0]
-    for a, b in kernels:  # union of the intervals (one stream: they barely overlap)
+    host = [
+        (e.time_range.start, e.time_range.end, e.name)
+        for e in events
+        if e.device_type == DeviceType.CPU
+        and e.name != "measured"
+        and e.time_range.end - e.time_range.start >= 100
+    ]
+
+    def during(a: float, b: float) -> list:
+        return [
+            f"{n[:60]} {(y - x) / 1e3:.2f}"
+            for x, y, n in sorted(host, key=lambda h: h[0] - h[1])
+            if x < b and y > a
+        ][:6]
+
+    busy, end, gaps = 0.0, kernels[0][0], []
+    prev = ""
+    for a, b, name in kernels:
+        if a > end:
+            gaps.append((a - end, end, a, prev[:50], name[:50]))
         busy += max(0.0, b - max(a, end))
-        end = max(end, b)
-    first, last = kernels[0][0], max(b for _, b in kernels)
+        end, prev = max(end, b), name if b >= end else prev
+    first, last = kernels[0][0], end
+    gaps.sort(reverse=True)
     return {
         "before_ms": (first - span.start) / 1e3,
         "between_ms": (last - first - busy) / 1e3,
         "after_ms": (span.end - last) / 1e3,
         "wall_ms": (span.end - span.start) / 1e3,
+        "host_before_first_kernel": during(span.start, first),
+        "longest_gaps": [
+            {"ms": g / 1e3, "after": p, "before": n, "host": during(a, b)}
+            for g, a, b, p, n in gaps[:4]
+        ],
     }
 
 
@@ -384,8 +417,11 @@ def profile_long_prefill(engine: Engine, sizes=(1024, 8192)) -> dict:
         )
         print(
             "     device idle (ms): "
-            + ", ".join(f"{k.removesuffix('_ms')} {v:.2f}" for k, v in idle.items())
+            + ", ".join(f"{k[:-3]} {v:.2f}" for k, v in idle.items() if k.endswith("_ms"))
         )
+        print(f"     host before the first kernel: {idle.get('host_before_first_kernel')}")
+        for g in idle.get("longest_gaps", []):
+            print(f"     gap {g['ms']:.3f} ms after {g['after']} (host: {g['host']})")
         for ms, c, name in top[:8]:
             print(f"     {ms:7.3f} ms  x{c:5.0f}  {name}")
     import cProfile
