@@ -50,6 +50,8 @@ if [ "$quick" = "--decode" ]; then
   timeout 320 python3 scripts/bench_gpu_engine.py --skip-hf --skip-append --json "$OUT/engine.json" \
     2>&1 | tee "$OUT/bench.log"
   echo "engine bench: $((SECONDS - t0)) s"
+  # where a lone prompt's TTFT goes through the engine: to its first step, steps, output
+  timeout 120 python3 scripts/bench_gpu_ttft.py --json "$OUT/ttft.json" 2>&1 | tail -3
   # two small models' decode steps at once on two streams against one after the other
   timeout 150 python3 scripts/bench_gpu_concurrent.py --json "$OUT/concurrent.json" 2>&1 | tail -2
   # the kernel choices beside the default (KERNELS="" skips them)
