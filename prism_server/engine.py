@@ -87,6 +87,7 @@ class Engine:
                 launch_ahead=envs.launch_ahead(),
                 piecewise=envs.piecewise_graphs(),
                 piecewise_tokens=envs.piecewise_max_tokens(),
+                lanes=envs.decode_lanes(),
             )
             w.start()
             self._workers.append(w)
@@ -296,7 +297,7 @@ class Engine:
             host=host,
             pinned=spec.pinned or self.policy.all_resident,
             keep_alive_s=spec.keep_alive_s,
-            resources=dev.resources,
+            resources=dev.lane_for_new_model(),
             ttft_slo_s=spec.ttft_slo_ms / 1e3 if spec.ttft_slo_ms else None,
             tpot_slo_s=spec.tpot_slo_ms / 1e3 if spec.tpot_slo_ms else None,
             profile_budget_s=self._profile_budget() if profile else 0.0,

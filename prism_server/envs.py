@@ -75,6 +75,17 @@ def piecewise_max_tokens() -> int | None:
     return n
 
 
+def decode_lanes() -> int:
+    """Streams per device that models step on at once (PRISM_DECODE_LANES, default 1). With 2,
+    each model is given a lane in turn; beside the arbitrator's pick, a model of the other lane
+    whose requests are decoding steps too, on its own stream (small models leave most of the
+    GPU idle). Each lane has its own FlashInfer workspace and CUDA-graph pool."""
+    n = _int("PRISM_DECODE_LANES", 1)
+    if n < 1:
+        raise ValueError(f"PRISM_DECODE_LANES must be at least 1, got {n}")
+    return n
+
+
 def launch_ahead() -> bool | None:
     """Launch a model's next decode step before its last one's tokens are read
     (PRISM_LAUNCH_AHEAD: 1 or 0; unset: on a GPU only)."""

@@ -7,6 +7,7 @@ supports them; everything else runs eagerly.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 
 import torch
@@ -43,11 +44,15 @@ AttentionFactory = Callable[[list[torch.Tensor], AttentionMetadata], AttentionBa
 
 
 class DeviceResources:
-    """What every model of one device shares, because one engine thread runs their steps one at a
-    time on one stream: FlashInfer's float workspace and the CUDA-graph memory pool (created on
-    first use, never on CPU), which attention kernels they run, and whether a model's next
-    decode step is launched before its last one's tokens are read (launch_ahead; None: on a
-    GPU, where the host's work then hides behind the device's)."""
+    """What the models of one lane of a device share, because their steps run one at a time on
+    the lane's stream: FlashInfer's float workspace and the CUDA-graph memory pool (created on
+    first use, never on CPU); and what every model of the device runs: which attention kernels,
+    whether a model's next decode step is launched before its last one's tokens are read
+    (launch_ahead; None: on a GPU, where the host's work then hides behind the device's), and
+    which piecewise graphs.
+
+    A device has one lane, or several (models in different lanes step at once, each lane on a
+    stream of its own): lane 0 steps on the engine thread's current stream."""
 
     def __init__(
         self,
@@ -56,8 +61,11 @@ class DeviceResources:
         launch_ahead: bool | None = None,
         piecewise: bool = True,
         piecewise_tokens: int | None = None,
+        lane: int = 0,
     ):
         self.device = device
+        self.lane = lane
+        self._piecewise = (piecewise, piecewise_tokens)
         self.kernels = kernels
         self.launch_ahead = device.type == "cuda" if launch_ahead is None else launch_ahead
         # piecewise graphs for the steps decode graphs cannot run, of up to piecewise_tokens
@@ -66,6 +74,21 @@ class DeviceResources:
         )
         self._workspace: torch.Tensor | None = None
         self._graph_pool = None
+        self._stream: torch.cuda.Stream | None = None
+
+    def lane_of_same_device(self, lane: int) -> DeviceResources:
+        """Another lane of this device: the same kernels and graphs, its own workspace, graph
+        pool and stream."""
+        return DeviceResources(self.device, self.kernels, self.launch_ahead, *self._piecewise, lane)
+
+    def stepping(self):
+        """The context a step of one of this lane's models runs in: on the lane's stream (lane
+        0, or a host device: the current one)."""
+        if self.lane == 0 or self.device.type != "cuda":
+            return contextlib.nullcontext()
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        return torch.cuda.stream(self._stream)
 
     def workspace(self) -> torch.Tensor:
         if self._workspace is None:

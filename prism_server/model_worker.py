@@ -137,6 +137,8 @@ class ModelWorker:
         # model is launched (or something needs them); its requests' next decode step is
         # launched first, from those tokens, so that the host's work hides behind the device's
         self.launch_ahead = resources.launch_ahead if resources is not None else False
+        self.resources = resources  # its lane of the device (None: resources of its own)
+        self.lane = resources.lane if resources is not None else 0
         self._ahead: _InFlight | None = None
         self.latency = LatencyModel()  # kept across evictions: a reactivation does not profile
         # the last step done: its shape, the latency model's estimate before it, and its seconds
