@@ -8,6 +8,11 @@ Each model is a worker of its own (own workspace, own graph pool) on the engine'
 pool; its decode graph is planned once for its batch and replayed N times (every replay writes
 the same KV slots and reads the same context, so each costs what a decode step costs).
 
+Then the same through the whole engine: both models' requests decoding, with one lane (the
+arbitrator's pick steps, one model at a time) and with two (PRISM_DECODE_LANES=2: the other
+model steps at once on its own stream): aggregate tokens/s while both decode, and each model's
+median gap between tokens (its TPOT).
+
     python3 scripts/bench_gpu_concurrent.py [--preset llama-3.2-1b] [--batch 8] [--json out.json]
 """
 
@@ -15,7 +20,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import queue
+import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -71,14 +80,67 @@ def timed(fn, iters: int) -> float:
     return (time.perf_counter() - t) / iters
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--preset", default="llama-3.2-1b")
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--context", type=int, default=1024)
-    ap.add_argument("--iters", type=int, default=200)
-    ap.add_argument("--json")
-    args = ap.parse_args()
+def engine_decode(lanes: int, args) -> dict:
+    """Both models' `batch` requests at once through an engine with `lanes` lanes."""
+    preset, batch, context, tokens = args.preset, args.batch, args.context, args.tokens
+    os.environ["PRISM_DECODE_LANES"] = str(lanes)
+    specs = tuple(
+        ModelSpec(n, f"dummy:{preset}", max_model_len=4096, max_num_seqs=32) for n in "ab"
+    )
+    budget = 8 * GiB if args.device == "cuda" else None
+    cfg = EngineConfig(
+        models=specs, device=args.device, kv_budget_bytes=budget, enable_prefix_caching=False
+    )
+    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+    lock = threading.Lock()
+    times: dict[tuple[str, int], list[float]] = {}
+    done: queue.SimpleQueue = queue.SimpleQueue()
+    with Engine(cfg) as e:
+        e.generate("a", [[5, 6, 7]], params)  # warm-up
+        e.generate("b", [[5, 6, 7]], params)
+        g = torch.Generator().manual_seed(1)
+        vocab = e.served["a"].vocab_size
+        for name in "ab":
+            for i in range(batch):
+                ids = torch.randint(3, min(vocab, 30000), (context,), generator=g).tolist()
+                times[name, i] = []
+
+                def sink(out, key=(name, i)):
+                    if out.new_token_ids:
+                        with lock:
+                            times[key].append(time.perf_counter())
+                    if out.finished or out.error:
+                        done.put(out.error)
+
+                e.add_request(name, ids, params, sink)
+        errors = [done.get(timeout=300) for _ in times]
+        companions = e.worker.companion_steps
+    if any(errors):
+        raise RuntimeError(next(x for x in errors if x))
+    start = max(ts[0] for ts in times.values())  # every request decoding
+    end = min(ts[-1] for ts in times.values())  # until the first ends
+    window = sum(sum(start <= t <= end for t in ts) for ts in times.values())
+    tpot = {
+        n: statistics.median(
+            b - a
+            for (m, _), ts in times.items()
+            if m == n
+            for a, b in zip(ts, ts[1:])
+            if a >= start and b <= end
+        )
+        * 1e3
+        for n in "ab"
+    }
+    return {
+        "lanes": lanes,
+        "tok_s": window / (end - start),
+        "tpot_ms": tpot,
+        "companion_steps": companions,
+    }
+
+
+def graph_pair(args) -> dict:
+    """The graph-level pair: one model's replay, both one after the other, both at once."""
     specs = tuple(
         ModelSpec(n, f"dummy:{args.preset}", max_model_len=4096, max_num_seqs=32) for n in "ab"
     )
@@ -114,9 +176,6 @@ def main() -> None:
             me.close()
     tokens = 2 * args.batch
     out = {
-        "preset": args.preset,
-        "batch": args.batch,
-        "context": args.context,
         "one_step_ms": one * 1e3,
         "alternating_pair_ms": alt * 1e3,
         "concurrent_pair_ms": con * 1e3,
@@ -131,6 +190,30 @@ def main() -> None:
         f"two streams {out['concurrent_pair_ms']:.2f} ms ({out['concurrent_tok_s']:.0f} tok/s): "
         f"x{out['speedup']:.2f}"
     )
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--preset", default="llama-3.2-1b")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--tokens", type=int, default=300, help="tokens per request, engine part")
+    ap.add_argument("--device", default="cuda", help="cpu: the engine part alone (a check)")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    out: dict = {"preset": args.preset, "batch": args.batch, "context": args.context}
+    if args.device == "cuda":
+        out |= graph_pair(args)
+    for lanes in (1, 2):
+        r = engine_decode(lanes, args)
+        out[f"engine_lanes_{lanes}"] = r
+        print(
+            f"engine, {lanes} lane(s): {r['tok_s']:.0f} tok/s while both decode; TPOT a "
+            f"{r['tpot_ms']['a']:.2f} ms, b {r['tpot_ms']['b']:.2f} ms; "
+            f"{r['companion_steps']} steps at once with the pick"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))
 

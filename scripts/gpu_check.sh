@@ -53,7 +53,7 @@ if [ "$quick" = "--decode" ]; then
   # where a lone prompt's TTFT goes through the engine: to its first step, steps, output
   timeout 120 python3 scripts/bench_gpu_ttft.py --json "$OUT/ttft.json" 2>&1 | tail -3
   # two small models' decode steps at once on two streams against one after the other
-  timeout 150 python3 scripts/bench_gpu_concurrent.py --json "$OUT/concurrent.json" 2>&1 | tail -2
+  timeout 200 python3 scripts/bench_gpu_concurrent.py --json "$OUT/concurrent.json" 2>&1 | tail -3
   # the kernel choices beside the default (KERNELS="" skips them)
   for choice in ${KERNELS-PRISM_RAGGED_PREFILL=0 PRISM_PREFILL_BACKEND=fa3}; do
     t0=$SECONDS
