@@ -252,28 +252,33 @@ def profile_prefill(engine: Engine, sizes=(32, 128, 512)) -> dict:
             out[f"{way}_{n}"] = {"host_ms": h, "step_ms": t}
             print(f"   {n} tokens, {way}: host {h:.2f} ms of a {t:.2f} ms step")
     me.runner, runner.pieces = runner, pieces
-    import cProfile
-    import io
-    import pstats
-
     n = sizes[0]
     r = Request(f"q{n}-prof", prompt(n, 999), params, frozenset(), 0.0)
     me.add(r)
     batch = me.scheduler.schedule(time.monotonic())
     torch.cuda.synchronize()
-    host = cProfile.Profile()
-    host.enable()
-    me.runner.execute(batch)
-    host.disable()
+    out["host_profile"] = host_profile(lambda: me.runner.execute(batch), 15)
     torch.cuda.synchronize()
     me.scheduler.finish(r)
     me.requests.pop(r.request_id)
-    text = io.StringIO()
-    pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(15)
-    out["host_profile"] = text.getvalue()
-    print(text.getvalue())
+    print(out["host_profile"])
     me.close()
     return out
+
+
+def host_profile(fn, lines: int) -> str:
+    """Where the host's time goes in fn (cProfile, the `lines` costliest functions)."""
+    import cProfile
+    import io
+    import pstats
+
+    host = cProfile.Profile()
+    host.enable()
+    fn()
+    host.disable()
+    text = io.StringIO()
+    pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(lines)
+    return text.getvalue()
 
 
 def kernel_time(fn, runs: int) -> tuple[dict, dict, list]:
@@ -427,18 +432,8 @@ def profile_long_prefill(engine: Engine, sizes=(1024, 8192)) -> dict:
             print(f"     gap {g['ms']:.3f} ms after {g['after']} (host: {g['host']})")
         for ms, c, name in top[:8]:
             print(f"     {ms:7.3f} ms  x{c:5.0f}  {name}")
-    import cProfile
-    import io
-    import pstats
-
-    host = cProfile.Profile()
-    host.enable()
-    probe()
-    host.disable()
-    text = io.StringIO()
-    pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(20)
-    out["host_profile"] = text.getvalue()
-    print(text.getvalue())
+    out["host_profile"] = host_profile(probe, 20)
+    print(out["host_profile"])
     me.close()
     return out
 
@@ -476,24 +471,14 @@ def profile_decode(engine: Engine, batch: int = 1) -> dict:
     me.launch_ahead = False
     graph = me.runner.graphs.graphs[batch].graph  # planned for the live batch: replay is safe
     replay_ms = cuda_time_ms(graph.replay, iters=20)
-    import cProfile
-    import io
-    import pstats
-
-    host = cProfile.Profile()
-    host.enable()
-    for _ in range(10):
-        me.step(time.monotonic())
-    host.disable()
-    text = io.StringIO()
-    pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(12)
+    text = host_profile(lambda: [me.step(time.monotonic()) for _ in range(10)], 12)
     kinds, counts, top = kernel_time(lambda: [me.step(time.monotonic()) for _ in range(10)], 10)
     for r in reqs:
         me.abort(r.request_id)
     me.close()
     out = {
         "batch": batch,
-        "host_profile": text.getvalue(),
+        "host_profile": text,
         "step_ms": step_ms,
         "step_ahead_ms": ahead_ms,
         "graph_replay_ms": replay_ms,
@@ -505,7 +490,7 @@ def profile_decode(engine: Engine, batch: int = 1) -> dict:
         f"   B={batch}: step {step_ms:.2f} ms, launched ahead {ahead_ms:.2f} ms, graph replay "
         f"{replay_ms:.2f} ms, kernels {kinds}"
     )
-    print("\n".join(text.getvalue().splitlines()[:30]))
+    print("\n".join(text.splitlines()[:30]))
     for ms, n, name in top[:12]:
         print(f"     {ms:7.3f} ms  x{n:5.0f}  {name}")
     return out
