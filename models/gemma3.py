@@ -36,8 +36,10 @@ class Gemma3DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: Rope, ctx: ForwardContext) -> torch.Tensor:
         # x: [T, hidden] -> [T, hidden]
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rope, ctx))
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        h = ctx.all_reduce(self.self_attn(self.input_layernorm(x), rope, ctx))
+        x = x + self.post_attention_layernorm(h)
+        h = ctx.all_reduce(self.mlp(self.pre_feedforward_layernorm(x)))
+        return x + self.post_feedforward_layernorm(h)
 
 
 class Gemma3Model(nn.Module):

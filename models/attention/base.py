@@ -8,7 +8,7 @@ index g of layer l lives in row g of layer l's cache view.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -126,9 +126,16 @@ class AttentionBackend(Protocol):
 @dataclass
 class ForwardContext:
     """Everything a model's forward needs beyond token ids and positions, passed explicitly
-    (several models share the process, so there is no global forward context)."""
+    (several models share the process, so there is no global forward context). reduce: for a
+    shard of a tensor-parallel model, the sum over the shards of a layer's partial output (None:
+    the model is whole)."""
 
     attn: AttentionBackend
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """x summed over the model's shards (x itself for a whole model)."""
+        return x if self.reduce is None else self.reduce(x)
 
     def attention(
         self,

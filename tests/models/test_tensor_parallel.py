@@ -1,0 +1,92 @@
+"""Tensor parallelism on the host: a model split over two (emulated) devices, each shard with
+its slice of the weights and its own paged KV cache, gives the whole model's logits through
+chunked prefill and decode, for every family (q/k norms, qkv bias, tied embeddings, Gemma 3's
+sandwich norms, sliding layers and soft cap)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from models.attention.base import AttentionMetadata, ForwardContext, SeqChunk
+from models.attention.torch_paged import TorchPagedAttention
+from models.config import ModelConfig
+from models.registry import get_model_class
+from models.tensor_parallel import TensorParallel, host_all_reduce, shard_config
+from tests.models.test_parity import (
+    BLOCK_SIZE,
+    CHUNK_SIZES,
+    HF_CASES,
+    PROMPT_LENS,
+    _run_paged,
+    _tiny_hf_model,
+    make_kv_cache,
+)
+
+CPU = torch.device("cpu")
+
+
+@torch.no_grad()
+def _run_tp(tp: TensorParallel, seqs: list[list[int]]) -> list[torch.Tensor]:
+    """_run_paged's steps through the shards: one KV cache per shard, the same block tables."""
+    needed = [math.ceil(len(s) / BLOCK_SIZE) for s in seqs]
+    kvs = [make_kv_cache(s.config, sum(needed), BLOCK_SIZE) for s in tp.shards]
+    blocks = [kv.allocator.allocate(sum(needed)) for kv in kvs]
+    assert all(b == blocks[0] for b in blocks)  # fresh allocators: the same blocks
+    g = torch.Generator().manual_seed(3)
+    perm = [blocks[0][i] for i in torch.randperm(len(blocks[0]), generator=g).tolist()]
+    tables = [perm[sum(needed[:i]) : sum(needed[: i + 1])] for i in range(len(seqs))]
+    done = [0] * len(seqs)
+    out: list[list[torch.Tensor]] = [[] for _ in seqs]
+    while any(d < len(s) for d, s in zip(done, seqs)):
+        chunks, ids, pos, owners = [], [], [], []
+        for i, seq in enumerate(seqs):
+            if done[i] == len(seq):
+                continue
+            n = min(CHUNK_SIZES[i], PROMPT_LENS[i] - done[i]) if done[i] < PROMPT_LENS[i] else 1
+            chunks.append(SeqChunk(num_computed=done[i], num_new=n, block_table=tables[i]))
+            ids += seq[done[i] : done[i] + n]
+            pos += range(done[i], done[i] + n)
+            owners.append((i, n))
+        md = AttentionMetadata.build(chunks, BLOCK_SIZE, CPU)
+        ctxs = [ForwardContext(attn=TorchPagedAttention(kv.layer_views, md)) for kv in kvs]
+        t = [torch.tensor(ids)] * len(kvs)
+        hidden = tp(t, [torch.tensor(pos)] * len(kvs), ctxs)
+        for h in hidden[1:]:
+            assert torch.equal(h, hidden[0])  # every shard ends with the same states
+        logits = tp.compute_logits(hidden[0]).split([n for _, n in owners])
+        for (i, n), lg in zip(owners, logits):
+            out[i].append(lg)
+            done[i] += n
+    for kv, b in zip(kvs, blocks):
+        kv.allocator.free(b)
+        kv.check_integrity()
+        kv.close()
+    return [torch.cat(o) for o in out]
+
+
+@pytest.mark.parametrize("name", sorted(HF_CASES))
+def test_two_shards_give_the_whole_models_logits(name):
+    hf = _tiny_hf_model(name)
+    config = ModelConfig.from_hf(hf.config)
+    whole = get_model_class(config.hf_architecture)(config).eval()
+    whole.load_weights(hf.state_dict().items())
+    gen = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(config.vocab_size, (n + 6,), generator=gen).tolist() for n in PROMPT_LENS]
+    ref = _run_paged(whole, config, seqs, PROMPT_LENS)
+    tp = TensorParallel.split(whole, [CPU, CPU], host_all_reduce)
+    assert tp.shards[0].config.num_kv_heads == config.num_kv_heads // 2
+    got = _run_tp(tp, seqs)
+    for g, r in zip(got, ref):
+        assert (g - r).abs().max() < 1e-4, float((g - r).abs().max())
+
+
+def test_a_model_that_does_not_split_evenly_is_refused():
+    config = ModelConfig.from_hf(_tiny_hf_model("llama3").config)  # 4 heads, 2 KV heads
+    assert shard_config(config, 2).num_heads == 2
+    with pytest.raises(ValueError, match="cannot split 2 KV heads over 4 devices"):
+        shard_config(config, 4)
+    with pytest.raises(ValueError, match="one shard per device, two or more"):
+        TensorParallel([get_model_class(config.hf_architecture)(config)], [CPU])
