@@ -1,0 +1,80 @@
+"""Tensor parallelism over two GPUs of one process: the tiny Llama and Gemma 3 split over
+cuda:0 and cuda:1 (NCCL all-reduce, FlashInfer attention over each shard's own paged cache,
+launched from one thread) give the whole model's logits on cuda:0, through a prefill and a few
+decode steps. Needs two GPUs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models.attention.base import AttentionMetadata, ForwardContext, SeqChunk, layer_specs
+from models.attention.flashinfer_paged import AttentionShape, FlashInferBackend
+from models.tensor_parallel import TensorParallel, nccl_all_reduce
+from tests.gpu.common import GPU, on_gpu, tiny_model
+from tests.gpu.test_piecewise_graphs import GEMMA3
+
+pytestmark = [
+    *GPU,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs"),
+]
+
+BLOCK = 16
+
+
+def _cache(cfg, blocks: int, device) -> list[torch.Tensor]:
+    shape = (blocks, 2, BLOCK, cfg.num_kv_heads, cfg.head_dim)
+    return [torch.zeros(shape, dtype=torch.bfloat16, device=device) for _ in range(cfg.num_layers)]
+
+
+def _attention(model, caches, md, device):
+    cfg = model.config
+    shape = AttentionShape(
+        cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, BLOCK, torch.bfloat16, torch.bfloat16
+    )
+    return FlashInferBackend(shape, layer_specs(model), device)(caches, md)
+
+
+@torch.no_grad()
+def _run(models, devices, prompt: list[int], decode: int) -> torch.Tensor:
+    """Prefill then `decode` one-token steps of the same known tokens; the last position's
+    logits of every step [1 + decode, vocab]."""
+    tp = len(models) > 1
+    caches = [_cache(m.config, 32, d) for m, d in zip(models, devices)]
+    table = list(range(1, 1 + -(-(len(prompt) + decode) // BLOCK)))
+    runner = TensorParallel(models, devices, nccl_all_reduce) if tp else None
+    out, done = [], 0
+    steps = [len(prompt)] + [1] * decode
+    seq = prompt + [(7 * i) % 500 + 3 for i in range(decode)]
+    for n in steps:
+        ids, pos = seq[done : done + n], list(range(done, done + n))
+        ctxs, inputs, positions = [], [], []
+        for m, d, c in zip(models, devices, caches):
+            md = AttentionMetadata.build([SeqChunk(done, n, table)], BLOCK, d)
+            ctxs.append(ForwardContext(attn=_attention(m, c, md, d)))
+            inputs.append(torch.tensor(ids, device=d))
+            positions.append(torch.tensor(pos, device=d))
+        if tp:
+            hidden = runner(inputs, positions, ctxs)[0]
+            logits = runner.compute_logits(hidden[-1:])
+        else:
+            hidden = models[0](inputs[0], positions[0], ctxs[0])
+            logits = models[0].compute_logits(hidden[-1:])
+        out.append(logits.float().cpu())
+        done += n
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("hf", [{}, GEMMA3], ids=["llama", "gemma3"])
+def test_two_gpus_give_the_whole_models_logits(hf):
+    _, cpu_model = tiny_model(seed=11, **hf)
+    whole = on_gpu(cpu_model)
+    devices = [torch.device("cuda", 0), torch.device("cuda", 1)]
+    tp = TensorParallel.split(whole, devices, nccl_all_reduce)
+    assert {str(next(s.parameters()).device) for s in tp.shards} == {"cuda:0", "cuda:1"}
+    prompt = torch.randint(300, 1000, (40,), generator=torch.Generator().manual_seed(2)).tolist()
+    ref = _run([whole], devices[:1], prompt, 4)
+    got = _run(tp.shards, devices, prompt, 4)
+    rel = (got - ref).norm() / ref.norm()
+    assert rel < 2e-2, float(rel)
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
