@@ -9,6 +9,8 @@
 #   bash scripts/gpu_check.sh --quick    # set-up transcript + tests + pool benchmark only
 #   bash scripts/gpu_check.sh --api      # set-up transcript + tests + pool and API benchmarks
 #   bash scripts/gpu_check.sh --decode   # the model's GPU tests + decode A/B + engine benchmark
+#   bash scripts/gpu_check.sh --multi    # several GPUs: tensor-parallel test and benchmark,
+#                                        # activation on every GPU at once, a move between GPUs
 #
 # --decode is for a change to the model's step: the tests of the kernels and of the tokens (GPU
 # vs CPU, graphs), then decode TPOT of this tree beside a baseline tree in .baseline (when there
@@ -63,9 +65,17 @@ if [ "$quick" = "--decode" ]; then
     echo "$choice: $((SECONDS - t0)) s"
   done
 fi
+if [ "$quick" = "--multi" ]; then
+  t0=$SECONDS
+  timeout 200 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/gpu/test_tensor_parallel_gpu.py \
+    tests/gpu/test_flashinfer_attention.py -k "not fa3" 2>&1 | tee "$OUT/pytest.log"
+  echo "tests: $((SECONDS - t0)) s"
+  timeout 400 python3 scripts/bench_gpu_tp.py --json "$OUT/tp.json" 2>&1 | tail -4
+  timeout 400 python3 scripts/bench_gpu_multi.py --json "$OUT/multi.json" 2>&1 | tail -6
+fi
 # What the README's set-up does on this machine (the decision only: it has no registry access),
 # then the start-up lines of a server on it (attention backend, graphs, kernels, page pool).
-if [ "$quick" != "--decode" ]; then
+if [ "$quick" != "--decode" ] && [ "$quick" != "--multi" ]; then
 t0=$SECONDS
 {
   echo "\$ bash scripts/install.sh --dry-run"; bash scripts/install.sh --dry-run
