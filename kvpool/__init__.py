@@ -9,6 +9,7 @@ from kvpool.cuda_backend import CudaBackend, CudaDriverError
 from kvpool.host_copy import HostCopy, Transfer
 from kvpool.kv_cache import KVCache
 from kvpool.kv_layout import KVLayout
+from kvpool.mirrored_pages import MirroredPages
 from kvpool.page_pool import OwnerUsage, PagePool, PoolStats, ReclaimOrder
 from kvpool.paged_kv import PagedKV
 from kvpool.pooled_buffer import PooledBuffer
@@ -26,6 +27,7 @@ __all__ = [
     "KVCache",
     "KVLayout",
     "MemoryBackend",
+    "MirroredPages",
     "OwnerUsage",
     "PageMapper",
     "PagedKV",

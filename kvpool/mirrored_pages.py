@@ -1,0 +1,40 @@
+"""The same pages mapped in several buffers at once: the KV caches of a tensor-parallel model's
+shards (one per device, each holding its KV heads) share one block allocator, so a block id means
+the same slot in every shard's cache. MirroredPages is that allocator's PageMapper: it maps a page
+index in every buffer or in none, and unmaps it in all."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvpool.block_allocator import PageMapper
+
+
+class MirroredPages:
+    """mappers[0] is the first shard's buffer; the others follow it page for page."""
+
+    def __init__(self, mappers: Sequence[PageMapper]):
+        if not mappers:
+            raise ValueError("MirroredPages needs at least one buffer")
+        self.mappers = list(mappers)
+
+    def can_map(self, n: int) -> bool:
+        return all(m.can_map(n) for m in self.mappers)
+
+    def map_pages(self, pages: list[int]) -> bool:
+        """Map the pages in every buffer; False (nothing mapped anywhere) if one is short."""
+        done: list[PageMapper] = []
+        try:
+            for m in self.mappers:
+                if not m.map_pages(pages):
+                    break
+                done.append(m)
+        finally:
+            if len(done) < len(self.mappers):
+                for m in done:
+                    m.unmap_pages(pages)
+        return len(done) == len(self.mappers)
+
+    def unmap_pages(self, pages: list[int]) -> None:
+        for m in self.mappers:
+            m.unmap_pages(pages)
