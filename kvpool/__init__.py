@@ -11,7 +11,7 @@ from kvpool.kv_cache import KVCache
 from kvpool.kv_layout import KVLayout
 from kvpool.mirrored_pages import MirroredPages
 from kvpool.page_pool import OwnerUsage, PagePool, PoolStats, ReclaimOrder
-from kvpool.paged_kv import PagedKV
+from kvpool.paged_kv import PagedKV, ShardedKV
 from kvpool.pooled_buffer import PooledBuffer
 from kvpool.tensor_backend import TensorBackend
 from kvpool.virtual_buffer import VirtualBuffer
@@ -31,6 +31,7 @@ __all__ = [
     "OwnerUsage",
     "PageMapper",
     "PagedKV",
+    "ShardedKV",
     "PagePool",
     "PhysicalHandle",
     "PoolStats",

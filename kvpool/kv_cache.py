@@ -15,12 +15,14 @@ class KVCache:
     """Invariants: page 0 is always mapped (to the pool's shared null page) and its blocks are
     never handed out, so padded slots (block 0) always read mapped memory."""
 
-    def __init__(self, pool: PagePool, owner: str, layout: KVLayout, max_pages: int):
+    def __init__(
+        self, pool: PagePool, owner: str, layout: KVLayout, max_pages: int, reclaim: bool = True
+    ):
         if max_pages < 2:
             raise ValueError("a KV cache needs at least 2 pages (page 0 is the null page)")
         self.layout = layout
         self.max_pages = max_pages
-        self.pages = PooledBuffer(pool, owner, max_pages, layout.page_stride_bytes)
+        self.pages = PooledBuffer(pool, owner, max_pages, layout.page_stride_bytes, reclaim=reclaim)
         self.pages.map_null(0)
         n = layout.view_blocks(max_pages)
         # [num_blocks, 2, block_size, kv_heads, head_dim] over the whole range

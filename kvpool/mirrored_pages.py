@@ -22,7 +22,10 @@ class MirroredPages:
         return all(m.can_map(n) for m in self.mappers)
 
     def map_pages(self, pages: list[int]) -> bool:
-        """Map the pages in every buffer; False (nothing mapped anywhere) if one is short."""
+        """Map the pages in every buffer; False (nothing mapped anywhere) if one is short. Each
+        is asked first, so no pool takes another owner's reserve for pages it then gives back."""
+        if not self.can_map(len(pages)):
+            return False
         done: list[PageMapper] = []
         try:
             for m in self.mappers:

@@ -159,19 +159,21 @@ class PagePool:
             return 0
         return sum(u.reclaimable for u in self._usage(exclude))
 
-    def can_acquire(self, owner: str, n: int) -> bool:
+    def can_acquire(self, owner: str, n: int, reclaim: bool = True) -> bool:
         with self._lock:
             if n <= self.num_available:
                 return True
-            return n <= self.num_available + self.reclaimable(exclude=owner)
+            return reclaim and n <= self.num_available + self.reclaimable(exclude=owner)
 
-    def acquire(self, owner: str, n: int) -> list[PhysicalHandle] | None:
-        """n pages for `owner`, or None (and nothing taken) if they cannot be had."""
+    def acquire(self, owner: str, n: int, reclaim: bool = True) -> list[PhysicalHandle] | None:
+        """n pages for `owner`, or None (and nothing taken) if they cannot be had. reclaim
+        False: free pages only, no other owner's reserve (the caller is not the thread that
+        owns the other owners' allocators)."""
         with self._lock:
             o = self._owners[owner]
             short = n - self.num_available
             if short > 0:
-                if short > self.reclaimable(exclude=owner):
+                if not reclaim or short > self.reclaimable(exclude=owner):
                     return None  # reclaiming could not cover it: take nobody's pages for nothing
                 self._reclaim_from_others(owner, short)
                 if n > self.num_available:

@@ -4,11 +4,14 @@ other; this is the one place that wires them."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from kvpool.block_allocator import BlockAllocator
 from kvpool.kv_cache import KVCache
 from kvpool.kv_layout import KVLayout
+from kvpool.mirrored_pages import MirroredPages
 from kvpool.page_pool import PagePool
 
 
@@ -45,3 +48,49 @@ class PagedKV:
         self.cache.pages.set_reclaimer(None)
         self.allocator.release_all()
         self.cache.close()
+
+
+class ShardedKV:
+    """The KV storage of a model split over several devices (tensor parallelism): a KVCache per
+    shard, each on its device's pool and holding that shard's KV heads, and one block allocator
+    whose pages are mapped in all of them (MirroredPages), so a block is the same slot in every
+    shard. The first pool is the model's own device's: its engine thread steps the model, and its
+    balloon may take the idle pages back (from every shard). The other pools give free pages
+    only: their reserves belong to their own devices' threads.
+
+    The interface of PagedKV (allocator, cache and layer_views of the first shard), plus caches."""
+
+    def __init__(
+        self,
+        pools: Sequence[PagePool],
+        owner: str,
+        layout: KVLayout,
+        max_pages: int,
+        max_cached_pages: int = 1,
+    ):
+        self.caches = [
+            KVCache(p, owner, layout, max_pages, reclaim=i == 0) for i, p in enumerate(pools)
+        ]
+        self.cache = self.caches[0]
+        pages = MirroredPages([c.pages for c in self.caches])
+        self.allocator = BlockAllocator(pages, layout, max_pages, max_cached_pages)
+        self.cache.pages.set_reclaimer(self.allocator)
+
+    @property
+    def layout(self) -> KVLayout:
+        return self.cache.layout
+
+    @property
+    def layer_views(self) -> list[torch.Tensor]:
+        return self.cache.layer_views
+
+    def check_integrity(self) -> None:
+        self.allocator.check_integrity()
+        for c in self.caches:
+            c.check_integrity(self.allocator.mapped_pages())
+
+    def close(self) -> None:
+        self.cache.pages.set_reclaimer(None)
+        self.allocator.release_all()
+        for c in self.caches:
+            c.close()

@@ -17,11 +17,19 @@ from kvpool.virtual_buffer import VirtualBuffer
 
 class PooledBuffer:
     def __init__(
-        self, pool: PagePool, owner: str, num_pages: int, page_stride: int, kind: str = "kv"
+        self,
+        pool: PagePool,
+        owner: str,
+        num_pages: int,
+        page_stride: int,
+        kind: str = "kv",
+        reclaim: bool = True,
     ):
+        """reclaim False: it maps free pages only, never another owner's reserve (a buffer
+        mapped from a thread other than the one that owns the pool's other owners)."""
         if page_stride < pool.page_bytes or page_stride % pool.backend.granularity:
             raise ValueError(f"page stride {page_stride} does not fit pages of {pool.page_bytes}")
-        self.pool, self.owner = pool, owner
+        self.pool, self.owner, self.reclaim = pool, owner, reclaim
         self.num_pages, self.page_stride = num_pages, page_stride
         self.buffer = VirtualBuffer(pool.backend, num_pages * page_stride)
         self._owned: set[int] = set()  # slots mapped to pages this owner holds
@@ -34,12 +42,12 @@ class PooledBuffer:
 
     # ---- the PageMapper interface (what a placement policy calls) ------------------------------
     def can_map(self, n: int) -> bool:
-        return self.pool.can_acquire(self.owner, n)
+        return self.pool.can_acquire(self.owner, n, self.reclaim)
 
     def map_pages(self, pages: list[int]) -> bool:
         """Map a fresh pool page at each slot; False (nothing mapped) if the pool has too few."""
         self._check_free(pages)
-        handles = self.pool.acquire(self.owner, len(pages))
+        handles = self.pool.acquire(self.owner, len(pages), self.reclaim)
         if handles is None:
             return False
         try:

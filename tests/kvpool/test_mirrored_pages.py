@@ -89,3 +89,38 @@ def test_random_allocations_keep_every_pool_exact():
     assert all(p.pages_of("tp/kv") == 0 for p in pools)
     for c in caches:
         c.close()
+
+
+def test_sharded_kv_takes_reserves_on_its_own_device_only():
+    """The first shard's pool may take another model's idle pages back; the others give free
+    pages only (their reserves are their own devices' threads' to give)."""
+    from kvpool import ShardedKV
+    from tests.kvpool.test_kvpool import make_cache
+
+    geo = _cpu()
+    pools = [make_pool(geo, 4), make_pool(geo, 4)]
+    others = [make_cache(p, "other", geo, cached=3) for p in pools]
+    for o in others:  # three idle pages kept as each one's reserve; one page free in each pool
+        o.allocator.free(o.allocator.allocate(3 * o.allocator.bpp))
+    assert [p.pages_of("other") for p in pools] == [3, 3]
+    layout = KVLayout(
+        2, 4, 2, geo.head_dim, torch.float32, geo.page_bytes, pools[0].backend.granularity
+    )
+    kv = ShardedKV(pools, "tp", layout, max_pages=8)
+    bpp = kv.allocator.bpp
+    assert kv.allocator.allocate(2 * bpp) is None  # the second pool would need other's reserve
+    assert [p.pages_of("other") for p in pools] == [3, 3]  # nobody's reserve was touched
+    one = kv.allocator.allocate(bpp)  # a free page in each pool
+    assert one is not None and [p.pages_of("tp") for p in pools] == [1, 1]
+    for o in others:  # the second device frees its reserve: now there is room
+        o.allocator.release_all()
+    two = kv.allocator.allocate(bpp)
+    assert two is not None and [p.pages_of("tp") for p in pools] == [2, 2]
+    kv.check_integrity()
+    kv.allocator.free(one + two)
+    kv.close()
+    for o in others:
+        o.check_integrity()
+        o.close()
+    for p in pools:
+        p.check_integrity()
