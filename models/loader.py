@@ -131,6 +131,52 @@ def empty_model(
     return _finish(model)
 
 
+@dataclass(frozen=True)
+class LoadedShards:
+    shards: list[CausalLM]  # one per device, each with its slice of the weights
+    tokenizer: PreTrainedTokenizerBase
+    config: ModelConfig  # the whole model's
+    name: str
+
+
+def load_shards(
+    source: ModelSource | str,
+    devices: list[torch.device],
+    places: list[Placement],
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    cache_root: str | Path | None = None,
+    fused_kernels: bool = True,
+) -> LoadedShards:
+    """The model of `source` split over `devices` (tensor parallelism), each shard's parameters
+    in the storage its `places` entry gives. A checkpoint is read whole on the host, then each
+    shard takes its slice; a dummy model's shards get dummy weights of their own (the whole
+    model never exists: a 70B-shaped one need not fit the host)."""
+    from models.tensor_parallel import copy_shard, shard_config
+
+    if isinstance(source, str):
+        source = ModelSource.parse(source)
+    degree = len(devices)
+    if source.kind == "dummy":
+        whole = None
+        config = _dummy_config(source.path)
+        tokenizer = ByteTokenizer(config.vocab_size)
+    else:
+        loaded = load_model(source, dtype, "cpu", cache_root=cache_root)
+        whole, config, tokenizer = loaded.model, loaded.config, loaded.tokenizer
+    scfg = shard_config(config, degree)
+    shards = []
+    for rank, (device, place) in enumerate(zip(devices, places)):
+        shard = _empty_model(scfg, dtype, torch.device(device), place)
+        if whole is None:
+            init_dummy_weights(shard, seed * degree + rank)
+        else:
+            copy_shard(whole, shard, rank)
+        set_fused_kernels(shard, fused_kernels)
+        shards.append(_finish(shard))
+    return LoadedShards(shards, tokenizer, config, source.name)
+
+
 def model_dir(source: ModelSource, cache_root: str | Path | None) -> Path:
     """The HF-style directory of a file source (a GGUF file is converted, once, under
     cache_root)."""
@@ -214,9 +260,7 @@ def _finish(model: CausalLM) -> CausalLM:
     return model.eval().requires_grad_(False)
 
 
-def _load_dummy(
-    preset: str, dtype: torch.dtype, device: torch.device, seed: int, place: Placement | None
-) -> LoadedModel:
+def _dummy_config(preset: str) -> ModelConfig:
     cfg = get_preset(preset)
     tokenizer = ByteTokenizer(cfg["vocab_size"])
     # The preset's token ids belong to its real tokenizer; dummy models speak ByteTokenizer's.
@@ -225,7 +269,14 @@ def _load_dummy(
         eos_token_id=tokenizer.convert_tokens_to_ids(EOS),
         pad_token_id=tokenizer.convert_tokens_to_ids(PAD),
     )
-    config = ModelConfig.from_hf(cfg)
+    return ModelConfig.from_hf(cfg)
+
+
+def _load_dummy(
+    preset: str, dtype: torch.dtype, device: torch.device, seed: int, place: Placement | None
+) -> LoadedModel:
+    config = _dummy_config(preset)
+    tokenizer = ByteTokenizer(config.vocab_size)
     model = _empty_model(config, dtype, device, place)
     init_dummy_weights(model, seed)
     return LoadedModel(_finish(model), tokenizer, config, preset)

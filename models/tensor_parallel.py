@@ -125,6 +125,11 @@ class TensorParallel:
             shards.append(shard.to(dev))
         return cls(shards, devices, all_reduce)
 
+    def parameters(self):
+        """Every shard's parameters."""
+        for s in self.shards:
+            yield from s.parameters()
+
     def _on(self, rank: int) -> None:
         if self.devices[rank].type == "cuda":
             torch.cuda.set_device(self.devices[rank])

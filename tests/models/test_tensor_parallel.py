@@ -90,3 +90,24 @@ def test_a_model_that_does_not_split_evenly_is_refused():
         shard_config(config, 4)
     with pytest.raises(ValueError, match="one shard per device, two or more"):
         TensorParallel([get_model_class(config.hf_architecture)(config)], [CPU])
+
+
+def test_shards_loaded_from_a_checkpoint_and_dummy_shards(tmp_path):
+    """load_shards: a checkpoint's shards (read whole on the host, sliced) give the whole
+    model's logits; a dummy model's shards are built without the whole (its own weights)."""
+    from models.loader import load_model, load_shards
+    from tests.models.test_loader import _save_hf_dir, _tiny_hf_llama
+
+    path = _save_hf_dir(tmp_path, _tiny_hf_llama(tie=True))
+    whole = load_model(str(path))
+    got = load_shards(str(path), [CPU, CPU], [None, None])
+    assert got.config == whole.config and len(got.shards) == 2
+    tp = TensorParallel(got.shards, [CPU, CPU], host_all_reduce)
+    seqs = [list(range(3, 3 + n + 6)) for n in PROMPT_LENS]
+    ref = _run_paged(whole.model, whole.config, seqs, PROMPT_LENS)
+    for g, r in zip(_run_tp(tp, seqs), ref):
+        assert (g - r).abs().max() < 1e-4
+    dummy = load_shards("dummy:tiny-llama", [CPU, CPU], [None, None], seed=3)
+    assert dummy.shards[0].config.num_heads * 2 == dummy.config.num_heads
+    w0, w1 = (s.model.layers[0].mlp.down_proj.weight for s in dummy.shards)
+    assert not torch.equal(w0, w1)  # each shard its own dummy weights
