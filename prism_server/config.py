@@ -36,6 +36,9 @@ class ModelSpec:
     # an evict lets running requests finish for this long, then requeues the rest (0: at once)
     drain_timeout_s: float = 5.0
     max_queued_requests: int = 256  # accepted but not started; beyond it: 503
+    # split over this many devices (its device and the next ones): for a model one GPU cannot
+    # hold. Such a model is always resident, and its steps are not captured in graphs.
+    tensor_parallel: int = 1
 
     def __post_init__(self):
         if not self.name or self.name.strip() != self.name:
@@ -44,7 +47,13 @@ class ModelSpec:
             raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("max_model_len must be positive")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_queued_requests"):
+        for name in (
+            "block_size",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_queued_requests",
+            "tensor_parallel",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive")
         for name in ("ttft_slo_ms", "tpot_slo_ms", "keep_alive_s", "max_wait_s"):

@@ -18,7 +18,8 @@ import torch
 from kvpool import HostCopy, PagePool, WeightBuffer, WeightLayout
 from models.attention.flashinfer_paged import KernelChoice
 from models.embedded import resolve_source
-from models.loader import ModelSource, empty_model, load_model
+from models.loader import ModelSource, empty_model, load_model, load_shards
+from models.tensor_parallel import TensorParallel
 from prism_server import envs, gpu_setup
 from prism_server.commands import (
     Abort,
@@ -188,6 +189,8 @@ class Engine:
         only if they fit back without it (config order wins), else it is offloaded."""
         if spec.name in self.served:
             raise ValueError(f"a model named {spec.name!r} is already loaded")
+        if spec.tensor_parallel > 1:
+            return self._load_sharded(spec)
         dtype = spec.torch_dtype(self.device)
         dev = self._device_for(spec)
         pool = dev.pool
@@ -227,6 +230,10 @@ class Engine:
             dev.execute(Evict(spec.name))
             for name in box["evicted"]:
                 dev.execute(Activate(name))
+        return self._serve(spec, dev, worker, cfg, tok, sched)
+
+    def _serve(self, spec: ModelSpec, dev: DeviceWorker, worker, cfg, tok, sched) -> ServedModel:
+        """The frontend's view of a model just added to dev."""
         eos = frozenset(cfg.eos_token_ids)
         if tok.eos_token_id is not None:
             eos |= {tok.eos_token_id}
@@ -243,6 +250,77 @@ class Engine:
         )
         self.served[spec.name] = served
         return served
+
+    def _load_sharded(self, spec: ModelSpec) -> ServedModel:
+        """A model split over spec.tensor_parallel devices: the one the planner picks and the
+        next ones. Each shard's weights go into its device's pool; the first device's engine
+        thread steps it (the other devices run its shards' kernels beside their own models').
+        It is always resident: no host copy, never evicted or moved."""
+        n = spec.tensor_parallel
+        if n > len(self._workers):
+            raise ValueError(
+                f"{spec.name}: tensor_parallel = {n}, but the engine has {len(self._workers)} "
+                "device(s) (set devices)"
+            )
+        lead = self._device_for(spec)
+        i = self._workers.index(lead)
+        devs = (self._workers[i:] + self._workers[:i])[:n]
+        devices = [d.pool.backend.device for d in devs]
+        dtype = spec.torch_dtype(self.device)
+        buffers: list[WeightBuffer] = []
+
+        def placer(dev: DeviceWorker, rank: int):
+            def place(tensors):
+                owner = f"{spec.name}/weights" + (f".{rank}" if rank else "")
+                wb = WeightBuffer(dev.pool, owner, WeightLayout.pack(tensors))
+                buffers.append(wb)
+                if not dev.call(wb.map):
+                    raise MemoryError(
+                        f"{dev.name}'s page pool ({dev.pool.num_available} pages free of "
+                        f"{dev.pool.capacity}) cannot hold the {wb.nbytes} bytes of shard {rank} "
+                        f"of {spec.name}; load it first, or raise pool_budget_bytes"
+                    )
+                return wb.views()
+
+            return place
+
+        try:
+            with _current(devices[0]):
+                loaded = load_shards(
+                    ModelSource.parse(resolve_source(spec.source)),
+                    devices,
+                    [placer(d, r) for r, d in enumerate(devs)],
+                    dtype=dtype,
+                    seed=spec.seed,
+                    cache_root=envs.gguf_cache_dir(),
+                    fused_kernels=envs.fused_kernels(),
+                )
+                reserve = self.config.reserve_output_tokens
+                if reserve is None:
+                    reserve = self.policy.reserve_output_tokens
+                sched = spec.scheduler_config(loaded.config.max_position_embeddings, reserve, False)
+                worker = ModelWorker(
+                    spec.name,
+                    TensorParallel(loaded.shards, devices),
+                    loaded.tokenizer,
+                    lead.pool,
+                    sched,
+                    dtype,
+                    spec.max_cached_pages,
+                    weights=buffers[0],
+                    pinned=True,
+                    resources=lead.lane_for_new_model(),
+                    ttft_slo_s=spec.ttft_slo_ms / 1e3 if spec.ttft_slo_ms else None,
+                    tpot_slo_s=spec.tpot_slo_ms / 1e3 if spec.tpot_slo_ms else None,
+                    shard_pools=[d.pool for d in devs[1:]],
+                    shard_weights=buffers[1:],
+                )
+        except BaseException:
+            for wb, d in zip(buffers, devs):
+                d.call(wb.close)
+            raise
+        lead.execute(AddModel(worker))
+        return self._serve(spec, lead, worker, loaded.config, loaded.tokenizer, sched)
 
     def _build(self, spec: ModelSpec, dtype, dev: DeviceWorker, device, place, box: dict):
         """The model's weights loaded into dev's pool (through `place`), its host copy and its

@@ -233,15 +233,25 @@ class ModelRunner:
             return self.model.compute_logits(hidden[rows]) if last else _no_logits(hidden)
         if on_launch is not None:
             on_launch()
-        ctx = ForwardContext(attn=self.attention(self.kv_cache.layer_views, md))
-        if self._planned is not None:
-            self._planned.record()
-        hidden = self.model(input_ids, pos, ctx)  # writes this step's K/V, sampling or not
+        hidden = self._forward(input_ids, pos, chunks, md)  # writes this step's K/V
         for req, flat, lo, hi in spans:
             scores.append((req, self._score(hidden[flat : flat + hi - lo], req, lo, hi)))
         if not last:
             return _no_logits(hidden)
         return self.model.compute_logits(hidden[rows])
+
+    def _forward(
+        self,
+        input_ids: torch.Tensor,
+        pos: torch.Tensor,
+        chunks: list[SeqChunk],
+        md: AttentionMetadata,
+    ) -> torch.Tensor:
+        """A step run eagerly -> hidden states [T, hidden]."""
+        ctx = ForwardContext(attn=self.attention(self.kv_cache.layer_views, md))
+        if self._planned is not None:
+            self._planned.record()
+        return self.model(input_ids, pos, ctx)
 
     def _score(self, hidden: torch.Tensor, req: Request, lo: int, hi: int) -> list:
         """The logprobs of prompt tokens lo+1 .. hi, from the hidden states of positions lo ..
@@ -277,3 +287,34 @@ def _prompt_spans(batch: list[ScheduledChunk]) -> list[tuple[Request, int, int, 
                 spans.append((req, flat + lo - c.start, lo, hi))
         flat += c.num_new
     return spans
+
+
+class TensorParallelRunner(ModelRunner):
+    """The runner of a model split over several devices (TensorParallel over a ShardedKV): every
+    step eager, each shard given the step's metadata and attention on its device, over its own
+    KV cache; the shards stepped in lockstep from this thread. Logits come from the first
+    shard. No CUDA graphs yet, and no plan staged ahead (its steps read their tokens first)."""
+
+    def __init__(self, tp, kv):
+        self.model = tp
+        self.kv_cache = kv.cache
+        self.caches = kv.caches
+        self.device = tp.devices[0]
+        self.attentions = [
+            default_attention(s, c, d) for s, c, d in zip(tp.shards, kv.caches, tp.devices)
+        ]
+        self.attention = self.attentions[0]
+        self.block_size = kv.layout.block_size
+        self.graphs = None
+        self.pieces = None
+        self._planned = None
+
+    def _forward(self, input_ids, pos, chunks, md) -> torch.Tensor:
+        ids, poss = [input_ids], [pos]
+        ctxs = [ForwardContext(attn=self.attention(self.kv_cache.layer_views, md))]
+        for attn, cache, dev in zip(self.attentions[1:], self.caches[1:], self.model.devices[1:]):
+            shard_md = AttentionMetadata.build(chunks, self.block_size, dev)
+            ctxs.append(ForwardContext(attn=attn(cache.layer_views, shard_md)))
+            ids.append(input_ids.to(dev, non_blocking=True))
+            poss.append(pos.to(dev, non_blocking=True))
+        return self.model(ids, poss, ctxs)[0]

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpool import HostCopy, KVLayout, PagedKV, PagePool, Transfer, WeightBuffer
+from kvpool import HostCopy, KVLayout, PagedKV, PagePool, ShardedKV, Transfer, WeightBuffer
 from models.layers.causal_lm import weight_bytes
-from prism_server.model_runner import DeviceResources, ModelRunner
+from prism_server.model_runner import DeviceResources, ModelRunner, TensorParallelRunner
 from prism_server.output_processor import OutputProcessor
 from prism_server.profiler import profile_steps
 from prism_server.sampler import Sampled, Sampler, logprob_list, to_device
@@ -63,12 +63,17 @@ class ModelWorker:
         ttft_slo_s: float | None = None,
         tpot_slo_s: float | None = None,
         profile_budget_s: float = 0.0,
+        shard_pools: Sequence[PagePool] = (),
+        shard_weights: Sequence[WeightBuffer] = (),
     ):
         """weights / host: the model's parameters live in `weights` (mapped now) and `host` holds
         their copy; without them the model cannot be evicted (tests, benchmarks). resources: what
         the device's models share (FlashInfer workspace, CUDA-graph pool). ttft/tpot_slo_s: its
         SLOs (None: SLO_SCALE x the latency model's standalone estimate of each request).
-        profile_budget_s: how long the latency profile may take now (0: learn online only)."""
+        profile_budget_s: how long the latency profile may take now (0: learn online only).
+        shard_pools: a model split over several devices (model a TensorParallel, pool its first
+        shard's device's): the other shards' pools, in order; shard_weights: their weights (this
+        worker closes them). Its KV is a ShardedKV, its steps eager and read first."""
         self.name = name
         self.weights, self.host, self.pinned = weights, host, pinned
         self.keep_alive_s = keep_alive_s
@@ -100,17 +105,27 @@ class ModelWorker:
         )
         # the pages it can address: the whole pool but its own weights (+ the null page)
         own = weights.num_pages if weights is not None else 0
-        self.kv = PagedKV(
-            pool,
-            name,
-            layout,
-            pool.capacity + 1 - own,
-            max_cached_pages,
-            prefix_caching=sched.enable_prefix_caching,
-        )
+        self.shard_weights = list(shard_weights)
+        if shard_pools:
+            pools = [pool, *shard_pools]
+            owns = [own, *(w.num_pages for w in shard_weights)]
+            room = min(p.capacity + 1 - o for p, o in zip(pools, owns))
+            self.kv = ShardedKV(pools, name, layout, room, max_cached_pages)
+        else:
+            self.kv = PagedKV(
+                pool,
+                name,
+                layout,
+                pool.capacity + 1 - own,
+                max_cached_pages,
+                prefix_caching=sched.enable_prefix_caching,
+            )
         self.scheduler = BatchScheduler(sched, self.kv.allocator, self.kv.allocator.prefix)
         allocated = _allocated(self.device)
-        self.runner = ModelRunner(model, self.kv.cache, self.device, resources=resources)
+        if shard_pools:
+            self.runner = TensorParallelRunner(model, self.kv)
+        else:
+            self.runner = ModelRunner(model, self.kv.cache, self.device, resources=resources)
         # device memory it holds outside the pool: attention state, graphs, buffers
         self.overhead_bytes = _allocated(self.device) - allocated
         self.sampler = Sampler(self.device)
@@ -136,7 +151,7 @@ class ModelWorker:
         # launch ahead: a step whose tokens stay on the device until the next step of this
         # model is launched (or something needs them); its requests' next decode step is
         # launched first, from those tokens, so that the host's work hides behind the device's
-        self.launch_ahead = resources.launch_ahead if resources is not None else False
+        self.launch_ahead = resources is not None and resources.launch_ahead and not shard_pools
         self.resources = resources  # its lane of the device (None: resources of its own)
         self.lane = resources.lane if resources is not None else 0
         self._ahead: _InFlight | None = None
@@ -654,6 +669,8 @@ class ModelWorker:
         if self.weights is not None:
             self.weights.check_integrity()
             assert self.weights.mapped == self.residency.on_device, (self.name, self.residency)
+        for w in self.shard_weights:
+            w.check_integrity()
         if not self.serving:
             assert self.kv.allocator.num_mapped_pages == 0, "an offloaded model holds KV pages"
 
@@ -698,8 +715,9 @@ class ModelWorker:
         for rid in list(self.requests):
             self.abort(rid)
         self.kv.close()
-        if self.weights is not None:
-            self.weights.close()
+        for w in [self.weights, *self.shard_weights]:
+            if w is not None:
+                w.close()
         if self.host is not None:
             self.host.close()
 

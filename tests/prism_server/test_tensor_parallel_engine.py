@@ -1,0 +1,53 @@
+"""A model split over two (emulated) devices in one engine: each shard's weights and KV in its
+own device's pool, stepped by the first device's engine thread. It gives the whole model's
+greedy tokens, serves beside a model of the other device, is never evicted, and every page comes
+back; asking for more devices than the engine has is a clear error."""
+
+from __future__ import annotations
+
+import pytest
+
+from prism_server.commands import TransitionRefused
+from prism_server.config import EngineConfig, ModelSpec
+from prism_server.engine import Engine
+from scheduler.sampling_params import SamplingParams
+from tests.models.test_loader import _save_hf_dir, _tiny_hf_llama
+
+PAGE = 64 << 10
+PARAMS = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+PROMPTS = [[5, 17, 200, 3, 99], [42, 7, 250, 11, 64, 1, 180, 9, 9, 30, 31, 32, 33]]
+
+
+def _engine(path, tp: int, devices: int) -> Engine:
+    specs = (
+        ModelSpec("m", str(path), block_size=4, tensor_parallel=tp),
+        ModelSpec("other", "dummy:tiny-llama", block_size=4),
+    )
+    cfg = EngineConfig(
+        models=specs, device="cpu", devices=devices, page_bytes=PAGE, plan_interval_s=3600.0
+    )
+    return Engine(cfg)
+
+
+def test_a_model_split_over_two_devices_gives_the_whole_models_tokens(tmp_path):
+    path = _save_hf_dir(tmp_path, _tiny_hf_llama())
+    with _engine(path, 1, 1) as whole:
+        want = [o.token_ids for o in whole.generate("m", PROMPTS, PARAMS)]
+    with _engine(path, 2, 2) as e:
+        got = [o.token_ids for o in e.generate("m", PROMPTS, PARAMS)]
+        assert got == want
+        assert len(e.generate("other", [[5, 6, 7]], PARAMS)[0].token_ids) == 12
+        lead = e.served["m"].device
+        pools = {w.name: w.pool for w in e.workers}
+        follower = next(n for n in pools if n != lead)
+        assert pools[follower].pages_of("m/weights.1") > 0  # the second shard's weights there
+        assert pools[follower].pages_of("m") == pools[lead].pages_of("m")  # KV: the same pages
+        with pytest.raises(TransitionRefused, match="pinned"):
+            e.evict("m")
+        e.check_integrity()
+
+
+def test_more_shards_than_devices_are_refused(tmp_path):
+    path = _save_hf_dir(tmp_path, _tiny_hf_llama())
+    with pytest.raises(ValueError, match="tensor_parallel = 2, but the engine has 1 device"):
+        _engine(path, 2, 1)
