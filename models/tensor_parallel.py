@@ -155,19 +155,25 @@ class TensorParallel:
             return greenlet(run)
 
         lets = [runner(r) for r in range(n)]
-        got = []
-        for r, g in enumerate(lets):  # each to its first reduce point (or its end)
-            self._on(r)
-            got.append(g.switch())
-        while not lets[0].dead:
-            if any(g.dead for g in lets):
-                raise RuntimeError("the shards of a tensor-parallel model fell out of step")
-            self.all_reduce(got)
-            for r, g in enumerate(lets):
+        gpu = self.devices[0].type == "cuda"
+        home = torch.cuda.current_device() if gpu else None
+        try:
+            got = []
+            for r, g in enumerate(lets):  # each to its first reduce point (or its end)
                 self._on(r)
-                got[r] = g.switch(got[r])
-        if not all(g.dead for g in lets):
-            raise RuntimeError("the shards of a tensor-parallel model fell out of step")
+                got.append(g.switch())
+            while not lets[0].dead:
+                if any(g.dead for g in lets):
+                    raise RuntimeError("the shards of a tensor-parallel model fell out of step")
+                self.all_reduce(got)
+                for r, g in enumerate(lets):
+                    self._on(r)
+                    got[r] = g.switch(got[r])
+            if not all(g.dead for g in lets):
+                raise RuntimeError("the shards of a tensor-parallel model fell out of step")
+        finally:
+            if home is not None:  # the caller's device current again
+                torch.cuda.set_device(home)
         return got
 
     __call__ = forward

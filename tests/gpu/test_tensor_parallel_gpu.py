@@ -78,3 +78,36 @@ def test_two_gpus_give_the_whole_models_logits(hf):
     rel = (got - ref).norm() / ref.norm()
     assert rel < 2e-2, float(rel)
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
+def test_the_engine_serves_a_model_split_over_two_gpus(tmp_path):
+    """tensor_parallel = 2 with devices = 2: the whole model's greedy tokens (bf16: up to a
+    near-tie), beside a model on the other GPU, and every page back."""
+    from prism_server.config import EngineConfig, ModelSpec
+    from prism_server.engine import Engine
+    from scheduler.sampling_params import SamplingParams
+    from tests.models.test_loader import _save_hf_dir, _tiny_hf_llama
+
+    path = _save_hf_dir(tmp_path, _tiny_hf_llama())
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    prompts = [[5, 17, 200, 3, 99], [42, 7, 250, 11, 64, 1, 180, 9]]
+
+    def serve(tp: int, devices: int) -> list[list[int]]:
+        specs = (
+            ModelSpec("m", str(path), tensor_parallel=tp),
+            ModelSpec("other", "dummy:llama-3.2-1b"),
+        )
+        cfg = EngineConfig(models=specs, device="cuda", devices=devices, kv_budget_bytes=2 << 30)
+        with Engine(cfg) as e:
+            out = [o.token_ids for o in e.generate("m", prompts, params)]
+            assert len(e.generate("other", [[5, 6, 7]], params)[0].token_ids) == 16
+            e.check_integrity()
+            return out
+
+    whole, split = serve(1, 2), serve(2, 2)
+    same = sum(a == b for a, b in zip(whole, split))
+    prefix = [
+        next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+        for a, b in zip(whole, split)
+    ]
+    assert same >= 1 and min(prefix) >= 4, (whole, split)
