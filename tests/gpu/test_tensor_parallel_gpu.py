@@ -83,12 +83,16 @@ def test_two_gpus_give_the_whole_models_logits(hf):
 def test_the_engine_serves_a_model_split_over_two_gpus(tmp_path):
     """tensor_parallel = 2 with devices = 2: the whole model's greedy tokens (bf16: up to a
     near-tie), beside a model on the other GPU, and every page back."""
+    import transformers as tf
+
     from prism_server.config import EngineConfig, ModelSpec
     from prism_server.engine import Engine
     from scheduler.sampling_params import SamplingParams
-    from tests.models.test_loader import _save_hf_dir, _tiny_hf_llama
+    from tests.models.test_loader import TINY, _save_hf_dir
 
-    path = _save_hf_dir(tmp_path, _tiny_hf_llama())
+    torch.manual_seed(0)  # FlashInfer's head sizes: 64, 128, 256
+    hf = tf.LlamaForCausalLM(tf.LlamaConfig(**{**TINY, "hidden_size": 256, "head_dim": 128}))
+    path = _save_hf_dir(tmp_path, hf.eval())
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     prompts = [[5, 17, 200, 3, 99], [42, 7, 250, 11, 64, 1, 180, 9]]
 
