@@ -13,6 +13,7 @@ from kvpool.mirrored_pages import MirroredPages
 from kvpool.page_pool import OwnerUsage, PagePool, PoolStats, ReclaimOrder
 from kvpool.paged_kv import PagedKV, ShardedKV
 from kvpool.pooled_buffer import PooledBuffer
+from kvpool.sharded_weights import ShardedHostCopy, ShardedWeights
 from kvpool.tensor_backend import TensorBackend
 from kvpool.virtual_buffer import VirtualBuffer
 from kvpool.weight_buffer import WeightBuffer, WeightLayout, WeightSlot
@@ -31,7 +32,9 @@ __all__ = [
     "OwnerUsage",
     "PageMapper",
     "PagedKV",
+    "ShardedHostCopy",
     "ShardedKV",
+    "ShardedWeights",
     "PagePool",
     "PhysicalHandle",
     "PoolStats",

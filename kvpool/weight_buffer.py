@@ -57,10 +57,13 @@ class WeightLayout:
 
 
 class WeightBuffer:
-    def __init__(self, pool: PagePool, owner: str, layout: WeightLayout):
+    def __init__(self, pool: PagePool, owner: str, layout: WeightLayout, reclaim: bool = True):
+        """reclaim False: mapped from free pages only (see PooledBuffer)."""
         self.layout = layout
         self.num_pages = layout.num_pages(pool.page_bytes)
-        self.pages = PooledBuffer(pool, owner, self.num_pages, pool.page_bytes, kind="weights")
+        self.pages = PooledBuffer(
+            pool, owner, self.num_pages, pool.page_bytes, kind="weights", reclaim=reclaim
+        )
         self._flat = self.pages.view()  # uint8 over the whole range
 
     @property

@@ -15,7 +15,14 @@ from dataclasses import replace
 
 import torch
 
-from kvpool import HostCopy, PagePool, WeightBuffer, WeightLayout
+from kvpool import (
+    HostCopy,
+    PagePool,
+    ShardedHostCopy,
+    ShardedWeights,
+    WeightBuffer,
+    WeightLayout,
+)
 from models.attention.flashinfer_paged import KernelChoice
 from models.embedded import resolve_source
 from models.loader import ModelSource, empty_model, load_model, load_shards
@@ -253,9 +260,10 @@ class Engine:
 
     def _load_sharded(self, spec: ModelSpec) -> ServedModel:
         """A model split over spec.tensor_parallel devices: the one the planner picks and the
-        next ones. Each shard's weights go into its device's pool; the first device's engine
-        thread steps it (the other devices run its shards' kernels beside their own models').
-        It is always resident: no host copy, never evicted or moved."""
+        next ones. Each shard's weights go into its device's pool, with a host copy of each; the
+        first device's engine thread steps it (the other devices run its shards' kernels beside
+        their own models'). Evicted and activated like any model, all shards at once (the other
+        devices' pools give it free pages only); never moved to other devices."""
         n = spec.tensor_parallel
         if n > len(self._workers):
             raise ValueError(
@@ -268,11 +276,12 @@ class Engine:
         devices = [d.pool.backend.device for d in devs]
         dtype = spec.torch_dtype(self.device)
         buffers: list[WeightBuffer] = []
+        hosts: list[HostCopy] = []
 
         def placer(dev: DeviceWorker, rank: int):
             def place(tensors):
                 owner = f"{spec.name}/weights" + (f".{rank}" if rank else "")
-                wb = WeightBuffer(dev.pool, owner, WeightLayout.pack(tensors))
+                wb = WeightBuffer(dev.pool, owner, WeightLayout.pack(tensors), reclaim=rank == 0)
                 buffers.append(wb)
                 if not dev.call(wb.map):
                     raise MemoryError(
@@ -299,6 +308,10 @@ class Engine:
                 if reserve is None:
                     reserve = self.policy.reserve_output_tokens
                 sched = spec.scheduler_config(loaded.config.max_position_embeddings, reserve, False)
+                hosts = []
+                for wb, device in zip(buffers, devices):
+                    hosts.append(HostCopy(wb.nbytes, device))
+                    hosts[-1].save(wb.bytes())
                 worker = ModelWorker(
                     spec.name,
                     TensorParallel(loaded.shards, devices),
@@ -307,17 +320,20 @@ class Engine:
                     sched,
                     dtype,
                     spec.max_cached_pages,
-                    weights=buffers[0],
-                    pinned=True,
+                    weights=ShardedWeights(buffers),
+                    host=ShardedHostCopy(hosts),
+                    pinned=spec.pinned or self.policy.all_resident,
+                    keep_alive_s=spec.keep_alive_s,
                     resources=lead.lane_for_new_model(),
                     ttft_slo_s=spec.ttft_slo_ms / 1e3 if spec.ttft_slo_ms else None,
                     tpot_slo_s=spec.tpot_slo_ms / 1e3 if spec.tpot_slo_ms else None,
                     shard_pools=[d.pool for d in devs[1:]],
-                    shard_weights=buffers[1:],
                 )
         except BaseException:
             for wb, d in zip(buffers, devs):
                 d.call(wb.close)
+            for h in hosts:
+                h.close()
             raise
         lead.execute(AddModel(worker))
         return self._serve(spec, lead, worker, loaded.config, loaded.tokenizer, sched)
@@ -477,12 +493,15 @@ class Engine:
         """Move an offloaded model to `device` (the planner placed it there): it is built there
         from its host copy and is resident there; requests sent meanwhile wait and then go
         there. False if it cannot move now: it has requests, it is not offloaded for room, or
-        `device` has not its weight pages free (moving evicts nobody)."""
+        `device` has not its weight pages free (moving evicts nobody), or it is split over
+        several devices (it stays on them)."""
         served = self.served.get(name)
         dst = next((w for w in self._workers if w.name == device), None)
         with self._route:
             src = self._where.get(name)
             if served is None or served.failed or dst is None or src in (None, dst):
+                return False
+            if served.spec.tensor_parallel > 1:
                 return False
             if name in self._moving:
                 return False

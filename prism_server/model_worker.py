@@ -64,7 +64,6 @@ class ModelWorker:
         tpot_slo_s: float | None = None,
         profile_budget_s: float = 0.0,
         shard_pools: Sequence[PagePool] = (),
-        shard_weights: Sequence[WeightBuffer] = (),
     ):
         """weights / host: the model's parameters live in `weights` (mapped now) and `host` holds
         their copy; without them the model cannot be evicted (tests, benchmarks). resources: what
@@ -72,8 +71,8 @@ class ModelWorker:
         SLOs (None: SLO_SCALE x the latency model's standalone estimate of each request).
         profile_budget_s: how long the latency profile may take now (0: learn online only).
         shard_pools: a model split over several devices (model a TensorParallel, pool its first
-        shard's device's): the other shards' pools, in order; shard_weights: their weights (this
-        worker closes them). Its KV is a ShardedKV, its steps eager and read first."""
+        shard's device's, weights and host a ShardedWeights and a ShardedHostCopy): the other
+        shards' pools, in order. Its KV is a ShardedKV, its steps eager and read first."""
         self.name = name
         self.weights, self.host, self.pinned = weights, host, pinned
         self.keep_alive_s = keep_alive_s
@@ -105,10 +104,9 @@ class ModelWorker:
         )
         # the pages it can address: the whole pool but its own weights (+ the null page)
         own = weights.num_pages if weights is not None else 0
-        self.shard_weights = list(shard_weights)
         if shard_pools:
             pools = [pool, *shard_pools]
-            owns = [own, *(w.num_pages for w in shard_weights)]
+            owns = [w.num_pages for w in weights.parts] if weights is not None else [0] * len(pools)
             room = min(p.capacity + 1 - o for p, o in zip(pools, owns))
             self.kv = ShardedKV(pools, name, layout, room, max_cached_pages)
         else:
@@ -669,8 +667,6 @@ class ModelWorker:
         if self.weights is not None:
             self.weights.check_integrity()
             assert self.weights.mapped == self.residency.on_device, (self.name, self.residency)
-        for w in self.shard_weights:
-            w.check_integrity()
         if not self.serving:
             assert self.kv.allocator.num_mapped_pages == 0, "an offloaded model holds KV pages"
 
@@ -715,9 +711,8 @@ class ModelWorker:
         for rid in list(self.requests):
             self.abort(rid)
         self.kv.close()
-        for w in [self.weights, *self.shard_weights]:
-            if w is not None:
-                w.close()
+        if self.weights is not None:
+            self.weights.close()
         if self.host is not None:
             self.host.close()
 

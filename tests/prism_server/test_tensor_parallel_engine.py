@@ -1,7 +1,8 @@
 """A model split over two (emulated) devices in one engine: each shard's weights and KV in its
 own device's pool, stepped by the first device's engine thread. It gives the whole model's
-greedy tokens, serves beside a model of the other device, is never evicted, and every page comes
-back; asking for more devices than the engine has is a clear error."""
+greedy tokens, serves beside a model of the other device, is evicted and activated with every
+shard at once (the same tokens after), is never moved, and every page comes back; asking for
+more devices than the engine has is a clear error."""
 
 from __future__ import annotations
 
@@ -18,9 +19,9 @@ PARAMS = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 PROMPTS = [[5, 17, 200, 3, 99], [42, 7, 250, 11, 64, 1, 180, 9, 9, 30, 31, 32, 33]]
 
 
-def _engine(path, tp: int, devices: int) -> Engine:
+def _engine(path, tp: int, devices: int, pinned: bool = False) -> Engine:
     specs = (
-        ModelSpec("m", str(path), block_size=4, tensor_parallel=tp),
+        ModelSpec("m", str(path), block_size=4, tensor_parallel=tp, pinned=pinned),
         ModelSpec("other", "dummy:tiny-llama", block_size=4),
     )
     cfg = EngineConfig(
@@ -42,6 +43,19 @@ def test_a_model_split_over_two_devices_gives_the_whole_models_tokens(tmp_path):
         follower = next(n for n in pools if n != lead)
         assert pools[follower].pages_of("m/weights.1") > 0  # the second shard's weights there
         assert pools[follower].pages_of("m") == pools[lead].pages_of("m")  # KV: the same pages
+        e.evict("m")  # every shard's weights leave its pool
+        assert pools[lead].pages_of("m/weights") == pools[follower].pages_of("m/weights.1") == 0
+        assert e.model_snapshot("m").residency.name == "OFFLOADED"
+        assert not e.migrate("m", follower)  # a split model stays where it is
+        e.check_integrity()
+        again = [o.token_ids for o in e.generate("m", PROMPTS, PARAMS)]  # activates both shards
+        assert again == want and pools[follower].pages_of("m/weights.1") > 0
+        e.check_integrity()
+
+
+def test_a_pinned_split_model_is_never_evicted(tmp_path):
+    path = _save_hf_dir(tmp_path, _tiny_hf_llama())
+    with _engine(path, 2, 2, pinned=True) as e:
         with pytest.raises(TransitionRefused, match="pinned"):
             e.evict("m")
         e.check_integrity()
