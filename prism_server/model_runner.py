@@ -313,8 +313,11 @@ class TensorParallelRunner(ModelRunner):
         ids, poss = [input_ids], [pos]
         ctxs = [ForwardContext(attn=self.attention(self.kv_cache.layer_views, md))]
         for attn, cache, dev in zip(self.attentions[1:], self.caches[1:], self.model.devices[1:]):
-            shard_md = AttentionMetadata.build(chunks, self.block_size, dev)
-            ctxs.append(ForwardContext(attn=attn(cache.layer_views, shard_md)))
-            ids.append(input_ids.to(dev, non_blocking=True))
-            poss.append(pos.to(dev, non_blocking=True))
+            # the shard's device current while its attention is planned (FlashInfer stages its
+            # tables on the current device's stream)
+            with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+                shard_md = AttentionMetadata.build(chunks, self.block_size, dev)
+                ctxs.append(ForwardContext(attn=attn(cache.layer_views, shard_md)))
+                ids.append(input_ids.to(dev, non_blocking=True))
+                poss.append(pos.to(dev, non_blocking=True))
         return self.model(ids, poss, ctxs)[0]

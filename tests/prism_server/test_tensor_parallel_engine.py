@@ -65,3 +65,35 @@ def test_more_shards_than_devices_are_refused(tmp_path):
     path = _save_hf_dir(tmp_path, _tiny_hf_llama())
     with pytest.raises(ValueError, match="tensor_parallel = 2, but the engine has 1 device"):
         _engine(path, 2, 1)
+
+
+def test_a_split_model_under_the_control_loop_beside_models_that_move(tmp_path):
+    """The control loop plans every 50 ms over two devices while all four models serve: the
+    split model keeps serving the whole model's tokens, and every page comes back."""
+    import threading
+
+    path = _save_hf_dir(tmp_path, _tiny_hf_llama())
+    with _engine(path, 1, 1) as whole:
+        want = [o.token_ids for o in whole.generate("m", PROMPTS, PARAMS)]
+    specs = (
+        ModelSpec("m", str(path), block_size=4, tensor_parallel=2),
+        *(ModelSpec(n, "dummy:tiny-llama", block_size=4, seed=i) for i, n in enumerate("abc")),
+    )
+    cfg = EngineConfig(models=specs, device="cpu", devices=2, page_bytes=PAGE, plan_interval_s=0.05)
+    with Engine(cfg) as e:
+        got: dict[str, list] = {}
+
+        def serve(name: str) -> None:
+            for _ in range(3):
+                got.setdefault(name, []).append(
+                    [o.token_ids for o in e.generate(name, PROMPTS, PARAMS)]
+                )
+
+        threads = [threading.Thread(target=serve, args=(n,)) for n in "mabc"]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert got["m"] == [want] * 3
+        assert all(len(got[n]) == 3 for n in "abc")
+        e.check_integrity()
