@@ -65,7 +65,8 @@ def attention(model, caches, md, dev):
     shape = AttentionShape(
         c.num_heads, c.num_kv_heads, c.head_dim, BLOCK, caches[0].dtype, caches[0].dtype
     )
-    return FlashInferBackend(shape, layer_specs(model), dev)(caches, md)
+    with torch.cuda.device(dev):  # FlashInfer plans on the current device's stream
+        return FlashInferBackend(shape, layer_specs(model), dev)(caches, md)
 
 
 def sync(devices) -> None:

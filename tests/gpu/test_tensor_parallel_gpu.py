@@ -32,7 +32,8 @@ def _attention(model, caches, md, device):
     shape = AttentionShape(
         cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, BLOCK, torch.bfloat16, torch.bfloat16
     )
-    return FlashInferBackend(shape, layer_specs(model), device)(caches, md)
+    with torch.cuda.device(device):  # FlashInfer plans on the current device's stream
+        return FlashInferBackend(shape, layer_specs(model), device)(caches, md)
 
 
 @torch.no_grad()
