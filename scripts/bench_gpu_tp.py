@@ -16,6 +16,7 @@ The host launches every GPU's kernels from one thread, layer by layer (eager: no
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -56,17 +57,15 @@ def build_shards(cfg: ModelConfig, devices: list[torch.device], dtype) -> list:
     return shards
 
 
-def attention(model, caches, md, dev):
+def backend(model, dtype, dev):
+    """The shard's attention factory, made once: (caches, metadata) -> the step's attention."""
     if dev.type != "cuda":
-        return TorchPagedAttention(caches, md)
+        return TorchPagedAttention
     from models.attention.flashinfer_paged import AttentionShape, FlashInferBackend
 
     c = model.config
-    shape = AttentionShape(
-        c.num_heads, c.num_kv_heads, c.head_dim, BLOCK, caches[0].dtype, caches[0].dtype
-    )
-    with torch.cuda.device(dev):  # FlashInfer plans on the current device's stream
-        return FlashInferBackend(shape, layer_specs(model), dev)(caches, md)
+    shape = AttentionShape(c.num_heads, c.num_kv_heads, c.head_dim, BLOCK, dtype, dtype)
+    return FlashInferBackend(shape, layer_specs(model), dev)
 
 
 def sync(devices) -> None:
@@ -76,7 +75,7 @@ def sync(devices) -> None:
 
 
 @torch.no_grad()
-def step_time(tp: TensorParallel, caches, chunks: list[SeqChunk], repeats: int) -> float:
+def step_time(tp: TensorParallel, backends, caches, chunks: list[SeqChunk], repeats: int) -> float:
     """Median seconds of one step of `chunks` (each shard's metadata and attention built per
     step, as an engine step would)."""
     n = sum(c.num_new for c in chunks)
@@ -85,9 +84,10 @@ def step_time(tp: TensorParallel, caches, chunks: list[SeqChunk], repeats: int) 
         sync(tp.devices)
         t = time.perf_counter()
         ctxs, ids, pos = [], [], []
-        for m, d, c in zip(tp.shards, tp.devices, caches):
+        for b, d, c in zip(backends, tp.devices, caches):
             md = AttentionMetadata.build(chunks, BLOCK, d)
-            ctxs.append(ForwardContext(attn=attention(m, c, md, d)))
+            with torch.cuda.device(d) if d.type == "cuda" else contextlib.nullcontext():
+                ctxs.append(ForwardContext(attn=b(c, md)))  # planned on its device's stream
             ids.append(torch.full((n,), 7, dtype=torch.long, device=d))
             pos.append(
                 torch.cat(
@@ -192,6 +192,7 @@ def main() -> None:
         list(range(1 + i * blocks_per_seq, 1 + (i + 1) * blocks_per_seq))
         for i in range(max(batches))
     ]
+    backends = [backend(m, dtype, d) for m, d in zip(shards, devices)]
     ways = {
         "tp": TensorParallel(shards, devices, default_all_reduce(devices)),
         "no_reduce": TensorParallel(shards, devices, lambda xs: None),
@@ -209,9 +210,12 @@ def main() -> None:
     for way, tp in ways.items():
         for b in batches:
             chunks = [SeqChunk(args.context, 1, tables[i]) for i in range(b)]
-            out[f"{way}_decode_b{b}_ms"] = step_time(tp, caches, chunks, args.repeats) * 1e3
+            out[f"{way}_decode_b{b}_ms"] = (
+                step_time(tp, backends, caches, chunks, args.repeats) * 1e3
+            )
         prefill = [SeqChunk(0, args.context, tables[0])]
-        out[f"{way}_prefill_ms"] = step_time(tp, caches, prefill, max(2, args.repeats // 3)) * 1e3
+        n = max(2, args.repeats // 3)
+        out[f"{way}_prefill_ms"] = step_time(tp, backends, caches, prefill, n) * 1e3
     for b in batches:
         print(
             f"{args.preset} over {len(devices)} devices, decode B={b} ctx {args.context}: "
@@ -223,7 +227,7 @@ def main() -> None:
         f"prefill {args.context} tokens: {out['tp_prefill_ms']:.1f} ms; without the all-reduce "
         f"{out['no_reduce_prefill_ms']:.1f} ms"
     )
-    del ways, shards, caches
+    del ways, shards, caches, backends
     gc.collect()
     if devices[0].type == "cuda":
         torch.cuda.empty_cache()
