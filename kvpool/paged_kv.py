@@ -67,13 +67,14 @@ class ShardedKV:
         layout: KVLayout,
         max_pages: int,
         max_cached_pages: int = 1,
+        prefix_caching: bool = False,
     ):
         self.caches = [
             KVCache(p, owner, layout, max_pages, reclaim=i == 0) for i, p in enumerate(pools)
         ]
         self.cache = self.caches[0]
         pages = MirroredPages([c.pages for c in self.caches])
-        self.allocator = BlockAllocator(pages, layout, max_pages, max_cached_pages)
+        self.allocator = BlockAllocator(pages, layout, max_pages, max_cached_pages, prefix_caching)
         self.cache.pages.set_reclaimer(self.allocator)
 
     @property

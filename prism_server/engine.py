@@ -307,7 +307,11 @@ class Engine:
                 reserve = self.config.reserve_output_tokens
                 if reserve is None:
                     reserve = self.policy.reserve_output_tokens
-                sched = spec.scheduler_config(loaded.config.max_position_embeddings, reserve, False)
+                sched = spec.scheduler_config(
+                    loaded.config.max_position_embeddings,
+                    reserve,
+                    self.config.enable_prefix_caching,
+                )
                 hosts = []
                 for wb, device in zip(buffers, devices):
                     hosts.append(HostCopy(wb.nbytes, device))

@@ -108,7 +108,9 @@ class ModelWorker:
             pools = [pool, *shard_pools]
             owns = [w.num_pages for w in weights.parts] if weights is not None else [0] * len(pools)
             room = min(p.capacity + 1 - o for p, o in zip(pools, owns))
-            self.kv = ShardedKV(pools, name, layout, room, max_cached_pages)
+            self.kv = ShardedKV(
+                pools, name, layout, room, max_cached_pages, sched.enable_prefix_caching
+            )
         else:
             self.kv = PagedKV(
                 pool,

@@ -50,6 +50,8 @@ def test_a_model_split_over_two_devices_gives_the_whole_models_tokens(tmp_path):
         e.check_integrity()
         again = [o.token_ids for o in e.generate("m", PROMPTS, PARAMS)]  # activates both shards
         assert again == want and pools[follower].pages_of("m/weights.1") > 0
+        cached = e.generate("m", PROMPTS[1:], PARAMS)[0]  # its full blocks from the prefix cache
+        assert cached.token_ids == want[1] and cached.num_cached_tokens > 0
         e.check_integrity()
 
 
