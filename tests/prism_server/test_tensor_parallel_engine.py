@@ -99,3 +99,31 @@ def test_a_split_model_under_the_control_loop_beside_models_that_move(tmp_path):
         assert got["m"] == [want] * 3
         assert all(len(got[n]) == 3 for n in "abc")
         e.check_integrity()
+
+
+@pytest.mark.parametrize("policy", ["static", "swap"])
+def test_the_baselines_serve_a_split_model(tmp_path, policy):
+    """Static partitions (every model resident, a KV quota each) and time-sharing swaps (the
+    split model evicted and activated in turn, both shards at once) serve it too."""
+    path = _save_hf_dir(tmp_path, _tiny_hf_llama())
+    with _engine(path, 1, 1) as whole:
+        want = [o.token_ids for o in whole.generate("m", PROMPTS, PARAMS)]
+    specs = (
+        ModelSpec("m", str(path), block_size=4, tensor_parallel=2),
+        ModelSpec("a", "dummy:tiny-llama", block_size=4),
+        ModelSpec("b", "dummy:tiny-llama", block_size=4, seed=1),
+    )
+    cfg = EngineConfig(
+        models=specs,
+        device="cpu",
+        devices=2,
+        page_bytes=PAGE,
+        policy=policy,
+        plan_interval_s=3600.0,
+    )
+    with Engine(cfg) as e:
+        for _ in range(2):
+            for n in "ab":
+                assert len(e.generate(n, [[5, 6, 7]], PARAMS)[0].token_ids) == 12
+            assert [o.token_ids for o in e.generate("m", PROMPTS, PARAMS)] == want
+        e.check_integrity()
