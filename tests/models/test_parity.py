@@ -107,18 +107,9 @@ def _hf_greedy(hf: tf.PreTrainedModel, prompt: list[int]) -> tuple[list[int], to
     return tokens, hf(torch.tensor([tokens]), use_cache=False).logits[0].float()
 
 
-@torch.no_grad()
-def _run_paged(
-    model, config: ModelConfig, seqs: list[list[int]], prompt_lens
-) -> list[torch.Tensor]:
-    """Runs all sequences as one batch through the paged path; logits per sequence [len, vocab]."""
-    needed = [math.ceil(len(s) / BLOCK_SIZE) for s in seqs]
-    kv = make_kv_cache(config, sum(needed), BLOCK_SIZE)
-    blocks = kv.allocator.allocate(sum(needed))
-    assert len({kv.layout.locate(b)[0] for b in blocks}) > len(seqs)  # several pages each
-    perm = [blocks[i] for i in torch.randperm(len(blocks)).tolist()]
-    tables = [perm[sum(needed[:i]) : sum(needed[: i + 1])] for i in range(len(seqs))]
-    caches = kv.layer_views
+def paged_steps(seqs: list[list[int]], prompt_lens, tables, run) -> list[torch.Tensor]:
+    """Every sequence as one batch, prompts in chunks (CHUNK_SIZES) then a token a step:
+    run(chunks, ids, positions) -> the step's logits [T, vocab]; logits per sequence."""
     done = [0] * len(seqs)
     out: list[list[torch.Tensor]] = [[] for _ in seqs]
     while any(d < len(s) for d, s in zip(done, seqs)):
@@ -131,17 +122,35 @@ def _run_paged(
             ids += seq[done[i] : done[i] + n]
             pos += range(done[i], done[i] + n)
             owners.append((i, n))
-        md = AttentionMetadata.build(chunks, BLOCK_SIZE, torch.device("cpu"))
-        ctx = ForwardContext(attn=TorchPagedAttention(caches, md))
-        hidden = model(torch.tensor(ids), torch.tensor(pos), ctx)  # [T, hidden]
-        logits = model.compute_logits(hidden).split([n for _, n in owners])
+        logits = run(chunks, torch.tensor(ids), torch.tensor(pos)).split([n for _, n in owners])
         for (i, n), lg in zip(owners, logits):
             out[i].append(lg)
             done[i] += n
+    return [torch.cat(o) for o in out]
+
+
+@torch.no_grad()
+def _run_paged(
+    model, config: ModelConfig, seqs: list[list[int]], prompt_lens
+) -> list[torch.Tensor]:
+    """Runs all sequences as one batch through the paged path; logits per sequence [len, vocab]."""
+    needed = [math.ceil(len(s) / BLOCK_SIZE) for s in seqs]
+    kv = make_kv_cache(config, sum(needed), BLOCK_SIZE)
+    blocks = kv.allocator.allocate(sum(needed))
+    assert len({kv.layout.locate(b)[0] for b in blocks}) > len(seqs)  # several pages each
+    perm = [blocks[i] for i in torch.randperm(len(blocks)).tolist()]
+    tables = [perm[sum(needed[:i]) : sum(needed[: i + 1])] for i in range(len(seqs))]
+
+    def run(chunks, ids, pos):
+        md = AttentionMetadata.build(chunks, BLOCK_SIZE, torch.device("cpu"))
+        ctx = ForwardContext(attn=TorchPagedAttention(kv.layer_views, md))
+        return model.compute_logits(model(ids, pos, ctx))  # [T, vocab]
+
+    out = paged_steps(seqs, prompt_lens, tables, run)
     kv.allocator.free(blocks)
     kv.check_integrity()
     kv.close()
-    return [torch.cat(o) for o in out]
+    return out
 
 
 def parity_diffs(name: str) -> list[float]:

@@ -10,19 +10,19 @@ import math
 import pytest
 import torch
 
-from models.attention.base import AttentionMetadata, ForwardContext, SeqChunk
+from models.attention.base import AttentionMetadata, ForwardContext
 from models.attention.torch_paged import TorchPagedAttention
 from models.config import ModelConfig
 from models.registry import get_model_class
 from models.tensor_parallel import TensorParallel, host_all_reduce, shard_config
 from tests.models.test_parity import (
     BLOCK_SIZE,
-    CHUNK_SIZES,
     HF_CASES,
     PROMPT_LENS,
     _run_paged,
     _tiny_hf_model,
     make_kv_cache,
+    paged_steps,
 )
 
 CPU = torch.device("cpu")
@@ -38,33 +38,21 @@ def _run_tp(tp: TensorParallel, seqs: list[list[int]]) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(3)
     perm = [blocks[0][i] for i in torch.randperm(len(blocks[0]), generator=g).tolist()]
     tables = [perm[sum(needed[:i]) : sum(needed[: i + 1])] for i in range(len(seqs))]
-    done = [0] * len(seqs)
-    out: list[list[torch.Tensor]] = [[] for _ in seqs]
-    while any(d < len(s) for d, s in zip(done, seqs)):
-        chunks, ids, pos, owners = [], [], [], []
-        for i, seq in enumerate(seqs):
-            if done[i] == len(seq):
-                continue
-            n = min(CHUNK_SIZES[i], PROMPT_LENS[i] - done[i]) if done[i] < PROMPT_LENS[i] else 1
-            chunks.append(SeqChunk(num_computed=done[i], num_new=n, block_table=tables[i]))
-            ids += seq[done[i] : done[i] + n]
-            pos += range(done[i], done[i] + n)
-            owners.append((i, n))
+
+    def run(chunks, ids, pos):
         md = AttentionMetadata.build(chunks, BLOCK_SIZE, CPU)
         ctxs = [ForwardContext(attn=TorchPagedAttention(kv.layer_views, md)) for kv in kvs]
-        t = [torch.tensor(ids)] * len(kvs)
-        hidden = tp(t, [torch.tensor(pos)] * len(kvs), ctxs)
+        hidden = tp([ids] * len(kvs), [pos] * len(kvs), ctxs)
         for h in hidden[1:]:
             assert torch.equal(h, hidden[0])  # every shard ends with the same states
-        logits = tp.compute_logits(hidden[0]).split([n for _, n in owners])
-        for (i, n), lg in zip(owners, logits):
-            out[i].append(lg)
-            done[i] += n
+        return tp.compute_logits(hidden[0])
+
+    out = paged_steps(seqs, PROMPT_LENS, tables, run)
     for kv, b in zip(kvs, blocks):
         kv.allocator.free(b)
         kv.check_integrity()
         kv.close()
-    return [torch.cat(o) for o in out]
+    return out
 
 
 @pytest.mark.parametrize("name", sorted(HF_CASES))
