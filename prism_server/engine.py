@@ -68,7 +68,10 @@ class Engine:
         check_host_budget(config, self.device)
         self.policy = policy(config.policy)
         kernels = KernelChoice(
-            envs.decode_tensor_cores(), envs.prefill_backend(), envs.ragged_prefill()
+            envs.decode_tensor_cores(),
+            envs.prefill_backend(),
+            envs.ragged_prefill(),
+            envs.decode_split_pages(),
         )
         # one page pool and one engine thread per device: each GPU of devices (cuda:0 ..), or
         # several emulated CPU devices (each its own pool and thread), for the multi-device

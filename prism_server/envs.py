@@ -54,6 +54,12 @@ def prefill_backend() -> str:
     return os.environ.get("PRISM_PREFILL_BACKEND") or "fa2"
 
 
+def decode_split_pages() -> int | None:
+    """Decode attention's split of each sequence's KV, in pages (PRISM_DECODE_SPLIT_PAGES;
+    unset: FlashInfer's planner; 0: no split)."""
+    return _int("PRISM_DECODE_SPLIT_PAGES", None)
+
+
 def ragged_prefill() -> bool:
     """Steps of fresh prompts attend over their own K/V tensors, not the paged cache
     (PRISM_RAGGED_PREFILL, default 1)."""

@@ -17,8 +17,9 @@
 # is one: `git archive REV prism_server models kvpool scheduler scripts | tar -x -C .baseline`),
 # then the engine benchmark without its HF and KV-write sections, two small models' decode at
 # once against one after the other (bench_gpu_concurrent.py), then the decode and prefill
-# figures under each other kernel choice (KERNELS, default: paged attention for fresh prompts,
-# fa3 prefill). The fa3 kernels are measured, not tested here (their first compile takes minutes).
+# figures under each other kernel choice (KERNELS, default: decode KV not split, split every 16
+# pages, fa3 prefill). The fa3 kernels are measured, not tested here (their first compile takes
+# minutes).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/prism-gpu-check}
@@ -57,7 +58,7 @@ if [ "$quick" = "--decode" ]; then
   # two small models' decode steps at once on two streams against one after the other
   timeout 200 python3 scripts/bench_gpu_concurrent.py --json "$OUT/concurrent.json" 2>&1 | tail -3
   # the kernel choices beside the default (KERNELS="" skips them)
-  for choice in ${KERNELS-PRISM_RAGGED_PREFILL=0 PRISM_PREFILL_BACKEND=fa3}; do
+  for choice in ${KERNELS-PRISM_DECODE_SPLIT_PAGES=0 PRISM_DECODE_SPLIT_PAGES=16 PRISM_PREFILL_BACKEND=fa3}; do
     t0=$SECONDS
     env "$choice" timeout 330 python3 scripts/bench_gpu_engine.py --speed-only \
       --json "$OUT/engine-${choice%%=*}.json" 2>&1 | grep -E "decode B=|prefill|tokens: wall" \

@@ -65,11 +65,27 @@ class KernelChoice:
     decode_tensor_cores: bool = True  # decode through the tensor-core kernel (else CUDA cores)
     prefill_backend: str = "fa2"  # FlashInfer's prefill backend: "fa2", "fa3" (Hopper), "auto"
     ragged_prefill: bool = True  # fresh prompts attend over their own K/V tensors (else paged)
+    # decode's split of each sequence's KV over thread blocks, in pages (None: FlashInfer's
+    # planner chooses; 0: no split, one block per sequence and KV head; n: every n pages)
+    decode_split_pages: int | None = None
 
     def __post_init__(self):
         if self.prefill_backend not in PREFILL_BACKENDS:
             choices = ", ".join(PREFILL_BACKENDS)
             raise ValueError(f"prefill backend {self.prefill_backend!r}: choose from {choices}")
+        n = self.decode_split_pages
+        if n is not None and (n < 0 or (n and not self.decode_tensor_cores)):
+            raise ValueError(
+                f"decode split of {n} pages: 0 (no split), or a positive count with the "
+                "tensor-core decode kernel"
+            )
+
+    def decode_plan_kwargs(self) -> dict:
+        """The decode plan's split-kv keywords for this choice."""
+        n = self.decode_split_pages
+        if n is None:
+            return {}
+        return {"disable_split_kv": True} if n == 0 else {"fixed_split_size": n}
 
 
 PREFILL_BACKENDS = ("fa2", "fa3", "auto")
@@ -241,6 +257,7 @@ class FlashInferBackend:
                     sh.head_dim,
                     sh.block_size,
                     **plan_kwargs(spec, sh),
+                    **self.kernels.decode_plan_kwargs(),
                 )
         else:
             write = (
@@ -358,6 +375,7 @@ class DecodeGraphAttention(FlashInferAttention):
                 sh.head_dim,
                 sh.block_size,
                 **plan_kwargs(spec, sh),
+                **self.backend.kernels.decode_plan_kwargs(),
             )
 
     def prepare(self) -> None:

@@ -111,11 +111,15 @@ KERNELS = {
     "cuda-core-decode": KernelChoice(decode_tensor_cores=False),
     "fa3-prefill": KernelChoice(prefill_backend="fa3"),
     "paged-fresh": KernelChoice(ragged_prefill=False),
+    "decode-no-split": KernelChoice(decode_split_pages=0),
+    "decode-split-4": KernelChoice(decode_split_pages=4),
 }
 TOUCHES = {  # the kinds of step each choice changes
     "cuda-core-decode": {"decode", "graph-decode"},
     "fa3-prefill": {"mixed", "fresh"},
     "paged-fresh": {"fresh"},
+    "decode-no-split": {"decode", "graph-decode"},
+    "decode-split-4": {"decode", "graph-decode"},
 }
 
 

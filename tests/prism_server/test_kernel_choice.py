@@ -16,18 +16,26 @@ def test_the_defaults_and_a_bad_backend():
     assert KernelChoice(prefill_backend="fa3").prefill_backend == "fa3"
     with pytest.raises(ValueError, match="choose from fa2, fa3, auto"):
         KernelChoice(prefill_backend="fa4")
+    assert KernelChoice().decode_plan_kwargs() == {}
+    assert KernelChoice(decode_split_pages=0).decode_plan_kwargs() == {"disable_split_kv": True}
+    assert KernelChoice(decode_split_pages=16).decode_plan_kwargs() == {"fixed_split_size": 16}
+    with pytest.raises(ValueError, match="tensor-core decode kernel"):
+        KernelChoice(decode_tensor_cores=False, decode_split_pages=16)
+    with pytest.raises(ValueError, match="decode split of -1 pages"):
+        KernelChoice(decode_split_pages=-1)
 
 
 def test_the_environment_reaches_every_devices_resources(monkeypatch):
     monkeypatch.setenv("PRISM_DECODE_TENSOR_CORES", "0")
     monkeypatch.setenv("PRISM_PREFILL_BACKEND", "fa3")
     monkeypatch.setenv("PRISM_RAGGED_PREFILL", "0")
+    monkeypatch.setenv("PRISM_DECODE_SPLIT_PAGES", "0")
     assert not envs.decode_tensor_cores() and envs.prefill_backend() == "fa3"
     assert not envs.ragged_prefill()
     spec = ModelSpec("a", "dummy:tiny-llama", block_size=4)
     with Engine(EngineConfig(models=(spec,), device="cpu", page_bytes=64 << 10, devices=2)) as e:
         kinds = {w.resources.kernels for w in e._workers}
-        assert kinds == {KernelChoice(False, "fa3", ragged_prefill=False)}
+        assert kinds == {KernelChoice(False, "fa3", ragged_prefill=False, decode_split_pages=0)}
         e.check_integrity()
     monkeypatch.setenv("PRISM_PREFILL_BACKEND", "fa4")
     with pytest.raises(ValueError, match="fa4"):
