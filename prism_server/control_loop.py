@@ -69,8 +69,16 @@ class ControlLoop:
     def tick(self, now: float) -> PlanView:
         workers = {w.name: w for w in self.engine.workers}
         models, devices, current, where = [], [], {}, {}
-        for snap in self.engine.snapshots():
-            devices.append(DeviceCapacity(snap.device, snap.pool.capacity * snap.pool.page_bytes))
+        snaps = self.engine.snapshots()
+        # a split model's shards on other devices hold their memory there, planned or not
+        held = {s.device: 0 for s in snaps}
+        for snap in snaps:
+            for m in snap.models:
+                for device, nbytes in m.shard_weight_bytes:
+                    held[device] = held.get(device, 0) + nbytes
+        for snap in snaps:
+            room = snap.pool.capacity * snap.pool.page_bytes - held[snap.device]
+            devices.append(DeviceCapacity(snap.device, max(room, 0)))
             for m in snap.models:
                 new = m.requests_total - self._seen.get(m.name, 0)
                 self._seen[m.name] = m.requests_total
@@ -80,7 +88,7 @@ class ControlLoop:
                 models.append(
                     ModelDemand(
                         m.name,
-                        max(m.weight_bytes, 1),
+                        max(m.weight_bytes - sum(b for _, b in m.shard_weight_bytes), 1),
                         slo,
                         self.rates.rate(m.name, now),
                         last_used=m.last_used,

@@ -335,6 +335,7 @@ class Engine:
                     ttft_slo_s=spec.ttft_slo_ms / 1e3 if spec.ttft_slo_ms else None,
                     tpot_slo_s=spec.tpot_slo_ms / 1e3 if spec.tpot_slo_ms else None,
                     shard_pools=[d.pool for d in devs[1:]],
+                    shard_devices=[d.name for d in devs[1:]],
                 )
         except BaseException:
             for wb, d in zip(buffers, devs):

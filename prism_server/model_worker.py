@@ -64,6 +64,7 @@ class ModelWorker:
         tpot_slo_s: float | None = None,
         profile_budget_s: float = 0.0,
         shard_pools: Sequence[PagePool] = (),
+        shard_devices: Sequence[str] = (),
     ):
         """weights / host: the model's parameters live in `weights` (mapped now) and `host` holds
         their copy; without them the model cannot be evicted (tests, benchmarks). resources: what
@@ -72,7 +73,8 @@ class ModelWorker:
         profile_budget_s: how long the latency profile may take now (0: learn online only).
         shard_pools: a model split over several devices (model a TensorParallel, pool its first
         shard's device's, weights and host a ShardedWeights and a ShardedHostCopy): the other
-        shards' pools, in order. Its KV is a ShardedKV, its steps eager and read first."""
+        shards' pools, in order, and shard_devices their devices' names. Its KV is a ShardedKV,
+        its steps eager and read first."""
         self.name = name
         self.weights, self.host, self.pinned = weights, host, pinned
         self.keep_alive_s = keep_alive_s
@@ -104,6 +106,7 @@ class ModelWorker:
         )
         # the pages it can address: the whole pool but its own weights (+ the null page)
         own = weights.num_pages if weights is not None else 0
+        self.shard_devices = tuple(shard_devices)
         if shard_pools:
             pools = [pool, *shard_pools]
             owns = [w.num_pages for w in weights.parts] if weights is not None else [0] * len(pools)
@@ -627,6 +630,11 @@ class ModelWorker:
             prefix_cache_queries=s.prefix_queries,
             prefix_cache_hits=s.prefix_hits,
             kv_blocks_prefix_idle=a.num_idle_blocks,
+            shard_weight_bytes=tuple(
+                (d, w.nbytes) for d, w in zip(self.shard_devices, self.weights.parts[1:])
+            )
+            if self.shard_devices
+            else (),
             kv_pages_in_use=a.num_mapped_pages - cached,
             kv_pages_cached_free=cached,
             kv_blocks_used=a.num_used_blocks,

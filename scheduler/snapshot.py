@@ -85,6 +85,9 @@ class ModelSnapshot:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     kv_blocks_prefix_idle: int = 0
+    # a model split over several devices: the weight bytes of its shards on the other devices,
+    # (device, bytes); weight_bytes counts them too
+    shard_weight_bytes: tuple[tuple[str, int], ...] = ()
 
     @property
     def kv_blocks_held(self) -> int:

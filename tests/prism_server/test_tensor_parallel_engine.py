@@ -6,6 +6,8 @@ more devices than the engine has is a clear error."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from prism_server.commands import TransitionRefused
@@ -98,6 +100,10 @@ def test_a_split_model_under_the_control_loop_beside_models_that_move(tmp_path):
             t.join(timeout=120)
         assert got["m"] == [want] * 3
         assert all(len(got[n]) == 3 for n in "abc")
+        snap = e.model_snapshot("m")  # the plan sees the other shard's bytes on its device
+        ((device, nbytes),) = snap.shard_weight_bytes
+        assert device != e.served["m"].device and 0 < nbytes < snap.weight_bytes
+        e.control.tick(time.monotonic())
         e.check_integrity()
 
 
