@@ -397,13 +397,16 @@ class DeviceWorker:
     def _companions(self, chosen: ModelWorker, serving: list[ModelWorker], now: float) -> None:
         """With several lanes: in each lane but chosen's, the model with requests running that
         stepped least recently steps too, at once with chosen on its lane's stream. It admits
-        no one (who starts stays the arbitrator's call)."""
+        no one (who starts stays the arbitrator's call), and its step is decode-sized: a token
+        per running request (a prefill chunk waits for the arbitrator's pick), so it does not
+        slow chosen's step by much."""
         busy = {chosen.lane}
         for m in sorted(serving, key=lambda m: m.last_used):
-            if m.lane in busy or not m.scheduler.running:
+            n = len(m.scheduler.running)
+            if m.lane in busy or not n:
                 continue
             busy.add(m.lane)
-            if self._timed(m, lambda m=m: m.step(now, (), while_running=self._hook(m))):
+            if self._timed(m, lambda m=m, n=n: m.step(now, (), n, while_running=self._hook(m))):
                 self.companion_steps += 1
 
     def _next_taker(self, starved: list[ModelWorker]) -> str | None:
