@@ -307,15 +307,7 @@ class Engine:
                     cache_root=envs.gguf_cache_dir(),
                     fused_kernels=envs.fused_kernels(),
                 )
-                reserve = self.config.reserve_output_tokens
-                if reserve is None:
-                    reserve = self.policy.reserve_output_tokens
-                sched = spec.scheduler_config(
-                    loaded.config.max_position_embeddings,
-                    reserve,
-                    self.config.enable_prefix_caching,
-                )
-                hosts = []
+                sched = self._scheduler_config(spec, loaded.config.max_position_embeddings)
                 for wb, device in zip(buffers, devices):
                     hosts.append(HostCopy(wb.nbytes, device))
                     hosts[-1].save(wb.bytes())
@@ -346,6 +338,14 @@ class Engine:
         lead.execute(AddModel(worker))
         return self._serve(spec, lead, worker, loaded.config, loaded.tokenizer, sched)
 
+    def _scheduler_config(self, spec: ModelSpec, max_position_embeddings: int):
+        reserve = self.config.reserve_output_tokens
+        if reserve is None:
+            reserve = self.policy.reserve_output_tokens
+        return spec.scheduler_config(
+            max_position_embeddings, reserve, self.config.enable_prefix_caching
+        )
+
     def _build(self, spec: ModelSpec, dtype, dev: DeviceWorker, device, place, box: dict):
         """The model's weights loaded into dev's pool (through `place`), its host copy and its
         worker (runner, graphs, latency profile), built on `device` (current while it runs).
@@ -359,12 +359,7 @@ class Engine:
             fused_kernels=envs.fused_kernels(),
             place=place,
         )
-        reserve = self.config.reserve_output_tokens
-        if reserve is None:
-            reserve = self.policy.reserve_output_tokens
-        sched = spec.scheduler_config(
-            loaded.config.max_position_embeddings, reserve, self.config.enable_prefix_caching
-        )
+        sched = self._scheduler_config(spec, loaded.config.max_position_embeddings)
         weights = box["weights"]
         host = HostCopy(weights.nbytes, device)
         host.save(weights.bytes())
