@@ -28,6 +28,8 @@ quick=${1:-}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
   || { echo "wheel install failed"; exit 1; }
 export PYTHONPATH=$PWD:/tmp/site FLASHINFER_CUDA_ARCH_LIST=9.0a PYTHONUNBUFFERED=1
+python3 -c "import greenlet" 2>/dev/null \
+  || echo "greenlet is in neither the machine's packages nor .whl/: split (tensor-parallel) models cannot run"
 export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/fi-ws}
 aot=/tmp/site/flashinfer/data/aot
 if [ -f .fiaot/fi_aot.tgz ]; then
