@@ -165,6 +165,18 @@ class PagePool:
                 return True
             return reclaim and n <= self.num_available + self.reclaimable(exclude=owner)
 
+    def free_up(self, n: int, taker: str) -> int:
+        """Take other owners' reserves back (the reclaim order) until n pages are free, for
+        `taker`, whose buffer maps free pages only (it is mapped from another thread); returns
+        the pages free then. Call it from the thread that owns the other owners."""
+        with self._lock:
+            short = n - self.num_available
+            if short > 0 and self.reclaim_order is not None:
+                short = min(short, self.reclaimable(exclude=taker))
+                if short > 0:
+                    self._reclaim_from_others(taker, short)
+            return self.num_available
+
     def acquire(self, owner: str, n: int, reclaim: bool = True) -> list[PhysicalHandle] | None:
         """n pages for `owner`, or None (and nothing taken) if they cannot be had. reclaim
         False: free pages only, no other owner's reserve (the caller is not the thread that

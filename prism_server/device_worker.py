@@ -11,6 +11,7 @@ import logging
 import queue
 import threading
 import time
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +96,10 @@ class DeviceWorker:
             self.resources.lane_of_same_device(i) for i in range(1, max(1, lanes))
         ]
         self._lanes_given = 0
+        # the other devices of the engine, by name (a model split over devices asks them for
+        # room for its shards); set by the engine once every device exists
+        self.peers: dict[str, DeviceWorker] = {}
+        self._asked: dict[str, Future] = {}  # the last ask for room sent to each peer
         self.companion_steps = 0  # steps run at once with the pick, in another lane
         self._launched: set[str] = set()  # the models whose step this engine step launched
         self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
@@ -303,9 +308,17 @@ class DeviceWorker:
 
     def make_resident(self, m: ModelWorker, now: float, wait: bool = False) -> bool:
         """Start m's activation, evicting idle models if the pool needs their pages; False if
-        it cannot have them now. wait: return once it serves."""
+        it cannot have them now. wait: return once it serves. A model split over devices has
+        room made for each shard by the shard's own device (asked, not waited for: it is
+        activated once every shard fits)."""
         if not m.can_activate():
-            self.make_room(m.can_activate, now, keep=frozenset({m.name}), taker=m.name)
+            parts = getattr(m.weights, "parts", None)
+            own = parts[0].can_map if parts else m.can_activate
+            if not own():
+                self.make_room(own, now, keep=frozenset({m.name}), taker=m.name)
+            for device, part in zip(m.shard_devices, parts[1:] if parts else ()):
+                if not part.can_map():
+                    self._ask_for_room(device, part.num_pages, m.name, now)
             if not m.can_activate():
                 return False
         return m.activate(wait=wait)
@@ -464,12 +477,21 @@ class DeviceWorker:
         per step."""
         if m in starved and m.name != self._taker:
             return  # its turn comes when the taker's new work runs
+        short = [  # a split model: its shards' devices whose pools have no page free
+            d for d, c in zip(m.shard_devices, m.kv.caches[1:]) if not c.pages.pool.num_available
+        ]
+        for device in short:
+            self._ask_for_room(device, 1, m.name, now)
+        if short and self.pool.num_available:
+            return  # the page it waits for is on those devices, not here
         keep = frozenset({m.name, self._taker} - {None})
         # a stalled model (all its requests wait for memory) goes for the taker, or for another
         # stalled model when no one takes (two must not wait for each other forever); not for a
         # running request's growth: the evicted model took the memory back as the next taker
         stalled = m.name == self._taker or (self._taker is None and not m.scheduler.running)
         if self.make_room(lambda: False, now, keep, m.name, limit=1, stalled=stalled):
+            if self._taker is None:  # the pages it freed are its own until it runs: the model
+                self._taker = m.name  # evicted (stalled too) must not take them straight back
             return
         if m not in starved or not m.scheduler.has_new_work:
             return  # a recompute or a running request's growth: no preemption
@@ -497,6 +519,25 @@ class DeviceWorker:
         freed = before - owner.kv.allocator.num_mapped_pages
         self.pool.record_move(owner.name, m.name, freed, "preempt")
         log.info("preempted %s of %s for %s's new work", req.request_id, owner.name, m.name)
+
+    def _ask_for_room(self, device: str, pages: int, taker: str, now: float) -> None:
+        """Ask another device to make `pages` pages of its pool free for `taker`, a model this
+        device steps with a shard there (its shards map free pages only): that device's thread
+        takes reserves back, then evicts idle models. Not waited for; one ask in flight a
+        device."""
+        peer, asked = self.peers.get(device), self._asked.get(device)
+        if peer is None or (asked is not None and not asked.done()):
+            return
+        ask = Call(lambda: peer.make_free(pages, taker, now))
+        self._asked[device] = ask.result
+        peer.send(ask)
+
+    def make_free(self, pages: int, taker: str, now: float) -> None:
+        """`pages` pages of this device's pool free for a shard of `taker`, a model another
+        device steps (asked by it): other models' reserves first, then idle models, least
+        recently used first."""
+        if self.pool.free_up(pages, taker) < pages:
+            self.make_room(lambda: self.pool.num_available >= pages, now, taker=taker)
 
     def _swap_turn(self) -> ModelWorker | None:
         """Under a cap on resident models: the offloaded model that may activate now (the one

@@ -103,6 +103,8 @@ class Engine:
             w.start()
             self._workers.append(w)
         self.worker, self.pool = self._workers[0], self._workers[0].pool  # the first device
+        for w in self._workers:
+            w.peers = {o.name: o for o in self._workers if o is not w}
         self._where: dict[str, DeviceWorker] = {}  # model -> the worker of its device
         # a model moving to another device: the commands sent to it meanwhile, in order (they
         # go to its new device once it is there); guarded by _route with _where

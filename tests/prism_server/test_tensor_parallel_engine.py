@@ -131,3 +131,52 @@ def test_the_baselines_serve_a_split_model(tmp_path, policy):
                 assert len(e.generate(n, [[5, 6, 7]], PARAMS)[0].token_ids) == 12
             assert [o.token_ids for o in e.generate("m", PROMPTS, PARAMS)] == want
         e.check_integrity()
+
+
+def test_a_split_model_gets_room_on_its_other_device_from_that_devices_thread(tmp_path):
+    """Both pools exactly full (the split model's shard and an idle model on each device): the
+    split model's requests need KV pages on both. Its own device evicts its idle model; the
+    other device, asked by it, evicts the idle model there (its pages are that device's
+    thread's to give). Evicted, the split model comes back the same way, and every page adds
+    up."""
+    path = _save_hf_dir(tmp_path, _tiny_hf_llama())
+    with _engine(path, 1, 1) as whole:
+        want = [o.token_ids for o in whole.generate("m", PROMPTS, PARAMS)]
+    specs = (
+        ModelSpec("m", str(path), block_size=4, tensor_parallel=2),
+        ModelSpec("x", "dummy:tiny-llama", block_size=4),
+        ModelSpec("y", "dummy:tiny-llama", block_size=4, seed=1),
+    )
+
+    def engine(pages: int | None) -> Engine:
+        budget = (pages + 1) * PAGE if pages else None
+        cfg = EngineConfig(
+            models=specs,
+            device="cpu",
+            devices=2,
+            page_bytes=PAGE,
+            pool_budget_bytes=budget,
+            plan_interval_s=3600.0,
+        )
+        return Engine(cfg)
+
+    with engine(None) as e:  # the sizes, in pages, and where the planner puts each model
+        where = {n: s.device for n, s in e.served.items()}
+        pools = {w.name: w.pool for w in e.workers}
+        lead = where["m"]
+        other = next(d for d in pools if d != lead)
+        shard = pools[lead].pages_of("m/weights")
+        assert pools[other].pages_of("m/weights.1") == shard
+        idle = {d: next(n for n in "xy" if where[n] == d) for d in pools}  # one on each
+        size = pools[where["x"]].pages_of("x/weights")
+    with engine(shard + size) as e:  # each pool: the shard and the idle model, nothing free
+        pools = {w.name: w.pool for w in e.workers}
+        assert {n: s.device for n, s in e.served.items()} == where
+        assert all(p.num_available == 0 for p in pools.values())
+        assert [o.token_ids for o in e.generate("m", PROMPTS, PARAMS)] == want
+        for d, n in idle.items():
+            assert e.model_snapshot(n).residency.name == "OFFLOADED", (d, n)
+        e.evict("m")
+        e.generate(idle[other], [[5, 6, 7]], PARAMS)  # back on the other device
+        assert [o.token_ids for o in e.generate("m", PROMPTS, PARAMS)] == want
+        e.check_integrity()
