@@ -320,6 +320,7 @@ class DeviceWorker:
                 if not part.can_map():
                     self._ask_for_room(device, part.num_pages, m.name, now)
             if not m.can_activate():
+                self._ask_for_shards(now)
                 return False
         return m.activate(wait=wait)
 
@@ -493,6 +494,7 @@ class DeviceWorker:
             if self._taker is None:  # the pages it freed are its own until it runs: the model
                 self._taker = m.name  # evicted (stalled too) must not take them straight back
             return
+        self._ask_for_shards(now)
         if m not in starved or not m.scheduler.has_new_work:
             return  # a recompute or a running request's growth: no preemption
         # a request is preempted for another model's new work once at most: takers in turn
@@ -523,14 +525,37 @@ class DeviceWorker:
     def _ask_for_room(self, device: str, pages: int, taker: str, now: float) -> None:
         """Ask another device to make `pages` pages of its pool free for `taker`, a model this
         device steps with a shard there (its shards map free pages only): that device's thread
-        takes reserves back, then evicts idle models. Not waited for; one ask in flight a
-        device."""
+        takes reserves back, then evicts idle models."""
+        self._ask(device, lambda peer: peer.make_free(pages, taker, now))
+
+    def _ask(self, device: str, fn) -> None:
+        """Run fn(that device's worker) on another device's thread. Not waited for; one ask in
+        flight a device."""
         peer, asked = self.peers.get(device), self._asked.get(device)
         if peer is None or (asked is not None and not asked.done()):
             return
-        ask = Call(lambda: peer.make_free(pages, taker, now))
+        ask = Call(lambda: fn(peer))
         self._asked[device] = ask.result
         peer.send(ask)
+
+    def _ask_for_shards(self, now: float) -> None:
+        """Short of pages with nothing of its own to evict: ask every other device to evict its
+        idle models split over this one (their shards here hold pages this device's models
+        cannot take otherwise)."""
+        stats = self.pool.stats()
+        if any(n and o.split("/")[0] not in self.models for o, n in stats.owned.items()):
+            for device in self.peers:
+                self._ask(device, lambda peer: peer.release_shards(self.name, now))
+
+    def release_shards(self, device: str, now: float) -> list[str]:
+        """Evict this device's idle models split over `device` (asked by it: short of pages)."""
+        gone = []
+        for m in list(self.models.values()):
+            if device in m.shard_devices and m.resident and m.evictable and not m.requests:
+                self._evict(m, "evict", f"{device} models")
+                gone.append(m.name)
+                log.info("evicted %s: %s needs the pages its shard holds there", m.name, device)
+        return gone
 
     def make_free(self, pages: int, taker: str, now: float) -> None:
         """`pages` pages of this device's pool free for a shard of `taker`, a model another

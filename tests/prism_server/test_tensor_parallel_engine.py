@@ -180,3 +180,44 @@ def test_a_split_model_gets_room_on_its_other_device_from_that_devices_thread(tm
         e.generate(idle[other], [[5, 6, 7]], PARAMS)  # back on the other device
         assert [o.token_ids for o in e.generate("m", PROMPTS, PARAMS)] == want
         e.check_integrity()
+
+
+def test_the_other_device_gets_its_pages_back_from_an_idle_split_model(tmp_path):
+    """Each pool exactly the shard and the model placed there. The split model serves (both
+    other models evicted for it) and idles, keeping a KV page in each pool. Then the model of
+    the other device needs its weights back: that device cannot evict what it does not step,
+    so it asks the split model's device, which evicts the idle split model. Both serve in
+    turn, and every page adds up."""
+    path = _save_hf_dir(tmp_path, _tiny_hf_llama())
+    specs = (
+        ModelSpec("m", str(path), block_size=4, tensor_parallel=2),
+        ModelSpec("x", "dummy:tiny-llama", block_size=4),
+        ModelSpec("y", "dummy:tiny-llama", block_size=4, seed=1),
+    )
+
+    def engine(pages: int | None) -> Engine:
+        budget = (pages + 1) * PAGE if pages else None
+        cfg = EngineConfig(
+            models=specs,
+            device="cpu",
+            devices=2,
+            page_bytes=PAGE,
+            pool_budget_bytes=budget,
+            plan_interval_s=3600.0,
+        )
+        return Engine(cfg)
+
+    with engine(None) as e:
+        where = {n: s.device for n, s in e.served.items()}
+        pools = {w.name: w.pool for w in e.workers}
+        shard = pools[where["m"]].pages_of("m/weights")
+        size = pools[where["x"]].pages_of("x/weights")
+    other = next(n for n in "xy" if where[n] != where["m"])  # the model of the other device
+    with engine(shard + size) as e:
+        assert {n: s.device for n, s in e.served.items()} == where
+        assert len(e.generate("m", PROMPTS[:1], PARAMS)[0].token_ids) == 12
+        assert e.model_snapshot(other).residency.name == "OFFLOADED"
+        assert len(e.generate(other, [[5, 6, 7]], PARAMS)[0].token_ids) == 12
+        assert e.model_snapshot("m").residency.name == "OFFLOADED"  # released for it
+        assert len(e.generate("m", PROMPTS[:1], PARAMS)[0].token_ids) == 12  # m's turn again
+        e.check_integrity()
