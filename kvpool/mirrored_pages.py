@@ -5,9 +5,29 @@ index in every buffer or in none, and unmaps it in all."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from kvpool.block_allocator import PageMapper
+
+T = TypeVar("T")
+
+
+def map_all(
+    parts: Sequence[T], map_one: Callable[[T], bool], unmap_one: Callable[[T], None]
+) -> bool:
+    """map_one on every part, or on none: the ones done are undone if one fails (False)."""
+    done: list[T] = []
+    try:
+        for p in parts:
+            if not map_one(p):
+                break
+            done.append(p)
+    finally:
+        if len(done) < len(parts):
+            for p in done:
+                unmap_one(p)
+    return len(done) == len(parts)
 
 
 class MirroredPages:
@@ -26,17 +46,7 @@ class MirroredPages:
         is asked first, so no pool takes another owner's reserve for pages it then gives back."""
         if not self.can_map(len(pages)):
             return False
-        done: list[PageMapper] = []
-        try:
-            for m in self.mappers:
-                if not m.map_pages(pages):
-                    break
-                done.append(m)
-        finally:
-            if len(done) < len(self.mappers):
-                for m in done:
-                    m.unmap_pages(pages)
-        return len(done) == len(self.mappers)
+        return map_all(self.mappers, lambda m: m.map_pages(pages), lambda m: m.unmap_pages(pages))
 
     def unmap_pages(self, pages: list[int]) -> None:
         for m in self.mappers:

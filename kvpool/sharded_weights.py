@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from kvpool.host_copy import HostCopy, Transfer
+from kvpool.mirrored_pages import map_all
 from kvpool.weight_buffer import WeightBuffer
 
 
@@ -35,19 +36,7 @@ class ShardedWeights:
 
     def map(self) -> bool:
         """Every shard mapped, or none (False)."""
-        if not self.can_map():
-            return False
-        done = []
-        try:
-            for p in self.parts:
-                if not p.map():
-                    break
-                done.append(p)
-        finally:
-            if len(done) < len(self.parts):
-                for p in done:
-                    p.unmap()
-        return len(done) == len(self.parts)
+        return self.can_map() and map_all(self.parts, WeightBuffer.map, WeightBuffer.unmap)
 
     def unmap(self) -> None:
         for p in self.parts:

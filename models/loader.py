@@ -159,8 +159,7 @@ def load_shards(
     degree = len(devices)
     if source.kind == "dummy":
         whole = None
-        config = _dummy_config(source.path)
-        tokenizer = ByteTokenizer(config.vocab_size)
+        config, tokenizer = _dummy(source.path)
     else:
         loaded = load_model(source, dtype, "cpu", cache_root=cache_root)
         whole, config, tokenizer = loaded.model, loaded.config, loaded.tokenizer
@@ -260,7 +259,8 @@ def _finish(model: CausalLM) -> CausalLM:
     return model.eval().requires_grad_(False)
 
 
-def _dummy_config(preset: str) -> ModelConfig:
+def _dummy(preset: str) -> tuple[ModelConfig, ByteTokenizer]:
+    """A dummy model's config and tokenizer."""
     cfg = get_preset(preset)
     tokenizer = ByteTokenizer(cfg["vocab_size"])
     # The preset's token ids belong to its real tokenizer; dummy models speak ByteTokenizer's.
@@ -269,14 +269,13 @@ def _dummy_config(preset: str) -> ModelConfig:
         eos_token_id=tokenizer.convert_tokens_to_ids(EOS),
         pad_token_id=tokenizer.convert_tokens_to_ids(PAD),
     )
-    return ModelConfig.from_hf(cfg)
+    return ModelConfig.from_hf(cfg), tokenizer
 
 
 def _load_dummy(
     preset: str, dtype: torch.dtype, device: torch.device, seed: int, place: Placement | None
 ) -> LoadedModel:
-    config = _dummy_config(preset)
-    tokenizer = ByteTokenizer(config.vocab_size)
+    config, tokenizer = _dummy(preset)
     model = _empty_model(config, dtype, device, place)
     init_dummy_weights(model, seed)
     return LoadedModel(_finish(model), tokenizer, config, preset)

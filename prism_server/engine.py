@@ -313,21 +313,16 @@ class Engine:
                 for wb, device in zip(buffers, devices):
                     hosts.append(HostCopy(wb.nbytes, device))
                     hosts[-1].save(wb.bytes())
-                worker = ModelWorker(
-                    spec.name,
+                worker = self._worker(
+                    spec,
                     TensorParallel(loaded.shards, devices),
                     loaded.tokenizer,
-                    lead.pool,
+                    lead,
                     sched,
                     dtype,
-                    spec.max_cached_pages,
-                    weights=ShardedWeights(buffers),
-                    host=ShardedHostCopy(hosts),
-                    pinned=spec.pinned or self.policy.all_resident,
-                    keep_alive_s=spec.keep_alive_s,
-                    resources=lead.lane_for_new_model(),
-                    ttft_slo_s=spec.ttft_slo_ms / 1e3 if spec.ttft_slo_ms else None,
-                    tpot_slo_s=spec.tpot_slo_ms / 1e3 if spec.tpot_slo_ms else None,
+                    ShardedWeights(buffers),
+                    ShardedHostCopy(hosts),
+                    profile=False,
                     shard_pools=[d.pool for d in devs[1:]],
                     shard_devices=[d.name for d in devs[1:]],
                 )
@@ -381,9 +376,11 @@ class Engine:
         weights,
         host,
         profile: bool = True,
+        **shards,
     ) -> ModelWorker:
         """The worker of `spec`'s model on dev, its weights and host copy given (profile: its
-        latency profile now, within the engine's budget)."""
+        latency profile now, within the engine's budget; shards: a split model's other
+        shards' pools and devices, as ModelWorker takes them)."""
         return ModelWorker(
             spec.name,
             model,
@@ -400,6 +397,7 @@ class Engine:
             ttft_slo_s=spec.ttft_slo_ms / 1e3 if spec.ttft_slo_ms else None,
             tpot_slo_s=spec.tpot_slo_ms / 1e3 if spec.tpot_slo_ms else None,
             profile_budget_s=self._profile_budget() if profile else 0.0,
+            **shards,
         )
 
     # ---- the frontend's side ---------------------------------------------------------------------

@@ -8,6 +8,7 @@ supports them; everything else runs eagerly.
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Callable, Sequence
 
 import torch
@@ -65,7 +66,6 @@ class DeviceResources:
     ):
         self.device = device
         self.lane = lane
-        self._piecewise = (piecewise, piecewise_tokens)
         self.kernels = kernels
         self.launch_ahead = device.type == "cuda" if launch_ahead is None else launch_ahead
         # piecewise graphs for the steps decode graphs cannot run, of up to piecewise_tokens
@@ -79,7 +79,10 @@ class DeviceResources:
     def lane_of_same_device(self, lane: int) -> DeviceResources:
         """Another lane of this device: the same kernels and graphs, its own workspace, graph
         pool and stream."""
-        return DeviceResources(self.device, self.kernels, self.launch_ahead, *self._piecewise, lane)
+        other = copy.copy(self)
+        other.lane = lane
+        other._workspace = other._graph_pool = other._stream = None
+        return other
 
     def stepping(self):
         """The context a step of one of this lane's models runs in: on the lane's stream (lane

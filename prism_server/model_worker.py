@@ -156,7 +156,6 @@ class ModelWorker:
         # launched first, from those tokens, so that the host's work hides behind the device's
         self.launch_ahead = resources is not None and resources.launch_ahead and not shard_pools
         self.resources = resources  # its lane of the device (None: resources of its own)
-        self.lane = resources.lane if resources is not None else 0
         self._ahead: _InFlight | None = None
         self.latency = LatencyModel()  # kept across evictions: a reactivation does not profile
         # the last step done: its shape, the latency model's estimate before it, and its seconds
@@ -580,6 +579,11 @@ class ModelWorker:
             self.sampler.forget(req.request_id)
         self.requests.pop(req.request_id, None)
         self._emit(req, out)
+
+    @property
+    def lane(self) -> int:
+        """The lane of the device its steps run in."""
+        return self.resources.lane if self.resources is not None else 0
 
     @property
     def _on_device(self) -> bool:

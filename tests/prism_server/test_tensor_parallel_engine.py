@@ -133,6 +133,37 @@ def test_the_baselines_serve_a_split_model(tmp_path, policy):
         e.check_integrity()
 
 
+def _mxy(path, pages: int | None = None) -> Engine:
+    """The split model m and two dummies, x and y, over two devices; pages: each pool's
+    capacity (None: the default, room for everything)."""
+    specs = (
+        ModelSpec("m", str(path), block_size=4, tensor_parallel=2),
+        ModelSpec("x", "dummy:tiny-llama", block_size=4),
+        ModelSpec("y", "dummy:tiny-llama", block_size=4, seed=1),
+    )
+    cfg = EngineConfig(
+        models=specs,
+        device="cpu",
+        devices=2,
+        page_bytes=PAGE,
+        pool_budget_bytes=(pages + 1) * PAGE if pages else None,
+        plan_interval_s=3600.0,
+    )
+    return Engine(cfg)
+
+
+def _mxy_layout(path) -> tuple[dict[str, str], int, int]:
+    """Where the planner puts each of _mxy's models (with room for all), the pages of m's
+    shard (the same on both devices) and those of a dummy's weights."""
+    with _mxy(path) as e:
+        where = {n: s.device for n, s in e.served.items()}
+        pools = {w.name: w.pool for w in e.workers}
+        shard = pools[where["m"]].pages_of("m/weights")
+        other = next(d for d in pools if d != where["m"])
+        assert pools[other].pages_of("m/weights.1") == shard
+        return where, shard, pools[where["x"]].pages_of("x/weights")
+
+
 def test_a_split_model_gets_room_on_its_other_device_from_that_devices_thread(tmp_path):
     """Both pools exactly full (the split model's shard and an idle model on each device): the
     split model's requests need KV pages on both. Its own device evicts its idle model; the
@@ -142,34 +173,10 @@ def test_a_split_model_gets_room_on_its_other_device_from_that_devices_thread(tm
     path = _save_hf_dir(tmp_path, _tiny_hf_llama())
     with _engine(path, 1, 1) as whole:
         want = [o.token_ids for o in whole.generate("m", PROMPTS, PARAMS)]
-    specs = (
-        ModelSpec("m", str(path), block_size=4, tensor_parallel=2),
-        ModelSpec("x", "dummy:tiny-llama", block_size=4),
-        ModelSpec("y", "dummy:tiny-llama", block_size=4, seed=1),
-    )
-
-    def engine(pages: int | None) -> Engine:
-        budget = (pages + 1) * PAGE if pages else None
-        cfg = EngineConfig(
-            models=specs,
-            device="cpu",
-            devices=2,
-            page_bytes=PAGE,
-            pool_budget_bytes=budget,
-            plan_interval_s=3600.0,
-        )
-        return Engine(cfg)
-
-    with engine(None) as e:  # the sizes, in pages, and where the planner puts each model
-        where = {n: s.device for n, s in e.served.items()}
-        pools = {w.name: w.pool for w in e.workers}
-        lead = where["m"]
-        other = next(d for d in pools if d != lead)
-        shard = pools[lead].pages_of("m/weights")
-        assert pools[other].pages_of("m/weights.1") == shard
-        idle = {d: next(n for n in "xy" if where[n] == d) for d in pools}  # one on each
-        size = pools[where["x"]].pages_of("x/weights")
-    with engine(shard + size) as e:  # each pool: the shard and the idle model, nothing free
+    where, shard, size = _mxy_layout(path)
+    other = next(d for d in set(where.values()) if d != where["m"])
+    idle = {d: next(n for n in "xy" if where[n] == d) for d in set(where.values())}  # one each
+    with _mxy(path, shard + size) as e:  # each pool: the shard and the idle model, nothing free
         pools = {w.name: w.pool for w in e.workers}
         assert {n: s.device for n, s in e.served.items()} == where
         assert all(p.num_available == 0 for p in pools.values())
@@ -189,31 +196,9 @@ def test_the_other_device_gets_its_pages_back_from_an_idle_split_model(tmp_path)
     so it asks the split model's device, which evicts the idle split model. Both serve in
     turn, and every page adds up."""
     path = _save_hf_dir(tmp_path, _tiny_hf_llama())
-    specs = (
-        ModelSpec("m", str(path), block_size=4, tensor_parallel=2),
-        ModelSpec("x", "dummy:tiny-llama", block_size=4),
-        ModelSpec("y", "dummy:tiny-llama", block_size=4, seed=1),
-    )
-
-    def engine(pages: int | None) -> Engine:
-        budget = (pages + 1) * PAGE if pages else None
-        cfg = EngineConfig(
-            models=specs,
-            device="cpu",
-            devices=2,
-            page_bytes=PAGE,
-            pool_budget_bytes=budget,
-            plan_interval_s=3600.0,
-        )
-        return Engine(cfg)
-
-    with engine(None) as e:
-        where = {n: s.device for n, s in e.served.items()}
-        pools = {w.name: w.pool for w in e.workers}
-        shard = pools[where["m"]].pages_of("m/weights")
-        size = pools[where["x"]].pages_of("x/weights")
+    where, shard, size = _mxy_layout(path)
     other = next(n for n in "xy" if where[n] != where["m"])  # the model of the other device
-    with engine(shard + size) as e:
+    with _mxy(path, shard + size) as e:
         assert {n: s.device for n, s in e.served.items()} == where
         assert len(e.generate("m", PROMPTS[:1], PARAMS)[0].token_ids) == 12
         assert e.model_snapshot(other).residency.name == "OFFLOADED"
