@@ -72,6 +72,7 @@ class Engine:
             envs.prefill_backend(),
             envs.ragged_prefill(),
             envs.decode_split_pages(),
+            envs.decode_backend(),
         )
         # one page pool and one engine thread per device: each GPU of devices (cuda:0 ..), or
         # several emulated CPU devices (each its own pool and thread), for the multi-device

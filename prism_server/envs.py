@@ -60,6 +60,12 @@ def decode_split_pages() -> int | None:
     return _int("PRISM_DECODE_SPLIT_PAGES", None)
 
 
+def decode_backend() -> str:
+    """Decode-only steps' attention kernel (PRISM_DECODE_BACKEND: flashinfer, the default; xqa,
+    TensorRT-LLM's decode kernel as FlashInfer ships it)."""
+    return os.environ.get("PRISM_DECODE_BACKEND") or "flashinfer"
+
+
 def ragged_prefill() -> bool:
     """Steps of fresh prompts attend over their own K/V tensors, not the paged cache
     (PRISM_RAGGED_PREFILL, default 1)."""

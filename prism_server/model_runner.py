@@ -24,6 +24,7 @@ from models.attention.base import (
 from models.attention.flashinfer_paged import (
     DEFAULT_KERNELS,
     WORKSPACE_BYTES,
+    XQA_WORKSPACE_BYTES,
     AttentionShape,
     FlashInferBackend,
     KernelChoice,
@@ -46,11 +47,11 @@ AttentionFactory = Callable[[list[torch.Tensor], AttentionMetadata], AttentionBa
 
 class DeviceResources:
     """What the models of one lane of a device share, because their steps run one at a time on
-    the lane's stream: FlashInfer's float workspace and the CUDA-graph memory pool (created on
-    first use, never on CPU); and what every model of the device runs: which attention kernels,
-    whether a model's next decode step is launched before its last one's tokens are read
-    (launch_ahead; None: on a GPU, where the host's work then hides behind the device's), and
-    which piecewise graphs.
+    the lane's stream: FlashInfer's float workspace, the XQA kernel's, and the CUDA-graph memory
+    pool (created on first use, never on CPU); and what every model of the device runs: which
+    attention kernels, whether a model's next decode step is launched before its last one's
+    tokens are read (launch_ahead; None: on a GPU, where the host's work then hides behind the
+    device's), and which piecewise graphs.
 
     A device has one lane, or several (models in different lanes step at once, each lane on a
     stream of its own): lane 0 steps on the engine thread's current stream."""
@@ -73,6 +74,7 @@ class DeviceResources:
             token_buckets(piecewise_tokens or DEFAULT_MAX_TOKENS) if piecewise else ()
         )
         self._workspace: torch.Tensor | None = None
+        self._xqa_workspace: torch.Tensor | None = None
         self._graph_pool = None
         self._stream: torch.cuda.Stream | None = None
 
@@ -81,7 +83,7 @@ class DeviceResources:
         pool and stream."""
         other = copy.copy(self)
         other.lane = lane
-        other._workspace = other._graph_pool = other._stream = None
+        other._workspace = other._xqa_workspace = other._graph_pool = other._stream = None
         return other
 
     def stepping(self):
@@ -97,6 +99,16 @@ class DeviceResources:
         if self._workspace is None:
             self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         return self._workspace
+
+    def xqa_workspace(self) -> torch.Tensor | None:
+        """The XQA decode kernel's workspace (None unless the kernels choose XQA)."""
+        if self.kernels.decode_backend != "xqa":
+            return None
+        if self._xqa_workspace is None:
+            self._xqa_workspace = torch.zeros(
+                XQA_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device
+            )
+        return self._xqa_workspace
 
     def graph_pool(self):
         if self._graph_pool is None:
@@ -122,9 +134,16 @@ def default_attention(
         q_dtype=next(model.parameters()).dtype,
         kv_dtype=lay.dtype,
     )
-    workspace = resources.workspace() if resources is not None else None
-    kernels = resources.kernels if resources is not None else DEFAULT_KERNELS
-    return FlashInferBackend(shape, layer_specs(model), device, workspace, kernels)
+    if resources is None:
+        return FlashInferBackend(shape, layer_specs(model), device)
+    return FlashInferBackend(
+        shape,
+        layer_specs(model),
+        device,
+        resources.workspace(),
+        resources.kernels,
+        resources.xqa_workspace(),
+    )
 
 
 class ModelRunner:

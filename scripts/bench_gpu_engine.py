@@ -604,7 +604,8 @@ def main() -> None:
     ap.add_argument(
         "--speed-only",
         action="store_true",
-        help="only decode TPOT and prefill (a kernel choice measured beside the default)",
+        help="only decode TPOT and prefill, and where their time goes (a kernel choice measured "
+        "beside the default)",
     )
     args = ap.parse_args()
 
@@ -621,6 +622,8 @@ def main() -> None:
     if vmm is not None:
         if args.speed_only:
             save("prism", prism_decode_prefill(vmm, RESULTS["ceilings"]))
+            save("profile", profile_decode(vmm))
+            save("profile_b16", profile_decode(vmm, 16))
             save("profile_long_prefill", profile_long_prefill(vmm))
             vmm.close()
             return

@@ -17,9 +17,9 @@
 # is one: `git archive REV prism_server models kvpool scheduler scripts | tar -x -C .baseline`),
 # then the engine benchmark without its HF and KV-write sections, two small models' decode at
 # once against one after the other (bench_gpu_concurrent.py), then the decode and prefill
-# figures under each other kernel choice (KERNELS, default: decode KV not split, split every 16
-# pages, fa3 prefill). The fa3 kernels are measured, not tested here (their first compile takes
-# minutes).
+# figures under each other kernel choice (KERNELS, default: the XQA decode kernel, decode KV not
+# split, split every 16 pages, fa3 prefill). The fa3 kernels are measured, not tested here (their
+# first compile takes minutes).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/prism-gpu-check}
@@ -39,7 +39,7 @@ nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.mem --form
 
 if [ "$quick" = "--decode" ]; then
   t0=$SECONDS
-  timeout 300 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/gpu/test_fused_ops_gpu.py \
+  timeout 420 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/gpu/test_fused_ops_gpu.py \
     tests/gpu/test_sampling_gpu.py tests/gpu/test_launch_ahead_gpu.py tests/gpu/test_piecewise_graphs.py \
     tests/gpu/test_gpu_vs_cpu.py tests/gpu/test_cuda_graphs.py tests/gpu/test_flashinfer_attention.py \
     -k "not fa3" 2>&1 | tee "$OUT/pytest.log"
@@ -60,10 +60,10 @@ if [ "$quick" = "--decode" ]; then
   # two small models' decode steps at once on two streams against one after the other
   timeout 200 python3 scripts/bench_gpu_concurrent.py --json "$OUT/concurrent.json" 2>&1 | tail -3
   # the kernel choices beside the default (KERNELS="" skips them)
-  for choice in ${KERNELS-PRISM_DECODE_SPLIT_PAGES=0 PRISM_DECODE_SPLIT_PAGES=16 PRISM_PREFILL_BACKEND=fa3}; do
+  for choice in ${KERNELS-PRISM_DECODE_BACKEND=xqa PRISM_DECODE_SPLIT_PAGES=0 PRISM_DECODE_SPLIT_PAGES=16 PRISM_PREFILL_BACKEND=fa3}; do
     t0=$SECONDS
     env "$choice" timeout 330 python3 scripts/bench_gpu_engine.py --speed-only \
-      --json "$OUT/engine-${choice%%=*}.json" 2>&1 | grep -E "decode B=|prefill|tokens: wall" \
+      --json "$OUT/engine-${choice//=/-}.json" 2>&1 | grep -E "decode B=|B=1[6]?: step|prefill|tokens: wall" \
       | sed "s/^/$choice: /"
     echo "$choice: $((SECONDS - t0)) s"
   done

@@ -133,6 +133,12 @@ class ForwardContext:
     attn: AttentionBackend
     reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
+    @property
+    def contiguous_q(self) -> bool:
+        """Whether the backend reads the query as a contiguous [T, Hq, D] (its rope then writes
+        a new tensor rather than rotating the qkv projection's strided view in place)."""
+        return getattr(self.attn, "contiguous_q", False)
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """x summed over the model's shards (x itself for a whole model)."""
         return x if self.reduce is None else self.reduce(x)

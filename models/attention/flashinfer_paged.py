@@ -15,6 +15,8 @@ window, logit soft cap: a Gemma 3 model has two) and run() once per layer.
   window?, soft cap?).
 - CUDA graphs: `DecodeGraphAttention`, one per captured batch size, owns fixed index buffers that
   plan() refills outside the graph before each replay; padded rows read and write the null block.
+- Decode through the XQA kernel instead (`KernelChoice.decode_backend = "xqa"`, see xqa_decode):
+  one kernel per layer, reading the block table itself; a model it cannot run keeps FlashInfer's.
 
 NOTE: `LayerAttention.sliding_window` counts the positions attended including the query's own;
 FlashInfer's window_left excludes it, so window_left = sliding_window - 1.
@@ -23,12 +25,22 @@ FlashInfer's window_left excludes it, so window_left = sliding_window - 1.
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from models.attention.base import AttentionMetadata, LayerAttention
+from models.attention.xqa_decode import (
+    XQA_WORKSPACE_BYTES,
+    XqaAttention,
+    XqaGraphAttention,
+    XqaKernel,
+    xqa_unsupported,
+)
+
+log = logging.getLogger(__name__)
 
 WORKSPACE_BYTES = 128 << 20  # FlashInfer's recommended float workspace (split-kv partials)
 
@@ -68,11 +80,18 @@ class KernelChoice:
     # decode's split of each sequence's KV over thread blocks, in pages (None: FlashInfer's
     # planner chooses; 0: no split, one block per sequence and KV head; n: every n pages)
     decode_split_pages: int | None = None
+    # decode-only steps through FlashInfer's decode wrapper, or through the XQA kernel
+    decode_backend: str = "flashinfer"
 
     def __post_init__(self):
         if self.prefill_backend not in PREFILL_BACKENDS:
             choices = ", ".join(PREFILL_BACKENDS)
             raise ValueError(f"prefill backend {self.prefill_backend!r}: choose from {choices}")
+        if self.decode_backend not in DECODE_BACKENDS:
+            choices = ", ".join(DECODE_BACKENDS)
+            raise ValueError(f"decode backend {self.decode_backend!r}: choose from {choices}")
+        if self.decode_backend == "xqa" and self.decode_split_pages is not None:
+            raise ValueError("the XQA decode kernel splits the KV itself: no decode split pages")
         n = self.decode_split_pages
         if n is not None and (n < 0 or (n and not self.decode_tensor_cores)):
             raise ValueError(
@@ -89,6 +108,7 @@ class KernelChoice:
 
 
 PREFILL_BACKENDS = ("fa2", "fa3", "auto")
+DECODE_BACKENDS = ("flashinfer", "xqa")
 DEFAULT_KERNELS = KernelChoice()
 
 
@@ -177,6 +197,10 @@ class RowsWriter:
     def __init__(self, rows: torch.Tensor):
         self.rows = rows
 
+    @staticmethod
+    def from_slots(slots: torch.Tensor, block_size: int) -> RowsWriter:
+        return RowsWriter(kv_rows(slots, block_size))
+
     def __call__(self, cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         write_kv(cache, self.rows, k, v)
 
@@ -200,7 +224,9 @@ class FlashInferBackend:
     one decode wrapper per kind of layer. Calling it is the runner's per-step AttentionFactory.
 
     `workspace` (uint8, >= WORKSPACE_BYTES) may be shared by every model of a device whose steps
-    run one at a time on one stream (the workspace only holds a step's split-kv partials)."""
+    run one at a time on one stream (the workspace only holds a step's split-kv partials); so may
+    `xqa_workspace` (zeroed, >= XQA_WORKSPACE_BYTES), the XQA kernel's, kept apart because its
+    semaphores must stay zero between launches."""
 
     def __init__(
         self,
@@ -209,6 +235,7 @@ class FlashInferBackend:
         device: torch.device,
         workspace: torch.Tensor | None = None,
         kernels: KernelChoice = DEFAULT_KERNELS,
+        xqa_workspace: torch.Tensor | None = None,
     ):
         import flashinfer
 
@@ -236,6 +263,21 @@ class FlashInferBackend:
             )
             for s in self.specs
         }
+        self.xqa: XqaKernel | None = None
+        if kernels.decode_backend == "xqa":
+            why = xqa_unsupported(shape.block_size, shape.head_dim, self.specs, shape.kv_dtype)
+            if why is None and shape.q_dtype != shape.kv_dtype:
+                why = f"a {shape.q_dtype} query over a {shape.kv_dtype} cache"
+            if why is None:
+                if xqa_workspace is None:
+                    xqa_workspace = torch.zeros(
+                        XQA_WORKSPACE_BYTES, dtype=torch.uint8, device=device
+                    )
+                self.xqa = XqaKernel(
+                    shape.num_kv_heads, shape.head_dim, shape.block_size, xqa_workspace
+                )
+            else:
+                log.info("decode attention through FlashInfer: XQA cannot run %s", why)
 
     def __call__(
         self, kv_caches: list[torch.Tensor], md: AttentionMetadata, write_kv: bool = True
@@ -245,7 +287,9 @@ class FlashInferBackend:
         index = PagedKVIndex.from_metadata(md)
         sh = self.shape
         if md.is_decode_only:
-            write = RowsWriter(kv_rows(md.slot_mapping, sh.block_size)) if write_kv else None
+            write = RowsWriter.from_slots(md.slot_mapping, sh.block_size) if write_kv else None
+            if self.xqa is not None:
+                return XqaAttention(self.xqa, kv_caches, md, write)
             wrappers = self.decode
             for spec, w in wrappers.items():
                 w.plan(
@@ -293,7 +337,10 @@ class FlashInferBackend:
 
     def graph_attention(
         self, kv_caches: list[torch.Tensor], batch_size: int, max_blocks: int
-    ) -> DecodeGraphAttention:
+    ) -> DecodeGraphAttention | XqaGraphAttention:
+        if self.xqa is not None:
+            writer = functools.partial(RowsWriter.from_slots, block_size=self.shape.block_size)
+            return XqaGraphAttention(self.xqa, kv_caches, batch_size, max_blocks, writer)
         return DecodeGraphAttention(self, kv_caches, batch_size, max_blocks)
 
 
@@ -380,4 +427,4 @@ class DecodeGraphAttention(FlashInferAttention):
 
     def prepare(self) -> None:
         """Per-step work that belongs inside the graph: K/V rows from the static slots."""
-        self.write = RowsWriter(kv_rows(self.slots, self.backend.shape.block_size))
+        self.write = RowsWriter.from_slots(self.slots, self.backend.shape.block_size)

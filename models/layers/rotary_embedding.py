@@ -87,9 +87,10 @@ class Rope:
         return self._cast[dtype]
 
     def apply(
-        self, q: torch.Tensor, k: torch.Tensor, fused_kernels: bool = True
+        self, q: torch.Tensor, k: torch.Tensor, fused_kernels: bool = True, contiguous: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, Hq, D], k: [T, Hkv, D] -> both rotated (in place where the kernel runs)."""
+        """q: [T, Hq, D], k: [T, Hkv, D] -> both rotated: in place where the kernel runs, unless
+        `contiguous` asks for new contiguous tensors (one kernel either way)."""
         fi = fused(q) if fused_kernels else None
         if fi is None:
             cos, sin = self.cos_sin(q.dtype)
@@ -99,5 +100,9 @@ class Rope:
             rows = torch.arange(table.shape[0], dtype=torch.int32, device=table.device)
             self._table = (table, rows)
         table, rows = self._table
-        fi.rope.apply_rope_with_cos_sin_cache_inplace(rows, q, k, q.shape[-1], table, is_neox=True)
+        d = q.shape[-1]
+        if contiguous and not q.is_contiguous():
+            q_out, k_out = fi.rope.apply_rope_with_cos_sin_cache(rows, q, k, d, table, is_neox=True)
+            return q_out.view(q.shape), k_out.view(k.shape)
+        fi.rope.apply_rope_with_cos_sin_cache_inplace(rows, q, k, d, table, is_neox=True)
         return q, k

@@ -11,11 +11,13 @@ import torch
 
 from kvpool import CpuBackend, KVLayout, PagedKV, PagePool
 from models.attention.base import AttentionMetadata, ForwardContext, SeqChunk
+from models.attention.flashinfer_paged import KernelChoice
 from models.attention.torch_paged import TorchPagedAttention
 from models.config import ModelConfig
 from models.loader import init_dummy_weights
 from models.registry import get_model_class
 from models.tokenizer import ByteTokenizer
+from prism_server.model_runner import DeviceResources
 from prism_server.model_worker import ModelWorker
 from scheduler.batch_scheduler import SchedulerConfig
 from scheduler.request import FinishReason, Request
@@ -82,13 +84,26 @@ def cuda_pool(pages: int, page_bytes: int = 2 << 20) -> PagePool:
 
 
 def model_engine(
-    name: str, cfg: ModelConfig, model, pool: PagePool, *, graphs: bool = True, cached: int = 1
+    name: str,
+    cfg: ModelConfig,
+    model,
+    pool: PagePool,
+    *,
+    graphs: bool = True,
+    cached: int = 1,
+    kernels: KernelChoice | None = None,
 ) -> ModelWorker:
+    """kernels: the attention kernels of the model's own device resources (None: the defaults,
+    with workspaces of its own)."""
     sched = SchedulerConfig(
         block_size=BLOCK, max_num_seqs=64, max_num_batched_tokens=256, max_model_len=2048
     )
     dtype = next(model.parameters()).dtype
-    me = ModelWorker(name, model, ByteTokenizer(cfg.vocab_size), pool, sched, dtype, cached)
+    device = next(model.parameters()).device
+    res = DeviceResources(device, kernels) if kernels is not None else None
+    me = ModelWorker(
+        name, model, ByteTokenizer(cfg.vocab_size), pool, sched, dtype, cached, resources=res
+    )
     if not graphs and me.runner.graphs is not None:
         from prism_server.model_runner import ModelRunner
 

@@ -1,10 +1,14 @@
-"""CUDA graphs for decode: replay gives the eager tokens, and graphs stay valid while the model's
-pages are unmapped and remapped onto other physical handles (addresses never change)."""
+"""CUDA graphs for decode: replay gives the eager tokens (FlashInfer's decode kernel or XQA's in
+the graphs), and graphs stay valid while the model's pages are unmapped and remapped onto other
+physical handles (addresses never change)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from models.attention.flashinfer_paged import KernelChoice
+from models.attention.xqa_decode import XqaGraphAttention
 from tests.gpu.common import (
     GPU,
     assert_no_real_divergence,
@@ -33,13 +37,19 @@ def count_replays(me) -> list[int]:
     return calls
 
 
-def test_graph_replay_gives_the_eager_tokens():
-    cfg, cpu_model = tiny_model()
+@pytest.mark.parametrize("decode", ["flashinfer", "xqa"])
+def test_graph_replay_gives_the_eager_tokens(decode):
+    """The eager engine decodes through FlashInfer; the graphed one through `decode`. 8 query
+    heads over 2 KV heads: XQA's group of 4, as Llama-3.1-8B's."""
+    cfg, cpu_model = tiny_model(num_attention_heads=8)
     model = on_gpu(cpu_model)
     pool = cuda_pool(pages=8)
-    graphed = model_engine("graphed", cfg, model, pool, graphs=True)
+    kernels = KernelChoice(decode_backend=decode)
+    graphed = model_engine("graphed", cfg, model, pool, graphs=True, kernels=kernels)
     eager = model_engine("eager", cfg, model, pool, graphs=False)
     assert graphed.runner.graphs is not None and eager.runner.graphs is None
+    attn = next(iter(graphed.runner.graphs.graphs.values())).attn
+    assert isinstance(attn, XqaGraphAttention) is (decode == "xqa")
     replays = count_replays(graphed)
     for n in (3, 16):  # padded to 4; exactly 16
         ps = prompts(n, seed=n)

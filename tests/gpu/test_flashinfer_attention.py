@@ -3,8 +3,9 @@
 Mixed steps (prefill chunks over a cached prefix, fresh prompts, decodes) go through the paged
 prefill wrapper; steps of fresh prompts only through the ragged one (or the paged one);
 decode-only steps through the decode wrapper and through the CUDA-graph decode attention (padded
-batch). Reference: TorchPagedAttention in float32 over the same bf16 cache. Cases: the
-Llama-3.1-8B head shape, and a Gemma-like head_dim 256 with a sliding window and a logit soft cap.
+batch), or through the XQA kernel. Reference: TorchPagedAttention in float32 over the same bf16
+cache. Cases: the Llama-3.1-8B head shape, and Gemma-like head_dim 256 with a sliding window,
+with and without a logit soft cap (which XQA lacks: that case decodes through FlashInfer).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from models.attention.flashinfer_paged import (
     kv_rows,
 )
 from models.attention.torch_paged import TorchPagedAttention
+from models.attention.xqa_decode import XqaAttention
 from tests.gpu.common import GPU, cuda_pool
 
 pytestmark = GPU
@@ -33,6 +35,7 @@ LAYERS = 3
 CASES = {
     "llama-8b-heads": dict(heads=32, kv_heads=8, head_dim=128, window=None, softcap=None),
     "hd256-window-softcap": dict(heads=8, kv_heads=4, head_dim=256, window=40, softcap=20.0),
+    "hd256-window": dict(heads=8, kv_heads=2, head_dim=256, window=40, softcap=None),
 }
 MIXED = [(0, 37), (50, 20), (100, 1), (7, 1), (33, 64), (130, 3)]  # (cached, new) per sequence
 DECODE = [(n, 1) for n in (0, 16, 63, 100, 254, 31, 9)]
@@ -113,6 +116,7 @@ KERNELS = {
     "paged-fresh": KernelChoice(ragged_prefill=False),
     "decode-no-split": KernelChoice(decode_split_pages=0),
     "decode-split-4": KernelChoice(decode_split_pages=4),
+    "xqa-decode": KernelChoice(decode_backend="xqa"),
 }
 TOUCHES = {  # the kinds of step each choice changes
     "cuda-core-decode": {"decode", "graph-decode"},
@@ -120,6 +124,7 @@ TOUCHES = {  # the kinds of step each choice changes
     "paged-fresh": {"fresh"},
     "decode-no-split": {"decode", "graph-decode"},
     "decode-split-4": {"decode", "graph-decode"},
+    "xqa-decode": {"decode", "graph-decode"},
 }
 
 
@@ -141,6 +146,8 @@ def test_flashinfer_matches_reference(name, kind, kernels):
         case["heads"], case["kv_heads"], case["head_dim"], BLOCK, torch.bfloat16, torch.bfloat16
     )
     backend = FlashInferBackend(shape, [spec], torch.device("cuda"), kernels=KERNELS[kernels])
+    xqa = kernels == "xqa-decode" and case["softcap"] is None
+    assert (backend.xqa is not None) is xqa
     md, blocks = make_step(kv, STEPS[kind], gen)
     pad = 0
     if kind == "graph-decode":  # the CUDA-graph attention, batch 7 padded to 8, run eagerly
@@ -148,10 +155,12 @@ def test_flashinfer_matches_reference(name, kind, kernels):
         attn = backend.graph_attention(kv.layer_views, pad, 32)
         attn.plan(md)
         attn.prepare()
+        assert isinstance(attn, XqaAttention) is xqa
     else:
         attn = backend(kv.layer_views, md)
         ragged = kind == "fresh" and KERNELS[kernels].ragged_prefill
         assert isinstance(attn, RaggedAttention) is ragged
+        assert isinstance(attn, XqaAttention) is (xqa and kind == "decode")
     run_and_compare(kv, md, attn, spec, case, gen, pad)
     kv.allocator.free(blocks)
     kv.check_integrity()

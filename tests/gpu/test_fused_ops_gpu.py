@@ -23,8 +23,11 @@ LLAMA31 = {
 }
 
 
+@pytest.mark.parametrize("contiguous", [False, True], ids=["in-place", "contiguous-q"])
 @pytest.mark.parametrize("scaling", [None, LLAMA31], ids=["plain", "llama3"])
-def test_rope_in_place_matches_the_reference(scaling):
+def test_rope_in_place_matches_the_reference(scaling, contiguous):
+    """In place on the qkv projection's strided views, or (for a backend that reads q
+    contiguous) into new contiguous tensors, the projection left as it was."""
     torch.manual_seed(0)
     dev = torch.device("cuda")
     rot = RotaryEmbedding(128, 500000.0, scaling).to(dev)
@@ -34,8 +37,12 @@ def test_rope_in_place_matches_the_reference(scaling):
     q, k = q.view(-1, 32, 128), k.view(-1, 8, 128)
     q_before = q.clone()
     want_q, want_k = rot(positions).apply(q.clone(), k.clone(), fused_kernels=False)
-    got_q, got_k = rot(positions).apply(q, k)
-    assert got_q.data_ptr() == qkv.data_ptr()  # rotated where it lies
+    got_q, got_k = rot(positions).apply(q, k, contiguous=contiguous)
+    if contiguous:
+        assert got_q.is_contiguous() and got_q.shape == q.shape
+        assert torch.equal(q, q_before)
+    else:
+        assert got_q.data_ptr() == qkv.data_ptr()  # rotated where it lies
     for got, want in ((got_q, want_q), (got_k, want_k)):
         err = (got.float() - want.float()).abs().max().item()
         assert err <= 0.02 * want.float().abs().max().item(), err

@@ -1,7 +1,10 @@
 """The host-side inputs of the FlashInfer backend (no GPU needed): the CSR block tables plan()
-reads, padding for CUDA graphs, the K/V rows the cache writes go to, the per-layer plan keywords."""
+reads, padding for CUDA graphs, the K/V rows the cache writes go to, the per-layer plan keywords;
+and those of the XQA decode kernel (which models it can run, its graphs' fixed tables)."""
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -9,12 +12,14 @@ from models.attention.base import AttentionMetadata, LayerAttention, SeqChunk
 from models.attention.flashinfer_paged import (
     AttentionShape,
     PagedKVIndex,
+    RowsWriter,
     append_inputs,
     kv_rows,
     plan_kwargs,
     write_kv,
 )
 from models.attention.torch_paged import TorchPagedAttention
+from models.attention.xqa_decode import XqaGraphAttention, xqa_unsupported
 
 CPU = torch.device("cpu")
 
@@ -79,3 +84,40 @@ def test_plan_keywords_translate_the_window_and_soft_cap():
     sliding = plan_kwargs(spec, shape)
     assert sliding["window_left"] == 511  # the window counts the query itself; window_left not
     assert sliding["logits_soft_cap"] == 50.0
+
+
+def test_what_the_xqa_kernel_cannot_run_is_named():
+    plain = [LayerAttention(scale=0.1)]
+    assert xqa_unsupported(16, 128, plain, torch.bfloat16) is None
+    assert (
+        xqa_unsupported(128, 256, [LayerAttention(0.1, sliding_window=512)], torch.float16) is None
+    )
+    assert "block size 8" in xqa_unsupported(8, 128, plain, torch.bfloat16)
+    assert "head_dim 72" in xqa_unsupported(16, 72, plain, torch.bfloat16)
+    assert "head_dim 512" in xqa_unsupported(16, 512, plain, torch.bfloat16)
+    capped = [LayerAttention(0.1), LayerAttention(0.1, logit_softcap=30.0)]
+    assert "soft cap" in xqa_unsupported(16, 128, capped, torch.bfloat16)
+    assert "float32" in xqa_unsupported(16, 128, plain, torch.float32)
+
+
+def test_the_xqa_graph_tables_are_refilled_and_padded_rows_reset():
+    """A batch of three, then one of two in the same graph: the live rows carry the step's
+    tables, lengths and slots; the row that fell out reads and writes the null block only."""
+    caches = [torch.zeros(64, 2, 16, 2, 16)]
+    writer = functools.partial(RowsWriter.from_slots, block_size=16)
+    attn = XqaGraphAttention(None, caches, 4, 6, writer)
+    assert not attn.fits(AttentionMetadata.build([SeqChunk(6 * 16, 1, [1] * 7)], 16, CPU))
+    three = [SeqChunk(40, 1, [5, 6, 7]), SeqChunk(3, 1, [9]), SeqChunk(70, 1, [1, 2, 3, 4, 8])]
+    attn.plan(AttentionMetadata.build(three, 16, CPU))
+    assert attn.tables[:3].tolist() == [[5, 6, 7, 0, 0, 0], [9, 0, 0, 0, 0, 0], [1, 2, 3, 4, 8, 0]]
+    assert attn.lens.tolist() == [41, 4, 71, 1] and attn.seq_lens.shape == (4, 1)
+    assert attn.slots.tolist() == [7 * 16 + 8, 9 * 16 + 3, 8 * 16 + 6, 0]
+    two = [SeqChunk(16, 1, [11, 12]), SeqChunk(0, 1, [13])]
+    attn.plan(AttentionMetadata.build(two, 16, CPU))
+    assert attn.tables[:2, :2].tolist() == [[11, 12], [13, 0]]
+    assert attn.tables[2:, 0].tolist() == [0, 0]  # the stale row's first block: the null block
+    assert attn.lens.tolist() == [17, 1, 1, 1]
+    assert attn.slots.tolist() == [12 * 16, 13 * 16, 0, 0]
+    attn.prepare()  # the K/V rows of the static slots, K then V
+    assert attn.write.rows.tolist() == kv_rows(attn.slots, 16).tolist()
+    assert attn.write.rows[:2].tolist() == [12 * 32, 13 * 32]

@@ -23,6 +23,11 @@ def test_the_defaults_and_a_bad_backend():
         KernelChoice(decode_tensor_cores=False, decode_split_pages=16)
     with pytest.raises(ValueError, match="decode split of -1 pages"):
         KernelChoice(decode_split_pages=-1)
+    assert DEFAULT_KERNELS.decode_backend == "flashinfer"
+    with pytest.raises(ValueError, match="choose from flashinfer, xqa"):
+        KernelChoice(decode_backend="trtllm")
+    with pytest.raises(ValueError, match="splits the KV itself"):
+        KernelChoice(decode_backend="xqa", decode_split_pages=16)
 
 
 def test_the_environment_reaches_every_devices_resources(monkeypatch):
@@ -36,7 +41,17 @@ def test_the_environment_reaches_every_devices_resources(monkeypatch):
     with Engine(EngineConfig(models=(spec,), device="cpu", page_bytes=64 << 10, devices=2)) as e:
         kinds = {w.resources.kernels for w in e._workers}
         assert kinds == {KernelChoice(False, "fa3", ragged_prefill=False, decode_split_pages=0)}
+        assert e.worker.resources.xqa_workspace() is None  # not chosen: never allocated
         e.check_integrity()
+    monkeypatch.delenv("PRISM_DECODE_SPLIT_PAGES")
+    monkeypatch.setenv("PRISM_DECODE_BACKEND", "xqa")
+    with Engine(EngineConfig(models=(spec,), device="cpu", page_bytes=64 << 10)) as e:
+        assert e.worker.resources.kernels.decode_backend == "xqa"
+        e.check_integrity()
+    monkeypatch.setenv("PRISM_DECODE_BACKEND", "xqa2")
+    with pytest.raises(ValueError, match="decode backend 'xqa2'"):
+        Engine(EngineConfig(models=(spec,), device="cpu", page_bytes=64 << 10))
+    monkeypatch.delenv("PRISM_DECODE_BACKEND")
     monkeypatch.setenv("PRISM_PREFILL_BACKEND", "fa4")
     with pytest.raises(ValueError, match="fa4"):
         Engine(EngineConfig(models=(spec,), device="cpu", page_bytes=64 << 10))

@@ -1,0 +1,160 @@
+"""Decode attention through TensorRT-LLM's XQA kernel (shipped in FlashInfer), GPU only.
+
+One kernel per layer and step: it reads each sequence's pages straight from the block table
+([B, max_blocks] int32, the table kvpool's allocator fills) and the lengths, so a step needs no
+plan and no CSR index. When the batch is too small to fill the GPU it splits each sequence over
+several thread blocks and merges the parts itself (semaphores in its own workspace), where
+FlashInfer's split-KV decode runs a second kernel per layer to merge them.
+
+What it needs: a page size of 16, 32, 64 or 128 tokens, a head_dim that is a multiple of 16 up
+to 256, and no logit soft cap (`xqa_unsupported` says why not otherwise; the model then decodes
+through FlashInfer). Its query and output are contiguous [B, Hq, D]; a strided query is copied.
+
+Cache view per layer: [num_blocks, 2, block_size, H, D]; K and V are its two halves, with the
+same strides, which the kernel takes as they are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from models.attention.base import AttentionMetadata, LayerAttention
+
+XQA_WORKSPACE_BYTES = 32 << 20  # a lane's XQA workspace: semaphores, then the split parts
+_SEMAPHORE_BYTES = 8 << 20  # zeroed once; every launch leaves them zero again
+XQA_PAGE_SIZES = (16, 32, 64, 128)
+
+
+def xqa_unsupported(
+    block_size: int, head_dim: int, specs: Sequence[LayerAttention], dtype: torch.dtype
+) -> str | None:
+    """Why the XQA kernel cannot run a model's decode attention (None: it can)."""
+    if block_size not in XQA_PAGE_SIZES:
+        return f"block size {block_size} (XQA pages: {', '.join(map(str, XQA_PAGE_SIZES))})"
+    if head_dim % 16 or not 16 <= head_dim <= 256:
+        return f"head_dim {head_dim} (XQA: a multiple of 16, at most 256)"
+    if any(s.logit_softcap for s in specs):
+        return "a logit soft cap"
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"{dtype} (XQA: bf16 or fp16)"
+    return None
+
+
+class XqaKernel:
+    """What every XQA launch of one model shares: the kernel, the model's head shape, the lane's
+    workspace split into its two parts, and the device's SM count (the kernel's split depends
+    on it)."""
+
+    def __init__(self, num_kv_heads: int, head_dim: int, block_size: int, workspace: torch.Tensor):
+        from flashinfer.xqa import xqa
+
+        assert workspace.numel() >= XQA_WORKSPACE_BYTES and workspace.dtype == torch.uint8
+        self._xqa = xqa
+        self.num_kv_heads, self.head_dim, self.block_size = num_kv_heads, head_dim, block_size
+        self.semaphores = workspace[:_SEMAPHORE_BYTES]
+        self.scratch = workspace[_SEMAPHORE_BYTES:]
+        props = torch.cuda.get_device_properties(workspace.device)
+        self.sm_count = props.multi_processor_count
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        cache: torch.Tensor,
+        tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        spec: LayerAttention,
+    ) -> torch.Tensor:
+        """q: [B, Hq, D]; cache: one layer's view; tables: [B, W] int32 (row-major, W pages a
+        row: the kernel's longest sequence is W * block_size); seq_lens: [B, 1] int32 ->
+        [B, Hq, D]."""
+        if not q.is_contiguous():
+            q = q.contiguous()
+        out = torch.empty_like(q)
+        k_cache, v_cache = cache.unbind(1)  # [num_blocks, block_size, H, D] each
+        self._xqa(
+            q.unsqueeze(1),  # [B, beam 1, Hq, D]
+            k_cache,
+            v_cache,
+            tables,
+            seq_lens,
+            out.unsqueeze(1),
+            self.scratch,
+            self.semaphores,
+            self.num_kv_heads,
+            self.block_size,
+            # the kernel scales q.k by q_scale / sqrt(head_dim)
+            q_scale=spec.scale * self.head_dim**0.5,
+            sliding_win_size=spec.sliding_window or 0,  # positions attended, the query's own too
+            kv_layout="NHD",
+            sm_count=self.sm_count,
+        )
+        return out
+
+
+class XqaAttention:
+    """The decode attention of one eager step: md's device block tables and lengths as they
+    are (its table is as wide as the step's longest sequence)."""
+
+    contiguous_q = True  # the model's rope writes q contiguous (ForwardContext.contiguous_q)
+
+    def __init__(
+        self, kernel: XqaKernel, kv_caches: list[torch.Tensor], md: AttentionMetadata, write
+    ):
+        self.kernel, self.kv_caches, self.write = kernel, kv_caches, write
+        self.tables = md.block_tables  # [B, W] int32
+        self.seq_lens = md.seq_lens.view(-1, 1)  # [B, 1] int32
+
+    def forward(self, layer_idx: int, q, k, v, spec: LayerAttention) -> torch.Tensor:
+        # q: [B, Hq, D]; k, v: [B, Hkv, D] -> [B, Hq, D]
+        cache = self.kv_caches[layer_idx]
+        if self.write is not None:
+            self.write(cache, k, v)
+        return self.kernel(q, cache, self.tables, self.seq_lens, spec)
+
+
+class XqaGraphAttention(XqaAttention):
+    """XQA decode attention for one captured batch size: a fixed [batch_size, max_blocks] table
+    and fixed lengths, refilled outside the graph before each replay. Padded rows are one token
+    long in block 0 (the null block)."""
+
+    def __init__(
+        self,
+        kernel: XqaKernel,
+        kv_caches: list[torch.Tensor],
+        batch_size: int,
+        max_blocks: int,
+        rows_writer,
+    ):
+        """rows_writer: the step's static slots [batch_size] -> its K/V writer."""
+        dev = kv_caches[0].device
+        self.kernel, self.kv_caches = kernel, kv_caches
+        self.batch_size, self.max_blocks = batch_size, max_blocks
+        self.tables = torch.zeros(batch_size, max_blocks, dtype=torch.int32, device=dev)
+        self.lens = torch.ones(batch_size, dtype=torch.int32, device=dev)
+        self.seq_lens = self.lens.view(-1, 1)
+        self.slots = torch.zeros(batch_size, dtype=torch.int64, device=dev)  # [bs] static
+        self._rows_writer = rows_writer  # slots -> the step's K/V writer, inside the graph
+        self.write = None
+
+    def fits(self, md: AttentionMetadata) -> bool:
+        return md.num_seqs <= self.batch_size and md.block_tables.shape[1] <= self.max_blocks
+
+    def plan(self, md: AttentionMetadata) -> None:
+        """Refill the table, lengths and slots for md's decode batch. Columns past a sequence's
+        last block are never read (the kernel stops at its length), so only the padded rows'
+        first column is reset to the null block."""
+        assert md.is_decode_only and self.fits(md), (md.num_seqs, self.batch_size)
+        b, w = md.num_seqs, md.block_tables.shape[1]
+        self.tables[:b, :w].copy_(md.block_tables)
+        self.lens[:b].copy_(md.seq_lens)
+        self.slots[:b].copy_(md.slot_mapping)
+        if b < self.batch_size:
+            self.tables[b:, 0] = 0
+            self.lens[b:] = 1
+            self.slots[b:] = 0  # padded rows write the null block
+
+    def prepare(self) -> None:
+        """Per-step work that belongs inside the graph: K/V rows from the static slots."""
+        self.write = self._rows_writer(self.slots)
