@@ -31,6 +31,7 @@ from models.attention.flashinfer_paged import (
     flashinfer_available,
 )
 from models.attention.torch_paged import TorchPagedAttention
+from models.attention.upload import host_ints, upload
 from prism_server.cuda_graph_runner import DEFAULT_BATCH_SIZES, CudaGraphRunner
 from prism_server.piecewise_graphs import (
     DEFAULT_MAX_TOKENS,
@@ -38,7 +39,7 @@ from prism_server.piecewise_graphs import (
     PiecewiseGraphs,
     token_buckets,
 )
-from prism_server.sampler import to_device, token_logprobs
+from prism_server.sampler import token_logprobs
 from scheduler.batch_scheduler import ScheduledChunk
 from scheduler.request import Request
 
@@ -231,14 +232,16 @@ class ModelRunner:
             positions.extend(range(start, start + c.num_new))
             if c.samples:
                 last.append(len(positions) - 1)
+        host = [host_ints(positions, torch.long), host_ints(last, torch.long)]
         if input_ids is None:
-            input_ids = to_device(ids, torch.long, self.device)
+            host.append(host_ints(ids, torch.long))
+        pos, rows, *tokens = upload(host, self.device)  # one copy from pinned memory
+        if input_ids is None:
+            input_ids = tokens[0]
         if self._planned is not None:
             self._planned.synchronize()  # the last plan's staged copies have run
         chunks = [SeqChunk(c.start, c.num_new, c.request.block_table) for c in batch]
         md = AttentionMetadata.build(chunks, self.block_size, self.device)
-        pos = to_device(positions, torch.long, self.device)
-        rows = to_device(last, torch.long, self.device)
         spans = _prompt_spans(batch) if scores is not None else []
         if not spans and self.graphs is not None and self.graphs.can_run(md):
             logits = self.graphs.run(input_ids, pos, md, self._planned)[rows]

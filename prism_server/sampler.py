@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from models.attention.upload import tensor_on
 from prism_server.grammar import Guides
 from scheduler.request import Request, TokenLogprob
 
@@ -219,8 +220,9 @@ def sample_batch(logits: torch.Tensor, params: list, use_kernel: bool = True) ->
 
 def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A host list on the device without waiting for the device to drain (a tensor built with
-    device= is a blocking copy, which waits for every step queued before it)."""
-    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+    device= is a blocking copy, which waits for every step queued before it): through pinned
+    memory (models.attention.upload)."""
+    return tensor_on(values, dtype, device)
 
 
 def token_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[TokenLogprob]:

@@ -50,7 +50,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --tar
 export PYTHONPATH=$PWD:/tmp/site FLASHINFER_CUDA_ARCH_LIST=9.0a PYTHONUNBUFFERED=1
 export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/fi-ws}
 aot=/tmp/site/flashinfer/data/aot
-if [ -f .fiaot/fi_aot.tgz ]; then mkdir -p "$aot" && tar -xzf .fiaot/fi_aot.tgz -C "$aot"; fi
+bash scripts/fi_kernels.sh unpack "$aot"
 bench=${BENCH:-docs/bench/h200}
 [ -f "$bench/sweep.json" ] && cp "$bench/sweep.json" "$out/"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader

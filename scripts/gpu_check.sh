@@ -2,8 +2,8 @@
 # The GPU check, one command on the GPU machine: installs the carried wheel bundle, runs the GPU
 # tests, then the GPU benchmarks, and prints a short table last. Long logs go under $OUT (or
 # /tmp/prism-gpu-check). Run from the repository root with the bundle in .whl/ (see
-# ../shared/device/README.md); a carried .fiaot/fi_aot.tgz (compiled FlashInfer kernels of an
-# earlier run) skips the JIT compile.
+# ../shared/device/README.md); a carried .fiaot (compiled FlashInfer kernels of an earlier run,
+# scripts/fi_kernels.sh) skips the JIT compile.
 #
 #   bash scripts/gpu_check.sh            # set-up transcript + tests + benchmarks
 #   bash scripts/gpu_check.sh --quick    # set-up transcript + tests + pool benchmark only
@@ -32,9 +32,7 @@ python3 -c "import greenlet" 2>/dev/null \
   || echo "greenlet is in neither the machine's packages nor .whl/: split (tensor-parallel) models cannot run"
 export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/fi-ws}
 aot=/tmp/site/flashinfer/data/aot
-if [ -f .fiaot/fi_aot.tgz ]; then
-  mkdir -p "$aot" && tar -xzf .fiaot/fi_aot.tgz -C "$aot" && echo "FlashInfer kernels from .fiaot: $(ls "$aot" | tr '\n' ' ')"
-fi
+bash scripts/fi_kernels.sh unpack "$aot"
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.mem --format=csv,noheader
 
 if [ "$quick" = "--decode" ]; then
@@ -42,6 +40,7 @@ if [ "$quick" = "--decode" ]; then
   timeout 420 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/gpu/test_fused_ops_gpu.py \
     tests/gpu/test_sampling_gpu.py tests/gpu/test_launch_ahead_gpu.py tests/gpu/test_piecewise_graphs.py \
     tests/gpu/test_gpu_vs_cpu.py tests/gpu/test_cuda_graphs.py tests/gpu/test_flashinfer_attention.py \
+    tests/gpu/test_upload_gpu.py \
     -k "not fa3" 2>&1 | tee "$OUT/pytest.log"
   echo "tests: $((SECONDS - t0)) s"
   if [ -d .baseline ]; then
@@ -121,16 +120,15 @@ if [ -z "$quick" ] || [ "$quick" = "--api" ]; then
 fi
 fi  # not --decode
 
-# Keep the JIT-compiled FlashInfer modules for the next run (carry them as .fiaot/fi_aot.tgz).
-jit=$(find "$FLASHINFER_WORKSPACE_BASE/.cache/flashinfer" -path '*cached_ops*' -name '*.so' 2>/dev/null)
-if [ -n "$jit" ]; then
-  stage=$(mktemp -d)
-  [ -d "$aot" ] && cp -r "$aot"/. "$stage"/
-  for so in $jit; do
-    name=$(basename "$so" .so); mkdir -p "$stage/$name"; cp "$so" "$stage/$name/"
-  done
-  tar -czf "$OUT/fi_aot.tgz" -C "$stage" . && ls -la "$OUT/fi_aot.tgz"
-fi
+# Keep the FlashInfer modules, those compiled now too, for the next run: back here, join the
+# parts with `bash scripts/fi_kernels.sh join FILES_AT` (-> .fiaot/fi_aot.tar.xz, carried).
+bash scripts/fi_kernels.sh pack "$aot" "$FLASHINFER_WORKSPACE_BASE/.cache/flashinfer" "$OUT"
 
 echo
 python3 scripts/gpu_report.py "$OUT/pool.json" "$OUT/engine.json" "$OUT/pytest.log" | tee "$OUT/table.txt"
+
+# A device call returns at most 8 files: the logs and figures travel in one archive, beside the
+# kernel parts.
+(cd "$OUT" && tar -czf results.tgz --exclude='fi_aot.tgz.part*' --exclude=results.tgz . \
+  && find . -mindepth 1 -maxdepth 1 ! -name 'fi_aot.tgz.part*' ! -name results.tgz -exec rm -rf {} +)
+ls -la "$OUT"

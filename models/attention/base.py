@@ -14,6 +14,8 @@ from typing import Protocol
 
 import torch
 
+from models.attention.upload import host_ints, upload
+
 
 @dataclass(frozen=True)
 class SeqChunk:
@@ -57,45 +59,57 @@ class AttentionMetadata:
         query_lens = [c.num_new for c in chunks]
         seq_lens = [c.num_computed + c.num_new for c in chunks]
         max_blocks = max((-(-s // block_size) for s in seq_lens), default=1)
-        rows: list[list[int]] = []
-        slots: list[int] = []
-        long_chunks: list[tuple[int, int]] = []  # (sequence, where its slots start in `slots`)
-        for i, c in enumerate(chunks):
-            n = -(-seq_lens[i] // block_size)
-            if len(c.block_table) < n:
-                raise ValueError(f"sequence {i} needs {n} blocks, has {len(c.block_table)}")
-            rows.append([*c.block_table[:n], *[0] * (max_blocks - n)])
-            if c.num_new > 16:  # long chunks: vectorized below; placeholders keep the order
-                long_chunks.append((i, len(slots)))
-                slots.extend([0] * c.num_new)
+        flat: list[int] = []  # the block tables row after row, padded with the null block (0)
+        slots: list[torch.Tensor] = []
+        short: list[int] = []  # slots of the short chunks since the last long one
+        for i, (c, end) in enumerate(zip(chunks, seq_lens)):
+            n, table = -(-end // block_size), c.block_table
+            if len(table) < n:
+                raise ValueError(f"sequence {i} needs {n} blocks, has {len(table)}")
+            flat.extend(table[:n])
+            flat.extend([0] * (max_blocks - n))
+            if c.num_new > 16:  # long chunks: vectorized
+                if short:
+                    slots.append(host_ints(short, torch.int64))
+                    short = []
+                slots.append(_chunk_slots(table, c.num_computed, c.num_new, block_size))
                 continue
-            for pos in range(c.num_computed, c.num_computed + c.num_new):
-                slots.append(c.block_table[pos // block_size] * block_size + pos % block_size)
-        tables = torch.tensor(rows, dtype=torch.int32).view(len(chunks), max_blocks)
-        slot_mapping = torch.tensor(slots, dtype=torch.int64)
-        for i, start in long_chunks:
-            pos = torch.arange(chunks[i].num_computed, seq_lens[i])
-            blocks = tables[i].long()[pos // block_size]
-            slot_mapping[start : start + len(pos)] = blocks * block_size + pos % block_size
+            for pos in range(c.num_computed, end):
+                short.append(table[pos // block_size] * block_size + pos % block_size)
+        if short or not slots:
+            slots.append(host_ints(short, torch.int64))
+        slot_mapping = slots[0] if len(slots) == 1 else torch.cat(slots)
+        tables = host_ints(flat, torch.int32).view(len(chunks), max_blocks)
         qsl = [0]
         for q in query_lens:
             qsl.append(qsl[-1] + q)
-
-        def dev(t: torch.Tensor) -> torch.Tensor:
-            # NOTE: asynchronous from pageable memory (the driver stages it before returning), so
-            # building metadata never waits for the device to drain.
-            return t.to(device, non_blocking=True)
-
+        host = (
+            slot_mapping,
+            host_ints(qsl, torch.int32),
+            host_ints(seq_lens, torch.int32),
+            tables,
+        )
+        slot_dev, qsl_dev, seq_dev, tables_dev = upload(host, device)  # one copy, never waits
         return AttentionMetadata(
             block_size=block_size,
-            slot_mapping=dev(slot_mapping),
-            query_start_loc=dev(torch.tensor(qsl, dtype=torch.int32)),
-            seq_lens=dev(torch.tensor(seq_lens, dtype=torch.int32)),
-            block_tables=dev(tables),
+            slot_mapping=slot_dev,
+            query_start_loc=qsl_dev,
+            seq_lens=seq_dev,
+            block_tables=tables_dev,
             query_lens_cpu=query_lens,
             seq_lens_cpu=seq_lens,
             block_tables_cpu=tables,
         )
+
+
+def _chunk_slots(table: Sequence[int], start: int, count: int, block_size: int) -> torch.Tensor:
+    """The slots of positions start .. start+count-1 of a sequence with block table `table`:
+    [count] int64, block * block_size + offset."""
+    first, end = start // block_size, -(-(start + count) // block_size)
+    blocks = host_ints(table[first:end], torch.int64)
+    grid = blocks[:, None] * block_size + torch.arange(block_size)  # [blocks, block_size]
+    skip = start - first * block_size
+    return grid.view(-1)[skip : skip + count]
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from models.attention.base import AttentionMetadata, LayerAttention
+from models.attention.upload import upload
 from models.attention.xqa_decode import (
     XQA_WORKSPACE_BYTES,
     XqaAttention,
@@ -171,9 +172,8 @@ def append_inputs(index: PagedKVIndex, md: AttentionMetadata, device) -> list[to
     # token j of sequence i sits at position seq_i - qlen_i + j
     offset = torch.repeat_interleave(seq - qlen - index.qo_indptr[:-1], qlen)
     positions = torch.arange(t, dtype=torch.int32) + offset
-    packed = torch.cat((batch, positions, index.kv_indices, index.kv_indptr, index.last_page_len))
-    sizes = [t, t, len(index.kv_indices), b + 1, b]
-    return list(packed.to(device, non_blocking=True).split(sizes))
+    pages = (index.kv_indices, index.kv_indptr, index.last_page_len)
+    return upload((batch, positions, *pages), device)
 
 
 def kv_rows(slot_mapping: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -407,7 +407,7 @@ class DecodeGraphAttention(FlashInferAttention):
         assert md.is_decode_only and self.fits(md), (md.num_seqs, self.batch_size)
         index = PagedKVIndex.from_metadata(md, pad_to=self.batch_size)
         n, b = len(index.kv_indices), md.num_seqs
-        self.indices[:n].copy_(index.kv_indices, non_blocking=True)
+        self.indices[:n].copy_(upload([index.kv_indices], self.indices.device)[0])
         self.slots[:b].copy_(md.slot_mapping)
         if b < self.batch_size:
             self.slots[b:].zero_()  # padded rows write the null block

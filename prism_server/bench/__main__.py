@@ -222,11 +222,20 @@ def _sweep(args) -> int:
     return 0
 
 
+def _sweep_of(d: Path) -> dict:
+    from prism_server.bench.sweep import load_sweep
+
+    sweep = load_sweep(d)
+    if sweep is None:
+        raise SystemExit(f"{d}: no sweep.json (nor sweep.json.gz) there")
+    return sweep
+
+
 def _plot(args) -> int:
     from prism_server.bench.plots import plot_sweep
 
     d = Path(args.dir)
-    sweep = json.loads((d / "sweep.json").read_text())
+    sweep = _sweep_of(d)
     for name, path in plot_sweep(sweep, d).items():
         print(f"{name}: {path}")
     return 0
@@ -241,7 +250,7 @@ def _simulate(args) -> int:
         with_step_costs,
     )
 
-    sweep = json.loads((Path(args.dir) / "sweep.json").read_text())
+    sweep = _sweep_of(Path(args.dir))
     ratios = None
     if args.noise_seeds and not args.step_trace:
         raise ValueError("--noise-seeds draws from a step trace: give --step-trace")

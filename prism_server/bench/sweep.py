@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gzip
 import json
 import logging
 import math
@@ -488,8 +489,12 @@ def _engine_line(engine: dict | None) -> str:
 
 
 def load_sweep(out: Path) -> dict | None:
+    """A sweep directory's sweep.json (or, archived, sweep.json.gz); None when it has neither."""
     path = out / "sweep.json"
-    return json.loads(path.read_text()) if path.exists() else None
+    if path.exists():
+        return json.loads(path.read_text())
+    packed = out / "sweep.json.gz"
+    return json.loads(gzip.decompress(packed.read_bytes())) if packed.exists() else None
 
 
 async def run_sweep(cfg: SweepConfig, rows: Sequence[Row]) -> dict:

@@ -6,6 +6,7 @@ the recorded per-request data, every policy and every model present."""
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import urllib.request
 
@@ -240,6 +241,15 @@ def test_the_sweep_runs_every_policy_and_its_table_and_plots_are_the_data(tmp_pa
         assert f"| x{run['scale']:g} |" in table and f"{100 * o['attainment']:.1f}%" in table
     assert "| x8 |" in table and "not run" in table
     assert main(["bench", "simulate", str(out), "--policy", "static"]) == 0
+    # an archived run (sweep.json gzipped) replays the same
+    capsys.readouterr()
+    archived = tmp_path / "archived"
+    archived.mkdir()
+    (archived / "sweep.json.gz").write_bytes(gzip.compress((out / "sweep.json").read_bytes()))
+    assert main(["bench", "simulate", str(archived), "--scales", "8"]) == 0
+    assert capsys.readouterr().out == table
+    with pytest.raises(SystemExit, match="no sweep.json"):
+        main(["bench", "simulate", str(tmp_path / "nowhere")])
     # static keeps every model resident for good; swap activated something
     static_run = sweep["policies"]["static"]["runs"][0]
     assert static_run["activations"] == 0

@@ -5,6 +5,7 @@ and those of the XQA decode kernel (which models it can run, its graphs' fixed t
 from __future__ import annotations
 
 import functools
+import random
 
 import torch
 
@@ -19,6 +20,7 @@ from models.attention.flashinfer_paged import (
     write_kv,
 )
 from models.attention.torch_paged import TorchPagedAttention
+from models.attention.upload import host_ints, upload
 from models.attention.xqa_decode import XqaGraphAttention, xqa_unsupported
 
 CPU = torch.device("cpu")
@@ -62,6 +64,31 @@ def test_long_chunks_get_the_same_slots_as_short_ones():
         for p in range(9, 49)
     ]
     assert long == short
+
+
+def test_a_mixed_batch_gets_every_tokens_slot_and_every_table_in_order():
+    """Long and short chunks in any order, at any offset in a block: each token's slot is its
+    block times the block size plus its offset, and the tables are padded with the null block."""
+    gen = random.Random(7)
+    for _ in range(50):
+        chunks = []
+        for _ in range(gen.randint(1, 6)):
+            start, new = gen.randint(0, 90), gen.choice([1, 2, 16, 17, 40, 100])
+            table = gen.sample(range(1, 500), -(-(start + new) // 16) + gen.randint(0, 2))
+            chunks.append(SeqChunk(start, new, table))
+        md = AttentionMetadata.build(chunks, 16, CPU)
+        want = [
+            c.block_table[p // 16] * 16 + p % 16
+            for c in chunks
+            for p in range(c.num_computed, c.num_computed + c.num_new)
+        ]
+        assert md.slot_mapping.tolist() == want and md.slot_mapping.dtype == torch.int64
+        width = max(-(-(c.num_computed + c.num_new) // 16) for c in chunks)
+        for row, c in zip(md.block_tables.tolist(), chunks):
+            n = -(-(c.num_computed + c.num_new) // 16)
+            assert row == c.block_table[:n] + [0] * (width - n)
+        assert md.block_tables.dtype == torch.int32
+        assert md.query_start_loc.tolist()[-1] == len(want)
 
 
 def test_kv_writes_land_where_the_reference_backend_puts_them():
@@ -121,3 +148,12 @@ def test_the_xqa_graph_tables_are_refilled_and_padded_rows_reset():
     attn.prepare()  # the K/V rows of the static slots, K then V
     assert attn.write.rows.tolist() == kv_rows(attn.slots, 16).tolist()
     assert attn.write.rows[:2].tolist() == [12 * 32, 13 * 32]
+
+
+def test_host_ints_keep_every_value_and_its_type():
+    big = [1, -(2**40), 2**62, 0]
+    assert host_ints(big, torch.int64).tolist() == big
+    assert host_ints([7, -3], torch.int32).dtype == torch.int32
+    assert host_ints([], torch.int32).shape == (0,)
+    a, b = upload([host_ints(big, torch.int64), torch.ones(2, 3)], CPU)
+    assert a.tolist() == big and b.shape == (2, 3)
