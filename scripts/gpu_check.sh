@@ -19,7 +19,9 @@
 # once against one after the other (bench_gpu_concurrent.py), then the decode and prefill
 # figures under each other kernel choice (KERNELS, default: the XQA decode kernel, decode KV not
 # split, split every 16 pages, fa3 prefill). The fa3 kernels are measured, not tested here (their
-# first compile takes minutes).
+# first compile takes minutes). All of it takes more than a call's 10 minutes: PARTS picks some
+# of "tests ab engine ttft concurrent kernels", e.g.
+#   PARTS="tests kernels" KERNELS=PRISM_DECODE_BACKEND=xqa bash scripts/gpu_check.sh --decode
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/prism-gpu-check}
@@ -36,36 +38,43 @@ bash scripts/fi_kernels.sh unpack "$aot"
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.mem --format=csv,noheader
 
 if [ "$quick" = "--decode" ]; then
-  t0=$SECONDS
-  timeout 420 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/gpu/test_fused_ops_gpu.py \
-    tests/gpu/test_sampling_gpu.py tests/gpu/test_launch_ahead_gpu.py tests/gpu/test_piecewise_graphs.py \
-    tests/gpu/test_gpu_vs_cpu.py tests/gpu/test_cuda_graphs.py tests/gpu/test_flashinfer_attention.py \
-    tests/gpu/test_upload_gpu.py \
-    -k "not fa3" 2>&1 | tee "$OUT/pytest.log"
-  echo "tests: $((SECONDS - t0)) s"
-  if [ -d .baseline ]; then
+  part() { [[ " ${PARTS:-tests ab engine ttft concurrent kernels} " == *" $1 "* ]]; }
+  if part tests; then
+    t0=$SECONDS
+    timeout 420 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/gpu/test_fused_ops_gpu.py \
+      tests/gpu/test_sampling_gpu.py tests/gpu/test_launch_ahead_gpu.py tests/gpu/test_piecewise_graphs.py \
+      tests/gpu/test_gpu_vs_cpu.py tests/gpu/test_cuda_graphs.py tests/gpu/test_flashinfer_attention.py \
+      tests/gpu/test_upload_gpu.py -k "not fa3" 2>&1 | tee "$OUT/pytest.log"
+    echo "tests: $((SECONDS - t0)) s"
+  fi
+  if part ab && [ -d .baseline ]; then
     for side in before after; do
       tree=.; [ "$side" = before ] && tree=.baseline
       timeout 150 python3 scripts/bench_decode_ab.py --tree "$tree" --label "$side" --batches 1,16,64 \
         --json "$OUT/ab-$side.json" 2>&1 | tail -4
     done
   fi
-  t0=$SECONDS
-  timeout 320 python3 scripts/bench_gpu_engine.py --skip-hf --skip-append --json "$OUT/engine.json" \
-    2>&1 | tee "$OUT/bench.log"
-  echo "engine bench: $((SECONDS - t0)) s"
-  # where a lone prompt's TTFT goes through the engine: to its first step, steps, output
-  timeout 120 python3 scripts/bench_gpu_ttft.py --json "$OUT/ttft.json" 2>&1 | tail -3
-  # two small models' decode steps at once on two streams against one after the other
-  timeout 200 python3 scripts/bench_gpu_concurrent.py --json "$OUT/concurrent.json" 2>&1 | tail -3
-  # the kernel choices beside the default (KERNELS="" skips them)
-  for choice in ${KERNELS-PRISM_DECODE_BACKEND=xqa PRISM_DECODE_SPLIT_PAGES=0 PRISM_DECODE_SPLIT_PAGES=16 PRISM_PREFILL_BACKEND=fa3}; do
+  if part engine; then
     t0=$SECONDS
-    env "$choice" timeout 330 python3 scripts/bench_gpu_engine.py --speed-only \
-      --json "$OUT/engine-${choice//=/-}.json" 2>&1 | grep -E "decode B=|B=1[6]?: step|prefill|tokens: wall" \
-      | sed "s/^/$choice: /"
-    echo "$choice: $((SECONDS - t0)) s"
-  done
+    timeout 320 python3 scripts/bench_gpu_engine.py --skip-hf --skip-append --json "$OUT/engine.json" \
+      2>&1 | tee "$OUT/bench.log"
+    echo "engine bench: $((SECONDS - t0)) s"
+  fi
+  # where a lone prompt's TTFT goes through the engine: to its first step, steps, output
+  part ttft && timeout 120 python3 scripts/bench_gpu_ttft.py --json "$OUT/ttft.json" 2>&1 | tail -3
+  # two small models' decode steps at once on two streams against one after the other
+  part concurrent && timeout 200 python3 scripts/bench_gpu_concurrent.py --json "$OUT/concurrent.json" \
+    2>&1 | tail -3
+  # the kernel choices beside the default (KERNELS="" skips them)
+  if part kernels; then
+    for choice in ${KERNELS-PRISM_DECODE_BACKEND=xqa PRISM_DECODE_SPLIT_PAGES=0 PRISM_DECODE_SPLIT_PAGES=16 PRISM_PREFILL_BACKEND=fa3}; do
+      t0=$SECONDS
+      env "$choice" timeout 330 python3 scripts/bench_gpu_engine.py --speed-only \
+        --json "$OUT/engine-${choice//=/-}.json" 2>&1 \
+        | grep -E "decode B=|B=1[6]?: step|prefill|tokens: wall" | sed "s/^/$choice: /"
+      echo "$choice: $((SECONDS - t0)) s"
+    done
+  fi
 fi
 if [ "$quick" = "--multi" ]; then
   t0=$SECONDS

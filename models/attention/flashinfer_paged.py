@@ -284,12 +284,14 @@ class FlashInferBackend:
     ) -> FlashInferAttention:
         """The step's attention, planned for md. write_kv False: the step's K/V are written by
         someone else before each layer's call (a piecewise graph)."""
-        index = PagedKVIndex.from_metadata(md)
         sh = self.shape
-        if md.is_decode_only:
+        decode = md.is_decode_only
+        if decode and self.xqa is not None:  # reads md's block tables as they are
             write = RowsWriter.from_slots(md.slot_mapping, sh.block_size) if write_kv else None
-            if self.xqa is not None:
-                return XqaAttention(self.xqa, kv_caches, md, write)
+            return XqaAttention(self.xqa, kv_caches, md, write)
+        index = PagedKVIndex.from_metadata(md)
+        if decode:
+            write = RowsWriter.from_slots(md.slot_mapping, sh.block_size) if write_kv else None
             wrappers = self.decode
             for spec, w in wrappers.items():
                 w.plan(
