@@ -39,9 +39,10 @@ from prism_server.piecewise_graphs import (
     PiecewiseGraphs,
     token_buckets,
 )
-from prism_server.sampler import token_logprobs
+from prism_server.sampler import sample_batch, token_logprobs
 from scheduler.batch_scheduler import ScheduledChunk
 from scheduler.request import Request
+from scheduler.sampling_params import SamplingParams
 
 AttentionFactory = Callable[[list[torch.Tensor], AttentionMetadata], AttentionBackend]
 
@@ -264,6 +265,28 @@ class ModelRunner:
         if not last:
             return _no_logits(hidden)
         return self.model.compute_logits(hidden[rows])
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """One eager step of each kind of attention (fresh prompts, a chunk over a cached
+        prefix, decodes) and one random draw, so that every kernel a request can need is
+        compiled (FlashInfer compiles at first use: minutes on a fresh machine for some) and
+        chosen before the first request. The steps read and write the null block only."""
+        table = [0] * 4  # block 0, whatever the block size
+        for chunks in (
+            [SeqChunk(0, 3, table)],  # a fresh prompt
+            [SeqChunk(2, 2, table)],  # a chunk over a cached prefix
+            [SeqChunk(3, 1, table)] * 2,  # decodes, eagerly (past the graphs' batch sizes)
+        ):
+            pos = [p for c in chunks for p in range(c.num_computed, c.num_computed + c.num_new)]
+            ids, pos_dev = upload(
+                [host_ints([0] * len(pos), torch.long), host_ints(pos, torch.long)], self.device
+            )
+            md = AttentionMetadata.build(chunks, self.block_size, self.device)
+            logits = self.model.compute_logits(self._forward(ids, pos_dev, chunks, md)[-1:])
+        sample_batch(logits, [SamplingParams(temperature=1.0, top_k=50, top_p=0.9)])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _forward(
         self,

@@ -129,6 +129,8 @@ class ModelWorker:
             self.runner = TensorParallelRunner(model, self.kv)
         else:
             self.runner = ModelRunner(model, self.kv.cache, self.device, resources=resources)
+        if self.device.type == "cuda":
+            self.runner.warm_up()  # every kernel compiled before the first request
         # device memory it holds outside the pool: attention state, graphs, buffers
         self.overhead_bytes = _allocated(self.device) - allocated
         self.sampler = Sampler(self.device)
