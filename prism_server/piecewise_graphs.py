@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from models.attention.base import ForwardContext, LayerAttention
-from models.attention.flashinfer_paged import kv_rows, write_kv
+from models.attention.flashinfer_paged import KVSlots, write_kv
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ class _SegmentHook:
         self.owner, self.capturing = owner, capturing
         self.graphs: list[torch.cuda.CUDAGraph] = []
         self.layers: list[tuple[int, LayerAttention]] = []
-        self.rows: torch.Tensor | None = None  # made by the first segment, read by all
+        self.at: KVSlots | None = None  # made by the first segment, read by all
 
     def begin(self) -> None:
         g = torch.cuda.CUDAGraph()
@@ -87,9 +87,9 @@ class _SegmentHook:
         o.k[:t].copy_(k)
         o.v[:t].copy_(v)
         if o.kv_views is not None:
-            if self.rows is None:
-                self.rows = kv_rows(o.slots[:t], o.block_size)
-            write_kv(o.kv_views[layer_idx], self.rows, k, v)
+            if self.at is None:
+                self.at = KVSlots.of(o.slots[:t], o.block_size)
+            write_kv(o.kv_views[layer_idx], self.at, k, v)
         if self.capturing:
             self.end()
             self.layers.append((layer_idx, spec))

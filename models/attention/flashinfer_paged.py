@@ -176,33 +176,52 @@ def append_inputs(index: PagedKVIndex, md: AttentionMetadata, device) -> list[to
     return upload((batch, positions, *pages), device)
 
 
-def kv_rows(slot_mapping: torch.Tensor, block_size: int) -> torch.Tensor:
-    """slot_mapping [T] -> [2T] rows of a layer view seen as [num_blocks * 2 * block_size, H, D]:
-    first every token's K row, then every token's V row."""
-    block, offset = slot_mapping // block_size, slot_mapping % block_size
-    k_rows = block * (2 * block_size) + offset
-    return torch.cat((k_rows, k_rows + block_size))
+@dataclass
+class KVSlots:
+    """Where a step's tokens go in every layer view: block and offset of each, [T] int64."""
+
+    blocks: torch.Tensor
+    offsets: torch.Tensor
+
+    @staticmethod
+    def of(slot_mapping: torch.Tensor, block_size: int) -> KVSlots:
+        return KVSlots(slot_mapping // block_size, slot_mapping % block_size)
 
 
-def write_kv(cache: torch.Tensor, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """cache: [num_blocks, 2, block_size, H, D]; k, v: [T, H, D] -> written at `rows` (kv_rows)."""
-    flat = cache.view(-1, cache.shape[-2], cache.shape[-1])
-    flat.index_copy_(0, rows, torch.cat((k, v)).to(cache.dtype))
+def kv_pairs(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
+    """k, v: [T, H, D] -> the [T, 2, H, D] view holding both when v lies right after k in every
+    row, as the qkv projection's output holds them (None otherwise)."""
+    t, h, d = k.shape
+    if v.shape != k.shape or v.stride() != k.stride() or k.stride()[1:] != (d, 1):
+        return None
+    if v.data_ptr() - k.data_ptr() != h * d * k.element_size():
+        return None
+    return k.as_strided((t, 2, h, d), (k.stride(0), h * d, d, 1))
+
+
+def write_kv(cache: torch.Tensor, at: KVSlots, k: torch.Tensor, v: torch.Tensor) -> None:
+    """cache: [num_blocks, 2, block_size, H, D]; k, v: [T, H, D] -> each token's K at
+    cache[block, 0, offset], its V at cache[block, 1, offset]. One kernel: k and v are read
+    where they lie when v follows k (kv_pairs), else stacked first."""
+    pairs = kv_pairs(k, v)
+    if pairs is None:
+        pairs = torch.stack((k, v), dim=1)
+    cache[at.blocks, :, at.offsets] = pairs.to(cache.dtype)
 
 
 class RowsWriter:
-    """K/V writes as one index_copy_ (decode steps: measured as fast as FlashInfer's append at
-    batch 64, and capturable: the rows come from a static slot buffer)."""
+    """K/V writes as one indexed store (decode steps: capturable, the slots come from a static
+    buffer)."""
 
-    def __init__(self, rows: torch.Tensor):
-        self.rows = rows
+    def __init__(self, at: KVSlots):
+        self.at = at
 
     @staticmethod
     def from_slots(slots: torch.Tensor, block_size: int) -> RowsWriter:
-        return RowsWriter(kv_rows(slots, block_size))
+        return RowsWriter(KVSlots.of(slots, block_size))
 
     def __call__(self, cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        write_kv(cache, self.rows, k, v)
+        write_kv(cache, self.at, k, v)
 
 
 class AppendWriter:

@@ -89,8 +89,8 @@ class Rope:
     def apply(
         self, q: torch.Tensor, k: torch.Tensor, fused_kernels: bool = True, contiguous: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, Hq, D], k: [T, Hkv, D] -> both rotated: in place where the kernel runs, unless
-        `contiguous` asks for new contiguous tensors (one kernel either way)."""
+        """q: [T, Hq, D], k: [T, Hkv, D] -> both rotated: in place where the kernel runs, but q
+        into a new contiguous tensor when `contiguous` asks (one kernel either way)."""
         fi = fused(q) if fused_kernels else None
         if fi is None:
             cos, sin = self.cos_sin(q.dtype)
@@ -100,9 +100,11 @@ class Rope:
             rows = torch.arange(table.shape[0], dtype=torch.int32, device=table.device)
             self._table = (table, rows)
         table, rows = self._table
-        d = q.shape[-1]
         if contiguous and not q.is_contiguous():
-            q_out, k_out = fi.rope.apply_rope_with_cos_sin_cache(rows, q, k, d, table, is_neox=True)
-            return q_out.view(q.shape), k_out.view(k.shape)
-        fi.rope.apply_rope_with_cos_sin_cache_inplace(rows, q, k, d, table, is_neox=True)
+            # NOTE: the op behind FlashInfer's two public rope functions, to write q to a new
+            # contiguous tensor while k turns where it lies (beside v: one K/V write, no copy)
+            q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            fi.rope._apply_rope_pos_ids_cos_sin_cache(q, k, q_out, k, table, rows, False)
+            return q_out, k
+        fi.rope.apply_rope_with_cos_sin_cache_inplace(rows, q, k, q.shape[-1], table, is_neox=True)
         return q, k

@@ -22,7 +22,6 @@ from models.attention.flashinfer_paged import (
     FlashInferBackend,
     KernelChoice,
     RaggedAttention,
-    kv_rows,
 )
 from models.attention.torch_paged import TorchPagedAttention
 from models.attention.xqa_decode import XqaAttention
@@ -76,12 +75,12 @@ def make_step(kv: PagedKV, seqs: list[tuple[int, int]], gen: torch.Generator):
 
 
 def qkv(md: AttentionMetadata, case: dict, gen: torch.Generator, pad_to: int = 0):
+    """Random q, k, v as a layer makes them: strided views of one projection's rows."""
     t = max(md.num_tokens, pad_to)
-    d = case["head_dim"]
-    q = torch.randn(t, case["heads"], d, generator=gen)
-    k = torch.randn(t, case["kv_heads"], d, generator=gen)
-    v = torch.randn(t, case["kv_heads"], d, generator=gen)
-    return (x.to("cuda", torch.bfloat16) for x in (q, k, v))
+    d, hq, hkv = case["head_dim"], case["heads"], case["kv_heads"]
+    rows = torch.randn(t, (hq + 2 * hkv) * d, generator=gen).to("cuda", torch.bfloat16)
+    q, k, v = rows.split([hq * d, hkv * d, hkv * d], dim=-1)
+    return q.view(t, hq, d), k.view(t, hkv, d), v.view(t, hkv, d)
 
 
 def check_close(out: torch.Tensor, ref: torch.Tensor) -> None:
@@ -100,9 +99,9 @@ def run_and_compare(kv, md, attn, spec, case, gen, pad_to: int = 0) -> None:
         assert out.shape == q.shape and out.dtype == torch.bfloat16
         q, k, v, out = q[:t], k[:t], v[:t], out[:t]  # padded rows: garbage in the null block
         # this step's K/V landed where the slot mapping says
-        flat = kv.layer_views[layer].view(-1, case["kv_heads"], case["head_dim"])
-        rows = kv_rows(md.slot_mapping, BLOCK)
-        assert torch.equal(flat[rows], torch.cat((k, v)))
+        view = kv.layer_views[layer]
+        blocks, offsets = md.slot_mapping // BLOCK, md.slot_mapping % BLOCK
+        assert torch.equal(view[blocks, 0, offsets], k) and torch.equal(view[blocks, 1, offsets], v)
         ref = TorchPagedAttention(kv.layer_views, md).forward(
             layer, q.float(), k.float(), v.float(), spec
         )

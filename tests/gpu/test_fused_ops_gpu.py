@@ -27,7 +27,7 @@ LLAMA31 = {
 @pytest.mark.parametrize("scaling", [None, LLAMA31], ids=["plain", "llama3"])
 def test_rope_in_place_matches_the_reference(scaling, contiguous):
     """In place on the qkv projection's strided views, or (for a backend that reads q
-    contiguous) into new contiguous tensors, the projection left as it was."""
+    contiguous) q into a new contiguous tensor, its slice of the projection left as it was."""
     torch.manual_seed(0)
     dev = torch.device("cuda")
     rot = RotaryEmbedding(128, 500000.0, scaling).to(dev)
@@ -38,9 +38,9 @@ def test_rope_in_place_matches_the_reference(scaling, contiguous):
     q_before = q.clone()
     want_q, want_k = rot(positions).apply(q.clone(), k.clone(), fused_kernels=False)
     got_q, got_k = rot(positions).apply(q, k, contiguous=contiguous)
-    if contiguous:
+    if contiguous:  # q new and contiguous, k turned where it lies
         assert got_q.is_contiguous() and got_q.shape == q.shape
-        assert torch.equal(q, q_before)
+        assert torch.equal(q, q_before) and got_k.data_ptr() == k.data_ptr()
     else:
         assert got_q.data_ptr() == qkv.data_ptr()  # rotated where it lies
     for got, want in ((got_q, want_q), (got_k, want_k)):

@@ -12,10 +12,11 @@ import torch
 from models.attention.base import AttentionMetadata, LayerAttention, SeqChunk
 from models.attention.flashinfer_paged import (
     AttentionShape,
+    KVSlots,
     PagedKVIndex,
     RowsWriter,
     append_inputs,
-    kv_rows,
+    kv_pairs,
     plan_kwargs,
     write_kv,
 )
@@ -92,14 +93,20 @@ def test_a_mixed_batch_gets_every_tokens_slot_and_every_table_in_order():
 
 
 def test_kv_writes_land_where_the_reference_backend_puts_them():
+    """From separate k and v, and from k and v side by side in a qkv projection's rows (read
+    where they lie, through one view)."""
     gen = torch.Generator().manual_seed(0)
-    cache = torch.zeros(12, 2, 4, 2, 8)  # [blocks, K/V, block_size, heads, head_dim]
-    ref = cache.clone()
     md = AttentionMetadata.build([SeqChunk(2, 5, [3, 7]), SeqChunk(0, 1, [10])], 4, CPU)
-    k, v = torch.randn(6, 2, 8, generator=gen), torch.randn(6, 2, 8, generator=gen)
-    write_kv(cache, kv_rows(md.slot_mapping, 4), k, v)
-    TorchPagedAttention([ref], md)._write(ref, k, v)
-    assert torch.equal(cache, ref) and cache.abs().sum() > 0
+    qkv = torch.randn(6, (4 + 2 + 2) * 8, generator=gen)  # [T, (Hq + 2 Hkv) * D]
+    _, k, v = (x.view(6, -1, 8) for x in qkv.split([32, 16, 16], dim=-1))
+    assert kv_pairs(k, v) is not None and kv_pairs(k.clone(), v) is None
+    assert kv_pairs(v, k) is None  # v before k: not one [T, 2, H, D] view
+    for kk, vv in ((k, v), (k.clone(), v.clone())):
+        cache = torch.zeros(12, 2, 4, 2, 8)  # [blocks, K/V, block_size, heads, head_dim]
+        ref = cache.clone()
+        write_kv(cache, KVSlots.of(md.slot_mapping, 4), kk, vv)
+        TorchPagedAttention([ref], md)._write(ref, kk, vv)
+        assert torch.equal(cache, ref) and cache.abs().sum() > 0
 
 
 def test_plan_keywords_translate_the_window_and_soft_cap():
@@ -145,9 +152,9 @@ def test_the_xqa_graph_tables_are_refilled_and_padded_rows_reset():
     assert attn.tables[2:, 0].tolist() == [0, 0]  # the stale row's first block: the null block
     assert attn.lens.tolist() == [17, 1, 1, 1]
     assert attn.slots.tolist() == [12 * 16, 13 * 16, 0, 0]
-    attn.prepare()  # the K/V rows of the static slots, K then V
-    assert attn.write.rows.tolist() == kv_rows(attn.slots, 16).tolist()
-    assert attn.write.rows[:2].tolist() == [12 * 32, 13 * 32]
+    attn.prepare()  # where the static slots put each token's K/V
+    assert attn.write.at.blocks.tolist() == [12, 13, 0, 0]
+    assert attn.write.at.offsets.tolist() == [0, 0, 0, 0]
 
 
 def test_host_ints_keep_every_value_and_its_type():
