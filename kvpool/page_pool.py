@@ -9,6 +9,9 @@ When an owner asks for more pages than are free and the budget allows no more, t
 owners to give back pages they hold but do not use (their cached reserve), through the `Reclaimer`
 they registered, in the order a `ReclaimOrder` given from outside decides (the balloon policy, in
 scheduler/); without one, no owner's pages are taken for another.
+
+Free pages may be held for one model (`hold_for`): pages another thread freed for it, which no
+other owner takes while the hold lasts (its owners are the model's name and "name/...").
 """
 
 from __future__ import annotations
@@ -109,6 +112,7 @@ class PagePool:
         self.moves: deque[PageMove] = deque(maxlen=256)  # the latest page moves
         self._moved: dict[tuple[str, str, str], int] = {}
         self._move_seq = itertools.count(1)
+        self._held: tuple[str, int] | None = None  # (model, free pages no one else may take)
         self._lock = threading.RLock()
         self.precreate(precreate)
 
@@ -143,8 +147,34 @@ class PagePool:
 
     @property
     def num_available(self) -> int:
-        """Pages obtainable without reclaiming: free handles plus those the budget still allows."""
+        """Pages obtainable without reclaiming: free handles plus those the budget still allows
+        (held ones included)."""
         return len(self._free) + self.capacity - self._created
+
+    def available_to(self, owner: str) -> int:
+        """num_available less the pages held for another model."""
+        with self._lock:
+            held = self._held
+            if held is None or owner.split("/")[0] == held[0]:
+                return self.num_available
+            return max(self.num_available - held[1], 0)
+
+    def hold_for(self, model: str, n: int) -> None:
+        """Keep n more free pages for `model` (its owners take them first, no one else may),
+        until it has taken them or `release_hold`. A hold for another model is replaced."""
+        with self._lock:
+            kept = self._held[1] if self._held is not None and self._held[0] == model else 0
+            self._held = (model, kept + n)
+
+    def release_hold(self, keep: str | None = None) -> None:
+        """End the hold, unless it is for `keep`."""
+        with self._lock:
+            if self._held is not None and self._held[0] != keep:
+                self._held = None
+
+    @property
+    def held(self) -> tuple[str, int] | None:
+        return self._held
 
     def _usage(self, exclude: str) -> list[OwnerUsage]:
         return [
@@ -161,21 +191,22 @@ class PagePool:
 
     def can_acquire(self, owner: str, n: int, reclaim: bool = True) -> bool:
         with self._lock:
-            if n <= self.num_available:
+            free = self.available_to(owner)
+            if n <= free:
                 return True
-            return reclaim and n <= self.num_available + self.reclaimable(exclude=owner)
+            return reclaim and n <= free + self.reclaimable(exclude=owner)
 
     def free_up(self, n: int, taker: str) -> int:
         """Take other owners' reserves back (the reclaim order) until n pages are free, for
         `taker`, whose buffer maps free pages only (it is mapped from another thread); returns
         the pages free then. Call it from the thread that owns the other owners."""
         with self._lock:
-            short = n - self.num_available
+            short = n - self.available_to(taker)
             if short > 0 and self.reclaim_order is not None:
                 short = min(short, self.reclaimable(exclude=taker))
                 if short > 0:
                     self._reclaim_from_others(taker, short)
-            return self.num_available
+            return self.available_to(taker)
 
     def acquire(self, owner: str, n: int, reclaim: bool = True) -> list[PhysicalHandle] | None:
         """n pages for `owner`, or None (and nothing taken) if they cannot be had. reclaim
@@ -183,15 +214,18 @@ class PagePool:
         owns the other owners' allocators)."""
         with self._lock:
             o = self._owners[owner]
-            short = n - self.num_available
+            short = n - self.available_to(owner)
             if short > 0:
                 if not reclaim or short > self.reclaimable(exclude=owner):
                     return None  # reclaiming could not cover it: take nobody's pages for nothing
                 self._reclaim_from_others(owner, short)
-                if n > self.num_available:
+                if n > self.available_to(owner):
                     return None
             self.precreate(n - len(self._free))
             handles = [self._free.pop() for _ in range(n)]
+            if self._held is not None and owner.split("/")[0] == self._held[0]:
+                left = self._held[1] - n
+                self._held = (self._held[0], left) if left > 0 else None
             o.pages += n
             o.last_grow = next(self._clock)
             self.acquired_total += n

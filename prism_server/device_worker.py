@@ -54,6 +54,25 @@ _TRANSFER_POLL_S = 0.0005
 _PUBLISH_S = 0.005  # the most a busy device's snapshot lags its state
 
 
+def _preempt_one(models: list[ModelWorker], why: str) -> ModelWorker | None:
+    """Preempt one running request of `models` for another model's new work: the one with the
+    fewest computed tokens (the least to recompute) of those never preempted (a request goes
+    once at most: takers in turn preempting each other's requests would finish none). Returns
+    its model (None: no such request)."""
+    victims = [(r, o) for o in models for r in o.scheduler.running if r.num_preemptions == 0]
+    for o in {id(o): o for _, o in victims}.values():
+        o.sync()  # its step launched ahead may still write the victim's blocks
+    victims = [(r, o) for r, o in victims if r.finish_reason is None and not r.is_finished]
+    if not victims:
+        return None
+    req, owner = min(
+        victims, key=lambda v: (v[0].num_computed_tokens, -v[0].arrival_time, v[0].request_id)
+    )
+    owner.scheduler.preempt(req)
+    log.info("preempted %s of %s for %s", req.request_id, owner.name, why)
+    return owner
+
+
 class DeviceWorker:
     def __init__(
         self,
@@ -383,6 +402,7 @@ class DeviceWorker:
         starved = [m for m in starved if self._within_reach(m)]
         self._starved = frozenset(m.name for m in starved)
         self._taker = self._next_taker(starved) if self.policy.evict_for_kv else None
+        self.pool.release_hold(keep=self._taker)  # pages held for a taker that took them or left
         if self.policy.evict_for_kv:
             for m in dict.fromkeys(starved + blocked):
                 self._balloon(m, serving, starved, now)
@@ -458,13 +478,16 @@ class DeviceWorker:
         need = -(-max(blocks - a.num_free_blocks, 0) // a.bpp)
         if m.residency is Residency.OFFLOADED:
             need += m.weights.num_pages
-        reach = self.pool.num_available
+        reach = self.pool.available_to(m.name)
         for o in self.models.values():
             if o is m or not o.residency.on_device:
                 continue
             reach += o.kv.allocator.num_mapped_pages
             if not o.requests and o.evictable and o.weights is not None:
                 reach += o.weights.num_pages
+        # the KV of other devices' models split over this one (their devices preempt for it)
+        owned = self.pool.stats().owned
+        reach += sum(n for o, n in owned.items() if "/" not in o and o not in self.models)
         return need <= reach
 
     def _balloon(
@@ -479,7 +502,9 @@ class DeviceWorker:
         if m in starved and m.name != self._taker:
             return  # its turn comes when the taker's new work runs
         short = [  # a split model: its shards' devices whose pools have no page free
-            d for d, c in zip(m.shard_devices, m.kv.caches[1:]) if not c.pages.pool.num_available
+            d
+            for d, c in zip(m.shard_devices, m.kv.caches[1:])
+            if not c.pages.pool.available_to(m.name)
         ]
         for device in short:
             self._ask_for_room(device, 1, m.name, now)
@@ -494,33 +519,16 @@ class DeviceWorker:
             if self._taker is None:  # the pages it freed are its own until it runs: the model
                 self._taker = m.name  # evicted (stalled too) must not take them straight back
             return
-        self._ask_for_shards(now)
-        if m not in starved or not m.scheduler.has_new_work:
-            return  # a recompute or a running request's growth: no preemption
-        # a request is preempted for another model's new work once at most: takers in turn
-        # preempting each other's requests would never finish any
-        victims = [
-            (r, o)
-            for o in serving
-            if o is not m and o not in starved
-            for r in o.scheduler.running
-            if r.num_preemptions == 0
-        ]
-        if not victims:
-            return
-        for o in {id(o): o for _, o in victims}.values():
-            o.sync()  # its step launched ahead may still write the victim's blocks
-        victims = [(r, o) for r, o in victims if r.finish_reason is None and not r.is_finished]
-        if not victims:
-            return
-        req, owner = min(
-            victims, key=lambda v: (v[0].num_computed_tokens, -v[0].arrival_time, v[0].request_id)
-        )
-        before = owner.kv.allocator.num_mapped_pages
-        owner.scheduler.preempt(req)
-        freed = before - owner.kv.allocator.num_mapped_pages
-        self.pool.record_move(owner.name, m.name, freed, "preempt")
-        log.info("preempted %s of %s for %s's new work", req.request_id, owner.name, m.name)
+        new_work = m in starved and m.scheduler.has_new_work  # else a recompute or growth
+        others = [o for o in serving if o is not m and o not in starved] if new_work else []
+        before = {o.name: o.kv.allocator.num_mapped_pages for o in others}
+        owner = _preempt_one(others, f"{m.name}'s new work")
+        if owner is not None:
+            freed = before[owner.name] - owner.kv.allocator.num_mapped_pages
+            self.pool.record_move(owner.name, m.name, freed, "preempt")
+        # the other devices evict their idle models split over this one; for new work with no
+        # request here to preempt, a busy one of them gives up a request instead
+        self._ask_for_shards(now, taker=m.name if new_work and owner is None else None)
 
     def _ask_for_room(self, device: str, pages: int, taker: str, now: float) -> None:
         """Ask another device to make `pages` pages of its pool free for `taker`, a model this
@@ -538,23 +546,45 @@ class DeviceWorker:
         self._asked[device] = ask.result
         peer.send(ask)
 
-    def _ask_for_shards(self, now: float) -> None:
+    def _ask_for_shards(self, now: float, taker: str | None = None) -> None:
         """Short of pages with nothing of its own to evict: ask every other device to evict its
         idle models split over this one (their shards here hold pages this device's models
-        cannot take otherwise)."""
+        cannot take otherwise); taker: a model of this device whose new work waits, for which
+        a busy one gives up a request when none is idle."""
         stats = self.pool.stats()
         if any(n and o.split("/")[0] not in self.models for o, n in stats.owned.items()):
             for device in self.peers:
-                self._ask(device, lambda peer: peer.release_shards(self.name, now))
+                self._ask(device, lambda peer: peer.release_shards(self.name, now, taker))
 
-    def release_shards(self, device: str, now: float) -> list[str]:
-        """Evict this device's idle models split over `device` (asked by it: short of pages)."""
+    def release_shards(self, device: str, now: float, taker: str | None = None) -> list[str]:
+        """Evict this device's idle models split over `device` (asked by it: short of pages).
+        None idle and a taker named: preempt one running request of a busy one (not itself
+        waiting for memory; a request once at most, as for a model of the same device), its
+        model's unused pages given back, and the pages that frees on `device` held there for
+        the taker."""
         gone = []
         for m in list(self.models.values()):
             if device in m.shard_devices and m.resident and m.evictable and not m.requests:
                 self._evict(m, "evict", f"{device} models")
                 gone.append(m.name)
                 log.info("evicted %s: %s needs the pages its shard holds there", m.name, device)
+        if gone or taker is None:
+            return gone
+        busy = [
+            m
+            for m in self.models.values()
+            if device in m.shard_devices and m.resident and m.name not in self._starved
+        ]
+        pools = {m.name: m.kv.caches[1 + m.shard_devices.index(device)].pages.pool for m in busy}
+        before = {n: p.pages_of(n) for n, p in pools.items()}
+        owner = _preempt_one(busy, f"{taker} on {device}")
+        if owner is not None:
+            a = owner.kv.allocator
+            a.reclaim_pages(a.reclaimable_pages())  # unmapped in every shard's pool
+            pool = pools[owner.name]
+            freed = before[owner.name] - pool.pages_of(owner.name)
+            pool.hold_for(taker, freed)
+            pool.record_move(owner.name, taker, freed, "preempt")
         return gone
 
     def make_free(self, pages: int, taker: str, now: float) -> None:
@@ -562,7 +592,7 @@ class DeviceWorker:
         device steps (asked by it): other models' reserves first, then idle models, least
         recently used first."""
         if self.pool.free_up(pages, taker) < pages:
-            self.make_room(lambda: self.pool.num_available >= pages, now, taker=taker)
+            self.make_room(lambda: self.pool.available_to(taker) >= pages, now, taker=taker)
 
     def _swap_turn(self) -> ModelWorker | None:
         """Under a cap on resident models: the offloaded model that may activate now (the one

@@ -17,8 +17,9 @@
 # is one: `git archive REV prism_server models kvpool scheduler scripts | tar -x -C .baseline`),
 # then the engine benchmark without its HF and KV-write sections, two small models' decode at
 # once against one after the other (bench_gpu_concurrent.py), then the decode and prefill
-# figures under each other kernel choice (KERNELS, default: the XQA decode kernel, decode KV not
-# split, split every 16 pages, fa3 prefill). The fa3 kernels are measured, not tested here (their
+# figures under each other kernel choice (KERNELS, default: the XQA decode kernel, cuBLASLt
+# without a workspace (no split-K GEMMs, so no reduce kernel after o_proj and down_proj at small
+# batches), decode KV not split, split every 16 pages, fa3 prefill). The fa3 kernels are measured, not tested here (their
 # first compile takes minutes). All of it takes more than a call's 10 minutes: PARTS picks some
 # of "tests ab engine ttft concurrent kernels", e.g.
 #   PARTS="tests kernels" KERNELS=PRISM_DECODE_BACKEND=xqa bash scripts/gpu_check.sh --decode
@@ -67,7 +68,7 @@ if [ "$quick" = "--decode" ]; then
     2>&1 | tail -3
   # the kernel choices beside the default (KERNELS="" skips them)
   if part kernels; then
-    for choice in ${KERNELS-PRISM_DECODE_BACKEND=xqa PRISM_DECODE_SPLIT_PAGES=0 PRISM_DECODE_SPLIT_PAGES=16 PRISM_PREFILL_BACKEND=fa3}; do
+    for choice in ${KERNELS-PRISM_DECODE_BACKEND=xqa CUBLASLT_WORKSPACE_SIZE=1 PRISM_DECODE_SPLIT_PAGES=0 PRISM_DECODE_SPLIT_PAGES=16 PRISM_PREFILL_BACKEND=fa3}; do
       t0=$SECONDS
       env "$choice" timeout 330 python3 scripts/bench_gpu_engine.py --speed-only \
         --json "$OUT/engine-${choice//=/-}.json" 2>&1 \

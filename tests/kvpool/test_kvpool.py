@@ -291,6 +291,36 @@ def test_the_pool_reclaims_in_the_order_it_is_given_and_not_without_one(geo):
         assert pool.stats().owned == {}
 
 
+def test_pages_held_for_a_model_go_to_it_alone(geo):
+    """Free pages held for model x: another owner cannot take them (nor a page of its own
+    reserve-less growth beyond what is left), x's owners can; the hold ends once x took them,
+    or when released; a hold for another model replaces it."""
+    pool = make_pool(geo, 4, reclaim_order=None)
+    x, y = (make_cache(pool, n, geo, max_pages=8, cached=0) for n in "xy")
+    bpp = x.allocator.bpp
+    pool.hold_for("x", 3)
+    pool.hold_for("x", 0)  # adds nothing, keeps the hold
+    assert pool.held == ("x", 3) and pool.available_to("y") == 1 and pool.available_to("x/w") == 4
+    assert y.allocator.allocate(2 * bpp) is None and pool.pages_of("y") == 0
+    got_y = y.allocator.allocate(bpp)  # the page that is not held
+    assert got_y is not None and pool.available_to("y") == 0
+    got_x = x.allocator.allocate(2 * bpp)
+    assert got_x is not None and pool.held == ("x", 1)
+    x.allocator.free(got_x)  # unmapped (no reserve): free again, still held for x
+    assert pool.available_to("y") == 2 and pool.held == ("x", 1)
+    pool.hold_for("z", 2)  # another taker: x's hold is gone
+    assert pool.held == ("z", 2) and pool.available_to("x") == 1
+    pool.release_hold(keep="z")
+    assert pool.held == ("z", 2)
+    pool.release_hold()
+    assert pool.held is None and pool.available_to("y") == 3
+    y.allocator.free(got_y)
+    check(x, y)
+    for kv in (x, y):
+        kv.close()
+    pool.check_integrity()
+
+
 def test_pooled_buffer_maps_exactly_what_it_accounts(geo):
     from kvpool import PooledBuffer
 

@@ -206,3 +206,48 @@ def test_the_other_device_gets_its_pages_back_from_an_idle_split_model(tmp_path)
         assert e.model_snapshot("m").residency.name == "OFFLOADED"  # released for it
         assert len(e.generate("m", PROMPTS[:1], PARAMS)[0].token_ids) == 12  # m's turn again
         e.check_integrity()
+
+
+def test_a_busy_split_model_gives_up_a_request_for_the_other_devices_new_work(tmp_path):
+    """Each pool the shard, the model placed there and one page. The split model decodes two
+    long requests, its KV (one page) on both devices, the other models evicted for it. Then
+    the model of the other device gets a request: it activates, but its KV page is the split
+    model's. Nothing there is idle, so that device asks the split model's device, which
+    preempts the split model's requests (each once) and holds the page it frees there for the
+    asker. The asker serves while the split model is still busy; the split model then
+    finishes with the whole model's tokens, and every page adds up."""
+    import threading
+    import time
+
+    path = _save_hf_dir(tmp_path, _tiny_hf_llama())
+    long = SamplingParams(max_tokens=160, temperature=0, ignore_eos=True)
+    with _engine(path, 1, 1) as whole:
+        want = [o.token_ids for o in whole.generate("m", PROMPTS, long)]
+    where, shard, size = _mxy_layout(path)
+    other = next(n for n in "xy" if where[n] != where["m"])  # the model of the other device
+    with _mxy(path, shard + size + 1) as e:
+        lead = e.served["m"].device
+        there = next(w for w in e.workers if w.name != lead).pool
+        done: dict[str, float] = {}
+        got: list = []
+
+        def split_model():
+            got.extend(o.token_ids for o in e.generate("m", PROMPTS, long))
+            done["m"] = time.monotonic()
+
+        t = threading.Thread(target=split_model)
+        t.start()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and (
+            e.model_snapshot(other).residency.name != "OFFLOADED" or not there.pages_of("m")
+        ):
+            time.sleep(0.005)  # the split model's KV took the other device's model's room
+        assert "m" not in done, "the split model finished before the test could interfere"
+        assert len(e.generate(other, [[5, 6, 7]], PARAMS)[0].token_ids) == 12
+        done[other] = time.monotonic()
+        t.join(timeout=120)
+        assert done[other] < done["m"]  # served while the split model was busy
+        assert got == want
+        moves = there.stats().moved
+        assert any(g == "m" and r == "preempt" and n > 0 for (g, _, r), n in moves.items())
+        e.check_integrity()
