@@ -19,10 +19,11 @@
 # once against one after the other (bench_gpu_concurrent.py), then the decode and prefill
 # figures under each other kernel choice (KERNELS, default: the XQA decode kernel, cuBLASLt
 # without a workspace (no split-K GEMMs, so no reduce kernel after o_proj and down_proj at small
-# batches), decode KV not split, split every 16 pages, fa3 prefill). The fa3 kernels are measured, not tested here (their
-# first compile takes minutes). All of it takes more than a call's 10 minutes: PARTS picks some
-# of "tests ab engine ttft concurrent kernels", e.g.
+# batches), decode KV not split, split every 16 pages, fa3 prefill). All of it takes more than a
+# call's 10 minutes: PARTS picks some of "tests ab engine ttft concurrent kernels", e.g.
 #   PARTS="tests kernels" KERNELS=PRISM_DECODE_BACKEND=xqa bash scripts/gpu_check.sh --decode
+# TESTS_K selects the tests (pytest -k; default "not fa3": fa3's first compile takes minutes a
+# variant, unless its kernels came in .fiaot; TESTS_K="" runs them all).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/prism-gpu-check}
@@ -45,7 +46,7 @@ if [ "$quick" = "--decode" ]; then
     timeout 420 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/gpu/test_fused_ops_gpu.py \
       tests/gpu/test_sampling_gpu.py tests/gpu/test_launch_ahead_gpu.py tests/gpu/test_piecewise_graphs.py \
       tests/gpu/test_gpu_vs_cpu.py tests/gpu/test_cuda_graphs.py tests/gpu/test_flashinfer_attention.py \
-      tests/gpu/test_upload_gpu.py -k "not fa3" 2>&1 | tee "$OUT/pytest.log"
+      tests/gpu/test_upload_gpu.py -k "${TESTS_K-not fa3}" 2>&1 | tee "$OUT/pytest.log"
     echo "tests: $((SECONDS - t0)) s"
   fi
   if part ab && [ -d .baseline ]; then
