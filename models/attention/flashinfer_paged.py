@@ -196,6 +196,8 @@ def kv_pairs(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
         return None
     if v.data_ptr() - k.data_ptr() != h * d * k.element_size():
         return None
+    if k.untyped_storage().data_ptr() != v.untyped_storage().data_ptr():
+        return None  # neighbours in memory by chance, not one tensor's rows
     return k.as_strided((t, 2, h, d), (k.stride(0), h * d, d, 1))
 
 

@@ -19,7 +19,7 @@ _TYPECODES = {torch.int64: "q", torch.int32: "i"}
 
 def host_ints(values: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     """A list of ints as a host tensor of int64 or int32, through a C array: 4x faster than
-    torch.tensor(list) (0.13 vs 0.52 ms for 8k ints, measured here)."""
+    torch.tensor(list) (0.13 vs 0.52 ms for 8k ints on a 2-core EPYC)."""
     if not values:
         return torch.empty(0, dtype=dtype)
     return torch.frombuffer(array.array(_TYPECODES[dtype], values), dtype=dtype)

@@ -101,6 +101,9 @@ def test_kv_writes_land_where_the_reference_backend_puts_them():
     _, k, v = (x.view(6, -1, 8) for x in qkv.split([32, 16, 16], dim=-1))
     assert kv_pairs(k, v) is not None and kv_pairs(k.clone(), v) is None
     assert kv_pairs(v, k) is None  # v before k: not one [T, 2, H, D] view
+    apart = torch.randn(2, 1, 2, 8).unbind(0)  # one row each, side by side in one tensor
+    assert kv_pairs(*apart) is not None
+    assert kv_pairs(apart[0].clone(), apart[1]) is None  # another tensor's memory
     for kk, vv in ((k, v), (k.clone(), v.clone())):
         cache = torch.zeros(12, 2, 4, 2, 8)  # [blocks, K/V, block_size, heads, head_dim]
         ref = cache.clone()
