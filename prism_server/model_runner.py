@@ -341,7 +341,8 @@ class TensorParallelRunner(ModelRunner):
     """The runner of a model split over several devices (TensorParallel over a ShardedKV): every
     step eager, each shard given the step's metadata and attention on its device, over its own
     KV cache; the shards stepped in lockstep from this thread. Logits come from the first
-    shard. No CUDA graphs yet, and no plan staged ahead (its steps read their tokens first)."""
+    shard. No CUDA graphs yet. Its next step may be planned while the last one is queued
+    (launch ahead): each shard's plan first waits for its last plan's staged copies."""
 
     def __init__(self, tp, kv):
         self.model = tp
@@ -355,17 +356,22 @@ class TensorParallelRunner(ModelRunner):
         self.block_size = kv.layout.block_size
         self.graphs = None
         self.pieces = None
-        self._planned = None
+        self._planned = None  # one event per shard instead
+        self._plans = [torch.cuda.Event() if d.type == "cuda" else None for d in tp.devices]
 
     def _forward(self, input_ids, pos, chunks, md) -> torch.Tensor:
-        ids, poss = [input_ids], [pos]
-        ctxs = [ForwardContext(attn=self.attention(self.kv_cache.layer_views, md))]
-        for attn, cache, dev in zip(self.attentions[1:], self.caches[1:], self.model.devices[1:]):
+        ids, poss, ctxs = [], [], []
+        shards = zip(self.attentions, self.caches, self.model.devices, self._plans)
+        for i, (attn, cache, dev, planned) in enumerate(shards):
             # the shard's device current while its attention is planned (FlashInfer stages its
             # tables on the current device's stream)
             with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
-                shard_md = AttentionMetadata.build(chunks, self.block_size, dev)
+                if planned is not None:
+                    planned.synchronize()  # the shard's last plan's staged copies have run
+                shard_md = md if i == 0 else AttentionMetadata.build(chunks, self.block_size, dev)
                 ctxs.append(ForwardContext(attn=attn(cache.layer_views, shard_md)))
-                ids.append(input_ids.to(dev, non_blocking=True))
-                poss.append(pos.to(dev, non_blocking=True))
+                if planned is not None:
+                    planned.record()
+                ids.append(input_ids if i == 0 else input_ids.to(dev, non_blocking=True))
+                poss.append(pos if i == 0 else pos.to(dev, non_blocking=True))
         return self.model(ids, poss, ctxs)[0]

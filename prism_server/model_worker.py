@@ -156,7 +156,7 @@ class ModelWorker:
         # launch ahead: a step whose tokens stay on the device until the next step of this
         # model is launched (or something needs them); its requests' next decode step is
         # launched first, from those tokens, so that the host's work hides behind the device's
-        self.launch_ahead = resources is not None and resources.launch_ahead and not shard_pools
+        self.launch_ahead = resources is not None and resources.launch_ahead
         self.resources = resources  # its lane of the device (None: resources of its own)
         self._ahead: _InFlight | None = None
         self.latency = LatencyModel()  # kept across evictions: a reactivation does not profile

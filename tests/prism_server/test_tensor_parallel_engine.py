@@ -19,6 +19,18 @@ PARAMS = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 PROMPTS = [[5, 17, 200, 3, 99], [42, 7, 250, 11, 64, 1, 180, 9, 9, 30, 31, 32, 33]]
 
 
+def count_calls(obj, method: str) -> list[int]:
+    """Counts the calls of obj.method from now on (in a one-element list)."""
+    calls, fn = [0], getattr(obj, method)
+
+    def counting(*a, **k):
+        calls[0] += 1
+        return fn(*a, **k)
+
+    setattr(obj, method, counting)
+    return calls
+
+
 def _engine(path, tp: int, devices: int, pinned: bool = False) -> Engine:
     specs = (
         ModelSpec("m", str(path), block_size=4, tensor_parallel=tp, pinned=pinned),
@@ -30,13 +42,18 @@ def _engine(path, tp: int, devices: int, pinned: bool = False) -> Engine:
     return Engine(cfg)
 
 
-def test_a_model_split_over_two_devices_gives_the_whole_models_tokens(tmp_path):
+def test_a_model_split_over_two_devices_gives_the_whole_models_tokens(tmp_path, steps_ahead):
+    """Also with its decode steps launched before the last one's tokens are read."""
     path = _save_hf_dir(tmp_path, _tiny_hf_llama())
     with _engine(path, 1, 1) as whole:
         want = [o.token_ids for o in whole.generate("m", PROMPTS, PARAMS)]
     with _engine(path, 2, 2) as e:
+        split = next(w for w in e.workers if "m" in w.models).models["m"]
+        assert split.launch_ahead is steps_ahead
+        launched = count_calls(split, "_step_ahead")
         got = [o.token_ids for o in e.generate("m", PROMPTS, PARAMS)]
         assert got == want
+        assert (launched[0] > 0) is steps_ahead
         assert len(e.generate("other", [[5, 6, 7]], PARAMS)[0].token_ids) == 12
         lead = e.served["m"].device
         pools = {w.name: w.pool for w in e.workers}
@@ -208,7 +225,9 @@ def test_the_other_device_gets_its_pages_back_from_an_idle_split_model(tmp_path)
         e.check_integrity()
 
 
-def test_a_busy_split_model_gives_up_a_request_for_the_other_devices_new_work(tmp_path):
+def test_a_busy_split_model_gives_up_a_request_for_the_other_devices_new_work(
+    tmp_path, steps_ahead
+):
     """Each pool the shard, the model placed there and one page. The split model decodes two
     long requests, its KV (one page) on both devices, the other models evicted for it. Then
     the model of the other device gets a request: it activates, but its KV page is the split
