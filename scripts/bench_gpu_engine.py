@@ -297,8 +297,8 @@ def kernel_time(fn, runs: int) -> tuple[dict, dict, list]:
         if not us or ev.count == 0 or ev.key.startswith(("ProfilerStep", "cudaGraph")):
             continue
         name = ev.key
-        if re.search(r"PrefillWith|DecodeWith|MergeState|PersistentVar|fmha|FlashAttn|attn", name):
-            kind = "attention"  # before gemm: fa3's kernels are CUTLASS kernels
+        if re.search(r"PrefillWith|DecodeWith|MergeState|PersistentVar|mha|FlashAttn|attn", name):
+            kind = "attention"  # before gemm: fa3's kernels are CUTLASS kernels; XQA's kernel_mha
         elif re.search(r"gemm|gemv|cutlass|nvjet|xmma|cublas|splitKreduce", name, re.I):
             kind = "gemm"
         elif re.search(r"index_copy|indexCopy|index_put|scatter|AppendPagedKV", name, re.I):
