@@ -16,8 +16,8 @@ def test_many_uploads_queued_behind_a_busy_device_all_arrive_intact():
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(0)
     a = torch.randn(4096, 4096, device=dev)
-    for _ in range(20):  # keeps the stream busy for a while: the copies below queue behind it
-        a = a @ a.T / 64
+    for _ in range(40):  # ~90 ms of fp32 matmuls: the copies below queue behind them
+        a @ a
     sent, got = [], []
     for i in range(300):
         n = int(torch.randint(0, 700, (1,), generator=gen))
@@ -28,7 +28,6 @@ def test_many_uploads_queued_behind_a_busy_device_all_arrive_intact():
         ]
         sent.append(host)
         got.append(upload(host, dev))
-    assert a.isfinite().all()
     for host, out in zip(sent, got):
         for h, o in zip(host, out):
             assert o.device.type == "cuda" and o.dtype == h.dtype and o.shape == h.shape
