@@ -94,13 +94,14 @@ def model_engine(
     kernels: KernelChoice | None = None,
 ) -> ModelWorker:
     """kernels: the attention kernels of the model's own device resources (None: the defaults,
-    with workspaces of its own)."""
+    with workspaces of its own); either way each step's tokens are read before the next
+    (greedy records the logits `Sampler.sample` sees)."""
     sched = SchedulerConfig(
         block_size=BLOCK, max_num_seqs=64, max_num_batched_tokens=256, max_model_len=2048
     )
     dtype = next(model.parameters()).dtype
     device = next(model.parameters()).device
-    res = DeviceResources(device, kernels) if kernels is not None else None
+    res = DeviceResources(device, kernels, launch_ahead=False) if kernels is not None else None
     me = ModelWorker(
         name, model, ByteTokenizer(cfg.vocab_size), pool, sched, dtype, cached, resources=res
     )
