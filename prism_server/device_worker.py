@@ -485,9 +485,9 @@ class DeviceWorker:
             reach += o.kv.allocator.num_mapped_pages
             if not o.requests and o.evictable and o.weights is not None:
                 reach += o.weights.num_pages
-        # the KV of other devices' models split over this one (their devices preempt for it)
-        owned = self.pool.stats().owned
-        reach += sum(n for o, n in owned.items() if "/" not in o and o not in self.models)
+        if self.peers:  # the KV of other devices' models split over this one (they preempt)
+            owned = self.pool.stats().owned
+            reach += sum(n for o, n in owned.items() if "/" not in o and o not in self.models)
         return need <= reach
 
     def _balloon(
