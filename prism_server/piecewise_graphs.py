@@ -11,8 +11,9 @@ reads q/k/v from static buffers (the segment before it copies them there) and it
 copied into a static buffer that the next segment reads. Padded rows (T..bucket) compute rows
 that nothing reads: every op between attention calls works row by row.
 
-With kv_views, each segment also writes its layer's K/V (index_copy_ at rows made from a
-static slot buffer, refilled each step; padded rows write the null block, as in decode graphs),
+With kv_views, each segment also writes its layer's K/V (one indexed store at blocks and offsets
+made from a static slot buffer, refilled each step; padded rows write the null block, as in
+decode graphs),
 so the eager part of a step is the attention kernels alone.
 
 All buckets share one memory pool (the device's graph pool) and never replay concurrently; each
@@ -54,7 +55,7 @@ class _Bucket:
     graphs: list[torch.cuda.CUDAGraph]  # num_layers + 1 segments
     layers: list[tuple[int, LayerAttention]]  # the attention call after each segment but the last
     hidden: torch.Tensor  # [bucket, hidden]: the last segment's output (static)
-    rows: torch.Tensor | None  # the K/V rows the segments write (static), with kv_views
+    at: KVSlots | None  # where the segments write K/V (static), with kv_views
 
 
 class _SegmentHook:
@@ -158,7 +159,7 @@ class PiecewiseGraphs:
                 hook.begin()
                 hidden = self.model(ids, pos, ForwardContext(attn=hook))
                 hook.end()
-                self._buckets[n] = _Bucket(hook.graphs, hook.layers, hidden, hook.rows)
+                self._buckets[n] = _Bucket(hook.graphs, hook.layers, hidden, hook.at)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
         log.info("captured piecewise graphs for steps of up to %s tokens", self.buckets)
