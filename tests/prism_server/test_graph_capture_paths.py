@@ -1,0 +1,118 @@
+"""The host side of CUDA-graph capture, run on the CPU: CUDA's graph and stream calls become
+no-ops, so the model runs eagerly where it would be captured. What is checked is what the capture
+code builds and hands on (segments, the attention calls between them, static buffers, where
+K/V go, a decode graph's tables), not what a replay computes: the GPU tests do that. It catches
+what CI could not otherwise see in code that only runs on a GPU (a renamed attribute, a wrong
+argument)."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import pytest
+import torch
+
+import prism_server.piecewise_graphs as pg
+from kvpool import CpuBackend, KVLayout, PagedKV, PagePool
+from models.attention.base import AttentionMetadata, SeqChunk
+from models.attention.flashinfer_paged import KVSlots, RowsWriter
+from models.attention.xqa_decode import XqaGraphAttention
+from prism_server.cuda_graph_runner import CudaGraphRunner
+from tests.gpu.common import tiny_model
+
+CPU = torch.device("cpu")
+
+
+class _NoGraph:
+    def capture_begin(self, pool=None, capture_error_mode=None):
+        pass
+
+    def capture_end(self):
+        pass
+
+    def replay(self):
+        pass
+
+    def pool(self):
+        return "pool"
+
+
+class _NoStream:
+    def wait_stream(self, other):
+        pass
+
+    def synchronize(self):
+        pass
+
+
+@pytest.fixture
+def no_cuda_graphs(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _NoGraph)
+    monkeypatch.setattr(torch.cuda, "graph", lambda *a, **k: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _NoStream())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(pg, "_capture_stream", lambda device: _NoStream())
+
+
+def _kv(cfg) -> PagedKV:
+    backend = CpuBackend()
+    page = backend.round_up(1 << 20)
+    pool = PagePool(backend, page, 16 * page)
+    gran = backend.granularity
+    layout = KVLayout(cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim, torch.float32, page, gran)
+    return PagedKV(pool, "m", layout, max_pages=8, max_cached_pages=0)
+
+
+def test_piecewise_capture_builds_a_segment_per_attention_call(no_cuda_graphs):
+    cfg, model = tiny_model()
+    kv = _kv(cfg)
+    pieces = pg.PiecewiseGraphs(model, (8, 16), CPU, kv_views=kv.layer_views)
+    with torch.inference_mode():
+        pieces.capture()
+    for n, b in pieces._buckets.items():
+        assert len(b.graphs) == cfg.num_layers + 1  # one segment before each attention call
+        assert [layer for layer, _ in b.layers] == list(range(cfg.num_layers))
+        assert isinstance(b.at, KVSlots) and b.at.blocks.shape == (n,)
+        assert b.hidden.shape == (n, cfg.hidden_size)
+    assert pieces.q.shape == (16, cfg.num_heads, cfg.head_dim)
+    assert pieces.k.shape == pieces.v.shape == (16, cfg.num_kv_heads, cfg.head_dim)
+    kv.close()
+
+
+def test_decode_graphs_hand_xqa_a_contiguous_query_and_their_tables(no_cuda_graphs):
+    """The XQA kernel itself is a stand-in here (it runs on a GPU only): it records what each
+    captured layer gives it."""
+    cfg, model = tiny_model(num_attention_heads=8)
+    kv = _kv(cfg)
+    calls = []
+
+    def kernel(q, cache, tables, seq_lens, spec):
+        calls.append((q.shape, q.is_contiguous(), tables.shape, seq_lens.shape))
+        return torch.zeros_like(q)
+
+    writer = functools.partial(RowsWriter.from_slots, block_size=16)
+    runner = CudaGraphRunner(
+        model,
+        kv.layer_views,
+        lambda views, bs, max_blocks: XqaGraphAttention(kernel, views, bs, max_blocks, writer),
+        (1, 4),
+        8,
+        CPU,
+    )
+    with torch.inference_mode():
+        runner.capture()
+        # each size: a warm-up and a capture, every layer once each
+        q = (cfg.num_heads, cfg.head_dim)
+        assert (
+            calls
+            == [((4, *q), True, (4, 8), (4, 1))] * 2 * cfg.num_layers
+            + [((1, *q), True, (1, 8), (1, 1))] * 2 * cfg.num_layers
+        )
+        md = AttentionMetadata.build([SeqChunk(20, 1, [1, 2]), SeqChunk(3, 1, [3])], 16, CPU)
+        assert runner.can_run(md)
+        runner.run(torch.tensor([5, 6]), torch.tensor([20, 3]), md)
+    attn = runner.graphs[4].attn
+    assert attn.tables[:2, :2].tolist() == [[1, 2], [3, 0]] and attn.lens.tolist() == [21, 4, 1, 1]
+    kv.close()
