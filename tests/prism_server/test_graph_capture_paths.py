@@ -17,6 +17,7 @@ import prism_server.piecewise_graphs as pg
 from kvpool import CpuBackend, KVLayout, PagedKV, PagePool
 from models.attention.base import AttentionMetadata, SeqChunk
 from models.attention.flashinfer_paged import KVSlots, RowsWriter
+from models.attention.torch_paged import TorchPagedAttention
 from models.attention.xqa_decode import XqaGraphAttention
 from prism_server.cuda_graph_runner import CudaGraphRunner
 from tests.gpu.common import tiny_model
@@ -78,6 +79,20 @@ def test_piecewise_capture_builds_a_segment_per_attention_call(no_cuda_graphs):
         assert b.hidden.shape == (n, cfg.hidden_size)
     assert pieces.q.shape == (16, cfg.num_heads, cfg.head_dim)
     assert pieces.k.shape == pieces.v.shape == (16, cfg.num_kv_heads, cfg.head_dim)
+    # a step of 11 tokens replays the 16-token bucket: its slots refilled, the rest null
+    blocks = kv.allocator.allocate(1)
+    md = AttentionMetadata.build([SeqChunk(0, 11, blocks)], 16, CPU)
+    with torch.inference_mode():
+        hidden = pieces.run(
+            torch.arange(11),
+            torch.arange(11),
+            TorchPagedAttention(kv.layer_views, md),
+            md.slot_mapping,
+        )
+    assert hidden.shape == (11, cfg.hidden_size)
+    assert pieces.slots[:11].tolist() == md.slot_mapping.tolist() and not pieces.slots[11:].any()
+    kv.allocator.free(blocks)
+    kv.check_integrity()
     kv.close()
 
 
@@ -115,4 +130,5 @@ def test_decode_graphs_hand_xqa_a_contiguous_query_and_their_tables(no_cuda_grap
         runner.run(torch.tensor([5, 6]), torch.tensor([20, 3]), md)
     attn = runner.graphs[4].attn
     assert attn.tables[:2, :2].tolist() == [[1, 2], [3, 0]] and attn.lens.tolist() == [21, 4, 1, 1]
+    kv.check_integrity()
     kv.close()
