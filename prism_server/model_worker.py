@@ -25,11 +25,12 @@ from dataclasses import dataclass
 import torch
 
 from kvpool import HostCopy, KVLayout, PagedKV, PagePool, ShardedKV, Transfer, WeightBuffer
+from models.attention.upload import tensor_on
 from models.layers.causal_lm import weight_bytes
 from prism_server.model_runner import DeviceResources, ModelRunner, TensorParallelRunner
 from prism_server.output_processor import OutputProcessor
 from prism_server.profiler import profile_steps
-from prism_server.sampler import Sampled, Sampler, logprob_list, to_device
+from prism_server.sampler import Sampled, Sampler, logprob_list
 from scheduler.arbitrator import ModelWork, model_work
 from scheduler.batch_scheduler import BatchScheduler, ScheduledChunk, SchedulerConfig
 from scheduler.latency_model import LatencyModel, StepShape
@@ -397,7 +398,7 @@ class ModelWorker:
                 self._launching = False
                 return True
             if len(live) < len(sampling):  # ended by a stop string while this step ran
-                logits = logits[to_device(live, torch.long, logits.device)]
+                logits = logits[tensor_on(live, torch.long, logits.device)]
             got, got_lp = self.sampler.sample(logits, [sampling[i] for i in live])
             tokens, logprobs = [-1] * len(sampling), [None] * len(sampling)  # -1: not sampled
             for i, tok, lp in zip(live, got, got_lp):
@@ -464,7 +465,7 @@ class ModelWorker:
             rows = [i for _, i in follow]
             ids = prev.sampled.tokens
             if rows != list(range(len(prev.rows))):
-                ids = ids[to_device(rows, torch.long, ids.device)]
+                ids = ids[tensor_on(rows, torch.long, ids.device)]
             logits = self.runner.execute(batch, input_ids=ids)
             reqs = [c.request for c in batch]
             sampled = self.sampler.launch(logits, reqs, unread=ids)  # prev's tokens, unread

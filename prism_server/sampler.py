@@ -102,10 +102,10 @@ class Sampler:
         greedy = [i for i, r in enumerate(reqs) if r.params.greedy]
         batched = [i for i, r in enumerate(reqs) if not r.params.greedy and r.params.seed is None]
         if greedy:
-            idx = to_device(greedy, torch.long, dev)
+            idx = tensor_on(greedy, torch.long, dev)
             out[idx] = logits[idx].argmax(dim=-1)
         if batched:
-            idx = to_device(batched, torch.long, dev)
+            idx = tensor_on(batched, torch.long, dev)
             out[idx] = sample_batch(logits[idx], [reqs[i].params for i in batched])
         for i, r in enumerate(reqs):
             if not r.params.greedy and r.params.seed is not None:
@@ -152,7 +152,7 @@ def _logprob_tensors(
     wanted = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
     if not wanted:
         return None
-    rows = to_device(wanted, torch.long, raw.device)
+    rows = tensor_on(wanted, torch.long, raw.device)
     lp = raw[rows].log_softmax(-1)
     chosen = lp.gather(1, tokens[rows].unsqueeze(1)).squeeze(1)
     k = max(reqs[i].params.logprobs for i in wanted)
@@ -191,18 +191,18 @@ def sample_batch(logits: torch.Tensor, params: list, use_kernel: bool = True) ->
     top-k, then top-p of what is left. On CUDA (use_kernel) top-k/top-p run in FlashInfer's
     kernel. -> [n] int64, on logits' device."""
     dev, vocab = logits.device, logits.shape[-1]
-    temps = to_device([p.temperature for p in params], logits.dtype, dev)
+    temps = tensor_on([p.temperature for p in params], logits.dtype, dev)
     x = logits / temps[:, None]
     min_p = [p.min_p for p in params]
     if any(m > 0 for m in min_p):  # min_p = 0: the threshold is -inf, nothing dropped
-        logs = to_device([math.log(m) if m > 0 else -math.inf for m in min_p], torch.float32, dev)
+        logs = tensor_on([math.log(m) if m > 0 else -math.inf for m in min_p], torch.float32, dev)
         x = x.masked_fill(x < x.max(dim=-1, keepdim=True).values + logs[:, None], float("-inf"))
     top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
     top_p = [p.top_p for p in params]
     fi = _flashinfer_sampling() if use_kernel and logits.is_cuda else None
     if fi is not None:
-        k = to_device(top_k, torch.int32, dev)
-        p = to_device(top_p, torch.float32, dev)
+        k = tensor_on(top_k, torch.int32, dev)
+        p = tensor_on(top_p, torch.float32, dev)
         return fi.top_k_top_p_sampling_from_logits(x, k, p, deterministic=True).long()
     if any(k < vocab for k in top_k):
         kth = x.topk(max(top_k), dim=-1).values  # [n, max k], descending
@@ -216,13 +216,6 @@ def sample_batch(logits: torch.Tensor, params: list, use_kernel: bool = True) ->
         drop = cum - sorted_p > torch.tensor(top_p, device=dev)[:, None]
         probs = probs.scatter(1, idx, sorted_p.masked_fill(drop, 0.0))
     return torch.multinomial(probs, 1).squeeze(1)
-
-
-def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A host list on the device without waiting for the device to drain (a tensor built with
-    device= is a blocking copy, which waits for every step queued before it): through pinned
-    memory (models.attention.upload)."""
-    return tensor_on(values, dtype, device)
 
 
 def token_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[TokenLogprob]:
@@ -242,7 +235,7 @@ def token_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[Tok
 def _token_matrix(rows: list[list[int]], pad: int, device) -> torch.Tensor:
     """[len(rows), longest] int64, padded with `pad` (a column past the vocabulary)."""
     width = max(map(len, rows), default=0)
-    return to_device([r + [pad] * (width - len(r)) for r in rows], torch.long, device)
+    return tensor_on([r + [pad] * (width - len(r)) for r in rows], torch.long, device)
 
 
 def _adjust(
@@ -259,8 +252,8 @@ def _adjust(
         for tok, bias in p.logit_bias:
             where.append(i), cols.append(tok), vals.append(bias)
     if where:
-        idx = (to_device(where, torch.long, dev), to_device(cols, torch.long, dev))
-        logits.index_put_(idx, to_device(vals, logits.dtype, dev), accumulate=True)
+        idx = (tensor_on(where, torch.long, dev), tensor_on(cols, torch.long, dev))
+        logits.index_put_(idx, tensor_on(vals, logits.dtype, dev), accumulate=True)
     where, cols = [], []
     for i, r in rows:
         p = r.params
@@ -268,28 +261,28 @@ def _adjust(
             banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(r.eos_token_ids))
             where.extend([i] * len(banned)), cols.extend(banned)
     if where:
-        logits[to_device(where, torch.long, dev), to_device(cols, torch.long, dev)] = float("-inf")
+        logits[tensor_on(where, torch.long, dev), tensor_on(cols, torch.long, dev)] = float("-inf")
     rep = [(i, r) for i, r in rows if r.params.repetition_penalty != 1.0]
     if rep:  # vLLM's rule: over prompt and output, positive logits divided, negative multiplied
-        idx = to_device([i for i, _ in rep], torch.long, dev)
+        idx = tensor_on([i for i, _ in rep], torch.long, dev)
         seen = torch.zeros(len(rep), vocab + 1, dtype=torch.bool, device=dev)
         known = [r.all_token_ids[: r.num_prompt_tokens + r.num_output_tokens] for _, r in rep]
         seen.scatter_(1, _token_matrix(known, vocab, dev), True)
         if unread is not None:
             seen[torch.arange(len(rep), device=dev), unread[idx]] = True
-        pen = to_device([r.params.repetition_penalty for _, r in rep], torch.float32, dev)[:, None]
+        pen = tensor_on([r.params.repetition_penalty for _, r in rep], torch.float32, dev)[:, None]
         sub = logits[idx]
         hit = torch.where(sub > 0, sub / pen, sub * pen)
         logits[idx] = torch.where(seen[:, :vocab], hit, sub)
     pens = [(i, r) for i, r in rows if r.params.needs_penalties and (r.output_token_ids or pending)]
     if pens:
-        idx = to_device([i for i, _ in pens], torch.long, dev)
+        idx = tensor_on([i for i, _ in pens], torch.long, dev)
         ids = _token_matrix([list(r.output_token_ids) for _, r in pens], vocab, dev)
         counts = torch.zeros(len(pens), vocab + 1, device=dev, dtype=logits.dtype)
         counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=logits.dtype))
         if unread is not None:
             counts[torch.arange(len(pens), device=dev), unread[idx]] += 1
         counts = counts[:, :vocab]
-        freq = to_device([r.params.frequency_penalty for _, r in pens], logits.dtype, dev)[:, None]
-        pres = to_device([r.params.presence_penalty for _, r in pens], logits.dtype, dev)[:, None]
+        freq = tensor_on([r.params.frequency_penalty for _, r in pens], logits.dtype, dev)[:, None]
+        pres = tensor_on([r.params.presence_penalty for _, r in pens], logits.dtype, dev)[:, None]
         logits[idx] -= freq * counts + pres * (counts > 0)

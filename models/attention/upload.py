@@ -48,6 +48,7 @@ def upload(tensors: Sequence[torch.Tensor], device: torch.device) -> list[torch.
 
 
 def tensor_on(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A host list (nested for a matrix) on the device, through pinned memory on a GPU (see
-    upload)."""
+    """A host list (nested for a matrix) on the device without waiting for the device to drain
+    (a tensor built with device= is a blocking copy, which waits for every step queued before
+    it): through pinned memory on a GPU (see upload)."""
     return upload([torch.tensor(values, dtype=dtype)], device)[0]
