@@ -259,7 +259,7 @@ class ModelRunner:
             return self.model.compute_logits(hidden[rows]) if last else _no_logits(hidden)
         if on_launch is not None:
             on_launch()
-        hidden = self._forward(input_ids, pos, chunks, md)  # writes this step's K/V
+        hidden = self._forward(input_ids, pos, md)  # writes this step's K/V
         for req, flat, lo, hi in spans:
             scores.append((req, self._score(hidden[flat : flat + hi - lo], req, lo, hi)))
         if not last:
@@ -283,17 +283,13 @@ class ModelRunner:
                 [host_ints([0] * len(pos), torch.long), host_ints(pos, torch.long)], self.device
             )
             md = AttentionMetadata.build(chunks, self.block_size, self.device)
-            logits = self.model.compute_logits(self._forward(ids, pos_dev, chunks, md)[-1:])
+            logits = self.model.compute_logits(self._forward(ids, pos_dev, md)[-1:])
         sample_batch(logits, [SamplingParams(temperature=1.0, top_k=50, top_p=0.9)])
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
     def _forward(
-        self,
-        input_ids: torch.Tensor,
-        pos: torch.Tensor,
-        chunks: list[SeqChunk],
-        md: AttentionMetadata,
+        self, input_ids: torch.Tensor, pos: torch.Tensor, md: AttentionMetadata
     ) -> torch.Tensor:
         """A step run eagerly -> hidden states [T, hidden]."""
         ctx = ForwardContext(attn=self.attention(self.kv_cache.layer_views, md))
@@ -359,19 +355,18 @@ class TensorParallelRunner(ModelRunner):
         self._planned = None  # one event per shard instead
         self._plans = [torch.cuda.Event() if d.type == "cuda" else None for d in tp.devices]
 
-    def _forward(self, input_ids, pos, chunks, md) -> torch.Tensor:
+    def _forward(self, input_ids, pos, md) -> torch.Tensor:
         ids, poss, ctxs = [], [], []
         shards = zip(self.attentions, self.caches, self.model.devices, self._plans)
-        for i, (attn, cache, dev, planned) in enumerate(shards):
+        for attn, cache, dev, planned in shards:
             # the shard's device current while its attention is planned (FlashInfer stages its
             # tables on the current device's stream)
             with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
                 if planned is not None:
                     planned.synchronize()  # the shard's last plan's staged copies have run
-                shard_md = md if i == 0 else AttentionMetadata.build(chunks, self.block_size, dev)
-                ctxs.append(ForwardContext(attn=attn(cache.layer_views, shard_md)))
+                ctxs.append(ForwardContext(attn=attn(cache.layer_views, md.to(dev))))
                 if planned is not None:
                     planned.record()
-                ids.append(input_ids if i == 0 else input_ids.to(dev, non_blocking=True))
-                poss.append(pos if i == 0 else pos.to(dev, non_blocking=True))
+                ids.append(input_ids.to(dev, non_blocking=True))
+                poss.append(pos.to(dev, non_blocking=True))
         return self.model(ids, poss, ctxs)[0]

@@ -9,7 +9,7 @@ index g of layer l lives in row g of layer l's cache view.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
@@ -39,6 +39,23 @@ class AttentionMetadata:
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
     block_tables_cpu: torch.Tensor | None = None  # block_tables on the host
+
+    def to(self, device: torch.device) -> AttentionMetadata:
+        """The same metadata on another device: its device tensors copied there (without
+        waiting), its host copies shared."""
+        if device == self.slot_mapping.device:
+            return self
+
+        def move(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device, non_blocking=True)
+
+        return replace(
+            self,
+            slot_mapping=move(self.slot_mapping),
+            query_start_loc=move(self.query_start_loc),
+            seq_lens=move(self.seq_lens),
+            block_tables=move(self.block_tables),
+        )
 
     @property
     def num_seqs(self) -> int:
