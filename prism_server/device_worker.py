@@ -54,11 +54,11 @@ _TRANSFER_POLL_S = 0.0005
 _PUBLISH_S = 0.005  # the most a busy device's snapshot lags its state
 
 
-def _preempt_one(models: list[ModelWorker], why: str) -> ModelWorker | None:
+def _preempt_one(models: list[ModelWorker], why: str) -> tuple[ModelWorker, int] | None:
     """Preempt one running request of `models` for another model's new work: the one with the
     fewest computed tokens (the least to recompute) of those never preempted (a request goes
     once at most: takers in turn preempting each other's requests would finish none). Returns
-    its model (None: no such request)."""
+    its model and the pages its KV unmapped (None: no such request)."""
     victims = [(r, o) for o in models for r in o.scheduler.running if r.num_preemptions == 0]
     for o in {id(o): o for _, o in victims}.values():
         o.sync()  # its step launched ahead may still write the victim's blocks
@@ -68,9 +68,10 @@ def _preempt_one(models: list[ModelWorker], why: str) -> ModelWorker | None:
     req, owner = min(
         victims, key=lambda v: (v[0].num_computed_tokens, -v[0].arrival_time, v[0].request_id)
     )
+    before = owner.kv.allocator.num_mapped_pages
     owner.scheduler.preempt(req)
     log.info("preempted %s of %s for %s", req.request_id, owner.name, why)
-    return owner
+    return owner, before - owner.kv.allocator.num_mapped_pages
 
 
 class DeviceWorker:
@@ -521,14 +522,13 @@ class DeviceWorker:
             return
         new_work = m in starved and m.scheduler.has_new_work  # else a recompute or growth
         others = [o for o in serving if o is not m and o not in starved] if new_work else []
-        before = {o.name: o.kv.allocator.num_mapped_pages for o in others}
-        owner = _preempt_one(others, f"{m.name}'s new work")
-        if owner is not None:
-            freed = before[owner.name] - owner.kv.allocator.num_mapped_pages
+        got = _preempt_one(others, f"{m.name}'s new work")
+        if got is not None:
+            owner, freed = got
             self.pool.record_move(owner.name, m.name, freed, "preempt")
         # the other devices evict their idle models split over this one; for new work with no
         # request here to preempt, a busy one of them gives up a request instead
-        self._ask_for_shards(now, taker=m.name if new_work and owner is None else None)
+        self._ask_for_shards(now, taker=m.name if new_work and got is None else None)
 
     def _ask_for_room(self, device: str, pages: int, taker: str, now: float) -> None:
         """Ask another device to make `pages` pages of its pool free for `taker`, a model this
@@ -576,9 +576,10 @@ class DeviceWorker:
             if device in m.shard_devices and m.resident and m.name not in self._starved
         ]
         pools = {m.name: m.kv.caches[1 + m.shard_devices.index(device)].pages.pool for m in busy}
-        before = {n: p.pages_of(n) for n, p in pools.items()}
-        owner = _preempt_one(busy, f"{taker} on {device}")
-        if owner is not None:
+        before = {n: p.pages_of(n) for n, p in pools.items()}  # its reserve goes back too
+        got = _preempt_one(busy, f"{taker} on {device}")
+        if got is not None:
+            owner = got[0]
             a = owner.kv.allocator
             a.reclaim_pages(a.reclaimable_pages())  # unmapped in every shard's pool
             pool = pools[owner.name]
