@@ -151,13 +151,16 @@ class PagePool:
         (held ones included)."""
         return len(self._free) + self.capacity - self._created
 
+    def _holds_for(self, owner: str) -> bool:
+        """Whether the hold is for owner's model."""
+        return self._held is not None and owner.split("/")[0] == self._held[0]
+
     def available_to(self, owner: str) -> int:
         """num_available less the pages held for another model."""
         with self._lock:
-            held = self._held
-            if held is None or owner.split("/")[0] == held[0]:
+            if self._held is None or self._holds_for(owner):
                 return self.num_available
-            return max(self.num_available - held[1], 0)
+            return max(self.num_available - self._held[1], 0)
 
     def hold_for(self, model: str, n: int) -> None:
         """Keep n more free pages for `model` (its owners take them first, no one else may),
@@ -223,7 +226,7 @@ class PagePool:
                     return None
             self.precreate(n - len(self._free))
             handles = [self._free.pop() for _ in range(n)]
-            if self._held is not None and owner.split("/")[0] == self._held[0]:
+            if self._holds_for(owner):
                 left = self._held[1] - n
                 self._held = (self._held[0], left) if left > 0 else None
             o.pages += n
