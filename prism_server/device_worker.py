@@ -509,7 +509,7 @@ class DeviceWorker:
         ]
         for device in short:
             self._ask_for_room(device, 1, m.name, now)
-        if short and self.pool.num_available:
+        if short and self.pool.available_to(m.name):
             return  # the page it waits for is on those devices, not here
         keep = frozenset({m.name, self._taker} - {None})
         # a stalled model (all its requests wait for memory) goes for the taker, or for another
