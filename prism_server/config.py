@@ -38,7 +38,7 @@ class ModelSpec:
     max_queued_requests: int = 256  # accepted but not started; beyond it: 503
     # split over this many devices (its device and the next ones): for a model one GPU cannot
     # hold. Such a model is evicted and activated with every shard at once and never moved to
-    # other devices; its steps are eager (not captured in graphs) and read their tokens first.
+    # other devices; its steps are eager (not captured in graphs), launched ahead as any model's.
     tensor_parallel: int = 1
 
     def __post_init__(self):

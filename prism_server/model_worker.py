@@ -75,7 +75,7 @@ class ModelWorker:
         shard_pools: a model split over several devices (model a TensorParallel, pool its first
         shard's device's, weights and host a ShardedWeights and a ShardedHostCopy): the other
         shards' pools, in order, and shard_devices their devices' names. Its KV is a ShardedKV,
-        its steps eager and read first."""
+        its steps eager."""
         self.name = name
         self.weights, self.host, self.pinned = weights, host, pinned
         self.keep_alive_s = keep_alive_s
