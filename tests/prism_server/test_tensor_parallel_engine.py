@@ -129,28 +129,15 @@ def test_the_baselines_serve_a_split_model(tmp_path, policy):
     path = _save_hf_dir(tmp_path, _tiny_hf_llama())
     with _engine(path, 1, 1) as whole:
         want = [o.token_ids for o in whole.generate("m", PROMPTS, PARAMS)]
-    specs = (
-        ModelSpec("m", str(path), block_size=4, tensor_parallel=2),
-        ModelSpec("a", "dummy:tiny-llama", block_size=4),
-        ModelSpec("b", "dummy:tiny-llama", block_size=4, seed=1),
-    )
-    cfg = EngineConfig(
-        models=specs,
-        device="cpu",
-        devices=2,
-        page_bytes=PAGE,
-        policy=policy,
-        plan_interval_s=3600.0,
-    )
-    with Engine(cfg) as e:
+    with _mxy(path, policy=policy) as e:
         for _ in range(2):
-            for n in "ab":
+            for n in "xy":
                 assert len(e.generate(n, [[5, 6, 7]], PARAMS)[0].token_ids) == 12
             assert [o.token_ids for o in e.generate("m", PROMPTS, PARAMS)] == want
         e.check_integrity()
 
 
-def _mxy(path, pages: int | None = None) -> Engine:
+def _mxy(path, pages: int | None = None, policy: str = "prism") -> Engine:
     """The split model m and two dummies, x and y, over two devices; pages: each pool's
     capacity (None: the default, room for everything)."""
     specs = (
@@ -164,6 +151,7 @@ def _mxy(path, pages: int | None = None) -> Engine:
         devices=2,
         page_bytes=PAGE,
         pool_budget_bytes=(pages + 1) * PAGE if pages else None,
+        policy=policy,
         plan_interval_s=3600.0,
     )
     return Engine(cfg)
