@@ -24,7 +24,6 @@ from models.attention.base import (
 from models.attention.flashinfer_paged import (
     DEFAULT_KERNELS,
     WORKSPACE_BYTES,
-    XQA_WORKSPACE_BYTES,
     AttentionShape,
     FlashInferBackend,
     KernelChoice,
@@ -32,6 +31,7 @@ from models.attention.flashinfer_paged import (
 )
 from models.attention.torch_paged import TorchPagedAttention
 from models.attention.upload import host_ints, upload
+from models.attention.xqa_decode import XQA_WORKSPACE_BYTES
 from prism_server.cuda_graph_runner import DEFAULT_BATCH_SIZES, CudaGraphRunner
 from prism_server.piecewise_graphs import (
     DEFAULT_MAX_TOKENS,
