@@ -159,8 +159,8 @@ def greedy(
     return [r.output_token_ids for r in reqs], [torch.stack(log[r.request_id]) for r in reqs]
 
 
-def cpu_logits(cfg: ModelConfig, model, tokens: list[int]) -> torch.Tensor:
-    """Reference logits [len(tokens), vocab] of the CPU model over one sequence (one prefill)."""
+def cpu_kv(cfg: ModelConfig, name: str = "reference") -> PagedKV:
+    """A float32 paged KV cache of 8 pages for cfg's model, on a host pool of its own."""
     backend = CpuBackend()
     page = backend.round_up(1 << 20)
     pool = PagePool(backend, page, 8 * page)
@@ -168,7 +168,12 @@ def cpu_logits(cfg: ModelConfig, model, tokens: list[int]) -> torch.Tensor:
     layout = KVLayout(
         cfg.num_layers, BLOCK, cfg.num_kv_heads, cfg.head_dim, torch.float32, page, gran
     )
-    kv = PagedKV(pool, "reference", layout, max_pages=8, max_cached_pages=0)
+    return PagedKV(pool, name, layout, max_pages=8, max_cached_pages=0)
+
+
+def cpu_logits(cfg: ModelConfig, model, tokens: list[int]) -> torch.Tensor:
+    """Reference logits [len(tokens), vocab] of the CPU model over one sequence (one prefill)."""
+    kv = cpu_kv(cfg)
     blocks = kv.allocator.allocate(-(-len(tokens) // BLOCK))
     md = AttentionMetadata.build([SeqChunk(0, len(tokens), blocks)], BLOCK, torch.device("cpu"))
     with torch.inference_mode():

@@ -14,13 +14,12 @@ import pytest
 import torch
 
 import prism_server.piecewise_graphs as pg
-from kvpool import CpuBackend, KVLayout, PagedKV, PagePool
 from models.attention.base import AttentionMetadata, SeqChunk
 from models.attention.flashinfer_paged import KVSlots, RowsWriter
 from models.attention.torch_paged import TorchPagedAttention
 from models.attention.xqa_decode import XqaGraphAttention
 from prism_server.cuda_graph_runner import CudaGraphRunner
-from tests.gpu.common import tiny_model
+from tests.gpu.common import cpu_kv, tiny_model
 
 CPU = torch.device("cpu")
 
@@ -57,18 +56,9 @@ def no_cuda_graphs(monkeypatch):
     monkeypatch.setattr(pg, "_capture_stream", lambda device: _NoStream())
 
 
-def _kv(cfg) -> PagedKV:
-    backend = CpuBackend()
-    page = backend.round_up(1 << 20)
-    pool = PagePool(backend, page, 16 * page)
-    gran = backend.granularity
-    layout = KVLayout(cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim, torch.float32, page, gran)
-    return PagedKV(pool, "m", layout, max_pages=8, max_cached_pages=0)
-
-
 def test_piecewise_capture_builds_a_segment_per_attention_call(no_cuda_graphs):
     cfg, model = tiny_model()
-    kv = _kv(cfg)
+    kv = cpu_kv(cfg)
     pieces = pg.PiecewiseGraphs(model, (8, 16), CPU, kv_views=kv.layer_views)
     with torch.inference_mode():
         pieces.capture()
@@ -100,7 +90,7 @@ def test_decode_graphs_hand_xqa_a_contiguous_query_and_their_tables(no_cuda_grap
     """The XQA kernel itself is a stand-in here (it runs on a GPU only): it records what each
     captured layer gives it."""
     cfg, model = tiny_model(num_attention_heads=8)
-    kv = _kv(cfg)
+    kv = cpu_kv(cfg)
     calls = []
 
     def kernel(q, cache, tables, seq_lens, spec):
