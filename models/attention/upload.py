@@ -18,8 +18,9 @@ _TYPECODES = {torch.int64: "q", torch.int32: "i"}
 
 
 def host_ints(values: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-    """A list of ints as a host tensor of int64 or int32, through a C array: 4x faster than
-    torch.tensor(list) (0.13 vs 0.52 ms for 8k ints on a 2-core EPYC)."""
+    """A list of ints as a host tensor of int64 or int32, through a C array: about 3.5x faster
+    than torch.tensor(list) (scripts/bench_host_prep.py: an 8k prompt's ids and positions in
+    0.25 vs 0.89 ms on a 2-core EPYC)."""
     if not values:
         return torch.empty(0, dtype=dtype)
     return torch.frombuffer(array.array(_TYPECODES[dtype], values), dtype=dtype)
