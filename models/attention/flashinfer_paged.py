@@ -38,6 +38,8 @@ from models.attention.xqa_decode import (
     XqaAttention,
     XqaGraphAttention,
     XqaKernel,
+    load_xqa,
+    xqa_modules,
     xqa_unsupported,
 )
 
@@ -94,16 +96,19 @@ class KernelChoice:
         if self.decode_backend == "xqa" and self.decode_split_pages is not None:
             raise ValueError("the XQA decode kernel splits the KV itself: no decode split pages")
         n = self.decode_split_pages
-        if n is not None and (n < 0 or (n and not self.decode_tensor_cores)):
+        if n is not None and (n < 0 or not self.decode_tensor_cores):
+            # the CUDA-core decode plan takes neither keyword (FlashInfer ignores them there)
             raise ValueError(
-                f"decode split of {n} pages: 0 (no split), or a positive count with the "
+                f"decode split of {n} pages: 0 (no split) or a positive count, with the "
                 "tensor-core decode kernel"
             )
 
-    def decode_plan_kwargs(self) -> dict:
-        """The decode plan's split-kv keywords for this choice."""
+    def decode_plan_kwargs(self, graph: bool = False) -> dict:
+        """The decode plan's split-kv keywords for this choice. A captured graph keeps the
+        kernel its capture planned (one-token rows: no split), so a fixed split would replay
+        without its merge: graphs take "no split" alone and leave a fixed split to eager steps."""
         n = self.decode_split_pages
-        if n is None:
+        if n is None or (n and graph):
             return {}
         return {"disable_split_kv": True} if n == 0 else {"fixed_split_size": n}
 
@@ -286,9 +291,20 @@ class FlashInferBackend:
         }
         self.xqa: XqaKernel | None = None
         if kernels.decode_backend == "xqa":
-            why = xqa_unsupported(shape.block_size, shape.head_dim, self.specs, shape.kv_dtype)
+            heads = (shape.num_qo_heads, shape.num_kv_heads)
+            why = xqa_unsupported(
+                shape.block_size, shape.head_dim, self.specs, shape.kv_dtype, heads
+            )
             if why is None and shape.q_dtype != shape.kv_dtype:
                 why = f"a {shape.q_dtype} query over a {shape.kv_dtype} cache"
+            if why is None:
+                modules = xqa_modules(
+                    shape.kv_dtype, shape.block_size, shape.head_dim, heads, self.specs
+                )
+                dev = torch.device(device)
+                if dev.index is None:
+                    dev = torch.device("cuda", torch.cuda.current_device())
+                why = load_xqa(dev, modules)
             if why is None:
                 if xqa_workspace is None:
                     xqa_workspace = torch.zeros(
@@ -298,7 +314,7 @@ class FlashInferBackend:
                     shape.num_kv_heads, shape.head_dim, shape.block_size, xqa_workspace
                 )
             else:
-                log.info("decode attention through FlashInfer: XQA cannot run %s", why)
+                log.warning("decode attention through FlashInfer: XQA cannot run %s", why)
 
     def __call__(
         self, kv_caches: list[torch.Tensor], md: AttentionMetadata, write_kv: bool = True
@@ -445,7 +461,7 @@ class DecodeGraphAttention(FlashInferAttention):
                 sh.head_dim,
                 sh.block_size,
                 **plan_kwargs(spec, sh),
-                **self.backend.kernels.decode_plan_kwargs(),
+                **self.backend.kernels.decode_plan_kwargs(graph=True),
             )
 
     def prepare(self) -> None:

@@ -7,8 +7,14 @@ several thread blocks and merges the parts itself (semaphores in its own workspa
 FlashInfer's split-KV decode runs a second kernel per layer to merge them.
 
 What it needs: a page size of 16, 32, 64 or 128 tokens, a head_dim that is a multiple of 16 up
-to 256, and no logit soft cap (`xqa_unsupported` says why not otherwise; the model then decodes
-through FlashInfer). Its query and output are contiguous [B, Hq, D]; a strided query is copied.
+to 256, whole query-head groups, no logit soft cap (`xqa_unsupported`), a Hopper or Blackwell GPU,
+and its kernels built (`load_xqa`: at model load, so a shape it cannot compile falls back too).
+A model it cannot run decodes through FlashInfer. Its query and output are contiguous
+[B, Hq, D]; a strided query is copied.
+
+One device per process: a kernel module sets its shared-memory limit once, when it loads, for
+the device current then (a CUDA function attribute is per device), so XQA runs on the first
+device that loads it, and models on other devices keep FlashInfer's decode.
 
 Cache view per layer: [num_blocks, 2, block_size, H, D]; K and V are its two halves, with the
 same strides, which the kernel takes as they are.
@@ -16,7 +22,8 @@ same strides, which the kernel takes as they are.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -28,18 +35,73 @@ XQA_PAGE_SIZES = (16, 32, 64, 128)
 
 
 def xqa_unsupported(
-    block_size: int, head_dim: int, specs: Sequence[LayerAttention], dtype: torch.dtype
+    block_size: int,
+    head_dim: int,
+    specs: Sequence[LayerAttention],
+    dtype: torch.dtype,
+    heads: tuple[int, int] = (1, 1),
 ) -> str | None:
-    """Why the XQA kernel cannot run a model's decode attention (None: it can)."""
+    """Why the XQA kernel cannot run a model's decode attention (None: it can, if it builds).
+    heads: (query heads, KV heads)."""
     if block_size not in XQA_PAGE_SIZES:
         return f"block size {block_size} (XQA pages: {', '.join(map(str, XQA_PAGE_SIZES))})"
     if head_dim % 16 or not 16 <= head_dim <= 256:
         return f"head_dim {head_dim} (XQA: a multiple of 16, at most 256)"
+    if heads[0] % heads[1]:
+        return f"{heads[0]} query heads over {heads[1]} KV heads (XQA: whole groups)"
     if any(s.logit_softcap for s in specs):
         return "a logit soft cap"
     if dtype not in (torch.bfloat16, torch.float16):
         return f"{dtype} (XQA: bf16 or fp16)"
     return None
+
+
+_bound: list[torch.device] = []  # the device XQA's kernels are set up for in this process
+_bind_lock = threading.Lock()
+
+
+def load_xqa(
+    device: torch.device,
+    modules: Sequence[tuple],
+    build: Callable[[tuple], object] | None = None,
+) -> str | None:
+    """Build and load XQA's kernel modules for one model on `device`; why it cannot run there
+    (None: ready). modules: get_xqa_module's arguments, one tuple per kind of layer. The first
+    device to load a module binds XQA to itself; a later device is refused (see the module's
+    doc). `build` stands in for FlashInfer's loader where there is no GPU."""
+    with _bind_lock:
+        if _bound and _bound[0] != device:
+            return (
+                f"{device}: XQA's kernels are set up for {_bound[0]} in this process (a module "
+                "sets its shared-memory limit for one device)"
+            )
+        if build is None:
+            major = torch.cuda.get_device_capability(device)[0]
+            if major not in (9, 10, 12):
+                return f"compute capability {major}.x (XQA: Hopper or Blackwell)"
+            from flashinfer.xqa import get_xqa_module
+
+            def build(args: tuple) -> object:
+                with torch.cuda.device(device):  # the device current while the module loads
+                    return get_xqa_module(*args)
+
+        try:
+            for args in modules:
+                build(args)
+        except Exception as e:  # noqa: BLE001 (a shape the kernel does not compile: fall back)
+            return f"its kernel did not build ({type(e).__name__}: {str(e)[:200]})"
+        _bound[:] = [device]
+    return None
+
+
+def xqa_modules(
+    dtype: torch.dtype, block_size: int, head_dim: int, heads: tuple[int, int], specs
+) -> list[tuple]:
+    """get_xqa_module's arguments for a model: one module with a sliding window, one without,
+    as its layers need them (a decode query is one token a sequence)."""
+    ratio = heads[0] // heads[1]
+    windows = sorted({bool(s.sliding_window) for s in specs})
+    return [(dtype, dtype, block_size, head_dim, ratio, w, dtype, 1) for w in windows]
 
 
 class XqaKernel:

@@ -96,7 +96,8 @@ class Rope:
             cos, sin = self.cos_sin(q.dtype)
             return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if self._table is None:  # [T, head_dim]: the cos half, then the sin half
-            table = torch.cat((self.cos_half, self.sin_half), dim=-1).contiguous()
+            # float32, which the kernel reads without checking
+            table = torch.cat((self.cos_half, self.sin_half), dim=-1).float().contiguous()
             rows = torch.arange(table.shape[0], dtype=torch.int32, device=table.device)
             self._table = (table, rows)
         table, rows = self._table

@@ -9,6 +9,7 @@ import random
 
 import torch
 
+from models.attention import xqa_decode
 from models.attention.base import AttentionMetadata, LayerAttention, SeqChunk
 from models.attention.flashinfer_paged import (
     AttentionShape,
@@ -22,7 +23,12 @@ from models.attention.flashinfer_paged import (
 )
 from models.attention.torch_paged import TorchPagedAttention
 from models.attention.upload import host_ints, upload
-from models.attention.xqa_decode import XqaGraphAttention, xqa_unsupported
+from models.attention.xqa_decode import (
+    XqaGraphAttention,
+    load_xqa,
+    xqa_modules,
+    xqa_unsupported,
+)
 
 CPU = torch.device("cpu")
 
@@ -135,6 +141,29 @@ def test_what_the_xqa_kernel_cannot_run_is_named():
     capped = [LayerAttention(0.1), LayerAttention(0.1, logit_softcap=30.0)]
     assert "soft cap" in xqa_unsupported(16, 128, capped, torch.bfloat16)
     assert "float32" in xqa_unsupported(16, 128, plain, torch.float32)
+    assert xqa_unsupported(16, 128, plain, torch.bfloat16, (28, 4)) is None  # groups of 7
+    assert "whole groups" in xqa_unsupported(16, 128, plain, torch.bfloat16, (12, 8))
+
+
+def test_xqa_binds_to_the_first_device_that_loads_it_and_a_failed_build_falls_back(monkeypatch):
+    """A module's shared-memory limit is set for the device current when it loads: a second
+    device is refused (its models keep FlashInfer's decode), a shape that does not build is
+    refused without binding, and the bound device loads more modules."""
+    monkeypatch.setattr(xqa_decode, "_bound", [])
+    specs = [LayerAttention(0.1), LayerAttention(0.1, sliding_window=512)]
+    modules = xqa_modules(torch.bfloat16, 16, 256, (8, 4), specs)
+    assert [m[4:6] for m in modules] == [(2, False), (2, True)]  # ratio, window: one module each
+    built = []
+
+    def broken(args):
+        raise RuntimeError("static assertion failed: persistentQ")
+
+    gpu0, gpu1 = torch.device("cuda", 0), torch.device("cuda", 1)
+    assert "did not build (RuntimeError: static" in load_xqa(gpu1, modules, broken)
+    assert load_xqa(gpu0, modules, built.append) is None
+    assert built == modules
+    assert "set up for cuda:0" in load_xqa(gpu1, modules[:1], built.append)
+    assert load_xqa(gpu0, modules[:1], built.append) is None and len(built) == 3
 
 
 def test_the_xqa_graph_tables_are_refilled_and_padded_rows_reset():

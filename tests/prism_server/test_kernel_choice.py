@@ -19,8 +19,14 @@ def test_the_defaults_and_a_bad_backend():
     assert KernelChoice().decode_plan_kwargs() == {}
     assert KernelChoice(decode_split_pages=0).decode_plan_kwargs() == {"disable_split_kv": True}
     assert KernelChoice(decode_split_pages=16).decode_plan_kwargs() == {"fixed_split_size": 16}
-    with pytest.raises(ValueError, match="tensor-core decode kernel"):
-        KernelChoice(decode_tensor_cores=False, decode_split_pages=16)
+    # a graph replays what its capture planned: no split holds, a fixed split is eager-only
+    assert KernelChoice(decode_split_pages=0).decode_plan_kwargs(graph=True) == {
+        "disable_split_kv": True
+    }
+    assert KernelChoice(decode_split_pages=16).decode_plan_kwargs(graph=True) == {}
+    for n in (16, 0):
+        with pytest.raises(ValueError, match="tensor-core decode kernel"):
+            KernelChoice(decode_tensor_cores=False, decode_split_pages=n)
     with pytest.raises(ValueError, match="decode split of -1 pages"):
         KernelChoice(decode_split_pages=-1)
     assert DEFAULT_KERNELS.decode_backend == "flashinfer"
@@ -34,14 +40,20 @@ def test_the_environment_reaches_every_devices_resources(monkeypatch):
     monkeypatch.setenv("PRISM_DECODE_TENSOR_CORES", "0")
     monkeypatch.setenv("PRISM_PREFILL_BACKEND", "fa3")
     monkeypatch.setenv("PRISM_RAGGED_PREFILL", "0")
-    monkeypatch.setenv("PRISM_DECODE_SPLIT_PAGES", "0")
     assert not envs.decode_tensor_cores() and envs.prefill_backend() == "fa3"
     assert not envs.ragged_prefill()
     spec = ModelSpec("a", "dummy:tiny-llama", block_size=4)
     with Engine(EngineConfig(models=(spec,), device="cpu", page_bytes=64 << 10, devices=2)) as e:
         kinds = {w.resources.kernels for w in e._workers}
-        assert kinds == {KernelChoice(False, "fa3", ragged_prefill=False, decode_split_pages=0)}
+        assert kinds == {KernelChoice(False, "fa3", ragged_prefill=False)}
         assert e.worker.resources.xqa_workspace() is None  # not chosen: never allocated
+        e.check_integrity()
+    monkeypatch.setenv("PRISM_DECODE_SPLIT_PAGES", "0")  # needs the tensor-core kernel
+    with pytest.raises(ValueError, match="decode split of 0 pages"):
+        Engine(EngineConfig(models=(spec,), device="cpu", page_bytes=64 << 10))
+    monkeypatch.delenv("PRISM_DECODE_TENSOR_CORES")
+    with Engine(EngineConfig(models=(spec,), device="cpu", page_bytes=64 << 10)) as e:
+        assert e.worker.resources.kernels.decode_split_pages == 0
         e.check_integrity()
     monkeypatch.delenv("PRISM_DECODE_SPLIT_PAGES")
     monkeypatch.setenv("PRISM_DECODE_BACKEND", "xqa")
