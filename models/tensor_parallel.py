@@ -18,6 +18,7 @@ one layer at a time, so the devices run side by side. Each shard has its own pag
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Callable, Sequence
 
 import torch
@@ -81,10 +82,16 @@ def host_all_reduce(xs: list[torch.Tensor]) -> None:
         x.copy_(total)
 
 
+_nccl_order = threading.Lock()
+
+
 def nccl_all_reduce(xs: list[torch.Tensor]) -> None:
     """Sums the shards' tensors (one per GPU, contiguous) into each of them: NCCL's all-reduce,
-    launched on each GPU's current stream from this one process."""
-    torch.cuda.nccl.all_reduce(xs)
+    launched on each GPU's current stream from this one process. One call at a time: two
+    split models stepped from two threads would otherwise queue their collectives on two
+    GPUs in opposite orders, each GPU then waiting for the other's."""
+    with _nccl_order:
+        torch.cuda.nccl.all_reduce(xs)
 
 
 def default_all_reduce(devices: Sequence[torch.device]) -> AllReduce:

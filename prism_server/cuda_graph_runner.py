@@ -10,6 +10,7 @@ come and go.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -38,6 +39,15 @@ class GraphAttention(Protocol):
         """Inside the graph, before the first layer: per-step device work."""
 
     def forward(self, layer_idx: int, q, k, v, spec) -> torch.Tensor: ...
+
+
+@functools.cache
+def capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """The device's shared capture stream, for graphs captured without a lane's own (see
+    CudaGraphRunner). A capture and its warm-up run on a stream of the model's device:
+    torch's default capture stream is made once per process, on the device current then, and
+    a capture on another device's stream records nothing of the model's kernels."""
+    return torch.cuda.Stream(device)
 
 
 # (kv views, batch size, max blocks per sequence) -> the graph attention of that size
@@ -69,11 +79,14 @@ class CudaGraphRunner:
         max_blocks: int,
         device: torch.device,
         pool=None,
+        stream: torch.cuda.Stream | None = None,
     ):
         """pool: a graph memory pool (torch.cuda.graph_pool_handle()) to capture into, shared
-        with other runners whose graphs never replay concurrently; None = a pool of its own."""
+        with other runners whose graphs never replay concurrently; None = a pool of its own.
+        stream: the stream of the device to capture on, shared likewise (graphs captured on one
+        stream by one thread share one cuBLAS workspace); None = the device's capture_stream."""
         self.model, self.kv_views, self.attention = model, kv_views, attention
-        self.pool = pool
+        self.pool, self.stream = pool, stream
         self.batch_sizes = sorted(set(batch_sizes))
         self.max_blocks, self.device = max_blocks, device
         n = self.batch_sizes[-1]
@@ -91,22 +104,30 @@ class CudaGraphRunner:
     def capture(self) -> None:
         """Capture every batch size, largest first, into one memory pool. Only the static
         outputs (logits) outlive a replay, so graphs sharing the pool never see each other's
-        live data."""
+        live data. Each size is warmed up first on the capture stream (kernels chosen, the
+        stream's cuBLAS workspace made), after the work queued before on the current one."""
         pool = self.pool
-        for bs in reversed(self.batch_sizes):
-            attn = self.attention(self.kv_views, bs, self.max_blocks)
-            null_rows = [SeqChunk(0, 1, [0])] * bs  # one-token sequences in the null block
-            md = AttentionMetadata.build(null_rows, self._block_size(), self.device)
-            attn.plan(md)
-            self._forward(bs, attn)  # warm-up: kernels chosen, workspaces allocated
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            # NOTE: thread_local: the engine thread may be stepping other models meanwhile.
-            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                self.buffers.logits[bs] = self._forward(bs, attn)
-            pool = graph.pool()
-            self.graphs[bs] = _Graph(graph, attn)
+        stream = self.stream or capture_stream(self.device)
+        outer = torch.cuda.current_stream(self.device)
+        stream.wait_stream(outer)
+        with torch.cuda.stream(stream):
+            for bs in reversed(self.batch_sizes):
+                attn = self.attention(self.kv_views, bs, self.max_blocks)
+                null_rows = [SeqChunk(0, 1, [0])] * bs  # one-token sequences in the null block
+                md = AttentionMetadata.build(null_rows, self._block_size(), self.device)
+                attn.plan(md)
+                self._forward(bs, attn)  # warm-up
+                stream.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                # NOTE: thread_local: the engine thread may be stepping other models meanwhile.
+                with torch.cuda.graph(
+                    graph, pool=pool, stream=stream, capture_error_mode="thread_local"
+                ):
+                    self.buffers.logits[bs] = self._forward(bs, attn)
+                pool = graph.pool()
+                self.graphs[bs] = _Graph(graph, attn)
         self.pool = pool  # the pool they were captured into (other graphs of the model share it)
+        outer.wait_stream(stream)
         torch.cuda.synchronize(self.device)
         log.info("captured decode graphs for batch sizes %s", self.batch_sizes)
 

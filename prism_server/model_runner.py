@@ -79,13 +79,15 @@ class DeviceResources:
         self._xqa_workspace: torch.Tensor | None = None
         self._graph_pool = None
         self._stream: torch.cuda.Stream | None = None
+        self._capture_stream: torch.cuda.Stream | None = None
 
     def lane_of_same_device(self, lane: int) -> DeviceResources:
         """Another lane of this device: the same kernels and graphs, its own workspace, graph
-        pool and stream."""
+        pool, stream and capture stream."""
         other = copy.copy(self)
         other.lane = lane
-        other._workspace = other._xqa_workspace = other._graph_pool = other._stream = None
+        other._workspace = other._xqa_workspace = other._graph_pool = None
+        other._stream = other._capture_stream = None
         return other
 
     def stepping(self):
@@ -111,6 +113,14 @@ class DeviceResources:
                 XQA_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device
             )
         return self._xqa_workspace
+
+    def capture_stream(self) -> torch.cuda.Stream:
+        """The stream this lane's graphs are captured on: one per lane, since torch gives
+        cuBLAS a workspace per (thread, stream), baked into every graph captured there, and
+        two lanes' graphs replay at once."""
+        if self._capture_stream is None:
+            self._capture_stream = torch.cuda.Stream(self.device)
+        return self._capture_stream
 
     def graph_pool(self):
         if self._graph_pool is None:
@@ -188,6 +198,7 @@ class ModelRunner:
                 max_blocks,
                 device,
                 pool=resources.graph_pool() if resources is not None else None,
+                stream=resources.capture_stream() if resources is not None else None,
             )
             self.graphs.capture()
         self.pieces: PiecewiseGraphs | None = None
@@ -198,7 +209,7 @@ class ModelRunner:
         if self.graphs is not None and buckets:
             views = kv_cache.layer_views if piecewise_kv else None
             self.pieces = PiecewiseGraphs(
-                model, buckets, device, pool=self.graphs.pool, kv_views=views
+                model, buckets, device, self.graphs.pool, views, self.graphs.stream
             )
             self.pieces.capture()
         # FlashInfer's plan stages its tables in pinned host buffers that a queued copy reads:

@@ -126,12 +126,16 @@ class ModelWorker:
             )
         self.scheduler = BatchScheduler(sched, self.kv.allocator, self.kv.allocator.prefix)
         allocated = _allocated(self.device)
-        if shard_pools:
-            self.runner = TensorParallelRunner(model, self.kv)
-        else:
-            self.runner = ModelRunner(model, self.kv.cache, self.device, resources=resources)
-        if self.device.type == "cuda":
-            self.runner.warm_up()  # every kernel compiled before the first request
+        # on the lane's stream: the graph warm-ups, the kernels' warm-up and the profile use the
+        # lane's workspaces and graph pool, while its other models may be stepping
+        lane = resources.stepping if resources is not None else contextlib.nullcontext
+        with lane():
+            if shard_pools:
+                self.runner = TensorParallelRunner(model, self.kv)
+            else:
+                self.runner = ModelRunner(model, self.kv.cache, self.device, resources=resources)
+            if self.device.type == "cuda":
+                self.runner.warm_up()  # every kernel compiled before the first request
         # device memory it holds outside the pool: attention state, graphs, buffers
         self.overhead_bytes = _allocated(self.device) - allocated
         self.sampler = Sampler(self.device)
@@ -168,7 +172,9 @@ class ModelWorker:
         self.on_step: Callable[[ModelWorker, float, StepShape, float, float], None] | None = None
         if profile_budget_s > 0:
             t = time.perf_counter()
-            self.latency.fit_profile(profile_steps(self.runner, self.scheduler, profile_budget_s))
+            with lane():
+                profile = profile_steps(self.runner, self.scheduler, profile_budget_s)
+            self.latency.fit_profile(profile)
             a = self.kv.allocator
             a.reclaim_pages(a.num_cached_pages)  # what the profile mapped goes back to the pool
             log.info(

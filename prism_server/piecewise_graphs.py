@@ -22,7 +22,6 @@ bucket's replays are self-contained (nothing of one step's replay is read by ano
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ import torch
 
 from models.attention.base import ForwardContext, LayerAttention
 from models.attention.flashinfer_paged import KVSlots, write_kv
+from prism_server import cuda_graph_runner
 
 log = logging.getLogger(__name__)
 
@@ -98,13 +98,6 @@ class _SegmentHook:
         return o.out[:t]
 
 
-@functools.cache
-def _capture_stream(device: torch.device) -> torch.cuda.Stream:
-    """One side stream per device for every piecewise capture (a new stream per capture would
-    cycle through torch's stream pool, each with a cuBLAS workspace of its own)."""
-    return torch.cuda.Stream(device)
-
-
 class PiecewiseGraphs:
     def __init__(
         self,
@@ -113,12 +106,14 @@ class PiecewiseGraphs:
         device: torch.device,
         pool=None,
         kv_views: list[torch.Tensor] | None = None,
+        stream: torch.cuda.Stream | None = None,
     ):
         """buckets: the step sizes (tokens) to capture; pool: a graph memory pool shared with
         graphs that never replay concurrently (None: its own); kv_views: the model's KV cache
         views ([num_blocks, 2, block_size, H, D] per layer) when the segments write K/V (the
-        step's attention then must not)."""
-        self.model, self.device, self.pool = model, device, pool
+        step's attention then must not); stream: the stream to capture on, shared likewise
+        (see CudaGraphRunner; None: the device's capture stream)."""
+        self.model, self.device, self.pool, self.stream = model, device, pool, stream
         self.buckets = sorted(set(buckets))
         n = self.buckets[-1]
         self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
@@ -148,7 +143,7 @@ class PiecewiseGraphs:
         """Capture every bucket, largest first (the pool's high-water mark is set once), on the
         device's capture stream, warmed up on it first: the kernels are chosen and the
         per-stream workspaces (cuBLAS's) made before any capture."""
-        stream = _capture_stream(self.device)
+        stream = self.stream or cuda_graph_runner.capture_stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for n in reversed(self.buckets):

@@ -116,3 +116,40 @@ def test_the_engine_serves_a_model_split_over_two_gpus(tmp_path):
         for a, b in zip(whole, split)
     ]
     assert same >= 1 and min(prefix) >= 4, (whole, split)
+
+
+def test_decode_graphs_on_the_second_gpu_and_after_a_move_give_the_first_gpus_tokens():
+    """Two copies of one dummy model, one on each GPU: the same greedy tokens from either (a
+    graph captured on the wrong device's stream records nothing and replays stale logits),
+    and again once the second copy has moved to the first GPU and back."""
+    from prism_server.config import EngineConfig, ModelSpec
+    from prism_server.engine import Engine
+    from scheduler.sampling_params import SamplingParams
+
+    specs = (ModelSpec("a", "dummy:llama-3.2-1b"), ModelSpec("b", "dummy:llama-3.2-1b"))
+    cfg = EngineConfig(models=specs, device="cuda", devices=2, kv_budget_bytes=4 << 30)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    prompts = [[5, 17, 200, 3, 99], [42, 7, 250, 11, 64, 1, 180, 9], [8] * 40]
+
+    with Engine(cfg) as e:
+
+        def tokens(name: str) -> list[list[int]]:
+            return [o.token_ids for o in e.generate(name, prompts, params)]
+
+        def move_b(dst: str) -> None:
+            w = next(w for w in e.workers if w.name == e.model("b").device)
+            assert w.call(lambda: w.plan_evict("b"))  # offloaded as the plan does: it may move
+            assert e.migrate("b", dst) and e.model("b").device == dst
+
+        names = [w.name for w in e.workers]
+        home = e.model("a").device
+        away = next(n for n in names if n != home)
+        ref = tokens("a")
+        if e.model("b").device == home:
+            move_b(away)
+        assert tokens("b") == ref  # on the other GPU
+        move_b(home)
+        assert tokens("b") == ref  # moved beside "a"
+        move_b(away)
+        assert tokens("b") == ref  # and back
+        e.check_integrity()

@@ -13,6 +13,7 @@ import functools
 import pytest
 import torch
 
+import prism_server.cuda_graph_runner as cgr
 import prism_server.piecewise_graphs as pg
 from models.attention.base import AttentionMetadata, SeqChunk
 from models.attention.flashinfer_paged import KVSlots, RowsWriter
@@ -53,7 +54,7 @@ def no_cuda_graphs(monkeypatch):
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _NoStream())
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
-    monkeypatch.setattr(pg, "_capture_stream", lambda device: _NoStream())
+    monkeypatch.setattr(cgr, "capture_stream", lambda device: _NoStream())
 
 
 def test_piecewise_capture_builds_a_segment_per_attention_call(no_cuda_graphs):

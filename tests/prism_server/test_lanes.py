@@ -17,13 +17,15 @@ PARAMS = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12], [3, 4], [8, 8, 8, 8, 8]]
 
 
-def _serve_both(lanes: int, monkeypatch) -> tuple[dict, int, dict]:
-    """Both models' requests at once; (tokens per request, companion steps, lane per model)."""
+def serve_both(
+    lanes: int, monkeypatch, source: str = "dummy:tiny-llama", block_size: int = 4, **engine
+) -> tuple[dict, int, dict]:
+    """Both models' requests at once; (tokens per request, companion steps, lane per model).
+    engine: the EngineConfig's device and memory (a 64 KiB page on the CPU by default)."""
     monkeypatch.setenv("PRISM_DECODE_LANES", str(lanes))
-    specs = tuple(
-        ModelSpec(n, "dummy:tiny-llama", block_size=4, seed=i) for i, n in enumerate("ab")
-    )
-    cfg = EngineConfig(models=specs, device="cpu", page_bytes=64 << 10, plan_interval_s=3600.0)
+    specs = tuple(ModelSpec(n, source, block_size=block_size, seed=i) for i, n in enumerate("ab"))
+    engine = engine or {"device": "cpu", "page_bytes": 64 << 10}
+    cfg = EngineConfig(models=specs, plan_interval_s=3600.0, **engine)
     with Engine(cfg) as e:
         done: queue.SimpleQueue = queue.SimpleQueue()
         got: dict[tuple[str, int], list[int]] = {}
@@ -47,8 +49,8 @@ def _serve_both(lanes: int, monkeypatch) -> tuple[dict, int, dict]:
 
 
 def test_two_lanes_step_both_models_at_once_and_give_one_lanes_tokens(monkeypatch):
-    one, none, lane_one = _serve_both(1, monkeypatch)
-    two, companions, lane_two = _serve_both(2, monkeypatch)
+    one, none, lane_one = serve_both(1, monkeypatch)
+    two, companions, lane_two = serve_both(2, monkeypatch)
     assert lane_one == {"a": 0, "b": 0} and lane_two == {"a": 0, "b": 1}
     assert none == 0 and companions > 0
     assert two == one and all(len(t) == 24 for t in two.values())

@@ -1,0 +1,27 @@
+"""Two decode lanes on one GPU: two models' steps at once on two streams, each lane with its own
+workspaces, graph pool and capture stream (graphs captured on one stream share one cuBLAS
+workspace, a race once two lanes replay at once). The tokens are those of one lane, up to bf16
+near-ties (a batch's shape may differ between the two runs)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.gpu.common import GPU
+from tests.prism_server.test_lanes import serve_both
+
+pytestmark = GPU
+GPU_ENGINE = {"device": "cuda", "kv_budget_bytes": 4 << 30}
+
+
+@pytest.mark.parametrize("backend", ["flashinfer", "xqa"])
+def test_two_lanes_on_a_gpu_give_one_lanes_tokens(monkeypatch, backend):
+    monkeypatch.setenv("PRISM_DECODE_BACKEND", backend)
+    kw = dict(source="dummy:llama-3.2-1b", block_size=16, **GPU_ENGINE)
+    one, _, _ = serve_both(1, monkeypatch, **kw)
+    two, companions, lanes = serve_both(2, monkeypatch, **kw)
+    assert lanes == {"a": 0, "b": 1} and companions > 0
+    assert all(len(t) == 24 for t in two.values())
+    same = sum(two[k] == one[k] for k in one)
+    prefix = [next((i for i, (x, y) in enumerate(zip(one[k], two[k])) if x != y), 24) for k in one]
+    assert same >= len(one) - 2 and min(prefix) >= 4, (one, two)
