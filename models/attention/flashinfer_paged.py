@@ -104,11 +104,12 @@ class KernelChoice:
             )
 
     def decode_plan_kwargs(self, graph: bool = False) -> dict:
-        """The decode plan's split-kv keywords for this choice. A captured graph keeps the
-        kernel its capture planned (one-token rows: no split), so a fixed split would replay
-        without its merge: graphs take "no split" alone and leave a fixed split to eager steps."""
+        """The decode plan's split-kv keywords for this choice, for eager steps: a graph is
+        always planned by FlashInfer's planner (a captured graph keeps the kernel its capture
+        planned, on one-token rows: a fixed split would replay without its merge; and "no
+        split" in a graph faulted on the H200 with head_dim 256)."""
         n = self.decode_split_pages
-        if n is None or (n and graph):
+        if n is None or graph:
             return {}
         return {"disable_split_kv": True} if n == 0 else {"fixed_split_size": n}
 

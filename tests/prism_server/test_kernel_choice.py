@@ -19,10 +19,8 @@ def test_the_defaults_and_a_bad_backend():
     assert KernelChoice().decode_plan_kwargs() == {}
     assert KernelChoice(decode_split_pages=0).decode_plan_kwargs() == {"disable_split_kv": True}
     assert KernelChoice(decode_split_pages=16).decode_plan_kwargs() == {"fixed_split_size": 16}
-    # a graph replays what its capture planned: no split holds, a fixed split is eager-only
-    assert KernelChoice(decode_split_pages=0).decode_plan_kwargs(graph=True) == {
-        "disable_split_kv": True
-    }
+    # a graph replays what its capture planned: the split choice is for eager steps
+    assert KernelChoice(decode_split_pages=0).decode_plan_kwargs(graph=True) == {}
     assert KernelChoice(decode_split_pages=16).decode_plan_kwargs(graph=True) == {}
     for n in (16, 0):
         with pytest.raises(ValueError, match="tensor-core decode kernel"):
