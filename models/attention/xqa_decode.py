@@ -4,7 +4,10 @@ One kernel per layer and step: it reads each sequence's pages straight from the 
 ([B, max_blocks] int32, the table kvpool's allocator fills) and the lengths, so a step needs no
 plan and no CSR index. When the batch is too small to fill the GPU it splits each sequence over
 several thread blocks and merges the parts itself (semaphores in its own workspace), where
-FlashInfer's split-KV decode runs a second kernel per layer to merge them.
+FlashInfer's split-KV decode runs a second kernel per layer to merge them. Measured on the H200
+with a bf16 cache (docs/BENCHMARKS.md), it is slower than FlashInfer's tensor-core decode: 0.66
+against 0.40 ms of attention in an 8B model's batch-1 step (a bf16 cache runs TensorRT-LLM's
+generic kernel; its Hopper kernel is for fp8 caches). So it is a choice, not the default.
 
 What it needs: a page size of 16, 32, 64 or 128 tokens, a head_dim that is a multiple of 16 up
 to 256, whole query-head groups, no logit soft cap (`xqa_unsupported`), a Hopper or Blackwell GPU,
