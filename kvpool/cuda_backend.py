@@ -10,13 +10,16 @@ cuMemMap, ~21-24 us per cuMemSetAccess and ~15 us per cuMemUnmap, per handle wha
 driver serializes threads. So the pool creates few, large handles ahead of need and keeps them.
 
 Every call runs with the device's primary context current: the context torch's runtime uses, so
-views and kernels see the same address space. It is made current on each calling thread the first
-time that thread calls in (the engine maps pages on its own thread).
+views and kernels see the same address space. Any thread may call in (a device's engine thread
+maps pages in another device's pool for a model split over both): for the call, this device's
+context is made current on the calling thread, and the thread's own is current again after. The
+runtime's current device is the thread's current context, so a context left current would move
+the thread's torch device.
 """
 
 from __future__ import annotations
 
-import threading
+import contextlib
 from collections.abc import Sequence
 
 import torch
@@ -61,13 +64,13 @@ class CudaBackend(MemoryBackend):
         torch.cuda.init()
         index = device.index if device.index is not None else torch.cuda.current_device()
         self.device = torch.device("cuda", index)
-        torch.cuda.set_device(self.device)  # torch's runtime now holds the primary context
+        with torch.cuda.device(self.device):  # torch's runtime holds the primary context
+            torch.cuda.current_stream(self.device)
         self.cu = cu = _driver_module()
-        self._local = threading.local()
-        self._ctx = None
-        self._call(cu.cuInit, 0, need_context=False)
-        self._dev = self._call(cu.cuDeviceGet, index, need_context=False)
-        self._ctx = self._call(cu.cuDevicePrimaryCtxRetain, self._dev, need_context=False)
+        self._call(cu.cuInit, 0)
+        self._dev = self._call(cu.cuDeviceGet, index)
+        self._ctx = self._call(cu.cuDevicePrimaryCtxRetain, self._dev)
+        self._ctx_id = int(self._ctx)
 
         prop = cu.CUmemAllocationProp()
         prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
@@ -80,26 +83,32 @@ class CudaBackend(MemoryBackend):
         access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
         self._access = [access]
         flag = cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
-        self._granularity = int(self._call(cu.cuMemGetAllocationGranularity, prop, flag))
+        with self._current():
+            self._granularity = int(self._call(cu.cuMemGetAllocationGranularity, prop, flag))
 
     # ---- driver plumbing ------------------------------------------------------------------------
-    def _ensure_context(self) -> None:
-        if getattr(self._local, "ctx_set", False):
+    @contextlib.contextmanager
+    def _current(self):
+        """This device's primary context current on the calling thread for the block, and the
+        thread's own again after (a thread already in it pays one query)."""
+        prev = self._call(self.cu.cuCtxGetCurrent)
+        if int(prev) == self._ctx_id:
+            yield
             return
-        err = self.cu.cuCtxSetCurrent(self._ctx)[0]
-        if err != self.cu.CUresult.CUDA_SUCCESS:
-            raise CudaDriverError("cuCtxSetCurrent", err, self._error_string(err))
-        self._local.ctx_set = True
+        self._call(self.cu.cuCtxSetCurrent, self._ctx)
+        try:
+            yield
+        finally:
+            self.cu.cuCtxSetCurrent(prev)
 
     def _error_string(self, err) -> str:
         res = self.cu.cuGetErrorString(err)
         msg = res[1] if len(res) > 1 else None
         return msg.decode() if isinstance(msg, bytes) else str(msg)
 
-    def _call(self, fn, *args, need_context: bool = True):
-        """fn(*args) -> its value(s); raises CudaDriverError unless CUDA_SUCCESS."""
-        if need_context:
-            self._ensure_context()
+    def _call(self, fn, *args):
+        """fn(*args) -> its value(s); raises CudaDriverError unless CUDA_SUCCESS. The caller has
+        made the context current where fn needs one (_current)."""
         res = fn(*args)
         err = res[0]
         if err != self.cu.CUresult.CUDA_SUCCESS:
@@ -115,48 +124,56 @@ class CudaBackend(MemoryBackend):
 
     def create(self, size: int) -> PhysicalHandle:
         assert size % self.granularity == 0, size
-        return PhysicalHandle(size=size, raw=self._call(self.cu.cuMemCreate, size, self._prop, 0))
+        with self._current():
+            raw = self._call(self.cu.cuMemCreate, size, self._prop, 0)
+        return PhysicalHandle(size=size, raw=raw)
 
     def release(self, handle: PhysicalHandle) -> None:
-        self._call(self.cu.cuMemRelease, handle.raw)
+        with self._current():
+            self._call(self.cu.cuMemRelease, handle.raw)
         handle.raw = None
 
     def reserve(self, size: int) -> Reservation:
         size = self.round_up(size)
-        ptr = self._call(self.cu.cuMemAddressReserve, size, 0, 0, 0)
+        with self._current():
+            ptr = self._call(self.cu.cuMemAddressReserve, size, 0, 0, 0)
         return Reservation(addr=int(ptr), size=size)
 
     def free(self, res: Reservation) -> None:
-        self._call(self.cu.cuMemAddressFree, res.addr, res.size)
+        with self._current():
+            self._call(self.cu.cuMemAddressFree, res.addr, res.size)
 
     def map(self, res: Reservation, offset: int, handle: PhysicalHandle) -> None:
         assert offset % self.granularity == 0 and offset + handle.size <= res.size
         addr = res.addr + offset
-        self._call(self.cu.cuMemMap, addr, handle.size, 0, handle.raw, 0)
-        try:
-            self._call(self.cu.cuMemSetAccess, addr, handle.size, self._access, 1)
-        except CudaDriverError:
-            self._call(self.cu.cuMemUnmap, addr, handle.size)
-            raise
+        with self._current():
+            self._call(self.cu.cuMemMap, addr, handle.size, 0, handle.raw, 0)
+            try:
+                self._call(self.cu.cuMemSetAccess, addr, handle.size, self._access, 1)
+            except CudaDriverError:
+                self._call(self.cu.cuMemUnmap, addr, handle.size)
+                raise
 
     def map_many(self, res: Reservation, mappings: Sequence[tuple[int, PhysicalHandle]]) -> None:
         """cuMemMap each handle, then one cuMemSetAccess per run of adjacent mappings."""
         mapped: list[tuple[int, int]] = []  # (offset, size)
-        try:
-            for offset, handle in sorted(mappings, key=lambda m: m[0]):
-                assert offset % self.granularity == 0 and offset + handle.size <= res.size
-                self._call(self.cu.cuMemMap, res.addr + offset, handle.size, 0, handle.raw, 0)
-                mapped.append((offset, handle.size))
-            for start, size in _runs(mapped):
-                self._call(self.cu.cuMemSetAccess, res.addr + start, size, self._access, 1)
-        except BaseException:
-            for offset, size in mapped:
-                self.cu.cuMemUnmap(res.addr + offset, size)  # best effort; the first error wins
-            raise
+        with self._current():
+            try:
+                for offset, handle in sorted(mappings, key=lambda m: m[0]):
+                    assert offset % self.granularity == 0 and offset + handle.size <= res.size
+                    self._call(self.cu.cuMemMap, res.addr + offset, handle.size, 0, handle.raw, 0)
+                    mapped.append((offset, handle.size))
+                for start, size in _runs(mapped):
+                    self._call(self.cu.cuMemSetAccess, res.addr + start, size, self._access, 1)
+            except BaseException:
+                for offset, size in mapped:
+                    self.cu.cuMemUnmap(res.addr + offset, size)  # best effort: the first error
+                raise
 
     def unmap(self, res: Reservation, offset: int, size: int) -> None:
         assert offset % self.granularity == 0 and offset + size <= res.size
-        self._call(self.cu.cuMemUnmap, res.addr + offset, size)
+        with self._current():
+            self._call(self.cu.cuMemUnmap, res.addr + offset, size)
 
     def view(self, res: Reservation) -> torch.Tensor:
         # NOTE: torch asks the driver which device a pointer lives on (cudaPointerGetAttributes),
@@ -176,8 +193,8 @@ class CudaBackend(MemoryBackend):
                 self.release(probe)
 
     def _as_tensor(self, res: Reservation) -> torch.Tensor:
-        self._ensure_context()
-        t = torch.as_tensor(_DeviceRange(res.addr, res.size), device=self.device)
+        with self._current():
+            t = torch.as_tensor(_DeviceRange(res.addr, res.size), device=self.device)
         assert t.data_ptr() == res.addr and t.device == self.device
         return t
 

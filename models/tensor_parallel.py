@@ -82,15 +82,16 @@ def host_all_reduce(xs: list[torch.Tensor]) -> None:
         x.copy_(total)
 
 
-_nccl_order = threading.Lock()
+# Held while a split model queues work on several GPUs (its step's copies and collectives):
+# two split models stepped from two threads would otherwise queue them on the GPUs' streams in
+# different orders, each GPU then waiting for the other's.
+collective_order = threading.RLock()
 
 
 def nccl_all_reduce(xs: list[torch.Tensor]) -> None:
     """Sums the shards' tensors (one per GPU, contiguous) into each of them: NCCL's all-reduce,
-    launched on each GPU's current stream from this one process. One call at a time: two
-    split models stepped from two threads would otherwise queue their collectives on two
-    GPUs in opposite orders, each GPU then waiting for the other's."""
-    with _nccl_order:
+    launched on each GPU's current stream from this one process (in collective_order)."""
+    with collective_order:
         torch.cuda.nccl.all_reduce(xs)
 
 

@@ -32,6 +32,7 @@ from models.attention.flashinfer_paged import (
 from models.attention.torch_paged import TorchPagedAttention
 from models.attention.upload import host_ints, upload
 from models.attention.xqa_decode import XQA_WORKSPACE_BYTES
+from models.tensor_parallel import collective_order
 from prism_server.cuda_graph_runner import DEFAULT_BATCH_SIZES, CudaGraphRunner
 from prism_server.piecewise_graphs import (
     DEFAULT_MAX_TOKENS,
@@ -369,15 +370,16 @@ class TensorParallelRunner(ModelRunner):
     def _forward(self, input_ids, pos, md) -> torch.Tensor:
         ids, poss, ctxs = [], [], []
         shards = zip(self.attentions, self.caches, self.model.devices, self._plans)
-        for attn, cache, dev, planned in shards:
-            # the shard's device current while its attention is planned (FlashInfer stages its
-            # tables on the current device's stream)
-            with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
-                if planned is not None:
-                    planned.synchronize()  # the shard's last plan's staged copies have run
-                ctxs.append(ForwardContext(attn=attn(cache.layer_views, md.to(dev))))
-                if planned is not None:
-                    planned.record()
-                ids.append(input_ids.to(dev, non_blocking=True))
-                poss.append(pos.to(dev, non_blocking=True))
-        return self.model(ids, poss, ctxs)[0]
+        with collective_order:  # the whole step queued before another split model's
+            for attn, cache, dev, planned in shards:
+                # the shard's device current while its attention is planned (FlashInfer stages
+                # its tables on the current device's stream)
+                with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+                    if planned is not None:
+                        planned.synchronize()  # the shard's last plan's staged copies have run
+                    ctxs.append(ForwardContext(attn=attn(cache.layer_views, md.to(dev))))
+                    if planned is not None:
+                        planned.record()
+                    ids.append(input_ids.to(dev, non_blocking=True))
+                    poss.append(pos.to(dev, non_blocking=True))
+            return self.model(ids, poss, ctxs)[0]
