@@ -570,16 +570,20 @@ class Engine:
                 model = empty_model(model0.config, dtype, device, place, envs.fused_kernels())
                 host.retarget(device)
                 host.load(box["weights"].bytes())
-                worker = self._worker(
-                    served.spec,
-                    model,
-                    old.outputs.tokenizer,
-                    dev,
-                    old.scheduler.config,
-                    old.kv.layout.dtype,
-                    box["weights"],
-                    host,
-                    profile=False,  # its latency model comes with its history (inherit)
+                # built on dev's engine thread, between its steps: the runner's graph warm-ups
+                # and kernels' warm-up use the lane's workspaces, which its models' steps use
+                worker = dev.call(
+                    lambda: self._worker(
+                        served.spec,
+                        model,
+                        old.outputs.tokenizer,
+                        dev,
+                        old.scheduler.config,
+                        old.kv.layout.dtype,
+                        box["weights"],
+                        host,
+                        profile=False,  # its latency model comes with its history (inherit)
+                    )
                 )
         except BaseException:
             if "weights" in box:
