@@ -265,6 +265,7 @@ class ModelWorker:
     def _offload(self) -> None:
         self.flush_outputs()
         self.scheduler.preempt_all()
+        self._settle_shards()
         self.kv.allocator.release_all()
         self.weights.unmap()
         self.scheduler.admitting = True
@@ -725,8 +726,18 @@ class ModelWorker:
             setattr(self, name, getattr(old, name))
         self.transitions = deque([*old.transitions, *self.transitions], maxlen=TRANSITION_LOG)
 
+    def _settle_shards(self) -> None:
+        """A split model's kernels on its other devices done, before its pages there go: its
+        last step there (the final norm, after the last all-reduce) reads its weights there,
+        and reading its tokens waits for its first device only."""
+        if isinstance(self.runner, TensorParallelRunner):
+            for d in self.runner.model.devices[1:]:
+                if d.type == "cuda":
+                    torch.cuda.synchronize(d)
+
     def close(self) -> None:
         self.sync()  # nothing of it on the device when its pages go
+        self._settle_shards()
         if self._transfer is not None:  # never free pages a copy is still writing
             self._transfer.wait()
             self._transfer = None
