@@ -96,7 +96,11 @@ class HostCopy:
             return Transfer(future=_copy_thread().submit(copy_chunks, dst, self.data, chunk_bytes))
         self._stream.wait_stream(torch.cuda.current_stream(self.device))  # the map is done
         with torch.cuda.stream(self._stream):
-            copy_chunks(dst, self.data, chunk_bytes)
+            try:
+                copy_chunks(dst, self.data, chunk_bytes)
+            except BaseException:
+                self._stream.synchronize()  # the chunks queued before the error have landed
+                raise
             event = torch.cuda.Event()
             event.record(self._stream)
         return Transfer(event=event)

@@ -66,8 +66,20 @@ class _Transfers(Transfer):
         return all(t.done() for t in self.parts)
 
     def wait(self) -> None:
-        for t in self.parts:
+        """Every part landed or failed, then the first failure raised: the caller unmaps the
+        pages on a failure, and none may still be written then."""
+        _wait_all(self.parts)
+
+
+def _wait_all(parts: Sequence[Transfer]) -> None:
+    first: BaseException | None = None
+    for t in parts:
+        try:
             t.wait()
+        except BaseException as e:  # noqa: BLE001 (the first is raised once all are done)
+            first = first or e
+    if first is not None:
+        raise first
 
 
 class ShardedHostCopy:
@@ -83,8 +95,19 @@ class ShardedHostCopy:
             p.save(s)
 
     def load_async(self, dsts: list[torch.Tensor]) -> Transfer:
-        """Every shard's copy started at once, each on its own device's copy stream."""
-        return _Transfers([p.load_async(d) for p, d in zip(self.parts, dsts, strict=True)])
+        """Every shard's copy started at once, each on its own device's copy stream. If one
+        cannot start, those started are waited for before the error is raised."""
+        started: list[Transfer] = []
+        try:
+            for p, d in zip(self.parts, dsts, strict=True):
+                started.append(p.load_async(d))
+        except BaseException:
+            try:
+                _wait_all(started)
+            except BaseException:  # noqa: BLE001 (the error that stopped the start wins)
+                pass
+            raise
+        return _Transfers(started)
 
     def close(self) -> None:
         for p in self.parts:

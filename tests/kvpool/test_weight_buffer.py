@@ -137,3 +137,34 @@ def test_cuda_activation_copies_on_a_side_stream():
     host.close()
     p.check_integrity()
     p.close()
+
+
+def test_a_split_copy_that_fails_is_waited_for_whole_before_its_pages_may_go():
+    """One shard's copy fails (its destination is too small): the wait raises only once the
+    other shard's copy has landed too, and a copy that cannot start (a destination missing)
+    waits for those started; the pages are then unmapped with nothing writing them."""
+    from kvpool.sharded_weights import ShardedHostCopy
+
+    p = pool(24)
+    big = WeightLayout.pack([("w", (1 << 18,), torch.float32)])  # 1 MiB: 16 pages
+    small = WeightLayout.pack([("w", (16,), torch.float32)])
+    bufs = [WeightBuffer(p, "m/0", big), WeightBuffer(p, "m/1", small)]
+    assert all(b.map() for b in bufs)
+    hosts = [HostCopy(big.nbytes, torch.device("cpu")) for _ in range(2)]
+    for h in hosts:
+        h.data.copy_(torch.randint(0, 255, (h.nbytes,), dtype=torch.uint8))
+    copy = ShardedHostCopy(hosts)
+    transfer = copy.load_async([bufs[0].bytes(), bufs[1].bytes()])
+    with pytest.raises(RuntimeError):
+        transfer.wait()
+    assert all(t.done() for t in transfer.parts)
+    assert torch.equal(bufs[0].bytes(), hosts[0].data)
+    bufs[0].bytes().zero_()
+    with pytest.raises(ValueError):  # one destination for two shards
+        copy.load_async([bufs[0].bytes()])
+    assert torch.equal(bufs[0].bytes(), hosts[0].data)  # the started copy had landed
+    for b in bufs:
+        b.unmap()
+        b.check_integrity()
+        b.close()
+    p.check_integrity()
