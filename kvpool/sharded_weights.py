@@ -8,6 +8,7 @@ own device's (its `pages` are what that device accounts)."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import torch
@@ -102,10 +103,8 @@ class ShardedHostCopy:
             for p, d in zip(self.parts, dsts, strict=True):
                 started.append(p.load_async(d))
         except BaseException:
-            try:
+            with contextlib.suppress(BaseException):  # the error that stopped the start wins
                 _wait_all(started)
-            except BaseException:  # noqa: BLE001 (the error that stopped the start wins)
-                pass
             raise
         return _Transfers(started)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import time
 import urllib.request
 
 import pytest
@@ -49,7 +50,14 @@ def test_status_reports_the_pool_the_models_and_their_residency_changes():
         asyncio.run(
             run_once(srv.url, [Row(0.0, "a", 8, 4)], {"a": {"ttft_s": 9, "tpot_s": 9}}, 1, 1)
         )
-        st = _get(srv.url + "/v1/status")
+        # its request answered, a leaves on the engine thread's next turn: read once it has
+        deadline = time.monotonic() + 30
+        while True:
+            st = _get(srv.url + "/v1/status")
+            a = next(m for m in st["devices"][0]["models"] if m["name"] == "a")
+            if a["residency"] == "offloaded" or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
         metrics = urllib.request.urlopen(srv.url + "/metrics").read().decode()
     finally:
         srv.close()
