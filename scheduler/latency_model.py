@@ -94,6 +94,9 @@ class StepShape:
 DEFAULT_COEFFICIENTS = (2e-3, 2e-5, 1e-5, 1e-6, 2e-5, 5e-3)
 
 
+EXACT_EVERY = 4096  # measured samples between two sums of the window from scratch
+
+
 class LatencyModel:
     def __init__(
         self,
@@ -115,6 +118,12 @@ class LatencyModel:
         self.error: float | None = None  # EWMA of |estimate - measured| / measured
         self.observed = 0  # online samples since creation
         self._since_fit = 0
+        # the fit's normal equations, kept as samples come and go (a refit then costs a solve of
+        # six unknowns, not a pass over every sample): the profile's, and the measured window's
+        # (summed again from the window every EXACT_EVERY samples, so rounding cannot drift)
+        self._profile_sums = _Sums(n)
+        self._measured_sums = _Sums(n)
+        self._since_exact = 0
 
     @property
     def profiled(self) -> bool:
@@ -170,6 +179,7 @@ class LatencyModel:
     def fit_profile(self, samples: Iterable[tuple[StepShape, float]]) -> None:
         """Replace the profile with these measured steps and refit."""
         self.profile = [(s, float(t)) for s, t in samples if t > 0]
+        self._profile_sums = _Sums.of(self.profile)
         self._refit()
 
     def observe(self, shape: StepShape, seconds: float) -> float:
@@ -181,7 +191,15 @@ class LatencyModel:
         rel = abs(estimate - seconds) / seconds
         a = self.error_alpha
         self.error = rel if self.error is None else (1 - a) * self.error + a * rel
-        (self.recent_prefill if shape.has_prefill else self.recent).append((shape, seconds))
+        window = self.recent_prefill if shape.has_prefill else self.recent
+        if len(window) == window.maxlen:
+            self._measured_sums.add(*window[0], sign=-1.0)  # the sample about to leave
+        window.append((shape, seconds))
+        self._measured_sums.add(shape, seconds)
+        self._since_exact += 1
+        if self._since_exact >= EXACT_EVERY:
+            self._since_exact = 0
+            self._measured_sums = _Sums.of([*self.recent, *self.recent_prefill])
         self.observed += 1
         self._since_fit += 1
         if self._since_fit >= self.refit_every:
@@ -194,30 +212,63 @@ class LatencyModel:
         # counts less as the window of measured steps fills, so the model follows the device
         held = len(self.recent) + len(self.recent_prefill)
         w = max(0.1, 1.0 - held / ((self.recent.maxlen or 1) + (self.recent_prefill.maxlen or 1)))
-        measured = [*self.recent, *self.recent_prefill]
-        samples = [(s, t, w) for s, t in self.profile] + [(s, t, 1.0) for s, t in measured]
-        if len(samples) >= 2:
-            # relative least squares: each sample weighted by 1/t, so short decode steps count
-            # as much as long prefills
-            rows = [[wt * f / t for f in s.features()] for s, t, wt in samples]
-            self.coefficients = tuple(nnls(rows, [wt for *_, wt in samples]))
+        if len(self.profile) + held >= 2:
+            # relative least squares: each sample's row is its features / its seconds (so short
+            # decode steps count as much as long prefills), the profile's scaled by w
+            p, m = self._profile_sums, self._measured_sums
+            ata = [[w * w * a + b for a, b in zip(pa, ma)] for pa, ma in zip(p.ata, m.ata)]
+            aty = [w * w * a + b for a, b in zip(p.aty, m.aty)]
+            self.coefficients = tuple(nnls_normal(ata, aty))
+
+
+class _Sums:
+    """A^T A and A^T y of the relative least squares: a step's row is its features / seconds,
+    its target 1."""
+
+    def __init__(self, n: int):
+        self.ata = [[0.0] * n for _ in range(n)]
+        self.aty = [0.0] * n
+
+    @classmethod
+    def of(cls, samples: Iterable[tuple[StepShape, float]]) -> _Sums:
+        sums = cls(len(DEFAULT_COEFFICIENTS))
+        for shape, seconds in samples:
+            sums.add(shape, seconds)
+        return sums
+
+    def add(self, shape: StepShape, seconds: float, sign: float = 1.0) -> None:
+        row = [f / seconds for f in shape.features()]
+        for i, ri in enumerate(row):
+            if ri:
+                self.aty[i] += sign * ri
+                ata_i = self.ata[i]
+                for j, rj in enumerate(row):
+                    ata_i[j] += sign * ri * rj
 
 
 def nnls(rows: Sequence[Sequence[float]], y: Sequence[float]) -> list[float]:
-    """Non-negative least squares, min |A x - y| with x >= 0, for a few columns: solve the normal
-    equations on the free columns, clamp the most negative to zero (or drop a column that adds
+    """Non-negative least squares, min |A x - y| with x >= 0 (see nnls_normal)."""
+    n = len(rows[0])
+    ata = [[sum(r[i] * r[j] for r in rows) for j in range(n)] for i in range(n)]
+    aty = [sum(r[i] * v for r, v in zip(rows, y)) for i in range(n)]
+    return nnls_normal(ata, aty)
+
+
+def nnls_normal(ata: Sequence[Sequence[float]], aty: Sequence[float]) -> list[float]:
+    """Non-negative least squares from its normal equations (A^T A, A^T y), for a few columns:
+    solve them on the free columns, clamp the most negative to zero (or drop a column that adds
     nothing to the ones before it), repeat. The columns are scaled to unit norm first: a step's
     features span ten orders of magnitude (a constant beside millions of attention pairs), and
     unscaled, a small column's pivot looks singular."""
-    n = len(rows[0])
-    norms = [math.sqrt(sum(r[i] * r[i] for r in rows)) or 1.0 for i in range(n)]
-    rows = [[r[i] / norms[i] for i in range(n)] for r in rows]
+    n = len(aty)
+    norms = [math.sqrt(max(ata[i][i], 0.0)) or 1.0 for i in range(n)]
+    scaled = [[ata[i][j] / (norms[i] * norms[j]) for j in range(n)] for i in range(n)]
+    rhs = [aty[i] / norms[i] for i in range(n)]
     free = list(range(n))
     x = [0.0] * n
     while free:
-        ata = [[sum(r[i] * r[j] for r in rows) for j in free] for i in free]
-        aty = [sum(r[i] * v for r, v in zip(rows, y)) for i in free]
-        sol = _solve(ata, aty)
+        sub = [[scaled[i][j] for j in free] for i in free]
+        sol = _solve(sub, [rhs[i] for i in free])
         if isinstance(sol, int):  # a column without a signal of its own: dropped
             free.pop(sol)
             continue

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from scheduler.latency_model import LatencyModel, StepShape, nnls
 
 # c0, per token, per sequence, per 1k attention pairs, per 1k KV tokens read, per prefill step: a
@@ -115,3 +117,27 @@ def test_prefill_costs_stay_known_through_a_long_run_of_decode_steps():
         lm.observe(s, device(s))
     assert len(lm.recent_prefill) == 6 and len(lm.recent) == lm.recent.maxlen
     assert abs(lm.estimate(chunk) - device(chunk)) / device(chunk) < 0.05
+
+
+def test_the_fit_kept_as_samples_come_and_go_is_the_fit_of_the_samples_held():
+    """The normal equations are updated as a sample enters and the window's oldest leaves: after
+    many steps (both windows full and turned over), the coefficients are those of a fit over
+    the samples held, summed from scratch."""
+    rng = random.Random(0)
+    lm = LatencyModel(window=32, prefill_window=8, refit_every=1)
+    lm.fit_profile([(StepShape.decode(b, 1000 * b), 1e-3 * (1 + b / 50)) for b in (1, 8, 64)])
+    for _ in range(500):
+        if rng.random() < 0.2:
+            n = rng.choice([64, 512, 4096])
+            shape, t = StepShape.prefill(n, rng.choice([0, 256])), 2e-3 + 1e-5 * n
+        else:
+            b = rng.randint(1, 64)
+            shape, t = StepShape.decode(b, b * rng.randint(100, 4000)), 1e-3 * (1 + b / 80)
+        lm.observe(shape, t * (1 + 0.1 * rng.random()))
+    held = [*lm.recent, *lm.recent_prefill]
+    assert len(held) == 40
+    w = max(0.1, 1.0 - len(held) / 40)
+    samples = [(s, t, w) for s, t in lm.profile] + [(s, t, 1.0) for s, t in held]
+    rows = [[wt * f / t for f in s.features()] for s, t, wt in samples]
+    expected = nnls(rows, [wt for *_, wt in samples])
+    assert lm.coefficients == pytest.approx(expected, rel=1e-9, abs=1e-15)
