@@ -189,6 +189,12 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
 
 
+def agreeing_prefix(a: list[int], b: list[int]) -> int:
+    """How many tokens a and b agree on from the start (len(a) where they never differ)."""
+    d = first_divergence(a, b)
+    return len(a) if d is None else d
+
+
 def assert_no_real_divergence(
     ref_tokens: list[list[int]],
     ref_logits: list[torch.Tensor],

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.gpu.common import GPU, TINY
+from tests.gpu.common import GPU, TINY, agreeing_prefix
 from tests.models.test_loader import _save_hf_dir
 from tests.prism_server.test_lanes import serve_both
 
@@ -32,5 +32,5 @@ def test_two_lanes_on_a_gpu_give_one_lanes_tokens(monkeypatch, tmp_path, backend
     assert lanes == {"a": 0, "b": 1} and companions > 0
     assert all(len(t) == 24 for t in two.values())
     same = sum(two[k] == one[k] for k in one)
-    prefix = [next((i for i, (x, y) in enumerate(zip(one[k], two[k])) if x != y), 24) for k in one]
+    prefix = [agreeing_prefix(one[k], two[k]) for k in one]
     assert same >= len(one) - 2 and min(prefix) >= 4, (one, two)

@@ -11,7 +11,7 @@ import torch
 from models.attention.base import AttentionMetadata, ForwardContext, SeqChunk, layer_specs
 from models.attention.flashinfer_paged import AttentionShape, FlashInferBackend
 from models.tensor_parallel import TensorParallel, nccl_all_reduce
-from tests.gpu.common import GPU, on_gpu, tiny_model
+from tests.gpu.common import GPU, agreeing_prefix, on_gpu, tiny_model
 from tests.gpu.test_piecewise_graphs import GEMMA3
 
 pytestmark = [
@@ -111,10 +111,7 @@ def test_the_engine_serves_a_model_split_over_two_gpus(tmp_path):
 
     whole, split = serve(1, 2), serve(2, 2)
     same = sum(a == b for a, b in zip(whole, split))
-    prefix = [
-        next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
-        for a, b in zip(whole, split)
-    ]
+    prefix = [agreeing_prefix(a, b) for a, b in zip(whole, split)]
     assert same >= 1 and min(prefix) >= 4, (whole, split)
 
 
