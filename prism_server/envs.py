@@ -62,8 +62,14 @@ def decode_split_pages() -> int | None:
 
 def decode_backend() -> str:
     """Decode-only steps' attention kernel (PRISM_DECODE_BACKEND: flashinfer, the default; xqa,
-    TensorRT-LLM's decode kernel as FlashInfer ships it)."""
+    TensorRT-LLM's decode kernel as FlashInfer ships it; triton, Prism's own)."""
     return os.environ.get("PRISM_DECODE_BACKEND") or "flashinfer"
+
+
+def fused_rope_write() -> bool:
+    """Decode steps rotate q and k and write K/V in one Triton kernel (PRISM_ROPE_WRITE,
+    default 1; 0: FlashInfer's rope, then an indexed store)."""
+    return os.environ.get("PRISM_ROPE_WRITE", "1") not in ("0", "false", "no")
 
 
 def ragged_prefill() -> bool:

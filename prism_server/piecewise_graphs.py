@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from models.attention.base import ForwardContext, LayerAttention
-from models.attention.flashinfer_paged import KVSlots, write_kv
+from models.attention.kv_write import KVSlots, write_kv
 from prism_server import cuda_graph_runner
 
 log = logging.getLogger(__name__)

@@ -558,7 +558,7 @@ def hf_peer(batches=(1, 16, 64), new_tokens: int = 33) -> dict:
 def kv_write() -> dict:
     import flashinfer
 
-    from models.attention.flashinfer_paged import KVSlots, write_kv
+    from models.attention.kv_write import KVSlots, write_kv
 
     bs, h, d = 16, 8, 128
     cache = torch.randn(8192, 2, bs, h, d, device="cuda", dtype=torch.bfloat16)

@@ -9,6 +9,7 @@
 #   bash scripts/gpu_check.sh --quick    # set-up transcript + tests + pool benchmark only
 #   bash scripts/gpu_check.sh --api      # set-up transcript + tests + pool and API benchmarks
 #   bash scripts/gpu_check.sh --decode   # the model's GPU tests + decode A/B + engine benchmark
+#   bash scripts/gpu_check.sh --tests    # every GPU test (tests/gpu, tests/kvpool), nothing else
 #   bash scripts/gpu_check.sh --multi    # several GPUs: tensor-parallel test and benchmark,
 #                                        # activation on every GPU at once, a move between GPUs
 #
@@ -78,6 +79,12 @@ if [ "$quick" = "--decode" ]; then
     done
   fi
 fi
+if [ "$quick" = "--tests" ]; then
+  t0=$SECONDS
+  timeout "${TESTS_TIMEOUT:-540}" python3 -m pytest -m gpu -q -rs -p no:cacheprovider --durations=12 \
+    tests/gpu tests/kvpool -k "${TESTS_K-not fa3}" 2>&1 | tee "$OUT/pytest.log"
+  echo "tests: $((SECONDS - t0)) s"
+fi
 if [ "$quick" = "--multi" ]; then
   t0=$SECONDS
   timeout 200 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/gpu/test_tensor_parallel_gpu.py \
@@ -88,7 +95,7 @@ if [ "$quick" = "--multi" ]; then
 fi
 # What the README's set-up does on this machine (the decision only: it has no registry access),
 # then the start-up lines of a server on it (attention backend, graphs, kernels, page pool).
-if [ "$quick" != "--decode" ] && [ "$quick" != "--multi" ]; then
+if [ "$quick" != "--decode" ] && [ "$quick" != "--multi" ] && [ "$quick" != "--tests" ]; then
 t0=$SECONDS
 {
   echo "\$ bash scripts/install.sh --dry-run"; bash scripts/install.sh --dry-run

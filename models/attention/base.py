@@ -10,11 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from models.attention.upload import host_ints, upload
+
+if TYPE_CHECKING:
+    from models.layers.rotary_embedding import Rope
 
 
 @dataclass(frozen=True)
@@ -181,7 +184,15 @@ class ForwardContext:
         k: torch.Tensor,
         v: torch.Tensor,
         spec: LayerAttention,
+        rope: Rope | None = None,
+        fused_kernels: bool = True,
     ) -> torch.Tensor:
+        """rope: the step's rotary table, for q and k not yet rotated. A backend that can
+        (`takes_rope`) applies it with its K/V write, in one kernel; else it is applied here."""
+        if rope is not None:
+            if fused_kernels and getattr(self.attn, "takes_rope", False):
+                return self.attn.forward(layer_idx, q, k, v, spec, rope=rope)
+            q, k = rope.apply(q, k, fused_kernels, contiguous=self.contiguous_q)
         return self.attn.forward(layer_idx, q, k, v, spec)
 
 

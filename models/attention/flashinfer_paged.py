@@ -15,8 +15,11 @@ window, logit soft cap: a Gemma 3 model has two) and run() once per layer.
   window?, soft cap?).
 - CUDA graphs: `DecodeGraphAttention`, one per captured batch size, owns fixed index buffers that
   plan() refills outside the graph before each replay; padded rows read and write the null block.
-- Decode through the XQA kernel instead (`KernelChoice.decode_backend = "xqa"`, see xqa_decode):
-  one kernel per layer, reading the block table itself; a model it cannot run keeps FlashInfer's.
+- Decode through the XQA kernel instead (`KernelChoice.decode_backend = "xqa"`, see xqa_decode)
+  or the Triton kernel ("triton", see triton_ops): one kernel per layer, reading the block table
+  itself (table_decode); a model it cannot run keeps FlashInfer's.
+- Decode steps rotate q and k and write K/V in one Triton kernel (`KernelChoice.fused_rope_write`,
+  see kv_write), where Triton runs; prefill steps keep FlashInfer's rope and append.
 
 NOTE: `LayerAttention.sliding_window` counts the positions attended including the query's own;
 FlashInfer's window_left excludes it, so window_left = sliding_window - 1.
@@ -31,12 +34,13 @@ from dataclasses import dataclass
 
 import torch
 
+from models.attention import triton_ops
 from models.attention.base import AttentionMetadata, LayerAttention
+from models.attention.kv_write import RowsWriter, rope_then_write
+from models.attention.table_decode import TableDecodeAttention, TableDecodeGraphAttention
 from models.attention.upload import upload
 from models.attention.xqa_decode import (
     XQA_WORKSPACE_BYTES,
-    XqaAttention,
-    XqaGraphAttention,
     XqaKernel,
     load_xqa,
     xqa_modules,
@@ -83,8 +87,10 @@ class KernelChoice:
     # decode's split of each sequence's KV over thread blocks, in pages (None: FlashInfer's
     # planner chooses; 0: no split, one block per sequence and KV head; n: every n pages)
     decode_split_pages: int | None = None
-    # decode-only steps through FlashInfer's decode wrapper, or through the XQA kernel
+    # decode-only steps through FlashInfer's decode wrapper, the XQA kernel or the Triton one
     decode_backend: str = "flashinfer"
+    # decode steps' rope and K/V write in one Triton kernel (else FlashInfer's rope, then a store)
+    fused_rope_write: bool = True
 
     def __post_init__(self):
         if self.prefill_backend not in PREFILL_BACKENDS:
@@ -93,8 +99,11 @@ class KernelChoice:
         if self.decode_backend not in DECODE_BACKENDS:
             choices = ", ".join(DECODE_BACKENDS)
             raise ValueError(f"decode backend {self.decode_backend!r}: choose from {choices}")
-        if self.decode_backend == "xqa" and self.decode_split_pages is not None:
-            raise ValueError("the XQA decode kernel splits the KV itself: no decode split pages")
+        if self.decode_backend != "flashinfer" and self.decode_split_pages is not None:
+            raise ValueError(
+                f"the {self.decode_backend} decode kernel splits the KV itself: "
+                "no decode split pages"
+            )
         n = self.decode_split_pages
         if n is not None and (n < 0 or not self.decode_tensor_cores):
             # the CUDA-core decode plan takes neither keyword (FlashInfer ignores them there)
@@ -115,7 +124,7 @@ class KernelChoice:
 
 
 PREFILL_BACKENDS = ("fa2", "fa3", "auto")
-DECODE_BACKENDS = ("flashinfer", "xqa")
+DECODE_BACKENDS = ("flashinfer", "xqa", "triton")
 DEFAULT_KERNELS = KernelChoice()
 
 
@@ -182,56 +191,6 @@ def append_inputs(index: PagedKVIndex, md: AttentionMetadata, device) -> list[to
     return upload((batch, positions, *pages), device)
 
 
-@dataclass
-class KVSlots:
-    """Where a step's tokens go in every layer view: block and offset of each, [T] int64."""
-
-    blocks: torch.Tensor
-    offsets: torch.Tensor
-
-    @staticmethod
-    def of(slot_mapping: torch.Tensor, block_size: int) -> KVSlots:
-        return KVSlots(slot_mapping // block_size, slot_mapping % block_size)
-
-
-def kv_pairs(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
-    """k, v: [T, H, D] -> the [T, 2, H, D] view holding both when v lies right after k in every
-    row, as the qkv projection's output holds them (None otherwise)."""
-    t, h, d = k.shape
-    if v.shape != k.shape or v.stride() != k.stride() or k.stride()[1:] != (d, 1):
-        return None
-    if v.data_ptr() - k.data_ptr() != h * d * k.element_size():
-        return None
-    if k.untyped_storage().data_ptr() != v.untyped_storage().data_ptr():
-        return None  # neighbours in memory by chance, not one tensor's rows
-    return k.as_strided((t, 2, h, d), (k.stride(0), h * d, d, 1))
-
-
-def write_kv(cache: torch.Tensor, at: KVSlots, k: torch.Tensor, v: torch.Tensor) -> None:
-    """cache: [num_blocks, 2, block_size, H, D]; k, v: [T, H, D] -> each token's K at
-    cache[block, 0, offset], its V at cache[block, 1, offset]. One kernel: k and v are read
-    where they lie when v follows k (kv_pairs), else stacked first."""
-    pairs = kv_pairs(k, v)
-    if pairs is None:
-        pairs = torch.stack((k, v), dim=1)
-    cache[at.blocks, :, at.offsets] = pairs.to(cache.dtype)
-
-
-class RowsWriter:
-    """K/V writes as one indexed store (decode steps: capturable, the slots come from a static
-    buffer)."""
-
-    def __init__(self, at: KVSlots):
-        self.at = at
-
-    @staticmethod
-    def from_slots(slots: torch.Tensor, block_size: int) -> RowsWriter:
-        return RowsWriter(KVSlots.of(slots, block_size))
-
-    def __call__(self, cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        write_kv(cache, self.at, k, v)
-
-
 class AppendWriter:
     """K/V writes through flashinfer.append_paged_kv_cache (prefill chunks: 2.8x faster than
     index_copy_ for 8k tokens on the H200)."""
@@ -290,7 +249,10 @@ class FlashInferBackend:
             )
             for s in self.specs
         }
-        self.xqa: XqaKernel | None = None
+        # decode through a kernel that reads the block table itself (None: FlashInfer's)
+        self.table_kernel: XqaKernel | triton_ops.TritonDecodeKernel | None = None
+        if kernels.decode_backend == "triton":
+            self.table_kernel = self._triton_decode()
         if kernels.decode_backend == "xqa":
             heads = (shape.num_qo_heads, shape.num_kv_heads)
             why = xqa_unsupported(
@@ -311,7 +273,7 @@ class FlashInferBackend:
                     xqa_workspace = torch.zeros(
                         XQA_WORKSPACE_BYTES, dtype=torch.uint8, device=device
                     )
-                self.xqa = XqaKernel(
+                self.table_kernel = XqaKernel(
                     shape.num_kv_heads, shape.head_dim, shape.block_size, xqa_workspace
                 )
             else:
@@ -324,12 +286,13 @@ class FlashInferBackend:
         someone else before each layer's call (a piecewise graph)."""
         sh = self.shape
         decode = md.is_decode_only
-        if decode and self.xqa is not None:  # reads md's block tables as they are
-            write = RowsWriter.from_slots(md.slot_mapping, sh.block_size) if write_kv else None
-            return XqaAttention(self.xqa, kv_caches, md, write)
+        fused = self.kernels.fused_rope_write
+        if decode and self.table_kernel is not None:  # reads md's block tables as they are
+            write = RowsWriter(md.slot_mapping, sh.block_size, fused) if write_kv else None
+            return TableDecodeAttention(self.table_kernel, kv_caches, md, write)
         index = PagedKVIndex.from_metadata(md)
         if decode:
-            write = RowsWriter.from_slots(md.slot_mapping, sh.block_size) if write_kv else None
+            write = RowsWriter(md.slot_mapping, sh.block_size, fused) if write_kv else None
             wrappers = self.decode
             for spec, w in wrappers.items():
                 w.plan(
@@ -375,12 +338,33 @@ class FlashInferBackend:
                 )
         return FlashInferAttention(kv_caches, wrappers, write)
 
+    def _triton_decode(self) -> triton_ops.TritonDecodeKernel | None:
+        sh = self.shape
+        why = None
+        if not triton_ops.triton_runs_on(torch.device(self.device)):
+            why = "Triton does not run here"
+        elif sh.num_qo_heads % sh.num_kv_heads:
+            why = f"{sh.num_qo_heads} query heads over {sh.num_kv_heads} KV heads"
+        elif sh.head_dim & (sh.head_dim - 1):
+            why = f"head_dim {sh.head_dim} (a power of 2)"
+        if why is not None:
+            log.warning("decode attention through FlashInfer: the Triton kernel cannot run %s", why)
+            return None
+        return triton_ops.TritonDecodeKernel(
+            sh.num_qo_heads, sh.num_kv_heads, sh.head_dim, sh.block_size, torch.device(self.device)
+        )
+
     def graph_attention(
         self, kv_caches: list[torch.Tensor], batch_size: int, max_blocks: int
-    ) -> DecodeGraphAttention | XqaGraphAttention:
-        if self.xqa is not None:
-            writer = functools.partial(RowsWriter.from_slots, block_size=self.shape.block_size)
-            return XqaGraphAttention(self.xqa, kv_caches, batch_size, max_blocks, writer)
+    ) -> DecodeGraphAttention | TableDecodeGraphAttention:
+        if self.table_kernel is not None:
+            writer = functools.partial(
+                RowsWriter, block_size=self.shape.block_size,
+                fused_rope=self.kernels.fused_rope_write,
+            )  # fmt: skip
+            return TableDecodeGraphAttention(
+                self.table_kernel, kv_caches, batch_size, max_blocks, writer
+            )
         return DecodeGraphAttention(self, kv_caches, batch_size, max_blocks)
 
 
@@ -390,16 +374,22 @@ class FlashInferAttention:
     def __init__(self, kv_caches: list[torch.Tensor], wrappers: dict, write):
         self.kv_caches, self.wrappers, self.write = kv_caches, wrappers, write
 
-    def forward(self, layer_idx: int, q, k, v, spec: LayerAttention) -> torch.Tensor:
-        # q: [T, Hq, D]; k, v: [T, Hkv, D] -> [T, Hq, D]
+    @property
+    def takes_rope(self) -> bool:
+        """Whether forward() can take the layer's rope with its K/V write (ForwardContext)."""
+        return isinstance(self.write, RowsWriter) and self.write.fuses_rope(self.kv_caches[0])
+
+    def forward(self, layer_idx: int, q, k, v, spec: LayerAttention, rope=None) -> torch.Tensor:
+        # q: [T, Hq, D]; k, v: [T, Hkv, D] -> [T, Hq, D]; rope: q and k not yet rotated
         cache = self.kv_caches[layer_idx]
-        if self.write is not None:
-            self.write(cache, k, v)
+        q = rope_then_write(self.write, cache, q, k, v, rope)
         return self.wrappers[spec].run(q, cache)
 
 
 class RaggedAttention(FlashInferAttention):
     """A step of fresh prompts: writes K/V for later steps, attends over the step's own K/V."""
+
+    takes_rope = False
 
     def forward(self, layer_idx: int, q, k, v, spec: LayerAttention) -> torch.Tensor:
         if self.write is not None:
@@ -467,4 +457,5 @@ class DecodeGraphAttention(FlashInferAttention):
 
     def prepare(self) -> None:
         """Per-step work that belongs inside the graph: K/V rows from the static slots."""
-        self.write = RowsWriter.from_slots(self.slots, self.backend.shape.block_size)
+        fused = self.backend.kernels.fused_rope_write
+        self.write = RowsWriter(self.slots, self.backend.shape.block_size, fused)

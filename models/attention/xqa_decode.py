@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from models.attention.base import AttentionMetadata, LayerAttention
+from models.attention.base import LayerAttention
 
 XQA_WORKSPACE_BYTES = 32 << 20  # a lane's XQA workspace: semaphores, then the split parts
 _SEMAPHORE_BYTES = 8 << 20  # zeroed once; every launch leaves them zero again
@@ -156,70 +156,3 @@ class XqaKernel:
             sm_count=self.sm_count,
         )
         return out
-
-
-class XqaAttention:
-    """The decode attention of one eager step: md's device block tables and lengths as they
-    are (its table is as wide as the step's longest sequence)."""
-
-    contiguous_q = True  # the model's rope writes q contiguous (ForwardContext.contiguous_q)
-
-    def __init__(
-        self, kernel: XqaKernel, kv_caches: list[torch.Tensor], md: AttentionMetadata, write
-    ):
-        self.kernel, self.kv_caches, self.write = kernel, kv_caches, write
-        self.tables = md.block_tables  # [B, W] int32
-        self.seq_lens = md.seq_lens.view(-1, 1)  # [B, 1] int32
-
-    def forward(self, layer_idx: int, q, k, v, spec: LayerAttention) -> torch.Tensor:
-        # q: [B, Hq, D]; k, v: [B, Hkv, D] -> [B, Hq, D]
-        cache = self.kv_caches[layer_idx]
-        if self.write is not None:
-            self.write(cache, k, v)
-        return self.kernel(q, cache, self.tables, self.seq_lens, spec)
-
-
-class XqaGraphAttention(XqaAttention):
-    """XQA decode attention for one captured batch size: a fixed [batch_size, max_blocks] table
-    and fixed lengths, refilled outside the graph before each replay. Padded rows are one token
-    long in block 0 (the null block)."""
-
-    def __init__(
-        self,
-        kernel: XqaKernel,
-        kv_caches: list[torch.Tensor],
-        batch_size: int,
-        max_blocks: int,
-        rows_writer,
-    ):
-        """rows_writer: the step's static slots [batch_size] -> its K/V writer."""
-        dev = kv_caches[0].device
-        self.kernel, self.kv_caches = kernel, kv_caches
-        self.batch_size, self.max_blocks = batch_size, max_blocks
-        self.tables = torch.zeros(batch_size, max_blocks, dtype=torch.int32, device=dev)
-        self.lens = torch.ones(batch_size, dtype=torch.int32, device=dev)
-        self.seq_lens = self.lens.view(-1, 1)
-        self.slots = torch.zeros(batch_size, dtype=torch.int64, device=dev)  # [bs] static
-        self._rows_writer = rows_writer  # slots -> the step's K/V writer, inside the graph
-        self.write = None
-
-    def fits(self, md: AttentionMetadata) -> bool:
-        return md.num_seqs <= self.batch_size and md.block_tables.shape[1] <= self.max_blocks
-
-    def plan(self, md: AttentionMetadata) -> None:
-        """Refill the table, lengths and slots for md's decode batch. Columns past a sequence's
-        last block are never read (the kernel stops at its length), so only the padded rows'
-        first column is reset to the null block."""
-        assert md.is_decode_only and self.fits(md), (md.num_seqs, self.batch_size)
-        b, w = md.num_seqs, md.block_tables.shape[1]
-        self.tables[:b, :w].copy_(md.block_tables)
-        self.lens[:b].copy_(md.seq_lens)
-        self.slots[:b].copy_(md.slot_mapping)
-        if b < self.batch_size:
-            self.tables[b:, 0] = 0
-            self.lens[b:] = 1
-            self.slots[b:] = 0  # padded rows write the null block
-
-    def prepare(self) -> None:
-        """Per-step work that belongs inside the graph: K/V rows from the static slots."""
-        self.write = self._rows_writer(self.slots)

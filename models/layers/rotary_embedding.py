@@ -77,7 +77,8 @@ class Rope:
     def __init__(self, cos_half: torch.Tensor, sin_half: torch.Tensor):
         self.cos_half, self.sin_half = cos_half, sin_half
         self._cast: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._table: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._table: torch.Tensor | None = None
+        self._rows_: torch.Tensor | None = None
 
     def cos_sin(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin), each [T, 1, head_dim] in `dtype` (HF's: computed in fp32, then cast)."""
@@ -85,6 +86,19 @@ class Rope:
             emb = (torch.cat((h, h), dim=-1).unsqueeze(1) for h in (self.cos_half, self.sin_half))
             self._cast[dtype] = tuple(e.to(dtype) for e in emb)
         return self._cast[dtype]
+
+    def table(self) -> torch.Tensor:
+        """[T, head_dim] fp32: each token's cos half, then its sin half (what the rope kernels
+        read; fp32, which FlashInfer's reads without checking)."""
+        if self._table is None:
+            self._table = torch.cat((self.cos_half, self.sin_half), dim=-1).float().contiguous()
+        return self._table
+
+    def _rows(self) -> torch.Tensor:
+        if self._rows_ is None:
+            t = self.cos_half.shape[0]
+            self._rows_ = torch.arange(t, dtype=torch.int32, device=self.cos_half.device)
+        return self._rows_
 
     def apply(
         self, q: torch.Tensor, k: torch.Tensor, fused_kernels: bool = True, contiguous: bool = False
@@ -95,12 +109,7 @@ class Rope:
         if fi is None:
             cos, sin = self.cos_sin(q.dtype)
             return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if self._table is None:  # [T, head_dim]: the cos half, then the sin half
-            # float32, which the kernel reads without checking
-            table = torch.cat((self.cos_half, self.sin_half), dim=-1).float().contiguous()
-            rows = torch.arange(table.shape[0], dtype=torch.int32, device=table.device)
-            self._table = (table, rows)
-        table, rows = self._table
+        table, rows = self.table(), self._rows()
         if contiguous and not q.is_contiguous():
             # NOTE: the op behind FlashInfer's two public rope functions, to write q to a new
             # contiguous tensor while k turns where it lies (beside v: one K/V write, no copy)

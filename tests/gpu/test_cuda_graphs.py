@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from models.attention.flashinfer_paged import KernelChoice
-from models.attention.xqa_decode import XqaGraphAttention
+from models.attention.table_decode import TableDecodeGraphAttention
 from tests.gpu.common import (
     GPU,
     assert_no_real_divergence,
@@ -37,7 +37,7 @@ def count_replays(me) -> list[int]:
     return calls
 
 
-@pytest.mark.parametrize("decode", ["flashinfer", "xqa"])
+@pytest.mark.parametrize("decode", ["flashinfer", "xqa", "triton"])
 def test_graph_replay_gives_the_eager_tokens(decode):
     """The eager engine decodes through FlashInfer; the graphed one through `decode`. 8 query
     heads over 2 KV heads: XQA's group of 4, as Llama-3.1-8B's."""
@@ -49,7 +49,7 @@ def test_graph_replay_gives_the_eager_tokens(decode):
     eager = model_engine("eager", cfg, model, pool, graphs=False)
     assert graphed.runner.graphs is not None and eager.runner.graphs is None
     attn = next(iter(graphed.runner.graphs.graphs.values())).attn
-    assert isinstance(attn, XqaGraphAttention) is (decode == "xqa")
+    assert isinstance(attn, TableDecodeGraphAttention) is (decode != "flashinfer")
     replays = count_replays(graphed)
     for n in (3, 16):  # padded to 4; exactly 16
         ps = prompts(n, seed=n)

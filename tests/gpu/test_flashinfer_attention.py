@@ -16,15 +16,16 @@ import pytest
 import torch
 
 from kvpool import KVLayout, PagedKV
-from models.attention.base import AttentionMetadata, LayerAttention, SeqChunk
+from models.attention.base import AttentionMetadata, ForwardContext, LayerAttention, SeqChunk
 from models.attention.flashinfer_paged import (
     AttentionShape,
     FlashInferBackend,
     KernelChoice,
     RaggedAttention,
 )
+from models.attention.table_decode import TableDecodeAttention
 from models.attention.torch_paged import TorchPagedAttention
-from models.attention.xqa_decode import XqaAttention
+from models.layers.rotary_embedding import RotaryEmbedding
 from tests.gpu.common import GPU, cuda_pool
 
 pytestmark = GPU
@@ -91,19 +92,39 @@ def check_close(out: torch.Tensor, ref: torch.Tensor) -> None:
     assert rel < 1e-2 and worst < 5e-2, (float(rel), float(worst))
 
 
+def step_rope(md: AttentionMetadata, head_dim: int, rows: int):
+    """The step's rope table: each token at its position (padded rows at 0)."""
+    pos = [p for s, n in zip(md.seq_lens_cpu, md.query_lens_cpu) for p in range(s - n, s)]
+    pos += [0] * (rows - len(pos))
+    return RotaryEmbedding(head_dim, 10000.0).cuda()(torch.tensor(pos, device="cuda"))
+
+
+def rotated(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """x: [T, H, D] rotated in fp32 (GPT-NeoX halves), cast back."""
+    half = x.shape[-1] // 2
+    cos, sin = table[:, None, :half], table[:, None, half:]
+    x1, x2 = x.float()[..., :half], x.float()[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
 def run_and_compare(kv, md, attn, spec, case, gen, pad_to: int = 0) -> None:
+    """Each layer through ForwardContext with the step's rope (the backend may take it with its
+    K/V write), against the rope, then the reference backend."""
     t = md.num_tokens
     for layer in range(LAYERS):
         q, k, v = qkv(md, case, gen, pad_to)
-        out = attn.forward(layer, q, k, v, spec)
+        rope = step_rope(md, case["head_dim"], q.shape[0])
+        rq, rk = rotated(q, rope.table())[:t], rotated(k, rope.table())[:t]
+        out = ForwardContext(attn=attn).attention(layer, q, k, v, spec, rope)
         assert out.shape == q.shape and out.dtype == torch.bfloat16
-        q, k, v, out = q[:t], k[:t], v[:t], out[:t]  # padded rows: garbage in the null block
-        # this step's K/V landed where the slot mapping says
+        v, out = v[:t], out[:t]  # padded rows: garbage in the null block
+        # this step's K/V landed where the slot mapping says (rotated k: within one rounding)
         view = kv.layer_views[layer]
         blocks, offsets = md.slot_mapping // BLOCK, md.slot_mapping % BLOCK
-        assert torch.equal(view[blocks, 0, offsets], k) and torch.equal(view[blocks, 1, offsets], v)
+        torch.testing.assert_close(view[blocks, 0, offsets], rk, atol=1e-6, rtol=2**-7)
+        assert torch.equal(view[blocks, 1, offsets], v)
         ref = TorchPagedAttention(kv.layer_views, md).forward(
-            layer, q.float(), k.float(), v.float(), spec
+            layer, rq.float(), view[blocks, 0, offsets].float(), v.float(), spec
         )
         check_close(out, ref)
 
@@ -116,6 +137,8 @@ KERNELS = {
     "decode-no-split": KernelChoice(decode_split_pages=0),
     "decode-split-4": KernelChoice(decode_split_pages=4),
     "xqa-decode": KernelChoice(decode_backend="xqa"),
+    "triton-decode": KernelChoice(decode_backend="triton"),
+    "unfused-rope": KernelChoice(fused_rope_write=False),
 }
 TOUCHES = {  # the kinds of step each choice changes
     "cuda-core-decode": {"decode", "graph-decode"},
@@ -124,6 +147,8 @@ TOUCHES = {  # the kinds of step each choice changes
     "decode-no-split": {"decode", "graph-decode"},
     "decode-split-4": {"decode", "graph-decode"},
     "xqa-decode": {"decode", "graph-decode"},
+    "triton-decode": {"decode", "graph-decode"},
+    "unfused-rope": {"decode", "graph-decode"},
 }
 
 
@@ -145,8 +170,9 @@ def test_flashinfer_matches_reference(name, kind, kernels):
         case["heads"], case["kv_heads"], case["head_dim"], BLOCK, torch.bfloat16, torch.bfloat16
     )
     backend = FlashInferBackend(shape, [spec], torch.device("cuda"), kernels=KERNELS[kernels])
-    xqa = kernels == "xqa-decode" and case["softcap"] is None
-    assert (backend.xqa is not None) is xqa
+    # a kernel that reads the block table itself: XQA (no soft cap), or Triton's
+    xqa = (kernels == "xqa-decode" and case["softcap"] is None) or kernels == "triton-decode"
+    assert (backend.table_kernel is not None) is xqa
     md, blocks = make_step(kv, STEPS[kind], gen)
     pad = 0
     if kind == "graph-decode":  # the CUDA-graph attention, batch 7 padded to 8, run eagerly
@@ -154,12 +180,12 @@ def test_flashinfer_matches_reference(name, kind, kernels):
         attn = backend.graph_attention(kv.layer_views, pad, 32)
         attn.plan(md)
         attn.prepare()
-        assert isinstance(attn, XqaAttention) is xqa
+        assert isinstance(attn, TableDecodeAttention) is xqa
     else:
         attn = backend(kv.layer_views, md)
         ragged = kind == "fresh" and KERNELS[kernels].ragged_prefill
         assert isinstance(attn, RaggedAttention) is ragged
-        assert isinstance(attn, XqaAttention) is (xqa and kind == "decode")
+        assert isinstance(attn, TableDecodeAttention) is (xqa and kind == "decode")
     run_and_compare(kv, md, attn, spec, case, gen, pad)
     kv.allocator.free(blocks)
     kv.check_integrity()

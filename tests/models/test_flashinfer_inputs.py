@@ -13,18 +13,15 @@ from models.attention import xqa_decode
 from models.attention.base import AttentionMetadata, LayerAttention, SeqChunk
 from models.attention.flashinfer_paged import (
     AttentionShape,
-    KVSlots,
     PagedKVIndex,
-    RowsWriter,
     append_inputs,
-    kv_pairs,
     plan_kwargs,
-    write_kv,
 )
+from models.attention.kv_write import KVSlots, RowsWriter, kv_pairs, write_kv
+from models.attention.table_decode import TableDecodeGraphAttention
 from models.attention.torch_paged import TorchPagedAttention
 from models.attention.upload import host_ints, upload
 from models.attention.xqa_decode import (
-    XqaGraphAttention,
     load_xqa,
     xqa_modules,
     xqa_unsupported,
@@ -166,12 +163,12 @@ def test_xqa_binds_to_the_first_device_that_loads_it_and_a_failed_build_falls_ba
     assert load_xqa(gpu0, modules[:1], built.append) is None and len(built) == 3
 
 
-def test_the_xqa_graph_tables_are_refilled_and_padded_rows_reset():
+def test_the_table_decode_graph_tables_are_refilled_and_padded_rows_reset():
     """A batch of three, then one of two in the same graph: the live rows carry the step's
     tables, lengths and slots; the row that fell out reads and writes the null block only."""
     caches = [torch.zeros(64, 2, 16, 2, 16)]
     writer = functools.partial(RowsWriter.from_slots, block_size=16)
-    attn = XqaGraphAttention(None, caches, 4, 6, writer)
+    attn = TableDecodeGraphAttention(None, caches, 4, 6, writer)
     assert not attn.fits(AttentionMetadata.build([SeqChunk(6 * 16, 1, [1] * 7)], 16, CPU))
     three = [SeqChunk(40, 1, [5, 6, 7]), SeqChunk(3, 1, [9]), SeqChunk(70, 1, [1, 2, 3, 4, 8])]
     attn.plan(AttentionMetadata.build(three, 16, CPU))

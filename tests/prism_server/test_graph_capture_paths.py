@@ -16,9 +16,9 @@ import torch
 import prism_server.cuda_graph_runner as cgr
 import prism_server.piecewise_graphs as pg
 from models.attention.base import AttentionMetadata, SeqChunk
-from models.attention.flashinfer_paged import KVSlots, RowsWriter
+from models.attention.kv_write import KVSlots, RowsWriter
+from models.attention.table_decode import TableDecodeGraphAttention
 from models.attention.torch_paged import TorchPagedAttention
-from models.attention.xqa_decode import XqaGraphAttention
 from prism_server.cuda_graph_runner import CudaGraphRunner
 from tests.gpu.common import cpu_kv, tiny_model
 
@@ -102,7 +102,9 @@ def test_decode_graphs_hand_xqa_a_contiguous_query_and_their_tables(no_cuda_grap
     runner = CudaGraphRunner(
         model,
         kv.layer_views,
-        lambda views, bs, max_blocks: XqaGraphAttention(kernel, views, bs, max_blocks, writer),
+        lambda views, bs, max_blocks: TableDecodeGraphAttention(
+            kernel, views, bs, max_blocks, writer
+        ),
         (1, 4),
         8,
         CPU,

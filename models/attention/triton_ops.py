@@ -1,0 +1,286 @@
+"""Two Triton kernels for decode steps, where a batch-1 step is a chain of tiny launches.
+
+- `rope_write`: rotates q and k (rope, GPT-NeoX layout, in fp32) and writes k and v to their
+  cache slots: one kernel where FlashInfer's rope, then the indexed K/V store, took two or three.
+- `TritonDecodeKernel`: decode attention over the paged cache in one kernel a layer. Each
+  (sequence, KV head) is split over several programs when the batch is too small to fill the
+  GPU; the last program of a sequence and head to finish merges the parts (an atomic ticket
+  per (sequence, KV head), left at zero for the next launch), so no second merge kernel runs.
+  It reads the block table [B, W] and the lengths as the allocator keeps them: no plan.
+
+Both run wherever Triton does: on a CUDA device, and on the host under Triton's interpreter
+(TRITON_INTERPRET=1, which the CPU tests use). The interpreter has no bf16 arithmetic, so every
+product is taken in fp32 (TF32 tensor cores on the GPU: exact for bf16 inputs, whose 8-bit
+mantissa fits in TF32's 11).
+
+Cache view per layer: [num_blocks, 2, block_size, H, D], K then V, any strides.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from models.attention.base import LayerAttention
+
+
+@functools.cache
+def _triton():
+    try:
+        import triton
+        import triton.language as tl  # noqa: F401
+    except ImportError:
+        return None
+    return triton
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def triton_runs_on(device: torch.device) -> bool:
+    """Whether the kernels here can run on `device` (CUDA with Triton; the host only under
+    Triton's interpreter)."""
+    if _triton() is None:
+        return False
+    return device.type == "cuda" or (device.type == "cpu" and interpreting())
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def _kernels():
+    return _build_kernels(interpreting())
+
+
+@functools.cache
+def _build_kernels(interpret: bool):
+    # NOTE: Triton decides at decoration whether a kernel is interpreted, hence one build each
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def rope_write_kernel(
+        q_ptr, k_ptr, v_ptr, qo_ptr, table_ptr, slots_ptr, cache_ptr,
+        sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h, st_t,
+        sc_blk, sc_kv, sc_tok, sc_h,
+        HQ: tl.constexpr, HALF: tl.constexpr, HALF_P2: tl.constexpr, PAGE: tl.constexpr,
+    ):  # fmt: skip
+        # one program per (token, head): heads [0, HQ) of q, then the KV heads
+        t = tl.program_id(0)
+        h = tl.program_id(1)
+        d = tl.arange(0, HALF_P2)
+        dm = d < HALF
+        cos = tl.load(table_ptr + t * st_t + d, mask=dm, other=0.0)
+        sin = tl.load(table_ptr + t * st_t + HALF + d, mask=dm, other=0.0)
+        if h < HQ:
+            src = q_ptr + t * sq_t + h * sq_h
+            dst = qo_ptr + t * so_t + h * so_h
+        else:
+            src = k_ptr + t * sk_t + (h - HQ) * sk_h
+            dst = src
+        x1 = tl.load(src + d, mask=dm, other=0.0).to(tl.float32)
+        x2 = tl.load(src + HALF + d, mask=dm, other=0.0).to(tl.float32)
+        y1 = (x1 * cos - x2 * sin).to(dst.dtype.element_ty)
+        y2 = (x2 * cos + x1 * sin).to(dst.dtype.element_ty)
+        tl.store(dst + d, y1, mask=dm)
+        tl.store(dst + HALF + d, y2, mask=dm)
+        if h >= HQ:
+            hk = h - HQ
+            slot = tl.load(slots_ptr + t)
+            at = cache_ptr + (slot // PAGE) * sc_blk + (slot % PAGE) * sc_tok + hk * sc_h
+            ty = cache_ptr.dtype.element_ty
+            tl.store(at + d, y1.to(ty), mask=dm)
+            tl.store(at + HALF + d, y2.to(ty), mask=dm)
+            vsrc = v_ptr + t * sv_t + hk * sv_h
+            v1 = tl.load(vsrc + d, mask=dm, other=0.0)
+            v2 = tl.load(vsrc + HALF + d, mask=dm, other=0.0)
+            tl.store(at + sc_kv + d, v1.to(ty), mask=dm)
+            tl.store(at + sc_kv + HALF + d, v2.to(ty), mask=dm)
+
+    @triton.jit
+    def decode_kernel(
+        q_ptr, cache_ptr, tables_ptr, lens_ptr, out_ptr, part_o_ptr, part_ml_ptr, ticket_ptr,
+        sq_b, sq_h, so_b, so_h, st_b,
+        sc_blk, sc_kv, sc_tok, sc_h,
+        scale, softcap, window,
+        HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
+        PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NSPLIT: tl.constexpr,
+        SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
+    ):  # fmt: skip
+        # program (b, kv head, split s): query heads hk*G .. hk*G+G-1 of sequence b over the
+        # split's share of its positions
+        b = tl.program_id(0)
+        hk = tl.program_id(1)
+        s = tl.program_id(2)
+        length = tl.load(lens_ptr + b)
+        lo = 0
+        if WINDOW:
+            lo = tl.maximum(length - window, 0)
+        # each split takes a whole number of BLOCK_N tiles; `active` splits have work
+        chunk = tl.cdiv(tl.cdiv(length - lo, NSPLIT), BLOCK_N) * BLOCK_N
+        active = tl.cdiv(length - lo, chunk)
+        start = lo + s * chunk
+        if s < active:
+            end = tl.minimum(start + chunk, length)
+            g = tl.arange(0, BLOCK_G)
+            gm = g < G
+            d = tl.arange(0, D)
+            heads = hk * G + g
+            q = tl.load(q_ptr + b * sq_b + heads[:, None] * sq_h + d[None, :], mask=gm[:, None])
+            q = q.to(tl.float32)
+            m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+            l_i = tl.zeros([BLOCK_G], tl.float32)
+            acc = tl.zeros([BLOCK_G, D], tl.float32)
+            for t0 in range(start, end, BLOCK_N):
+                n = t0 + tl.arange(0, BLOCK_N)
+                nm = n < end
+                page = tl.load(tables_ptr + b * st_b + n // PAGE, mask=nm, other=0)
+                at = page.to(tl.int64) * sc_blk + (n % PAGE) * sc_tok + hk * sc_h
+                kv = cache_ptr + at[:, None] + d[None, :]
+                k = tl.load(kv, mask=nm[:, None], other=0.0).to(tl.float32)
+                v = tl.load(kv + sc_kv, mask=nm[:, None], other=0.0).to(tl.float32)
+                x = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_G, BLOCK_N]
+                if SOFTCAP:
+                    x = softcap * (2.0 * tl.sigmoid(2.0 * x / softcap) - 1.0)  # cap * tanh
+                x = tl.where(nm[None, :], x, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(x, 1))
+                alpha = tl.exp(m_i - m_new)
+                p = tl.exp(x - m_new[:, None])
+                l_i = l_i * alpha + tl.sum(p, 1)
+                acc = acc * alpha[:, None] + tl.dot(p, v)
+                m_i = m_new
+            out_at = out_ptr + b * so_b + heads[:, None] * so_h + d[None, :]
+            if NSPLIT == 1:
+                tl.store(
+                    out_at, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=gm[:, None]
+                )
+            else:
+                # this split's unnormalized output and its (max, sum), then a ticket: the
+                # last split to take one merges every part
+                part = (b * HKV + hk) * NSPLIT
+                po = part_o_ptr + ((part + s) * BLOCK_G + g[:, None]) * D + d[None, :]
+                tl.store(po, acc)
+                pml = part_ml_ptr + ((part + s) * BLOCK_G + g) * 2
+                tl.store(pml, m_i)
+                tl.store(pml + 1, l_i)
+                tl.debug_barrier()
+                ticket = tl.atomic_add(ticket_ptr + b * HKV + hk, 1, sem="acq_rel")
+                if ticket == active - 1:
+                    m_all = tl.full([BLOCK_G], float("-inf"), tl.float32)
+                    for j in range(0, active):
+                        mj = tl.load(
+                            part_ml_ptr + ((part + j) * BLOCK_G + g) * 2, cache_modifier=".cg"
+                        )
+                        m_all = tl.maximum(m_all, mj)
+                    total = tl.zeros([BLOCK_G], tl.float32)
+                    o = tl.zeros([BLOCK_G, D], tl.float32)
+                    for j in range(0, active):
+                        ml = part_ml_ptr + ((part + j) * BLOCK_G + g) * 2
+                        w = tl.exp(tl.load(ml, cache_modifier=".cg") - m_all)
+                        total += w * tl.load(ml + 1, cache_modifier=".cg")
+                        oj = part_o_ptr + ((part + j) * BLOCK_G + g[:, None]) * D + d[None, :]
+                        o += w[:, None] * tl.load(oj, cache_modifier=".cg")
+                    tl.store(
+                        out_at, (o / total[:, None]).to(out_ptr.dtype.element_ty), mask=gm[:, None]
+                    )
+                    tl.atomic_xchg(ticket_ptr + b * HKV + hk, 0)
+
+    return rope_write_kernel, decode_kernel
+
+
+def rope_write(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    table: torch.Tensor,
+    slots: torch.Tensor,
+    cache: torch.Tensor,
+    q_out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """q: [T, Hq, D], k, v: [T, Hkv, D] (last dim contiguous, any other strides); table: this
+    step's [T, D] fp32 rope table (cos of each angle, then sin); slots: [T] int64, block *
+    block_size + offset -> the rotated q (in place, or into q_out), with k rotated in place and
+    the rotated k and v at their slots of cache ([num_blocks, 2, block_size, Hkv, D])."""
+    t, hq, dim = q.shape
+    hkv = k.shape[1]
+    if q_out is None:
+        q_out = q
+    assert dim % 2 == 0 and q.stride(2) == k.stride(2) == v.stride(2) == q_out.stride(2) == 1
+    assert table.dtype == torch.float32 and table.stride(1) == 1 and cache.stride(4) == 1
+    if t == 0:
+        return q_out
+    kernel, _ = _kernels()
+    kernel[(t, hq + hkv)](
+        q, k, v, q_out, table, slots, cache,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        q_out.stride(0), q_out.stride(1), table.stride(0),
+        cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
+        HQ=hq, HALF=dim // 2, HALF_P2=_pow2(dim // 2), PAGE=cache.shape[2],
+    )  # fmt: skip
+    return q_out
+
+
+MAX_SPLITS = 16
+MAX_BATCH_TICKETS = 1024  # sequences a step of the kernel below may hold, times KV heads
+
+
+class TritonDecodeKernel:
+    """Decode attention for one model (its head shape and page size): called like XQA's kernel
+    (`TableDecodeAttention`). Owns the merge tickets, zero between launches; a model's steps
+    run one at a time, so its layers share them."""
+
+    def __init__(
+        self, num_qo_heads: int, num_kv_heads: int, head_dim: int, block_size: int, device
+    ):
+        if head_dim & (head_dim - 1) or head_dim < 16:
+            raise ValueError(f"head_dim {head_dim}: the Triton decode kernel takes powers of 2")
+        self.num_kv_heads, self.head_dim, self.block_size = num_kv_heads, head_dim, block_size
+        self.group = num_qo_heads // num_kv_heads
+        self.block_g = max(16, _pow2(self.group))  # the dot's rows: the head group, padded
+        self.block_n = 64 if head_dim <= 128 else 32  # positions a tile
+        self.tickets = torch.zeros(
+            MAX_BATCH_TICKETS * num_kv_heads, dtype=torch.int32, device=device
+        )
+        if device.type == "cuda":
+            self.sm_count = torch.cuda.get_device_properties(device).multi_processor_count
+        else:
+            self.sm_count = 8
+
+    def splits(self, batch: int, max_len: int) -> int:
+        """How many programs share each (sequence, KV head): enough for about two waves of the
+        GPU's SMs, none holding less than one tile."""
+        want = -(-2 * self.sm_count // (batch * self.num_kv_heads))
+        return max(1, min(want, MAX_SPLITS, -(-max_len // self.block_n)))
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        cache: torch.Tensor,
+        tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        spec: LayerAttention,
+    ) -> torch.Tensor:
+        """q: [B, Hq, D]; cache: one layer's view; tables: [B, W] int32; seq_lens: [B, 1] int32
+        -> [B, Hq, D]."""
+        b, hq, dim = q.shape
+        assert b <= MAX_BATCH_TICKETS and q.stride(2) == 1 and cache.stride(4) == 1
+        out = torch.empty((b, hq, dim), dtype=q.dtype, device=q.device)
+        nsplit = self.splits(b, tables.shape[1] * self.block_size)
+        parts = b * self.num_kv_heads * nsplit * self.block_g
+        part_o = torch.empty(parts * dim if nsplit > 1 else 1, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(parts * 2 if nsplit > 1 else 1, dtype=torch.float32, device=q.device)
+        _, kernel = _kernels()
+        kernel[(b, self.num_kv_heads, nsplit)](
+            q, cache, tables, seq_lens, out, part_o, part_ml, self.tickets,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), tables.stride(0),
+            cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
+            spec.scale, spec.logit_softcap or 0.0, spec.sliding_window or 0,
+            HKV=self.num_kv_heads, G=self.group, BLOCK_G=self.block_g, D=dim,
+            PAGE=self.block_size, BLOCK_N=self.block_n, NSPLIT=nsplit,
+            SOFTCAP=bool(spec.logit_softcap), WINDOW=bool(spec.sliding_window),
+        )  # fmt: skip
+        return out

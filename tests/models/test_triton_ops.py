@@ -1,0 +1,163 @@
+"""The Triton decode kernels (rope + K/V write, paged decode attention), run on the host under
+Triton's interpreter against the torch reference: the same kernels the GPU runs, compiled there
+instead (tests/gpu/test_flashinfer_attention.py runs them on the GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models.attention import triton_ops
+from models.attention.base import AttentionMetadata, ForwardContext, LayerAttention, SeqChunk
+from models.attention.kv_write import RowsWriter
+from models.attention.table_decode import TableDecodeAttention, TableDecodeGraphAttention
+from models.attention.torch_paged import TorchPagedAttention
+from models.layers.rotary_embedding import RotaryEmbedding
+
+pytest.importorskip("triton")
+CPU = torch.device("cpu")
+BLOCK = 16
+
+
+@pytest.fixture(autouse=True)
+def interpreter():
+    if not triton_ops.triton_runs_on(CPU):
+        pytest.skip("Triton's interpreter is off (tests/conftest.py turns it on without a GPU)")
+
+
+def rotated(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """x: [T, H, D] rotated in fp32 (GPT-NeoX halves), cast back."""
+    half = x.shape[-1] // 2
+    cos, sin = table[:, None, :half], table[:, None, half:]
+    x1, x2 = x.float()[..., :half], x.float()[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+@pytest.mark.parametrize("head_dim", [64, 96])
+@pytest.mark.parametrize("contiguous_q", [False, True])
+def test_rope_write_rotates_q_and_k_and_stores_k_and_v_at_their_slots(head_dim, contiguous_q):
+    torch.manual_seed(head_dim)
+    t, hq, hkv = 5, 8, 2
+    qkv = torch.randn(t, (hq + 2 * hkv) * head_dim, dtype=torch.bfloat16)
+    q, k, v = qkv.split([hq * head_dim, hkv * head_dim, hkv * head_dim], dim=-1)
+    q, k, v = (x.view(t, -1, head_dim) for x in (q, k, v))  # strided views of one projection
+    positions = torch.tensor([0, 3, 17, 40, 41])
+    table = RotaryEmbedding(head_dim, 10000.0)(positions).table()
+    want_q, want_k, want_v = rotated(q, table), rotated(k, table), v.clone()
+    cache = torch.zeros(8, 2, BLOCK, hkv, head_dim, dtype=torch.bfloat16)
+    slots = torch.tensor([3 * BLOCK + 2, 5 * BLOCK, 1, 7 * BLOCK + 15, 2 * BLOCK + 9])
+    q_out = torch.empty(t, hq, head_dim, dtype=q.dtype) if contiguous_q else None
+    got = triton_ops.rope_write(q, k, v, table, slots, cache, q_out)
+    assert got.is_contiguous() is contiguous_q
+    # within one bf16 rounding (the interpreter's casts truncate; the GPU's round to nearest)
+    ulp = {"atol": 1e-6, "rtol": 2**-7}
+    torch.testing.assert_close(got, want_q, **ulp)
+    torch.testing.assert_close(k, want_k, **ulp)  # in place
+    blocks, offsets = slots // BLOCK, slots % BLOCK
+    assert torch.equal(cache[blocks, 0, offsets], k)
+    assert torch.equal(cache[blocks, 1, offsets], want_v)
+    written = torch.zeros(8, BLOCK, dtype=torch.bool)
+    written[blocks, offsets] = True
+    assert not cache.transpose(1, 2)[~written].any()  # nothing else touched
+
+
+def decode_case(lens: list[int], hq: int, hkv: int, head_dim: int, seed: int):
+    """A decode step over a random cache: md, the cache and a query [B, Hq, D]."""
+    g = torch.Generator().manual_seed(seed)
+    cache = torch.randn(64, 2, BLOCK, hkv, head_dim, generator=g).to(torch.bfloat16)
+    perm = (torch.randperm(63, generator=g) + 1).tolist()  # block 0 is the null block
+    chunks = []
+    for n in lens:
+        nb = -(-n // BLOCK)
+        table, perm = perm[:nb], perm[nb:]
+        chunks.append(SeqChunk(n - 1, 1, table))
+    md = AttentionMetadata.build(chunks, BLOCK, CPU)
+    q = torch.randn(len(lens), hq, head_dim, generator=g).to(torch.bfloat16)
+    return md, cache, q
+
+
+def reference(md, cache, q, spec) -> torch.Tensor:
+    """The torch backend's output for the step (it writes the step's K/V first: hand it what
+    the cache already holds there)."""
+    at = md.slot_mapping
+    k, v = cache[at // BLOCK, 0, at % BLOCK], cache[at // BLOCK, 1, at % BLOCK]
+    ref = TorchPagedAttention([cache.clone()], md)
+    return ref.forward(0, q.float(), k.float(), v.float(), spec)
+
+
+SPECS = {
+    "plain": LayerAttention(scale=0.125),
+    "window": LayerAttention(scale=0.125, sliding_window=21),
+    "softcap": LayerAttention(scale=0.125, logit_softcap=5.0),
+}
+
+
+@pytest.mark.parametrize("spec", SPECS.values(), ids=SPECS.keys())
+@pytest.mark.parametrize("sms", [1, 16, 64])  # one split, a few, as many as the tiles allow
+def test_the_decode_kernel_matches_the_reference_however_it_splits(spec, sms):
+    lens = [1, 16, 17, 130, 64 * 4 + 3]
+    md, cache, q = decode_case(lens, hq=8, hkv=2, head_dim=64, seed=sms)
+    kernel = triton_ops.TritonDecodeKernel(8, 2, 64, BLOCK, CPU)
+    kernel.sm_count = sms
+    nsplit = kernel.splits(len(lens), md.block_tables.shape[1] * BLOCK)
+    assert (nsplit == 1) is (sms == 1) and nsplit <= triton_ops.MAX_SPLITS
+    got = kernel(q, cache, md.block_tables, md.seq_lens.view(-1, 1), spec)
+    want = reference(md, cache, q, spec)
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+    assert not kernel.tickets.any()  # every merge left its ticket at zero for the next launch
+
+
+def test_a_query_group_of_one_and_head_dim_256():
+    md, cache, q = decode_case([5, 40], hq=4, hkv=4, head_dim=256, seed=3)
+    kernel = triton_ops.TritonDecodeKernel(4, 4, 256, BLOCK, CPU)
+    spec = LayerAttention(scale=256**-0.5)
+    got = kernel(q, cache, md.block_tables, md.seq_lens.view(-1, 1), spec)
+    want = reference(md, cache, q, spec)
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+    with pytest.raises(ValueError, match="powers of 2"):
+        triton_ops.TritonDecodeKernel(4, 4, 96, BLOCK, CPU)
+
+
+@pytest.mark.parametrize("graph", [False, True])
+def test_a_decode_layer_through_the_context_ropes_writes_and_attends_like_the_reference(graph):
+    """ForwardContext hands the rope to the table-decode backend, whose writer fuses it with
+    the K/V store: the output and the cache equal rope, then the reference backend's step."""
+    hq, hkv, d = 8, 2, 64
+    md, cache, _ = decode_case([3, 33, 100], hq, hkv, d, seed=11)
+    g = torch.Generator().manual_seed(5)
+    qkv = torch.randn(3, (hq + 2 * hkv) * d, generator=g).to(torch.bfloat16)
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    q, k, v = q.view(3, hq, d), k.view(3, hkv, d), v.view(3, hkv, d)
+    rope = RotaryEmbedding(d, 10000.0)(md.seq_lens.long() - 1)
+    spec = LayerAttention(scale=d**-0.5)
+    ref_cache = cache.clone()
+    want = TorchPagedAttention([ref_cache], md).forward(
+        0, rotated(q, rope.table()), rotated(k, rope.table()), v.clone(), spec
+    )
+    kernel = triton_ops.TritonDecodeKernel(hq, hkv, d, BLOCK, CPU)
+    if graph:
+        attn = TableDecodeGraphAttention(kernel, [cache], 4, 8, lambda s: RowsWriter(s, BLOCK))
+        attn.plan(md)
+        attn.prepare()
+        pad = torch.zeros(1, qkv.shape[1], dtype=qkv.dtype)  # the graph's padded fourth row
+        q2, k2, v2 = torch.cat((qkv, pad)).split([hq * d, hkv * d, hkv * d], dim=-1)
+        q, k, v = q2.view(4, hq, d), k2.view(4, hkv, d), v2.view(4, hkv, d)
+        rope = RotaryEmbedding(d, 10000.0)(torch.cat((md.seq_lens.long() - 1, torch.zeros(1))))
+    else:
+        attn = TableDecodeAttention(kernel, [cache], md, RowsWriter(md.slot_mapping, BLOCK))
+    assert attn.takes_rope
+    got = ForwardContext(attn=attn).attention(0, q, k, v, spec, rope)[:3]
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    live = cache.clone()
+    live[0] = ref_cache[0]  # the padded row wrote the null block; nothing else differs
+    torch.testing.assert_close(live, ref_cache, atol=1e-6, rtol=2**-7)  # one bf16 rounding
+    assert torch.equal(live[:, 1], ref_cache[:, 1])  # V as it came
+
+
+def test_without_triton_here_the_context_ropes_first_and_the_writer_stores(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET")
+    md, cache, _ = decode_case([3, 20], 4, 2, 64, seed=2)
+    writer = RowsWriter(md.slot_mapping, BLOCK)
+    attn = TableDecodeAttention(None, [cache], md, writer)
+    assert not attn.takes_rope  # the host without the interpreter: no Triton kernel runs here
+    assert not RowsWriter(md.slot_mapping, BLOCK, fused_rope=False).fuses_rope(cache)
