@@ -44,10 +44,12 @@ if [ "$quick" = "--decode" ]; then
   part() { [[ " ${PARTS:-tests ab engine ttft concurrent kernels} " == *" $1 "* ]]; }
   if part tests; then
     t0=$SECONDS
-    timeout 420 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/gpu/test_fused_ops_gpu.py \
+    timeout "${TESTS_TIMEOUT:-420}" python3 -m pytest -m gpu -q -rs -p no:cacheprovider --durations=8 \
+      tests/gpu/test_fused_ops_gpu.py \
       tests/gpu/test_sampling_gpu.py tests/gpu/test_launch_ahead_gpu.py tests/gpu/test_piecewise_graphs.py \
       tests/gpu/test_gpu_vs_cpu.py tests/gpu/test_cuda_graphs.py tests/gpu/test_flashinfer_attention.py \
-      tests/gpu/test_upload_gpu.py tests/gpu/test_lanes_gpu.py -k "${TESTS_K-not fa3}" 2>&1 | tee "$OUT/pytest.log"
+      tests/gpu/test_upload_gpu.py tests/gpu/test_lanes_gpu.py tests/gpu/test_triton_ops_gpu.py \
+      -k "${TESTS_K-not fa3}" 2>&1 | tee "$OUT/pytest.log"
     echo "tests: $((SECONDS - t0)) s"
   fi
   if part ab && [ -d .baseline ]; then
