@@ -9,9 +9,9 @@
   It reads the block table [B, W] and the lengths as the allocator keeps them: no plan.
 
 Both run wherever Triton does: on a CUDA device, and on the host under Triton's interpreter
-(TRITON_INTERPRET=1, which the CPU tests use). The interpreter has no bf16 arithmetic, so every
-product is taken in fp32 (TF32 tensor cores on the GPU: exact for bf16 inputs, whose 8-bit
-mantissa fits in TF32's 11).
+(TRITON_INTERPRET=1, which the CPU tests use). On the GPU the attention's products take bf16 (or
+fp16) tensor cores with fp32 sums, as FlashAttention's do; the interpreter has no bf16
+arithmetic, so there they are taken in fp32 (`DOT_F32`).
 
 Cache view per layer: [num_blocks, 2, block_size, H, D], K then V, any strides.
 """
@@ -109,7 +109,7 @@ def _build_kernels(interpret: bool):
         scale, softcap, window,
         HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
         PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NSPLIT: tl.constexpr,
-        SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
+        SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, DOT_F32: tl.constexpr,
     ):  # fmt: skip
         # program (b, kv head, split s): query heads hk*G .. hk*G+G-1 of sequence b over the
         # split's share of its positions
@@ -131,7 +131,10 @@ def _build_kernels(interpret: bool):
             d = tl.arange(0, D)
             heads = hk * G + g
             q = tl.load(q_ptr + b * sq_b + heads[:, None] * sq_h + d[None, :], mask=gm[:, None])
-            q = q.to(tl.float32)
+            if DOT_F32:
+                q = q.to(tl.float32)
+            else:
+                q = q.to(cache_ptr.dtype.element_ty)
             m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
             l_i = tl.zeros([BLOCK_G], tl.float32)
             acc = tl.zeros([BLOCK_G, D], tl.float32)
@@ -141,8 +144,10 @@ def _build_kernels(interpret: bool):
                 page = tl.load(tables_ptr + b * st_b + n // PAGE, mask=nm, other=0)
                 at = page.to(tl.int64) * sc_blk + (n % PAGE) * sc_tok + hk * sc_h
                 kv = cache_ptr + at[:, None] + d[None, :]
-                k = tl.load(kv, mask=nm[:, None], other=0.0).to(tl.float32)
-                v = tl.load(kv + sc_kv, mask=nm[:, None], other=0.0).to(tl.float32)
+                k = tl.load(kv, mask=nm[:, None], other=0.0)
+                v = tl.load(kv + sc_kv, mask=nm[:, None], other=0.0)
+                if DOT_F32:
+                    k, v = k.to(tl.float32), v.to(tl.float32)
                 x = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_G, BLOCK_N]
                 if SOFTCAP:
                     x = softcap * (2.0 * tl.sigmoid(2.0 * x / softcap) - 1.0)  # cap * tanh
@@ -151,7 +156,7 @@ def _build_kernels(interpret: bool):
                 alpha = tl.exp(m_i - m_new)
                 p = tl.exp(x - m_new[:, None])
                 l_i = l_i * alpha + tl.sum(p, 1)
-                acc = acc * alpha[:, None] + tl.dot(p, v)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
                 m_i = m_new
             out_at = out_ptr + b * so_b + heads[:, None] * so_h + d[None, :]
             if NSPLIT == 1:
@@ -282,5 +287,6 @@ class TritonDecodeKernel:
             HKV=self.num_kv_heads, G=self.group, BLOCK_G=self.block_g, D=dim,
             PAGE=self.block_size, BLOCK_N=self.block_n, NSPLIT=nsplit,
             SOFTCAP=bool(spec.logit_softcap), WINDOW=bool(spec.sliding_window),
+            DOT_F32=interpreting() or cache.dtype == torch.float32,
         )  # fmt: skip
         return out
