@@ -281,6 +281,13 @@ def host_profile(fn, lines: int) -> str:
     return text.getvalue()
 
 
+# fa3's kernels are CUTLASS kernels, XQA's kernel_mha, Triton's decode_kernel: attention before gemm
+ATTENTION_KERNELS = (
+    r"PrefillWith|DecodeWith|MergeState|PersistentVar|mha|FlashAttn|attn|decode_kernel"
+)
+KV_WRITE_KERNELS = r"index_copy|indexCopy|index_put|scatter|AppendPagedKV|rope_write"  # + rope
+
+
 def kernel_time(fn, runs: int) -> tuple[dict, dict, list]:
     """Runs fn under the CUDA profiler: device time (ms) and launches per run by kind of kernel
     (gemm, attention, kv_write, other), and the kernels that took longest."""
@@ -297,11 +304,11 @@ def kernel_time(fn, runs: int) -> tuple[dict, dict, list]:
         if not us or ev.count == 0 or ev.key.startswith(("ProfilerStep", "cudaGraph")):
             continue
         name = ev.key
-        if re.search(r"PrefillWith|DecodeWith|MergeState|PersistentVar|mha|FlashAttn|attn", name):
-            kind = "attention"  # before gemm: fa3's kernels are CUTLASS kernels; XQA's kernel_mha
+        if re.search(ATTENTION_KERNELS, name):
+            kind = "attention"
         elif re.search(r"gemm|gemv|cutlass|nvjet|xmma|cublas|splitKreduce", name, re.I):
             kind = "gemm"
-        elif re.search(r"index_copy|indexCopy|index_put|scatter|AppendPagedKV", name, re.I):
+        elif re.search(KV_WRITE_KERNELS, name, re.I):
             kind = "kv_write"
         else:
             kind = "other"
