@@ -74,6 +74,7 @@ class Engine:
             envs.decode_split_pages(),
             envs.decode_backend(),
             envs.fused_rope_write(),
+            envs.decode_backend_max_batch(),
         )
         # one page pool and one engine thread per device: each GPU of devices (cuda:0 ..), or
         # several emulated CPU devices (each its own pool and thread), for the multi-device

@@ -66,6 +66,12 @@ def decode_backend() -> str:
     return os.environ.get("PRISM_DECODE_BACKEND") or "flashinfer"
 
 
+def decode_backend_max_batch() -> int | None:
+    """PRISM_DECODE_BACKEND runs decode steps of at most this many sequences, FlashInfer's
+    decode the larger ones (PRISM_DECODE_BACKEND_MAX_BATCH; unset: every batch)."""
+    return _int("PRISM_DECODE_BACKEND_MAX_BATCH", None)
+
+
 def fused_rope_write() -> bool:
     """Decode steps rotate q and k and write K/V in one Triton kernel (PRISM_ROPE_WRITE,
     default 1; 0: FlashInfer's rope, then an indexed store)."""

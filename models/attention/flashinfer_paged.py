@@ -91,6 +91,9 @@ class KernelChoice:
     decode_backend: str = "flashinfer"
     # decode steps' rope and K/V write in one Triton kernel (else FlashInfer's rope, then a store)
     fused_rope_write: bool = True
+    # decode_backend for steps (and graphs) of at most this many sequences, FlashInfer's decode
+    # above it (None: every batch)
+    decode_backend_max_batch: int | None = None
 
     def __post_init__(self):
         if self.prefill_backend not in PREFILL_BACKENDS:
@@ -99,6 +102,8 @@ class KernelChoice:
         if self.decode_backend not in DECODE_BACKENDS:
             choices = ", ".join(DECODE_BACKENDS)
             raise ValueError(f"decode backend {self.decode_backend!r}: choose from {choices}")
+        if self.decode_backend_max_batch is not None and self.decode_backend_max_batch < 1:
+            raise ValueError(f"decode backend max batch {self.decode_backend_max_batch}: >= 1")
         if self.decode_backend != "flashinfer" and self.decode_split_pages is not None:
             raise ValueError(
                 f"the {self.decode_backend} decode kernel splits the KV itself: "
@@ -287,7 +292,7 @@ class FlashInferBackend:
         sh = self.shape
         decode = md.is_decode_only
         fused = self.kernels.fused_rope_write
-        if decode and self.table_kernel is not None:  # reads md's block tables as they are
+        if decode and self._table_decodes(md.num_seqs):  # reads md's block tables as they are
             write = RowsWriter(md.slot_mapping, sh.block_size, fused) if write_kv else None
             return TableDecodeAttention(self.table_kernel, kv_caches, md, write)
         index = PagedKVIndex.from_metadata(md)
@@ -338,6 +343,11 @@ class FlashInferBackend:
                 )
         return FlashInferAttention(kv_caches, wrappers, write)
 
+    def _table_decodes(self, batch: int) -> bool:
+        """Whether a decode step of `batch` sequences runs the table-reading kernel."""
+        most = self.kernels.decode_backend_max_batch
+        return self.table_kernel is not None and (most is None or batch <= most)
+
     def _triton_decode(self) -> triton_ops.TritonDecodeKernel | None:
         sh = self.shape
         why = None
@@ -357,7 +367,7 @@ class FlashInferBackend:
     def graph_attention(
         self, kv_caches: list[torch.Tensor], batch_size: int, max_blocks: int
     ) -> DecodeGraphAttention | TableDecodeGraphAttention:
-        if self.table_kernel is not None:
+        if self._table_decodes(batch_size):
             writer = functools.partial(
                 RowsWriter, block_size=self.shape.block_size,
                 fused_rope=self.kernels.fused_rope_write,

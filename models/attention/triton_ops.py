@@ -131,10 +131,9 @@ def _build_kernels(interpret: bool):
             d = tl.arange(0, D)
             heads = hk * G + g
             q = tl.load(q_ptr + b * sq_b + heads[:, None] * sq_h + d[None, :], mask=gm[:, None])
+            q = q.to(cache_ptr.dtype.element_ty)
             if DOT_F32:
                 q = q.to(tl.float32)
-            else:
-                q = q.to(cache_ptr.dtype.element_ty)
             m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
             l_i = tl.zeros([BLOCK_G], tl.float32)
             acc = tl.zeros([BLOCK_G, D], tl.float32)

@@ -28,10 +28,13 @@ def test_the_defaults_and_a_bad_backend():
     with pytest.raises(ValueError, match="decode split of -1 pages"):
         KernelChoice(decode_split_pages=-1)
     assert DEFAULT_KERNELS.decode_backend == "flashinfer"
-    with pytest.raises(ValueError, match="choose from flashinfer, xqa"):
+    with pytest.raises(ValueError, match="choose from flashinfer, xqa, triton"):
         KernelChoice(decode_backend="trtllm")
     with pytest.raises(ValueError, match="splits the KV itself"):
         KernelChoice(decode_backend="xqa", decode_split_pages=16)
+    with pytest.raises(ValueError, match="max batch 0"):
+        KernelChoice(decode_backend="triton", decode_backend_max_batch=0)
+    assert DEFAULT_KERNELS.fused_rope_write
 
 
 def test_the_environment_reaches_every_devices_resources(monkeypatch):
@@ -58,6 +61,16 @@ def test_the_environment_reaches_every_devices_resources(monkeypatch):
     with Engine(EngineConfig(models=(spec,), device="cpu", page_bytes=64 << 10)) as e:
         assert e.worker.resources.kernels.decode_backend == "xqa"
         e.check_integrity()
+    monkeypatch.setenv("PRISM_DECODE_BACKEND", "triton")
+    monkeypatch.setenv("PRISM_DECODE_BACKEND_MAX_BATCH", "16")
+    monkeypatch.setenv("PRISM_ROPE_WRITE", "0")
+    with Engine(EngineConfig(models=(spec,), device="cpu", page_bytes=64 << 10)) as e:
+        kernels = e.worker.resources.kernels
+        assert kernels.decode_backend == "triton" and kernels.decode_backend_max_batch == 16
+        assert not kernels.fused_rope_write
+        e.check_integrity()
+    monkeypatch.delenv("PRISM_DECODE_BACKEND_MAX_BATCH")
+    monkeypatch.delenv("PRISM_ROPE_WRITE")
     monkeypatch.setenv("PRISM_DECODE_BACKEND", "xqa2")
     with pytest.raises(ValueError, match="decode backend 'xqa2'"):
         Engine(EngineConfig(models=(spec,), device="cpu", page_bytes=64 << 10))
