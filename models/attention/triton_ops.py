@@ -110,6 +110,7 @@ def _build_kernels(interpret: bool):
         HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
         PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NSPLIT: tl.constexpr,
         SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, DOT_F32: tl.constexpr,
+        SPLITS_P2: tl.constexpr, G_P2: tl.constexpr, MERGE_D: tl.constexpr,
     ):  # fmt: skip
         # program (b, kv head, split s): query heads hk*G .. hk*G+G-1 of sequence b over the
         # split's share of its positions
@@ -163,34 +164,42 @@ def _build_kernels(interpret: bool):
                     out_at, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=gm[:, None]
                 )
             else:
-                # this split's unnormalized output and its (max, sum), then a ticket: the
-                # last split to take one merges every part
+                # this split's unnormalized output and its (max, sum) for the group's real
+                # heads, then a ticket: the last split to take one merges every part
                 part = (b * HKV + hk) * NSPLIT
-                po = part_o_ptr + ((part + s) * BLOCK_G + g[:, None]) * D + d[None, :]
-                tl.store(po, acc)
-                pml = part_ml_ptr + ((part + s) * BLOCK_G + g) * 2
-                tl.store(pml, m_i)
-                tl.store(pml + 1, l_i)
+                po = part_o_ptr + ((part + s) * G + g[:, None]) * D + d[None, :]
+                tl.store(po, acc, mask=gm[:, None])
+                pml = part_ml_ptr + ((part + s) * G + g) * 2
+                tl.store(pml, m_i, mask=gm)
+                tl.store(pml + 1, l_i, mask=gm)
                 tl.debug_barrier()
                 ticket = tl.atomic_add(ticket_ptr + b * HKV + hk, 1, sem="acq_rel")
                 if ticket == active - 1:
-                    m_all = tl.full([BLOCK_G], float("-inf"), tl.float32)
-                    for j in range(0, active):
-                        mj = tl.load(
-                            part_ml_ptr + ((part + j) * BLOCK_G + g) * 2, cache_modifier=".cg"
-                        )
-                        m_all = tl.maximum(m_all, mj)
-                    total = tl.zeros([BLOCK_G], tl.float32)
-                    o = tl.zeros([BLOCK_G, D], tl.float32)
-                    for j in range(0, active):
-                        ml = part_ml_ptr + ((part + j) * BLOCK_G + g) * 2
-                        w = tl.exp(tl.load(ml, cache_modifier=".cg") - m_all)
-                        total += w * tl.load(ml + 1, cache_modifier=".cg")
-                        oj = part_o_ptr + ((part + j) * BLOCK_G + g[:, None]) * D + d[None, :]
-                        o += w[:, None] * tl.load(oj, cache_modifier=".cg")
-                    tl.store(
-                        out_at, (o / total[:, None]).to(out_ptr.dtype.element_ty), mask=gm[:, None]
+                    # every part at once: [splits, heads] of (max, sum), then the outputs a
+                    # slice of D at a time ([splits, heads, MERGE_D] in registers)
+                    j = tl.arange(0, SPLITS_P2)
+                    r = tl.arange(0, G_P2)
+                    jm = (j < active)[:, None] & (r < G)[None, :]
+                    at = ((part + j[:, None]) * G + r[None, :]) * 2
+                    m = tl.load(
+                        part_ml_ptr + at, mask=jm, other=float("-inf"), cache_modifier=".cg"
                     )
+                    sums = tl.load(part_ml_ptr + at + 1, mask=jm, other=0.0, cache_modifier=".cg")
+                    m_all = tl.max(m, 0)  # [G_P2]
+                    w = tl.where(jm, tl.exp(m - m_all[None, :]), 0.0)  # [SPLITS_P2, G_P2]
+                    total = tl.sum(w * sums, 0)
+                    rows = hk * G + r
+                    for d0 in tl.static_range(0, D, MERGE_D):
+                        dd = d0 + tl.arange(0, MERGE_D)
+                        oj = ((part + j[:, None, None]) * G + r[None, :, None]) * D + dd[
+                            None, None, :
+                        ]
+                        parts = tl.load(
+                            part_o_ptr + oj, mask=jm[:, :, None], other=0.0, cache_modifier=".cg"
+                        )
+                        o = tl.sum(parts * w[:, :, None], 0) / total[:, None]  # [G_P2, MERGE_D]
+                        o_at = out_ptr + b * so_b + rows[:, None] * so_h + dd[None, :]
+                        tl.store(o_at, o.to(out_ptr.dtype.element_ty), mask=(r < G)[:, None])
                     tl.atomic_xchg(ticket_ptr + b * HKV + hk, 0)
 
     return rope_write_kernel, decode_kernel
@@ -274,7 +283,7 @@ class TritonDecodeKernel:
         assert b <= MAX_BATCH_TICKETS and q.stride(2) == 1 and cache.stride(4) == 1
         out = torch.empty((b, hq, dim), dtype=q.dtype, device=q.device)
         nsplit = self.splits(b, tables.shape[1] * self.block_size)
-        parts = b * self.num_kv_heads * nsplit * self.block_g
+        parts = b * self.num_kv_heads * nsplit * self.group
         part_o = torch.empty(parts * dim if nsplit > 1 else 1, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(parts * 2 if nsplit > 1 else 1, dtype=torch.float32, device=q.device)
         _, kernel = _kernels()
@@ -287,5 +296,7 @@ class TritonDecodeKernel:
             PAGE=self.block_size, BLOCK_N=self.block_n, NSPLIT=nsplit,
             SOFTCAP=bool(spec.logit_softcap), WINDOW=bool(spec.sliding_window),
             DOT_F32=interpreting() or cache.dtype == torch.float32,
+            SPLITS_P2=_pow2(nsplit), G_P2=_pow2(self.group),
+            MERGE_D=min(dim, max(16, 8192 // (_pow2(nsplit) * _pow2(self.group)))),
         )  # fmt: skip
         return out
