@@ -49,7 +49,12 @@ class TableDecodeAttention:
     def forward(self, layer_idx: int, q, k, v, spec: LayerAttention, rope=None) -> torch.Tensor:
         # q: [B, Hq, D]; k, v: [B, Hkv, D] -> [B, Hq, D]; rope: q and k not yet rotated
         cache = self.kv_caches[layer_idx]
-        q = rope_then_write(self.write, cache, q, k, v, rope, contiguous_q=True)
+        write = self.write
+        if rope is not None and getattr(self.kernel, "takes_rope", False):
+            # the kernel rotates q and k and stores k, v itself (write.fuses_rope: takes_rope)
+            new = (k, v, rope.table(), write.slots)
+            return self.kernel(q, cache, self.tables, self.seq_lens, spec, new)
+        q = rope_then_write(write, cache, q, k, v, rope, contiguous_q=True)
         return self.kernel(q, cache, self.tables, self.seq_lens, spec)
 
 

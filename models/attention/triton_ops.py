@@ -104,13 +104,14 @@ def _build_kernels(interpret: bool):
     @triton.jit
     def decode_kernel(
         q_ptr, cache_ptr, tables_ptr, lens_ptr, out_ptr, part_o_ptr, part_ml_ptr, ticket_ptr,
-        sq_b, sq_h, so_b, so_h, st_b,
+        k_ptr, v_ptr, table_ptr, slots_ptr,
+        sq_b, sq_h, so_b, so_h, st_b, sk_b, sk_h, sv_b, sv_h, st_r,
         sc_blk, sc_kv, sc_tok, sc_h,
         scale, softcap, window,
         HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
         PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NSPLIT: tl.constexpr,
         SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, DOT_F32: tl.constexpr,
-        SPLITS_P2: tl.constexpr, G_P2: tl.constexpr, MERGE_D: tl.constexpr,
+        SPLITS_P2: tl.constexpr, G_P2: tl.constexpr, MERGE_D: tl.constexpr, ROPE: tl.constexpr,
     ):  # fmt: skip
         # program (b, kv head, split s): query heads hk*G .. hk*G+G-1 of sequence b over the
         # split's share of its positions
@@ -130,34 +131,77 @@ def _build_kernels(interpret: bool):
             g = tl.arange(0, BLOCK_G)
             gm = g < G
             d = tl.arange(0, D)
+            hd = tl.arange(0, D // 2)
             heads = hk * G + g
-            q = tl.load(q_ptr + b * sq_b + heads[:, None] * sq_h + d[None, :], mask=gm[:, None])
-            q = q.to(cache_ptr.dtype.element_ty)
+            # q in two halves (rope's), rotated here when ROPE (in fp32, then rounded as the
+            # separate rope kernel would store it)
+            q_at = q_ptr + b * sq_b + heads[:, None] * sq_h + hd[None, :]
+            q1 = tl.load(q_at, mask=gm[:, None], other=0.0)
+            q2 = tl.load(q_at + D // 2, mask=gm[:, None], other=0.0)
+            if ROPE:
+                cos = tl.load(table_ptr + b * st_r + hd)[None, :]
+                sin = tl.load(table_ptr + b * st_r + D // 2 + hd)[None, :]
+                q1, q2 = q1.to(tl.float32), q2.to(tl.float32)
+                q1, q2 = q1 * cos - q2 * sin, q2 * cos + q1 * sin
+            q1 = q1.to(cache_ptr.dtype.element_ty)
+            q2 = q2.to(cache_ptr.dtype.element_ty)
             if DOT_F32:
-                q = q.to(tl.float32)
+                q1, q2 = q1.to(tl.float32), q2.to(tl.float32)
             m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
             l_i = tl.zeros([BLOCK_G], tl.float32)
             acc = tl.zeros([BLOCK_G, D], tl.float32)
-            for t0 in range(start, end, BLOCK_N):
+            # with ROPE the step's own token is not in the cache yet: it is added after the loop
+            stop = tl.minimum(end, length - 1) if ROPE else end
+            for t0 in range(start, stop, BLOCK_N):
                 n = t0 + tl.arange(0, BLOCK_N)
-                nm = n < end
+                nm = n < stop
                 page = tl.load(tables_ptr + b * st_b + n // PAGE, mask=nm, other=0)
                 at = page.to(tl.int64) * sc_blk + (n % PAGE) * sc_tok + hk * sc_h
-                kv = cache_ptr + at[:, None] + d[None, :]
-                k = tl.load(kv, mask=nm[:, None], other=0.0)
-                v = tl.load(kv + sc_kv, mask=nm[:, None], other=0.0)
+                k_at = cache_ptr + at[:, None] + hd[None, :]
+                k1 = tl.load(k_at, mask=nm[:, None], other=0.0)
+                k2 = tl.load(k_at + D // 2, mask=nm[:, None], other=0.0)
+                v = tl.load(
+                    cache_ptr + sc_kv + at[:, None] + d[None, :], mask=nm[:, None], other=0.0
+                )
                 if DOT_F32:
-                    k, v = k.to(tl.float32), v.to(tl.float32)
-                x = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_G, BLOCK_N]
+                    k1, k2, v = k1.to(tl.float32), k2.to(tl.float32), v.to(tl.float32)
+                x = (tl.dot(q1, tl.trans(k1)) + tl.dot(q2, tl.trans(k2))) * scale
                 if SOFTCAP:
                     x = softcap * (2.0 * tl.sigmoid(2.0 * x / softcap) - 1.0)  # cap * tanh
-                x = tl.where(nm[None, :], x, float("-inf"))
+                x = tl.where(nm[None, :], x, float("-inf"))  # [BLOCK_G, BLOCK_N]
                 m_new = tl.maximum(m_i, tl.max(x, 1))
                 alpha = tl.exp(m_i - m_new)
                 p = tl.exp(x - m_new[:, None])
                 l_i = l_i * alpha + tl.sum(p, 1)
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
                 m_i = m_new
+            if ROPE:  # noqa: SIM102 (a compile-time branch around a run-time one)
+                if end == length:  # the split holding the step's token: rope its k, store k, v
+                    kn_at = k_ptr + b * sk_b + hk * sk_h + hd
+                    ka = tl.load(kn_at).to(tl.float32)
+                    kb = tl.load(kn_at + D // 2).to(tl.float32)
+                    cos1 = tl.load(table_ptr + b * st_r + hd)
+                    sin1 = tl.load(table_ptr + b * st_r + D // 2 + hd)
+                    ty = cache_ptr.dtype.element_ty
+                    kn1 = (ka * cos1 - kb * sin1).to(ty)
+                    kn2 = (kb * cos1 + ka * sin1).to(ty)
+                    vn = tl.load(v_ptr + b * sv_b + hk * sv_h + d).to(ty)
+                    slot = tl.load(slots_ptr + b)
+                    c_at = cache_ptr + (slot // PAGE) * sc_blk + (slot % PAGE) * sc_tok + hk * sc_h
+                    tl.store(c_at + hd, kn1)
+                    tl.store(c_at + D // 2 + hd, kn2)
+                    tl.store(c_at + sc_kv + d, vn)
+                    xn = tl.sum(q1.to(tl.float32) * kn1.to(tl.float32)[None, :], 1)
+                    xn += tl.sum(q2.to(tl.float32) * kn2.to(tl.float32)[None, :], 1)
+                    xn = xn * scale
+                    if SOFTCAP:
+                        xn = softcap * (2.0 * tl.sigmoid(2.0 * xn / softcap) - 1.0)
+                    m_new = tl.maximum(m_i, xn)
+                    alpha = tl.exp(m_i - m_new)
+                    pn = tl.exp(xn - m_new)
+                    l_i = l_i * alpha + pn
+                    acc = acc * alpha[:, None] + pn[:, None] * vn.to(tl.float32)[None, :]
+                    m_i = m_new
             out_at = out_ptr + b * so_b + heads[:, None] * so_h + d[None, :]
             if NSPLIT == 1:
                 tl.store(
@@ -243,14 +287,19 @@ MAX_BATCH_TICKETS = 1024  # sequences a step of the kernel below may hold, times
 
 class TritonDecodeKernel:
     """Decode attention for one model (its head shape and page size): called like XQA's kernel
-    (`TableDecodeAttention`). Owns the merge tickets, zero between launches; a model's steps
-    run one at a time, so its layers share them."""
+    (`TableDecodeAttention`), and it can take the layer's rope and K/V store too (`new`). Owns
+    the merge tickets, zero between launches; a model's steps run one at a time, so its layers
+    share them."""
+
+    takes_rope = True
 
     def __init__(
         self, num_qo_heads: int, num_kv_heads: int, head_dim: int, block_size: int, device
     ):
-        if head_dim & (head_dim - 1) or head_dim < 16:
-            raise ValueError(f"head_dim {head_dim}: the Triton decode kernel takes powers of 2")
+        if head_dim & (head_dim - 1) or head_dim < 32:
+            raise ValueError(
+                f"head_dim {head_dim}: the Triton decode kernel takes powers of 2 from 32"
+            )
         self.num_kv_heads, self.head_dim, self.block_size = num_kv_heads, head_dim, block_size
         self.group = num_qo_heads // num_kv_heads
         self.block_g = max(16, _pow2(self.group))  # the dot's rows: the head group, padded
@@ -276,11 +325,16 @@ class TritonDecodeKernel:
         tables: torch.Tensor,
         seq_lens: torch.Tensor,
         spec: LayerAttention,
+        new: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """q: [B, Hq, D]; cache: one layer's view; tables: [B, W] int32; seq_lens: [B, 1] int32
-        -> [B, Hq, D]."""
+        -> [B, Hq, D]. new: the step's (k, v, rope table, slots) when q and k are not rotated
+        yet and k, v not in the cache (k, v: [B, Hkv, D], table: [B, D] fp32, slots: [B]
+        int64): this kernel rotates them and stores k, v (one kernel for all of it)."""
         b, hq, dim = q.shape
         assert b <= MAX_BATCH_TICKETS and q.stride(2) == 1 and cache.stride(4) == 1
+        k, v, table, slots = new if new is not None else (q, q, q, seq_lens)
+        assert k.stride(2) == v.stride(2) == table.stride(-1) == 1
         out = torch.empty((b, hq, dim), dtype=q.dtype, device=q.device)
         nsplit = self.splits(b, tables.shape[1] * self.block_size)
         parts = b * self.num_kv_heads * nsplit * self.group
@@ -288,8 +342,9 @@ class TritonDecodeKernel:
         part_ml = torch.empty(parts * 2 if nsplit > 1 else 1, dtype=torch.float32, device=q.device)
         _, kernel = _kernels()
         kernel[(b, self.num_kv_heads, nsplit)](
-            q, cache, tables, seq_lens, out, part_o, part_ml, self.tickets,
+            q, cache, tables, seq_lens, out, part_o, part_ml, self.tickets, k, v, table, slots,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), tables.stride(0),
+            k.stride(0), k.stride(1), v.stride(0), v.stride(1), table.stride(0),
             cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
             spec.scale, spec.logit_softcap or 0.0, spec.sliding_window or 0,
             HKV=self.num_kv_heads, G=self.group, BLOCK_G=self.block_g, D=dim,
@@ -298,5 +353,6 @@ class TritonDecodeKernel:
             DOT_F32=interpreting() or cache.dtype == torch.float32,
             SPLITS_P2=_pow2(nsplit), G_P2=_pow2(self.group),
             MERGE_D=min(dim, max(16, 8192 // (_pow2(nsplit) * _pow2(self.group)))),
+            ROPE=new is not None,
         )  # fmt: skip
         return out

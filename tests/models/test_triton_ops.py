@@ -4,6 +4,8 @@ instead (tests/gpu/test_flashinfer_attention.py runs them on the GPU)."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -118,23 +120,30 @@ def test_a_query_group_of_one_and_head_dim_256():
         triton_ops.TritonDecodeKernel(4, 4, 96, BLOCK, CPU)
 
 
+@pytest.mark.parametrize("spec", SPECS.values(), ids=SPECS.keys())
+@pytest.mark.parametrize("path", ["in-attention", "rope-kernel"])
 @pytest.mark.parametrize("graph", [False, True])
-def test_a_decode_layer_through_the_context_ropes_writes_and_attends_like_the_reference(graph):
-    """ForwardContext hands the rope to the table-decode backend, whose writer fuses it with
-    the K/V store: the output and the cache equal rope, then the reference backend's step."""
+def test_a_decode_layer_through_the_context_ropes_writes_and_attends_like_the_reference(
+    graph, path, spec
+):
+    """ForwardContext hands the rope to the table-decode backend: the attention kernel rotates
+    q and k and stores K/V itself, or the writer's rope kernel does before it. The output and
+    the cache equal rope, then the reference backend's step."""
     hq, hkv, d = 8, 2, 64
-    md, cache, _ = decode_case([3, 33, 100], hq, hkv, d, seed=11)
+    md, cache, _ = decode_case([1, 33, 100], hq, hkv, d, seed=11)
     g = torch.Generator().manual_seed(5)
     qkv = torch.randn(3, (hq + 2 * hkv) * d, generator=g).to(torch.bfloat16)
     q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
     q, k, v = q.view(3, hq, d), k.view(3, hkv, d), v.view(3, hkv, d)
     rope = RotaryEmbedding(d, 10000.0)(md.seq_lens.long() - 1)
-    spec = LayerAttention(scale=d**-0.5)
     ref_cache = cache.clone()
     want = TorchPagedAttention([ref_cache], md).forward(
         0, rotated(q, rope.table()), rotated(k, rope.table()), v.clone(), spec
     )
     kernel = triton_ops.TritonDecodeKernel(hq, hkv, d, BLOCK, CPU)
+    kernel.sm_count = 64  # the longest sequence in three splits
+    if path == "rope-kernel":  # a kernel that cannot take the rope: the writer's kernel does
+        kernel = functools.partial(kernel)
     if graph:
         attn = TableDecodeGraphAttention(kernel, [cache], 4, 8, lambda s: RowsWriter(s, BLOCK))
         attn.plan(md)
