@@ -43,3 +43,43 @@ def test_decode_kernel_matches_the_reference_again_and_again(lens, heads):
         rel = (got.float() - want).norm() / want.norm()
         assert rel < 1e-2, float(rel)
         assert not kernel.tickets.any()
+
+
+@pytest.mark.parametrize("batch", [1, 16, 64])
+def test_attention_that_takes_the_rope_matches_the_rope_kernel_then_attention(batch):
+    """The decode kernel rotating q and k and storing k, v itself (one kernel a layer) against
+    the rope kernel, then the kernel over the cache: the same cache, outputs within rounding."""
+    hq, hkv, d = 32, 8, 128
+    gen = torch.Generator(device="cuda").manual_seed(batch)
+    lens = torch.randint(1, 1500, (batch,), generator=gen, device="cuda").tolist()
+    nblocks = sum(-(-n // BLOCK) for n in lens) + 1
+    cache = torch.randn(nblocks, 2, BLOCK, hkv, d, device="cuda", generator=gen).bfloat16()
+    perm = (torch.randperm(nblocks - 1, device="cuda", generator=gen) + 1).tolist()
+    chunks = []
+    for n in lens:
+        nb = -(-n // BLOCK)
+        chunks.append(SeqChunk(n - 1, 1, perm[:nb]))
+        perm = perm[nb:]
+    md = AttentionMetadata.build(chunks, BLOCK, torch.device("cuda"))
+    rows = torch.randn(batch, (hq + 2 * hkv) * d, device="cuda", generator=gen).bfloat16()
+    angles = torch.rand(batch, d // 2, device="cuda", generator=gen) * 100
+    table = torch.cat((angles.cos(), angles.sin()), dim=-1).contiguous()
+    spec = LayerAttention(scale=d**-0.5)
+    kernel = triton_ops.TritonDecodeKernel(hq, hkv, d, BLOCK, torch.device("cuda"))
+    outs, caches = [], []
+    for fused in (True, False):
+        c, r = cache.clone(), rows.clone()
+        q, k, v = r.split([hq * d, hkv * d, hkv * d], dim=-1)
+        q, k, v = q.view(batch, hq, d), k.view(batch, hkv, d), v.view(batch, hkv, d)
+        lens_ = md.seq_lens.view(-1, 1)
+        if fused:
+            new = (k, v, table, md.slot_mapping)
+            outs.append(kernel(q, c, md.block_tables, lens_, spec, new))
+        else:
+            q = triton_ops.rope_write(q, k, v, table, md.slot_mapping, c, q.contiguous())
+            outs.append(kernel(q, c, md.block_tables, lens_, spec))
+        caches.append(c)
+    torch.testing.assert_close(caches[0], caches[1], atol=1e-6, rtol=2**-7)
+    rel = (outs[0].float() - outs[1].float()).norm() / outs[1].float().norm()
+    assert rel < 5e-3, float(rel)
+    assert not kernel.tickets.any()
