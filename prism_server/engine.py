@@ -75,6 +75,7 @@ class Engine:
             envs.decode_backend(),
             envs.fused_rope_write(),
             envs.decode_backend_max_batch(),
+            *envs.triton_decode(),
         )
         # one page pool and one engine thread per device: each GPU of devices (cuda:0 ..), or
         # several emulated CPU devices (each its own pool and thread), for the multi-device

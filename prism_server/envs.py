@@ -61,15 +61,22 @@ def decode_split_pages() -> int | None:
 
 
 def decode_backend() -> str:
-    """Decode-only steps' attention kernel (PRISM_DECODE_BACKEND: flashinfer, the default; xqa,
-    TensorRT-LLM's decode kernel as FlashInfer ships it; triton, Prism's own)."""
-    return os.environ.get("PRISM_DECODE_BACKEND") or "flashinfer"
+    """Decode-only steps' attention kernel (PRISM_DECODE_BACKEND: triton, Prism's own, the
+    default; flashinfer, FlashInfer's decode wrapper; xqa, TensorRT-LLM's decode kernel as
+    FlashInfer ships it)."""
+    return os.environ.get("PRISM_DECODE_BACKEND") or "triton"
 
 
 def decode_backend_max_batch() -> int | None:
     """PRISM_DECODE_BACKEND runs decode steps of at most this many sequences, FlashInfer's
     decode the larger ones (PRISM_DECODE_BACKEND_MAX_BATCH; unset: every batch)."""
     return _int("PRISM_DECODE_BACKEND_MAX_BATCH", None)
+
+
+def triton_decode() -> tuple[int, int]:
+    """The Triton decode kernel's most splits of a sequence's KV and its loop's pipelining
+    depth (PRISM_TRITON_SPLITS, default 16; PRISM_TRITON_STAGES, default 3)."""
+    return _int("PRISM_TRITON_SPLITS", 16), _int("PRISM_TRITON_STAGES", 3)
 
 
 def fused_rope_write() -> bool:

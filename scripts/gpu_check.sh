@@ -18,9 +18,11 @@
 # is one: `git archive REV prism_server models kvpool scheduler scripts | tar -x -C .baseline`),
 # then the engine benchmark without its HF and KV-write sections, two small models' decode at
 # once against one after the other (bench_gpu_concurrent.py), then the decode and prefill
-# figures under each other kernel choice (KERNELS, default: the XQA decode kernel, cuBLASLt
-# without a workspace (no split-K GEMMs, so no reduce kernel after o_proj and down_proj at small
-# batches), decode KV not split, split every 16 pages, fa3 prefill). All of it takes more than a
+# figures under each other kernel choice (KERNELS, default: FlashInfer's and XQA's decode
+# kernels, the rope and K/V write unfused, cuBLASLt without a workspace (no split-K GEMMs, so no
+# reduce kernel after o_proj and down_proj at small batches), fa3 prefill; a choice of several
+# settings joins them with commas, e.g. PRISM_DECODE_BACKEND=flashinfer,PRISM_DECODE_SPLIT_PAGES=0).
+# All of it takes more than a
 # call's 10 minutes: PARTS picks some of "tests ab engine ttft concurrent kernels", e.g.
 #   PARTS="tests kernels" KERNELS=PRISM_DECODE_BACKEND=xqa bash scripts/gpu_check.sh --decode
 # TESTS_K selects the tests (pytest -k; default "not fa3": fa3's first compile takes minutes a
@@ -72,10 +74,10 @@ if [ "$quick" = "--decode" ]; then
     2>&1 | tail -3
   # the kernel choices beside the default (KERNELS="" skips them)
   if part kernels; then
-    for choice in ${KERNELS-PRISM_DECODE_BACKEND=xqa CUBLASLT_WORKSPACE_SIZE=1 PRISM_DECODE_SPLIT_PAGES=0 PRISM_DECODE_SPLIT_PAGES=16 PRISM_PREFILL_BACKEND=fa3}; do
+    for choice in ${KERNELS-PRISM_DECODE_BACKEND=flashinfer PRISM_DECODE_BACKEND=xqa PRISM_ROPE_WRITE=0 CUBLASLT_WORKSPACE_SIZE=1 PRISM_PREFILL_BACKEND=fa3}; do
       t0=$SECONDS
-      env "$choice" timeout 330 python3 scripts/bench_gpu_engine.py --speed-only \
-        --json "$OUT/engine-${choice//=/-}.json" 2>&1 \
+      env ${choice//,/ } timeout 330 python3 scripts/bench_gpu_engine.py --speed-only \
+        --json "$OUT/engine-${choice//[=,]/-}.json" 2>&1 \
         | grep -E "decode B=|B=1[6]?: step|prefill|tokens: wall" | sed "s/^/$choice: /"
       echo "$choice: $((SECONDS - t0)) s"
     done

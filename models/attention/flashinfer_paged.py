@@ -5,7 +5,8 @@ tensor: FlashInfer's single-tensor form; page_size = block_size). Every layer sh
 block tables, so plan() runs once per step for each distinct kind of layer (softmax scale, sliding
 window, logit soft cap: a Gemma 3 model has two) and run() once per layer.
 
-- Decode-only steps: BatchDecodeWithPagedKVCacheWrapper with tensor cores.
+- Decode-only steps: Prism's Triton kernel by default (triton_ops; `KernelChoice.decode_backend`),
+  or BatchDecodeWithPagedKVCacheWrapper with tensor cores.
 - Steps of fresh prompts only (every chunk starts at position 0: nothing cached before it): the
   BatchPrefillWithRaggedKVCacheWrapper over the step's own K/V tensors, causal. The K/V are
   still written to the cache, for the decodes that follow; attention does not read them back.
@@ -15,9 +16,9 @@ window, logit soft cap: a Gemma 3 model has two) and run() once per layer.
   window?, soft cap?).
 - CUDA graphs: `DecodeGraphAttention`, one per captured batch size, owns fixed index buffers that
   plan() refills outside the graph before each replay; padded rows read and write the null block.
-- Decode through the XQA kernel instead (`KernelChoice.decode_backend = "xqa"`, see xqa_decode)
-  or the Triton kernel ("triton", see triton_ops): one kernel per layer, reading the block table
-  itself (table_decode); a model it cannot run keeps FlashInfer's.
+- Decode through the Triton kernel ("triton", the default, see triton_ops) or the XQA kernel
+  ("xqa", see xqa_decode): one kernel per layer, reading the block table itself (table_decode);
+  a model it cannot run keeps FlashInfer's.
 - Decode steps rotate q and k and write K/V in one Triton kernel (`KernelChoice.fused_rope_write`,
   see kv_write), where Triton runs; prefill steps keep FlashInfer's rope and append.
 
@@ -87,13 +88,18 @@ class KernelChoice:
     # decode's split of each sequence's KV over thread blocks, in pages (None: FlashInfer's
     # planner chooses; 0: no split, one block per sequence and KV head; n: every n pages)
     decode_split_pages: int | None = None
-    # decode-only steps through FlashInfer's decode wrapper, the XQA kernel or the Triton one
-    decode_backend: str = "flashinfer"
+    # decode-only steps through Prism's Triton kernel (triton_ops: where Triton runs and the
+    # model's head_dim is a power of 2; else FlashInfer's), FlashInfer's decode wrapper, or XQA
+    decode_backend: str = "triton"
     # decode steps' rope and K/V write in one Triton kernel (else FlashInfer's rope, then a store)
     fused_rope_write: bool = True
     # decode_backend for steps (and graphs) of at most this many sequences, FlashInfer's decode
     # above it (None: every batch)
     decode_backend_max_batch: int | None = None
+    # the Triton decode kernel: the most programs a (sequence, KV head) is split over, and the
+    # software pipelining depth of its loop over the positions
+    triton_max_splits: int = 16
+    triton_stages: int = 3
 
     def __post_init__(self):
         if self.prefill_backend not in PREFILL_BACKENDS:
@@ -102,6 +108,11 @@ class KernelChoice:
         if self.decode_backend not in DECODE_BACKENDS:
             choices = ", ".join(DECODE_BACKENDS)
             raise ValueError(f"decode backend {self.decode_backend!r}: choose from {choices}")
+        if not 1 <= self.triton_max_splits <= triton_ops.MAX_SPLITS or self.triton_stages < 1:
+            raise ValueError(
+                f"Triton decode: {self.triton_max_splits} splits (1 to {triton_ops.MAX_SPLITS}), "
+                f"{self.triton_stages} stages (>= 1)"
+            )
         if self.decode_backend_max_batch is not None and self.decode_backend_max_batch < 1:
             raise ValueError(f"decode backend max batch {self.decode_backend_max_batch}: >= 1")
         if self.decode_backend != "flashinfer" and self.decode_split_pages is not None:
@@ -361,7 +372,13 @@ class FlashInferBackend:
             log.warning("decode attention through FlashInfer: the Triton kernel cannot run %s", why)
             return None
         return triton_ops.TritonDecodeKernel(
-            sh.num_qo_heads, sh.num_kv_heads, sh.head_dim, sh.block_size, torch.device(self.device)
+            sh.num_qo_heads,
+            sh.num_kv_heads,
+            sh.head_dim,
+            sh.block_size,
+            torch.device(self.device),
+            self.kernels.triton_max_splits,
+            self.kernels.triton_stages,
         )
 
     def graph_attention(

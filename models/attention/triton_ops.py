@@ -139,10 +139,25 @@ def _build_kernels(interpret: bool):
             q1 = tl.load(q_at, mask=gm[:, None], other=0.0)
             q2 = tl.load(q_at + D // 2, mask=gm[:, None], other=0.0)
             if ROPE:
-                cos = tl.load(table_ptr + b * st_r + hd)[None, :]
-                sin = tl.load(table_ptr + b * st_r + D // 2 + hd)[None, :]
+                cos = tl.load(table_ptr + b * st_r + hd)
+                sin = tl.load(table_ptr + b * st_r + D // 2 + hd)
                 q1, q2 = q1.to(tl.float32), q2.to(tl.float32)
-                q1, q2 = q1 * cos - q2 * sin, q2 * cos + q1 * sin
+                q1, q2 = (
+                    q1 * cos[None, :] - q2 * sin[None, :],
+                    q2 * cos[None, :] + q1 * sin[None, :],
+                )
+                # the step's own k and v, loaded now (by the split that holds the step's token:
+                # it stores them and adds them after the loop) so the loads overlap the loop's
+                mine = tl.where(end == length, D, 0)  # how much of the row to load: all, none
+                kn_at = k_ptr + b * sk_b + hk * sk_h + hd
+                ka = tl.load(kn_at, mask=hd < mine, other=0.0).to(tl.float32)
+                kb = tl.load(kn_at + D // 2, mask=hd < mine, other=0.0).to(tl.float32)
+                ty = cache_ptr.dtype.element_ty
+                kn1 = (ka * cos - kb * sin).to(ty)
+                kn2 = (kb * cos + ka * sin).to(ty)
+                vn = tl.load(v_ptr + b * sv_b + hk * sv_h + d, mask=d < mine, other=0.0)
+                vn = vn.to(ty)
+                slot = tl.load(slots_ptr + b)
             q1 = q1.to(cache_ptr.dtype.element_ty)
             q2 = q2.to(cache_ptr.dtype.element_ty)
             if DOT_F32:
@@ -176,17 +191,7 @@ def _build_kernels(interpret: bool):
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
                 m_i = m_new
             if ROPE:  # noqa: SIM102 (a compile-time branch around a run-time one)
-                if end == length:  # the split holding the step's token: rope its k, store k, v
-                    kn_at = k_ptr + b * sk_b + hk * sk_h + hd
-                    ka = tl.load(kn_at).to(tl.float32)
-                    kb = tl.load(kn_at + D // 2).to(tl.float32)
-                    cos1 = tl.load(table_ptr + b * st_r + hd)
-                    sin1 = tl.load(table_ptr + b * st_r + D // 2 + hd)
-                    ty = cache_ptr.dtype.element_ty
-                    kn1 = (ka * cos1 - kb * sin1).to(ty)
-                    kn2 = (kb * cos1 + ka * sin1).to(ty)
-                    vn = tl.load(v_ptr + b * sv_b + hk * sv_h + d).to(ty)
-                    slot = tl.load(slots_ptr + b)
+                if end == length:  # the split holding the step's token: store k, v; add them
                     c_at = cache_ptr + (slot // PAGE) * sc_blk + (slot % PAGE) * sc_tok + hk * sc_h
                     tl.store(c_at + hd, kn1)
                     tl.store(c_at + D // 2 + hd, kn2)
@@ -294,14 +299,24 @@ class TritonDecodeKernel:
     takes_rope = True
 
     def __init__(
-        self, num_qo_heads: int, num_kv_heads: int, head_dim: int, block_size: int, device
+        self,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        device,
+        max_splits: int = MAX_SPLITS,
+        stages: int = 3,
     ):
+        """max_splits: the most programs a (sequence, KV head) is split over; stages: Triton's
+        software pipelining depth of the loop over the positions."""
         if head_dim & (head_dim - 1) or head_dim < 32:
             raise ValueError(
                 f"head_dim {head_dim}: the Triton decode kernel takes powers of 2 from 32"
             )
         self.num_kv_heads, self.head_dim, self.block_size = num_kv_heads, head_dim, block_size
         self.group = num_qo_heads // num_kv_heads
+        self.max_splits, self.stages = min(max_splits, MAX_SPLITS), stages
         self.block_g = max(16, _pow2(self.group))  # the dot's rows: the head group, padded
         self.block_n = 64 if head_dim <= 128 else 32  # positions a tile
         self.tickets = torch.zeros(
@@ -316,7 +331,7 @@ class TritonDecodeKernel:
         """How many programs share each (sequence, KV head): enough for about two waves of the
         GPU's SMs, none holding less than one tile."""
         want = -(-2 * self.sm_count // (batch * self.num_kv_heads))
-        return max(1, min(want, MAX_SPLITS, -(-max_len // self.block_n)))
+        return max(1, min(want, self.max_splits, -(-max_len // self.block_n)))
 
     def __call__(
         self,
@@ -353,6 +368,6 @@ class TritonDecodeKernel:
             DOT_F32=interpreting() or cache.dtype == torch.float32,
             SPLITS_P2=_pow2(nsplit), G_P2=_pow2(self.group),
             MERGE_D=min(dim, max(16, 8192 // (_pow2(nsplit) * _pow2(self.group)))),
-            ROPE=new is not None,
+            ROPE=new is not None, num_stages=self.stages,
         )  # fmt: skip
         return out

@@ -129,29 +129,34 @@ def run_and_compare(kv, md, attn, spec, case, gen, pad_to: int = 0) -> None:
         check_close(out, ref)
 
 
+FI = "flashinfer"
 KERNELS = {
-    "default": KernelChoice(),
-    "cuda-core-decode": KernelChoice(decode_tensor_cores=False),
+    "default": KernelChoice(),  # Triton's decode
+    "flashinfer-decode": KernelChoice(decode_backend=FI),
+    "cuda-core-decode": KernelChoice(decode_tensor_cores=False, decode_backend=FI),
     "fa3-prefill": KernelChoice(prefill_backend="fa3"),
     "paged-fresh": KernelChoice(ragged_prefill=False),
-    "decode-no-split": KernelChoice(decode_split_pages=0),
-    "decode-split-4": KernelChoice(decode_split_pages=4),
+    "decode-no-split": KernelChoice(decode_split_pages=0, decode_backend=FI),
+    "decode-split-4": KernelChoice(decode_split_pages=4, decode_backend=FI),
     "xqa-decode": KernelChoice(decode_backend="xqa"),
-    "triton-decode": KernelChoice(decode_backend="triton"),
+    "triton-splits-4-stages-1": KernelChoice(triton_max_splits=4, triton_stages=1),
     # batches of 7 (eager) and 8 (a graph) are past its 4: FlashInfer's decode runs them
     "triton-decode-upto-4": KernelChoice(decode_backend="triton", decode_backend_max_batch=4),
-    "unfused-rope": KernelChoice(fused_rope_write=False),
+    "unfused-rope": KernelChoice(fused_rope_write=False, decode_backend=FI),
+    "unfused-rope-triton": KernelChoice(fused_rope_write=False),
 }
 TOUCHES = {  # the kinds of step each choice changes
+    "flashinfer-decode": {"decode", "graph-decode"},
     "cuda-core-decode": {"decode", "graph-decode"},
     "fa3-prefill": {"mixed", "fresh"},
     "paged-fresh": {"fresh"},
     "decode-no-split": {"decode", "graph-decode"},
     "decode-split-4": {"decode", "graph-decode"},
     "xqa-decode": {"decode", "graph-decode"},
-    "triton-decode": {"decode", "graph-decode"},
+    "triton-splits-4-stages-1": {"decode", "graph-decode"},
     "triton-decode-upto-4": {"decode", "graph-decode"},
     "unfused-rope": {"decode", "graph-decode"},
+    "unfused-rope-triton": {"decode", "graph-decode"},
 }
 
 
@@ -174,7 +179,10 @@ def test_flashinfer_matches_reference(name, kind, kernels):
     )
     backend = FlashInferBackend(shape, [spec], torch.device("cuda"), kernels=KERNELS[kernels])
     # a kernel that reads the block table itself: XQA (no soft cap), or Triton's
-    xqa = (kernels == "xqa-decode" and case["softcap"] is None) or "triton" in kernels
+    choice = KERNELS[kernels]
+    xqa = choice.decode_backend == "triton" or (
+        choice.decode_backend == "xqa" and not case["softcap"]
+    )
     assert (backend.table_kernel is not None) is xqa
     xqa = xqa and kernels != "triton-decode-upto-4"  # whether this step runs it
     md, blocks = make_step(kv, STEPS[kind], gen)

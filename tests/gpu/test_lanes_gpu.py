@@ -16,7 +16,7 @@ from tests.prism_server.test_lanes import serve_both
 pytestmark = GPU
 
 
-@pytest.mark.parametrize("backend", ["flashinfer", "xqa"])
+@pytest.mark.parametrize("backend", ["triton", "flashinfer", "xqa"])
 def test_two_lanes_on_a_gpu_give_one_lanes_tokens(monkeypatch, tmp_path, backend):
     import transformers as tf
 

@@ -17,17 +17,22 @@ def test_the_defaults_and_a_bad_backend():
     with pytest.raises(ValueError, match="choose from fa2, fa3, auto"):
         KernelChoice(prefill_backend="fa4")
     assert KernelChoice().decode_plan_kwargs() == {}
-    assert KernelChoice(decode_split_pages=0).decode_plan_kwargs() == {"disable_split_kv": True}
-    assert KernelChoice(decode_split_pages=16).decode_plan_kwargs() == {"fixed_split_size": 16}
+    no_split = KernelChoice(decode_backend="flashinfer", decode_split_pages=0)
+    split_16 = KernelChoice(decode_backend="flashinfer", decode_split_pages=16)
+    assert no_split.decode_plan_kwargs() == {"disable_split_kv": True}
+    assert split_16.decode_plan_kwargs() == {"fixed_split_size": 16}
     # a graph replays what its capture planned: the split choice is for eager steps
-    assert KernelChoice(decode_split_pages=0).decode_plan_kwargs(graph=True) == {}
-    assert KernelChoice(decode_split_pages=16).decode_plan_kwargs(graph=True) == {}
+    assert no_split.decode_plan_kwargs(graph=True) == split_16.decode_plan_kwargs(graph=True) == {}
+    with pytest.raises(ValueError, match="splits the KV itself"):
+        KernelChoice(decode_split_pages=16)  # the default decode kernel: Triton's
+    with pytest.raises(ValueError, match="17 splits"):
+        KernelChoice(triton_max_splits=17)
     for n in (16, 0):
         with pytest.raises(ValueError, match="tensor-core decode kernel"):
-            KernelChoice(decode_tensor_cores=False, decode_split_pages=n)
+            KernelChoice(False, decode_split_pages=n, decode_backend="flashinfer")
     with pytest.raises(ValueError, match="decode split of -1 pages"):
-        KernelChoice(decode_split_pages=-1)
-    assert DEFAULT_KERNELS.decode_backend == "flashinfer"
+        KernelChoice(decode_backend="flashinfer", decode_split_pages=-1)
+    assert DEFAULT_KERNELS.decode_backend == "triton"
     with pytest.raises(ValueError, match="choose from flashinfer, xqa, triton"):
         KernelChoice(decode_backend="trtllm")
     with pytest.raises(ValueError, match="splits the KV itself"):
@@ -49,7 +54,8 @@ def test_the_environment_reaches_every_devices_resources(monkeypatch):
         assert kinds == {KernelChoice(False, "fa3", ragged_prefill=False)}
         assert e.worker.resources.xqa_workspace() is None  # not chosen: never allocated
         e.check_integrity()
-    monkeypatch.setenv("PRISM_DECODE_SPLIT_PAGES", "0")  # needs the tensor-core kernel
+    monkeypatch.setenv("PRISM_DECODE_SPLIT_PAGES", "0")  # needs FlashInfer's tensor-core kernel
+    monkeypatch.setenv("PRISM_DECODE_BACKEND", "flashinfer")
     with pytest.raises(ValueError, match="decode split of 0 pages"):
         Engine(EngineConfig(models=(spec,), device="cpu", page_bytes=64 << 10))
     monkeypatch.delenv("PRISM_DECODE_TENSOR_CORES")
@@ -64,13 +70,18 @@ def test_the_environment_reaches_every_devices_resources(monkeypatch):
     monkeypatch.setenv("PRISM_DECODE_BACKEND", "triton")
     monkeypatch.setenv("PRISM_DECODE_BACKEND_MAX_BATCH", "16")
     monkeypatch.setenv("PRISM_ROPE_WRITE", "0")
+    monkeypatch.setenv("PRISM_TRITON_SPLITS", "8")
+    monkeypatch.setenv("PRISM_TRITON_STAGES", "1")
     with Engine(EngineConfig(models=(spec,), device="cpu", page_bytes=64 << 10)) as e:
         kernels = e.worker.resources.kernels
         assert kernels.decode_backend == "triton" and kernels.decode_backend_max_batch == 16
+        assert (kernels.triton_max_splits, kernels.triton_stages) == (8, 1)
         assert not kernels.fused_rope_write
         e.check_integrity()
     monkeypatch.delenv("PRISM_DECODE_BACKEND_MAX_BATCH")
     monkeypatch.delenv("PRISM_ROPE_WRITE")
+    monkeypatch.delenv("PRISM_TRITON_SPLITS")
+    monkeypatch.delenv("PRISM_TRITON_STAGES")
     monkeypatch.setenv("PRISM_DECODE_BACKEND", "xqa2")
     with pytest.raises(ValueError, match="decode backend 'xqa2'"):
         Engine(EngineConfig(models=(spec,), device="cpu", page_bytes=64 << 10))
