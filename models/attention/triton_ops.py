@@ -101,17 +101,19 @@ def _build_kernels(interpret: bool):
             tl.store(at + sc_kv + d, v1.to(ty), mask=dm)
             tl.store(at + sc_kv + HALF + d, v2.to(ty), mask=dm)
 
-    @triton.jit
+    # nsplit is a run-time value (one build serves every batch size: a build per value made a
+    # model's first load several seconds longer)
+    @triton.jit(do_not_specialize=["nsplit"])
     def decode_kernel(
         q_ptr, cache_ptr, tables_ptr, lens_ptr, out_ptr, part_o_ptr, part_ml_ptr, ticket_ptr,
         k_ptr, v_ptr, table_ptr, slots_ptr,
         sq_b, sq_h, so_b, so_h, st_b, sk_b, sk_h, sv_b, sv_h, st_r,
         sc_blk, sc_kv, sc_tok, sc_h,
-        scale, softcap, window,
+        scale, softcap, window, nsplit,
         HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
-        PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NSPLIT: tl.constexpr,
+        PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
         SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, DOT_F32: tl.constexpr,
-        SPLITS_P2: tl.constexpr, G_P2: tl.constexpr, MERGE_D: tl.constexpr, ROPE: tl.constexpr,
+        MAX_SPLITS: tl.constexpr, G_P2: tl.constexpr, MERGE_D: tl.constexpr, ROPE: tl.constexpr,
     ):  # fmt: skip
         # program (b, kv head, split s): query heads hk*G .. hk*G+G-1 of sequence b over the
         # split's share of its positions
@@ -123,7 +125,7 @@ def _build_kernels(interpret: bool):
         if WINDOW:
             lo = tl.maximum(length - window, 0)
         # each split takes a whole number of BLOCK_N tiles; `active` splits have work
-        chunk = tl.cdiv(tl.cdiv(length - lo, NSPLIT), BLOCK_N) * BLOCK_N
+        chunk = tl.cdiv(tl.cdiv(length - lo, nsplit), BLOCK_N) * BLOCK_N
         active = tl.cdiv(length - lo, chunk)
         start = lo + s * chunk
         if s < active:
@@ -208,14 +210,14 @@ def _build_kernels(interpret: bool):
                     acc = acc * alpha[:, None] + pn[:, None] * vn.to(tl.float32)[None, :]
                     m_i = m_new
             out_at = out_ptr + b * so_b + heads[:, None] * so_h + d[None, :]
-            if NSPLIT == 1:
+            if nsplit == 1:
                 tl.store(
                     out_at, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=gm[:, None]
                 )
             else:
                 # this split's unnormalized output and its (max, sum) for the group's real
                 # heads, then a ticket: the last split to take one merges every part
-                part = (b * HKV + hk) * NSPLIT
+                part = (b * HKV + hk) * nsplit
                 po = part_o_ptr + ((part + s) * G + g[:, None]) * D + d[None, :]
                 tl.store(po, acc, mask=gm[:, None])
                 pml = part_ml_ptr + ((part + s) * G + g) * 2
@@ -226,7 +228,7 @@ def _build_kernels(interpret: bool):
                 if ticket == active - 1:
                     # every part at once: [splits, heads] of (max, sum), then the outputs a
                     # slice of D at a time ([splits, heads, MERGE_D] in registers)
-                    j = tl.arange(0, SPLITS_P2)
+                    j = tl.arange(0, MAX_SPLITS)
                     r = tl.arange(0, G_P2)
                     jm = (j < active)[:, None] & (r < G)[None, :]
                     at = ((part + j[:, None]) * G + r[None, :]) * 2
@@ -235,7 +237,7 @@ def _build_kernels(interpret: bool):
                     )
                     sums = tl.load(part_ml_ptr + at + 1, mask=jm, other=0.0, cache_modifier=".cg")
                     m_all = tl.max(m, 0)  # [G_P2]
-                    w = tl.where(jm, tl.exp(m - m_all[None, :]), 0.0)  # [SPLITS_P2, G_P2]
+                    w = tl.where(jm, tl.exp(m - m_all[None, :]), 0.0)  # [MAX_SPLITS, G_P2]
                     total = tl.sum(w * sums, 0)
                     rows = hk * G + r
                     for d0 in tl.static_range(0, D, MERGE_D):
@@ -361,13 +363,13 @@ class TritonDecodeKernel:
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), tables.stride(0),
             k.stride(0), k.stride(1), v.stride(0), v.stride(1), table.stride(0),
             cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
-            spec.scale, spec.logit_softcap or 0.0, spec.sliding_window or 0,
+            spec.scale, spec.logit_softcap or 0.0, spec.sliding_window or 0, nsplit,
             HKV=self.num_kv_heads, G=self.group, BLOCK_G=self.block_g, D=dim,
-            PAGE=self.block_size, BLOCK_N=self.block_n, NSPLIT=nsplit,
+            PAGE=self.block_size, BLOCK_N=self.block_n,
             SOFTCAP=bool(spec.logit_softcap), WINDOW=bool(spec.sliding_window),
             DOT_F32=interpreting() or cache.dtype == torch.float32,
-            SPLITS_P2=_pow2(nsplit), G_P2=_pow2(self.group),
-            MERGE_D=min(dim, max(16, 8192 // (_pow2(nsplit) * _pow2(self.group)))),
+            MAX_SPLITS=MAX_SPLITS, G_P2=_pow2(self.group),
+            MERGE_D=min(dim, max(16, 8192 // (MAX_SPLITS * _pow2(self.group)))),
             ROPE=new is not None, num_stages=self.stages,
         )  # fmt: skip
         return out
