@@ -10,7 +10,9 @@ come and go.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -69,6 +71,21 @@ class _Graph:
     attn: GraphAttention
 
 
+@contextlib.contextmanager
+def gc_paused():
+    """Python's cyclic garbage collector held off while graphs are captured (one collection
+    first): a collection inside a capture could free objects whose release makes a CUDA call
+    the capture forbids, and a full collection costs milliseconds a capture."""
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 class CudaGraphRunner:
     def __init__(
         self,
@@ -110,7 +127,7 @@ class CudaGraphRunner:
         stream = self.stream or capture_stream(self.device)
         outer = torch.cuda.current_stream(self.device)
         stream.wait_stream(outer)
-        with torch.cuda.stream(stream):
+        with gc_paused(), torch.cuda.stream(stream):
             for bs in reversed(self.batch_sizes):
                 attn = self.attention(self.kv_views, bs, self.max_blocks)
                 null_rows = [SeqChunk(0, 1, [0])] * bs  # one-token sequences in the null block

@@ -145,7 +145,7 @@ class PiecewiseGraphs:
         per-stream workspaces (cuBLAS's) made before any capture."""
         stream = self.stream or cuda_graph_runner.capture_stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
+        with cuda_graph_runner.gc_paused(), torch.cuda.stream(stream):
             for n in reversed(self.buckets):
                 ids, pos = self.input_ids[:n], self.positions[:n]
                 self.model(ids, pos, ForwardContext(attn=_SegmentHook(self, capturing=False)))

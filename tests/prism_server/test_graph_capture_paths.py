@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 
 import pytest
 import torch
@@ -125,3 +126,17 @@ def test_decode_graphs_hand_xqa_a_contiguous_query_and_their_tables(no_cuda_grap
     assert attn.tables[:2, :2].tolist() == [[1, 2], [3, 0]] and attn.lens.tolist() == [21, 4, 1, 1]
     kv.check_integrity()
     kv.close()
+
+
+def test_the_garbage_collector_is_held_off_during_captures_and_restored():
+    assert gc.isenabled()
+    with cgr.gc_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with cgr.gc_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()  # as it was
+    finally:
+        gc.enable()
