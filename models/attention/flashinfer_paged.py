@@ -360,26 +360,23 @@ class FlashInferBackend:
         return self.table_kernel is not None and (most is None or batch <= most)
 
     def _triton_decode(self) -> triton_ops.TritonDecodeKernel | None:
-        sh = self.shape
-        why = None
-        if not triton_ops.triton_runs_on(torch.device(self.device)):
-            why = "Triton does not run here"
-        elif sh.num_qo_heads % sh.num_kv_heads:
-            why = f"{sh.num_qo_heads} query heads over {sh.num_kv_heads} KV heads"
-        elif sh.head_dim & (sh.head_dim - 1):
-            why = f"head_dim {sh.head_dim} (a power of 2)"
-        if why is not None:
-            log.warning("decode attention through FlashInfer: the Triton kernel cannot run %s", why)
-            return None
-        return triton_ops.TritonDecodeKernel(
-            sh.num_qo_heads,
-            sh.num_kv_heads,
+        sh, dev = self.shape, torch.device(self.device)
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        kernel, why = triton_ops.load_decode_kernel(
+            (sh.num_qo_heads, sh.num_kv_heads),
             sh.head_dim,
             sh.block_size,
-            torch.device(self.device),
+            dev,
+            self.specs,
+            sh.kv_dtype,
+            self.kernels.fused_rope_write,
             self.kernels.triton_max_splits,
             self.kernels.triton_stages,
         )
+        if why is not None:
+            log.warning("decode attention through FlashInfer: the Triton kernel cannot run %s", why)
+        return kernel
 
     def graph_attention(
         self, kv_caches: list[torch.Tensor], batch_size: int, max_blocks: int

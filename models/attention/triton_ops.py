@@ -373,3 +373,52 @@ class TritonDecodeKernel:
             ROPE=new is not None, num_stages=self.stages,
         )  # fmt: skip
         return out
+
+    def self_check(self, specs, dtype: torch.dtype, rope: bool) -> None:
+        """Builds and runs the kernel once for each kind of layer (and with the rope, when the
+        steps will hand it over) on a two-block cache of zeros: at model load, so a kernel that
+        cannot build or run here fails now, not in a step."""
+        dev = self.tickets.device
+        hkv, dim = self.num_kv_heads, self.head_dim
+        cache = torch.zeros(2, 2, self.block_size, hkv, dim, dtype=dtype, device=dev)
+        tables = torch.ones(1, 1, dtype=torch.int32, device=dev)  # block 1: block 0 is null
+        lens = torch.full((1, 1), 2, dtype=torch.int32, device=dev)
+        q = torch.zeros(1, self.group * hkv, dim, dtype=dtype, device=dev)
+        new = None
+        if rope:
+            kv = torch.zeros(1, hkv, dim, dtype=dtype, device=dev)
+            table = torch.zeros(1, dim, dtype=torch.float32, device=dev)
+            new = (kv, kv, table, torch.full((1,), self.block_size + 1, device=dev))
+        for spec in specs:
+            out = self(q, cache, tables, lens, spec, new)
+            if not torch.isfinite(out).all():
+                raise RuntimeError(f"non-finite output on zeros for {spec}")
+
+
+def load_decode_kernel(
+    heads: tuple[int, int],
+    head_dim: int,
+    block_size: int,
+    device: torch.device,
+    specs,
+    dtype: torch.dtype,
+    rope: bool,
+    max_splits: int = MAX_SPLITS,
+    stages: int = 3,
+) -> tuple[TritonDecodeKernel | None, str | None]:
+    """The decode kernel for a model, built and checked on `device` (`self_check`), or None and
+    why it cannot run there. heads: (query heads, KV heads)."""
+    if not triton_runs_on(device):
+        return None, "Triton does not run here"
+    if heads[0] % heads[1]:
+        return None, f"{heads[0]} query heads over {heads[1]} KV heads"
+    if head_dim & (head_dim - 1) or head_dim < 32:
+        return None, f"head_dim {head_dim} (a power of 2 from 32)"
+    try:
+        kernel = TritonDecodeKernel(
+            heads[0], heads[1], head_dim, block_size, device, max_splits, stages
+        )
+        kernel.self_check(specs, dtype, rope)
+    except Exception as e:  # noqa: BLE001 (a kernel that does not build here: fall back)
+        return None, f"its kernel failed ({type(e).__name__}: {str(e)[:200]})"
+    return kernel, None

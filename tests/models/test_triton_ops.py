@@ -170,3 +170,25 @@ def test_without_triton_here_the_context_ropes_first_and_the_writer_stores(monke
     attn = TableDecodeAttention(None, [cache], md, writer)
     assert not attn.takes_rope  # the host without the interpreter: no Triton kernel runs here
     assert not RowsWriter(md.slot_mapping, BLOCK, fused_rope=False).fuses_rope(cache)
+
+
+def test_a_model_load_builds_and_checks_the_kernel_or_says_why_not(monkeypatch):
+    specs = list(SPECS.values())
+    kernel, why = triton_ops.load_decode_kernel((8, 2), 64, BLOCK, CPU, specs, torch.bfloat16, True)
+    assert why is None and isinstance(kernel, triton_ops.TritonDecodeKernel)
+    assert not kernel.tickets.any()
+    load = triton_ops.load_decode_kernel
+    assert "head_dim 96" in load((8, 2), 96, BLOCK, CPU, specs, torch.bfloat16, True)[1]
+    assert "8 query heads over 3" in load((8, 3), 64, BLOCK, CPU, specs, torch.bfloat16, True)[1]
+
+    def broken(*a, **k):
+        raise RuntimeError("PassManager::run failed")
+
+    monkeypatch.setattr(triton_ops.TritonDecodeKernel, "__call__", broken)
+    kernel, why = load((8, 2), 64, BLOCK, CPU, specs, torch.bfloat16, False)
+    assert kernel is None and "PassManager::run failed" in why
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert load((8, 2), 64, BLOCK, CPU, specs, torch.bfloat16, False) == (
+        None,
+        "Triton does not run here",
+    )
