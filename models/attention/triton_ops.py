@@ -101,8 +101,9 @@ def _build_kernels(interpret: bool):
             tl.store(at + sc_kv + d, v1.to(ty), mask=dm)
             tl.store(at + sc_kv + HALF + d, v2.to(ty), mask=dm)
 
-    # nsplit is a run-time value (one build serves every batch size: a build per value made a
-    # model's first load several seconds longer)
+    # nsplit is a run-time value, SPLIT only whether it is above 1: two builds serve every
+    # batch size (a build per value made a model's first load 7 s longer; one build for both
+    # kinds, the merge's code in the unsplit kernel too, made batch 64 5% slower)
     @triton.jit(do_not_specialize=["nsplit"])
     def decode_kernel(
         q_ptr, cache_ptr, tables_ptr, lens_ptr, out_ptr, part_o_ptr, part_ml_ptr, ticket_ptr,
@@ -114,6 +115,7 @@ def _build_kernels(interpret: bool):
         PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
         SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, DOT_F32: tl.constexpr,
         MAX_SPLITS: tl.constexpr, G_P2: tl.constexpr, MERGE_D: tl.constexpr, ROPE: tl.constexpr,
+        SPLIT: tl.constexpr,
     ):  # fmt: skip
         # program (b, kv head, split s): query heads hk*G .. hk*G+G-1 of sequence b over the
         # split's share of its positions
@@ -210,7 +212,7 @@ def _build_kernels(interpret: bool):
                     acc = acc * alpha[:, None] + pn[:, None] * vn.to(tl.float32)[None, :]
                     m_i = m_new
             out_at = out_ptr + b * so_b + heads[:, None] * so_h + d[None, :]
-            if nsplit == 1:
+            if not SPLIT:
                 tl.store(
                     out_at, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=gm[:, None]
                 )
@@ -370,7 +372,7 @@ class TritonDecodeKernel:
             DOT_F32=interpreting() or cache.dtype == torch.float32,
             MAX_SPLITS=MAX_SPLITS, G_P2=_pow2(self.group),
             MERGE_D=min(dim, max(16, 8192 // (MAX_SPLITS * _pow2(self.group)))),
-            ROPE=new is not None, num_stages=self.stages,
+            ROPE=new is not None, SPLIT=nsplit > 1, num_stages=self.stages,
         )  # fmt: skip
         return out
 

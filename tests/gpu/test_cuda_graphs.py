@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.attention.flashinfer_paged import KernelChoice
+from models.attention.flashinfer_paged import DEFAULT_KERNELS, KernelChoice
 from models.attention.table_decode import TableDecodeGraphAttention
 from tests.gpu.common import (
     GPU,
@@ -60,8 +60,10 @@ def test_graph_replay_gives_the_eager_tokens(decode):
         for rt, t, rl, lg in zip(ref_tokens, tokens, ref_logits, logits):
             k = first_divergence(rt, t) or len(t)
             rel = (lg[:k] - rl[:k]).norm() / rl[:k].norm()
-            # two kernels, rounded apart over 20 steps: XQA vs FlashInfer measured 0.0103 (H200)
-            assert rel < (1e-2 if decode == "flashinfer" else 2e-2), float(rel)
+            # two kernels, rounded apart over 20 steps: XQA vs FlashInfer measured 0.0103,
+            # FlashInfer vs Triton 0.0100 (H200); the same kernel both ways: within 1e-2
+            same_kernel = decode == DEFAULT_KERNELS.decode_backend
+            assert rel < (1e-2 if same_kernel else 2e-2), float(rel)
     assert replays[0] >= 19 + 1  # the decode steps replayed graphs
     for me in (graphed, eager):
         me.check_integrity()
