@@ -69,8 +69,8 @@ def decode_backend() -> str:
 
 def decode_backend_max_batch() -> int | None:
     """PRISM_DECODE_BACKEND runs decode steps of at most this many sequences, FlashInfer's
-    decode the larger ones (PRISM_DECODE_BACKEND_MAX_BATCH; unset: every batch)."""
-    return _int("PRISM_DECODE_BACKEND_MAX_BATCH", None)
+    decode the larger ones (PRISM_DECODE_BACKEND_MAX_BATCH, default 16)."""
+    return _int("PRISM_DECODE_BACKEND_MAX_BATCH", 16)
 
 
 def triton_decode() -> tuple[int, int]:

@@ -94,8 +94,9 @@ class KernelChoice:
     # decode steps' rope and K/V write in one Triton kernel (else FlashInfer's rope, then a store)
     fused_rope_write: bool = True
     # decode_backend for steps (and graphs) of at most this many sequences, FlashInfer's decode
-    # above it (None: every batch)
-    decode_backend_max_batch: int | None = None
+    # above it (None: every batch). 16: on the H200 the Triton kernel led at batches 1 and 16,
+    # and trailed FlashInfer's at 64 in the last measured build (docs/BENCHMARKS.md)
+    decode_backend_max_batch: int | None = 16
     # the Triton decode kernel: the most programs a (sequence, KV head) is split over, and the
     # software pipelining depth of its loop over the positions
     triton_max_splits: int = 16

@@ -383,7 +383,10 @@ class TritonDecodeKernel:
         dev = self.tickets.device
         hkv, dim = self.num_kv_heads, self.head_dim
         cache = torch.zeros(2, 2, self.block_size, hkv, dim, dtype=dtype, device=dev)
-        tables = torch.ones(1, 1, dtype=torch.int32, device=dev)  # block 1: block 0 is null
+        # block 1 (block 0 is the null block); with a table one column wide, then wide enough
+        # to split: the build without the merge and the one with it
+        narrow = torch.ones(1, 1, dtype=torch.int32, device=dev)
+        wide = torch.ones(1, 1 + 2 * self.block_n // self.block_size, dtype=torch.int32, device=dev)
         lens = torch.full((1, 1), 2, dtype=torch.int32, device=dev)
         q = torch.zeros(1, self.group * hkv, dim, dtype=dtype, device=dev)
         new = None
@@ -392,9 +395,10 @@ class TritonDecodeKernel:
             table = torch.zeros(1, dim, dtype=torch.float32, device=dev)
             new = (kv, kv, table, torch.full((1,), self.block_size + 1, device=dev))
         for spec in specs:
-            out = self(q, cache, tables, lens, spec, new)
-            if not torch.isfinite(out).all():
-                raise RuntimeError(f"non-finite output on zeros for {spec}")
+            for tables in (narrow, wide):
+                out = self(q, cache, tables, lens, spec, new)
+                if not torch.isfinite(out).all():
+                    raise RuntimeError(f"non-finite output on zeros for {spec}")
 
 
 def load_decode_kernel(

@@ -33,6 +33,7 @@ def test_the_defaults_and_a_bad_backend():
     with pytest.raises(ValueError, match="decode split of -1 pages"):
         KernelChoice(decode_backend="flashinfer", decode_split_pages=-1)
     assert DEFAULT_KERNELS.decode_backend == "triton"
+    assert DEFAULT_KERNELS.decode_backend_max_batch == 16 == envs.decode_backend_max_batch()
     with pytest.raises(ValueError, match="choose from flashinfer, xqa, triton"):
         KernelChoice(decode_backend="trtllm")
     with pytest.raises(ValueError, match="splits the KV itself"):
@@ -68,13 +69,13 @@ def test_the_environment_reaches_every_devices_resources(monkeypatch):
         assert e.worker.resources.kernels.decode_backend == "xqa"
         e.check_integrity()
     monkeypatch.setenv("PRISM_DECODE_BACKEND", "triton")
-    monkeypatch.setenv("PRISM_DECODE_BACKEND_MAX_BATCH", "16")
+    monkeypatch.setenv("PRISM_DECODE_BACKEND_MAX_BATCH", "64")
     monkeypatch.setenv("PRISM_ROPE_WRITE", "0")
     monkeypatch.setenv("PRISM_TRITON_SPLITS", "8")
     monkeypatch.setenv("PRISM_TRITON_STAGES", "1")
     with Engine(EngineConfig(models=(spec,), device="cpu", page_bytes=64 << 10)) as e:
         kernels = e.worker.resources.kernels
-        assert kernels.decode_backend == "triton" and kernels.decode_backend_max_batch == 16
+        assert kernels.decode_backend == "triton" and kernels.decode_backend_max_batch == 64
         assert (kernels.triton_max_splits, kernels.triton_stages) == (8, 1)
         assert not kernels.fused_rope_write
         e.check_integrity()
