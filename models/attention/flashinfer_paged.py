@@ -243,6 +243,9 @@ class FlashInferBackend:
         import flashinfer
 
         self._fi = flashinfer
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # the kernels bind to one device
+            device = torch.device("cuda", torch.cuda.current_device())
         self.shape, self.specs, self.device = shape, list(specs), device
         self.kernels = kernels
         if workspace is None:
@@ -281,10 +284,7 @@ class FlashInferBackend:
                 modules = xqa_modules(
                     shape.kv_dtype, shape.block_size, shape.head_dim, heads, self.specs
                 )
-                dev = torch.device(device)
-                if dev.index is None:
-                    dev = torch.device("cuda", torch.cuda.current_device())
-                why = load_xqa(dev, modules)
+                why = load_xqa(device, modules)
             if why is None:
                 if xqa_workspace is None:
                     xqa_workspace = torch.zeros(
@@ -361,14 +361,12 @@ class FlashInferBackend:
         return self.table_kernel is not None and (most is None or batch <= most)
 
     def _triton_decode(self) -> triton_ops.TritonDecodeKernel | None:
-        sh, dev = self.shape, torch.device(self.device)
-        if dev.type == "cuda" and dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
+        sh = self.shape
         kernel, why = triton_ops.load_decode_kernel(
             (sh.num_qo_heads, sh.num_kv_heads),
             sh.head_dim,
             sh.block_size,
-            dev,
+            self.device,
             self.specs,
             sh.kv_dtype,
             self.kernels.fused_rope_write,

@@ -16,12 +16,9 @@ pytestmark = GPU
 BLOCK = 16
 
 
-@pytest.mark.parametrize(
-    "lens,heads", [([8191], (32, 8)), ([1000] * 64, (32, 8)), ([1, 2000, 33, 4096], (8, 1))]
-)
-def test_decode_kernel_matches_the_reference_again_and_again(lens, heads):
-    hq, hkv, d = heads[0], heads[1], 128
-    gen = torch.Generator(device="cuda").manual_seed(len(lens))
+def decode_step(lens: list[int], hkv: int, d: int, gen: torch.Generator):
+    """A decode step of sequences `lens` long over a random bf16 cache on the GPU, their blocks
+    shuffled (block 0, the null block, unused): (md, cache)."""
     nblocks = sum(-(-n // BLOCK) for n in lens) + 1
     cache = torch.randn(nblocks, 2, BLOCK, hkv, d, device="cuda", generator=gen).bfloat16()
     perm = (torch.randperm(nblocks - 1, device="cuda", generator=gen) + 1).tolist()
@@ -30,7 +27,16 @@ def test_decode_kernel_matches_the_reference_again_and_again(lens, heads):
         nb = -(-n // BLOCK)
         chunks.append(SeqChunk(n - 1, 1, perm[:nb]))
         perm = perm[nb:]
-    md = AttentionMetadata.build(chunks, BLOCK, torch.device("cuda"))
+    return AttentionMetadata.build(chunks, BLOCK, torch.device("cuda")), cache
+
+
+@pytest.mark.parametrize(
+    "lens,heads", [([8191], (32, 8)), ([1000] * 64, (32, 8)), ([1, 2000, 33, 4096], (8, 1))]
+)
+def test_decode_kernel_matches_the_reference_again_and_again(lens, heads):
+    hq, hkv, d = heads[0], heads[1], 128
+    gen = torch.Generator(device="cuda").manual_seed(len(lens))
+    md, cache = decode_step(lens, hkv, d, gen)
     kernel = triton_ops.TritonDecodeKernel(hq, hkv, d, BLOCK, torch.device("cuda"))
     spec = LayerAttention(scale=d**-0.5)
     at = md.slot_mapping
@@ -52,15 +58,7 @@ def test_attention_that_takes_the_rope_matches_the_rope_kernel_then_attention(ba
     hq, hkv, d = 32, 8, 128
     gen = torch.Generator(device="cuda").manual_seed(batch)
     lens = torch.randint(1, 1500, (batch,), generator=gen, device="cuda").tolist()
-    nblocks = sum(-(-n // BLOCK) for n in lens) + 1
-    cache = torch.randn(nblocks, 2, BLOCK, hkv, d, device="cuda", generator=gen).bfloat16()
-    perm = (torch.randperm(nblocks - 1, device="cuda", generator=gen) + 1).tolist()
-    chunks = []
-    for n in lens:
-        nb = -(-n // BLOCK)
-        chunks.append(SeqChunk(n - 1, 1, perm[:nb]))
-        perm = perm[nb:]
-    md = AttentionMetadata.build(chunks, BLOCK, torch.device("cuda"))
+    md, cache = decode_step(lens, hkv, d, gen)
     rows = torch.randn(batch, (hq + 2 * hkv) * d, device="cuda", generator=gen).bfloat16()
     angles = torch.rand(batch, d // 2, device="cuda", generator=gen) * 100
     table = torch.cat((angles.cos(), angles.sin()), dim=-1).contiguous()
