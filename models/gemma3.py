@@ -38,7 +38,7 @@ class Gemma3DecoderLayer(nn.Module):
         # x: [T, hidden] -> [T, hidden]
         h = ctx.all_reduce(self.self_attn(self.input_layernorm(x), rope, ctx))
         x = x + self.post_attention_layernorm(h)
-        h = ctx.all_reduce(self.mlp(self.pre_feedforward_layernorm(x)))
+        h = ctx.all_reduce(self.mlp(self.pre_feedforward_layernorm(x), ctx))
         return x + self.post_feedforward_layernorm(h)
 
 

@@ -20,7 +20,7 @@ from typing import Protocol
 
 import torch
 
-from models.attention.base import AttentionMetadata, ForwardContext, SeqChunk
+from models.attention.base import AttentionMetadata, ForwardContext, Prefetcher, SeqChunk
 
 log = logging.getLogger(__name__)
 
@@ -97,13 +97,15 @@ class CudaGraphRunner:
         device: torch.device,
         pool=None,
         stream: torch.cuda.Stream | None = None,
+        prefetcher: Prefetcher | None = None,
     ):
         """pool: a graph memory pool (torch.cuda.graph_pool_handle()) to capture into, shared
         with other runners whose graphs never replay concurrently; None = a pool of its own.
         stream: the stream of the device to capture on, shared likewise (graphs captured on one
-        stream by one thread share one cuBLAS workspace); None = the device's capture_stream."""
+        stream by one thread share one cuBLAS workspace); None = the device's capture_stream.
+        prefetcher: the model's L2 prefetches, captured into every graph (None: none)."""
         self.model, self.kv_views, self.attention = model, kv_views, attention
-        self.pool, self.stream = pool, stream
+        self.pool, self.stream, self.prefetcher = pool, stream, prefetcher
         self.batch_sizes = sorted(set(batch_sizes))
         self.max_blocks, self.device = max_blocks, device
         n = self.batch_sizes[-1]
@@ -153,7 +155,7 @@ class CudaGraphRunner:
 
     def _forward(self, bs: int, attn: GraphAttention) -> torch.Tensor:
         attn.prepare()
-        ctx = ForwardContext(attn=attn)
+        ctx = ForwardContext(attn=attn, prefetcher=self.prefetcher)
         hidden = self.model(self.buffers.input_ids[:bs], self.buffers.positions[:bs], ctx)
         return self.model.compute_logits(hidden)  # [bs, vocab] fp32
 

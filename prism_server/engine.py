@@ -76,6 +76,7 @@ class Engine:
             envs.fused_rope_write(),
             envs.decode_backend_max_batch(),
             *envs.triton_decode(),
+            envs.l2_prefetch_mib(),
         )
         # one page pool and one engine thread per device: each GPU of devices (cuda:0 ..), or
         # several emulated CPU devices (each its own pool and thread), for the multi-device

@@ -85,6 +85,20 @@ def fused_rope_write() -> bool:
     return os.environ.get("PRISM_ROPE_WRITE", "1") not in ("0", "false", "no")
 
 
+def l2_prefetch_mib() -> tuple[int, int]:
+    """Decode graphs ask the L2 for weights while HBM idles: PRISM_L2_PREFETCH=A[,M], MiB
+    asked during each attention (its o_proj's weights, then the head of the MLP's) and during
+    each activation (the head of the down projection's); unset or 0: never."""
+    v = (os.environ.get("PRISM_L2_PREFETCH") or "0").split(",")
+    try:
+        mib = tuple(int(x) for x in v) + (0,)
+    except ValueError:
+        raise ValueError(f"PRISM_L2_PREFETCH must be A[,M] in MiB, got {','.join(v)!r}") from None
+    if len(v) > 2:
+        raise ValueError(f"PRISM_L2_PREFETCH must be A[,M] in MiB, got {','.join(v)!r}")
+    return mib[0], mib[1]
+
+
 def ragged_prefill() -> bool:
     """Steps of fresh prompts attend over their own K/V tensors, not the paged cache
     (PRISM_RAGGED_PREFILL, default 1)."""

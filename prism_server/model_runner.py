@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 from collections.abc import Callable, Sequence
 
 import torch
@@ -32,6 +33,7 @@ from models.attention.flashinfer_paged import (
 from models.attention.torch_paged import TorchPagedAttention
 from models.attention.upload import host_ints, upload
 from models.attention.xqa_decode import XQA_WORKSPACE_BYTES
+from models.layers.l2_prefetch import load_prefetcher
 from models.tensor_parallel import collective_order
 from prism_server.cuda_graph_runner import DEFAULT_BATCH_SIZES, CudaGraphRunner
 from prism_server.piecewise_graphs import (
@@ -44,6 +46,8 @@ from prism_server.sampler import sample_batch, token_logprobs
 from scheduler.batch_scheduler import ScheduledChunk
 from scheduler.request import Request
 from scheduler.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
 
 AttentionFactory = Callable[[list[torch.Tensor], AttentionMetadata], AttentionBackend]
 
@@ -159,6 +163,24 @@ def default_attention(
     )
 
 
+def _prefetcher(model, device: torch.device, resources: DeviceResources | None):
+    """The model's L2 prefetches for its decode graphs, where the kernels choose them and they
+    can run here (else None, and why in the log)."""
+    mib = resources.kernels.l2_prefetch_mib if resources is not None else (0, 0)
+    if not any(mib):
+        return None
+    prefetcher, why = load_prefetcher(model, device, mib[0] << 20, mib[1] << 20)
+    if prefetcher is None:
+        log.warning("%s: no L2 prefetch in the decode graphs: %s", device, why)
+    else:
+        log.info(
+            "%s: decode graphs ask the L2 for %.0f MiB of weights a step",
+            device,
+            prefetcher.bytes_per_step / 2**20,
+        )
+    return prefetcher
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -200,6 +222,7 @@ class ModelRunner:
                 device,
                 pool=resources.graph_pool() if resources is not None else None,
                 stream=resources.capture_stream() if resources is not None else None,
+                prefetcher=_prefetcher(model, device, resources),
             )
             self.graphs.capture()
         self.pieces: PiecewiseGraphs | None = None

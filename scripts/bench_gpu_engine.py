@@ -290,13 +290,14 @@ KV_WRITE_KERNELS = r"index_copy|indexCopy|index_put|scatter|AppendPagedKV|rope_w
 
 def kernel_time(fn, runs: int) -> tuple[dict, dict, list]:
     """Runs fn under the CUDA profiler: device time (ms) and launches per run by kind of kernel
-    (gemm, attention, kv_write, other), and the kernels that took longest."""
+    (gemm, attention, kv_write, other; prefetch: the L2 prefetches, on a side stream beside the
+    others), and the kernels that took longest."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    kinds = {"gemm": 0.0, "attention": 0.0, "kv_write": 0.0, "other": 0.0}
+    kinds = {"gemm": 0.0, "attention": 0.0, "kv_write": 0.0, "other": 0.0, "prefetch": 0.0}
     counts = dict.fromkeys(kinds, 0.0)
     top = []
     for ev in prof.key_averages():
@@ -304,7 +305,9 @@ def kernel_time(fn, runs: int) -> tuple[dict, dict, list]:
         if not us or ev.count == 0 or ev.key.startswith(("ProfilerStep", "cudaGraph")):
             continue
         name = ev.key
-        if re.search(ATTENTION_KERNELS, name):
+        if "l2_prefetch" in name:
+            kind = "prefetch"
+        elif re.search(ATTENTION_KERNELS, name):
             kind = "attention"
         elif re.search(r"gemm|gemv|cutlass|nvjet|xmma|cublas|splitKreduce", name, re.I):
             kind = "gemm"

@@ -17,13 +17,14 @@
 # vs CPU, graphs), then decode TPOT of this tree beside a baseline tree in .baseline (when there
 # is one: `git archive REV prism_server models kvpool scheduler scripts | tar -x -C .baseline`),
 # then the engine benchmark without its HF and KV-write sections, two small models' decode at
-# once against one after the other (bench_gpu_concurrent.py), then the decode and prefill
+# once against one after the other (bench_gpu_concurrent.py), a GEMM after an idle window with
+# its weight asked of the L2 or not (bench_gpu_l2_prefetch.py), then the decode and prefill
 # figures under each other kernel choice (KERNELS, default: FlashInfer's and XQA's decode
 # kernels, the rope and K/V write unfused, cuBLASLt without a workspace (no split-K GEMMs, so no
 # reduce kernel after o_proj and down_proj at small batches), fa3 prefill; a choice of several
 # settings joins them with commas, e.g. PRISM_DECODE_BACKEND=flashinfer,PRISM_DECODE_SPLIT_PAGES=0).
 # All of it takes more than a
-# call's 10 minutes: PARTS picks some of "tests ab engine ttft concurrent kernels", e.g.
+# call's 10 minutes: PARTS picks some of "tests ab engine ttft concurrent prefetch kernels", e.g.
 #   PARTS="tests kernels" KERNELS=PRISM_DECODE_BACKEND=xqa bash scripts/gpu_check.sh --decode
 # TESTS_K selects the tests (pytest -k; default "not fa3": fa3's first compile takes minutes a
 # variant, unless its kernels came in .fiaot; TESTS_K="" runs them all).
@@ -43,7 +44,7 @@ bash scripts/fi_kernels.sh unpack "$aot"
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.mem --format=csv,noheader
 
 if [ "$quick" = "--decode" ]; then
-  part() { [[ " ${PARTS:-tests ab engine ttft concurrent kernels} " == *" $1 "* ]]; }
+  part() { [[ " ${PARTS:-tests ab engine ttft concurrent prefetch kernels} " == *" $1 "* ]]; }
   if part tests; then
     t0=$SECONDS
     timeout "${TESTS_TIMEOUT:-420}" python3 -m pytest -m gpu -q -rs -p no:cacheprovider --durations=8 \
@@ -51,7 +52,7 @@ if [ "$quick" = "--decode" ]; then
       tests/gpu/test_sampling_gpu.py tests/gpu/test_launch_ahead_gpu.py tests/gpu/test_piecewise_graphs.py \
       tests/gpu/test_gpu_vs_cpu.py tests/gpu/test_cuda_graphs.py tests/gpu/test_flashinfer_attention.py \
       tests/gpu/test_upload_gpu.py tests/gpu/test_lanes_gpu.py tests/gpu/test_triton_ops_gpu.py \
-      -k "${TESTS_K-not fa3}" 2>&1 | tee "$OUT/pytest.log"
+      tests/gpu/test_l2_prefetch_gpu.py -k "${TESTS_K-not fa3}" 2>&1 | tee "$OUT/pytest.log"
     echo "tests: $((SECONDS - t0)) s"
   fi
   if part ab && [ -d .baseline ]; then
@@ -72,6 +73,9 @@ if [ "$quick" = "--decode" ]; then
   # two small models' decode steps at once on two streams against one after the other
   part concurrent && timeout 200 python3 scripts/bench_gpu_concurrent.py --json "$OUT/concurrent.json" \
     2>&1 | tail -3
+  # a GEMM after an idle window, its weight asked of the L2 in the window or not
+  part prefetch && timeout 120 python3 scripts/bench_gpu_l2_prefetch.py --json "$OUT/l2.json" 2>&1 \
+    | tail -18
   # the kernel choices beside the default (KERNELS="" skips them)
   if part kernels; then
     for choice in ${KERNELS-PRISM_DECODE_BACKEND=flashinfer PRISM_DECODE_BACKEND=xqa PRISM_ROPE_WRITE=0 CUBLASLT_WORKSPACE_SIZE=1 PRISM_PREFILL_BACKEND=fa3}; do

@@ -157,6 +157,12 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor: ...
 
 
+class Prefetcher(Protocol):
+    def issue(self, module: torch.nn.Module) -> None: ...
+
+    def join(self) -> None: ...
+
+
 @dataclass
 class ForwardContext:
     """Everything a model's forward needs beyond token ids and positions, passed explicitly
@@ -166,6 +172,18 @@ class ForwardContext:
 
     attn: AttentionBackend
     reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # weights asked into the L2 during the step's idle windows (models.layers.l2_prefetch)
+    prefetcher: Prefetcher | None = None
+
+    def prefetch(self, module: torch.nn.Module) -> None:
+        """The prefetches planned at module's point of the forward, if any."""
+        if self.prefetcher is not None:
+            self.prefetcher.issue(module)
+
+    def join_prefetches(self) -> None:
+        """The end of the forward: the step's stream takes the prefetches' stream back."""
+        if self.prefetcher is not None:
+            self.prefetcher.join()
 
     @property
     def contiguous_q(self) -> bool:

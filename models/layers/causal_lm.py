@@ -36,7 +36,9 @@ class CausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
         """input_ids, positions: [T] int64 (flat stream of all sequences) -> hidden [T, hidden]."""
-        return self.model(input_ids, positions, ctx)
+        hidden = self.model(input_ids, positions, ctx)
+        ctx.join_prefetches()
+        return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> [N, vocab] fp32, final softcapping applied."""

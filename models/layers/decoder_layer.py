@@ -43,4 +43,4 @@ class DecoderLayer(nn.Module):
             h, residual = self.input_layernorm.add(x, residual)
         h = ctx.all_reduce(self.self_attn(h, rope, ctx))
         h, residual = self.post_attention_layernorm.add(h, residual)
-        return ctx.all_reduce(self.mlp(h)), residual
+        return ctx.all_reduce(self.mlp(h, ctx)), residual

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.attention.base import ForwardContext
 from models.layers.fused_ops import act_and_mul, fused
 from models.layers.merged_linear import MergedLinear
 
@@ -24,9 +25,11 @@ class GatedMLP(nn.Module):
         )
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
         # x: [T, hidden] -> [T, hidden]
         gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
+        if ctx is not None:
+            ctx.prefetch(self)  # down's weights into the L2 while the activation runs
         fi = fused(gate_up) if self.fused_kernels else None
         if fi is not None:
             return self.down_proj(act_and_mul(fi, gate_up, self.act))

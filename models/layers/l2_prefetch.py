@@ -1,0 +1,202 @@
+"""Weights asked into the L2 while the memory bus idles.
+
+In a decode step of a small batch every GEMM streams its weights from HBM at the bus's limit,
+while the kernels between the GEMMs (the attention, the norms, the activation) leave HBM nearly
+idle. At a point of the forward just before such a window, a kernel on a side stream asks the L2
+for the weights of the GEMM after it (Hopper's bulk prefetch, `cp.async.bulk.prefetch.L2`: a
+hint, nothing comes back to the SMs), so that GEMM finds them there.
+
+Points (a plan of each model, `prefetch_plans`):
+- in SelfAttention, before its attention: the o_proj weight, then the head of the MLP's gate_up
+  weight, up to the attention window's budget;
+- in GatedMLP, after its gate_up GEMM (before the activation): the head of the down weight, up
+  to the MLP window's budget.
+
+The side stream forks from the step's stream at each point and joins it once, at the end of the
+model's forward (CausalLM.forward): nothing on the step's stream waits for a prefetch. Numbers are
+untouched (cache hints only). CUDA on Hopper or later only; Triton's interpreter cannot run the
+prefetch instruction, so there the kernel writes its chunks out instead (`chunks`, for tests).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+CHUNK = 16 << 10  # bytes one prefetch instruction asks for
+BLOCK = 32  # chunks a program issues: one a thread of its one warp
+
+
+@functools.cache
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit(do_not_specialize=["a0", "n0", "a1", "n1"])
+    def l2_prefetch_kernel(
+        a0, n0, a1, n1, out_ptr,
+        CHUNK: tl.constexpr, BLOCK: tl.constexpr, PREFETCH: tl.constexpr,
+    ):  # fmt: skip
+        # two byte ranges [a0, a0 + n0) and [a1, a1 + n1) (16-byte aligned, multiples of 16),
+        # cut into CHUNK-byte chunks, range 0's first: chunk c is thread c % BLOCK's of program
+        # c // BLOCK
+        c = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+        c0 = tl.cdiv(n0, CHUNK)
+        first = c < c0
+        off = tl.where(first, c, c - c0) * CHUNK
+        n = tl.where(first, n0, n1).to(tl.int64)
+        addr = tl.where(first, a0, a1).to(tl.int64) + off
+        size = tl.minimum(tl.maximum(n - off, 0), CHUNK).to(tl.int32)
+        if PREFETCH:
+            tl.inline_asm_elementwise(
+                "{ .reg .pred p; setp.ne.s32 p, $2, 0; "
+                "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+                "=r,l,r",
+                [addr, size],
+                dtype=tl.int32,
+                is_pure=False,
+                pack=1,
+            )
+        else:  # the chunks themselves: [programs * BLOCK, 2] (address, bytes)
+            tl.store(out_ptr + 2 * c, addr)
+            tl.store(out_ptr + 2 * c + 1, size.to(tl.int64))
+
+    return l2_prefetch_kernel
+
+
+Range = tuple[int, int]  # (address, bytes): 16-byte aligned, a multiple of 16 bytes
+
+
+def _programs(ranges: tuple[Range, Range]) -> int:
+    chunks = sum(-(-n // CHUNK) for _, n in ranges)
+    return -(-chunks // BLOCK)
+
+
+def _launch(ranges: tuple[Range, Range], prefetch: bool, out: torch.Tensor) -> None:
+    (a0, n0), (a1, n1) = ranges
+    _kernel()[(_programs(ranges),)](
+        a0, n0, a1, n1, out, CHUNK=CHUNK, BLOCK=BLOCK, PREFETCH=prefetch, num_warps=1
+    )
+
+
+def chunks(ranges: list[Range], device="cpu") -> list[tuple[int, int]]:
+    """The (address, bytes) chunks the kernel asks for over `ranges`, in launch order, as its
+    build without the prefetch writes them out (that build runs under Triton's interpreter)."""
+    got = []
+    for pair in _pairs(ranges):
+        out = torch.zeros(_programs(pair) * BLOCK, 2, dtype=torch.int64, device=device)
+        _launch(pair, False, out)
+        got += [(a, n) for a, n in out.tolist() if n]
+    return got
+
+
+def _pairs(ranges: list[Range]) -> list[tuple[Range, Range]]:
+    """ranges two at a time (the kernel takes two), the last padded with an empty range."""
+    padded = list(ranges) + [(0, 0)] * (len(ranges) % 2)
+    return [(padded[i], padded[i + 1]) for i in range(0, len(padded), 2)]
+
+
+def _head(w: torch.Tensor, budget: int) -> Range | None:
+    """The first bytes of w, at most budget (rounded down to 16), or None if none fit or w is
+    not one contiguous run of 16-byte aligned memory."""
+    n = min(w.numel() * w.element_size(), budget) // 16 * 16
+    if n == 0 or not w.is_contiguous() or w.data_ptr() % 16:
+        return None
+    return (w.data_ptr(), n)
+
+
+def _take(weights: list[torch.Tensor], budget: int) -> list[Range]:
+    """Heads of weights in order, until budget bytes are taken."""
+    out = []
+    for w in weights:
+        r = _head(w, budget)
+        if r is None:
+            continue
+        out.append(r)
+        budget -= r[1]
+    return out
+
+
+def prefetch_plans(model: nn.Module, attn_bytes: int, mlp_bytes: int) -> dict[nn.Module, list]:
+    """Each point's byte ranges, keyed by the module whose forward issues them: every decoder
+    layer (a module with `self_attn` and `mlp`) whose attention has an o_proj and whose MLP a
+    gate_up_proj and a down_proj."""
+    plans: dict[nn.Module, list[Range]] = {}
+    for layer in model.modules():
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        o = getattr(attn, "o_proj", None)
+        gate_up, down = getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None)
+        if o is None or gate_up is None or down is None:
+            continue
+        for module, weights, budget in (
+            (attn, [o.weight, gate_up.weight], attn_bytes),
+            (mlp, [down.weight], mlp_bytes),
+        ):
+            ranges = _take(weights, budget)
+            if ranges:
+                plans[module] = ranges
+    return plans
+
+
+class L2Prefetcher:
+    """A model's prefetch points (`prefetch_plans`) and its side stream. A forward through
+    `ForwardContext(prefetcher=...)` issues them (`issue`, at each point) and joins the side
+    stream at its end (`join`). A model's steps run one at a time, so one side stream serves them
+    all, captured graphs included."""
+
+    def __init__(self, model: nn.Module, device: torch.device, attn_bytes: int, mlp_bytes: int):
+        self.device = device
+        self.plans = {m: _pairs(r) for m, r in prefetch_plans(model, attn_bytes, mlp_bytes).items()}
+        self.stream = torch.cuda.Stream(device)
+        self._out = torch.empty(1, dtype=torch.int64, device=device)
+        self._open = False
+
+    @property
+    def bytes_per_step(self) -> int:
+        return sum(n for pairs in self.plans.values() for pair in pairs for _, n in pair)
+
+    def issue(self, module: nn.Module) -> None:
+        """The prefetches of module's point, on the side stream after the work queued so far."""
+        pairs = self.plans.get(module)
+        if not pairs:
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            for pair in pairs:
+                _launch(pair, True, self._out)
+        self._open = True
+
+    def join(self) -> None:
+        """The step's stream waits for the side stream (the end of a forward)."""
+        if self._open:
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+            self._open = False
+
+
+def load_prefetcher(
+    model: nn.Module, device: torch.device, attn_bytes: int, mlp_bytes: int
+) -> tuple[L2Prefetcher | None, str | None]:
+    """The model's prefetcher, its kernel built and run once over every point here, or None and
+    why it cannot run (not CUDA, before Hopper, no Triton, a kernel that fails, nothing to ask)."""
+    if device.type != "cuda":
+        return None, "not a CUDA device"
+    if torch.cuda.get_device_capability(device) < (9, 0):
+        return None, "the bulk L2 prefetch needs Hopper (compute capability 9.0) or later"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return None, "Triton is not installed"
+    try:
+        p = L2Prefetcher(model, device, attn_bytes, mlp_bytes)
+        if not p.plans:
+            return None, "no decoder layer with o_proj, gate_up_proj and down_proj weights"
+        with torch.cuda.device(device):
+            for module in p.plans:
+                p.issue(module)
+            p.join()
+            torch.cuda.synchronize(device)
+    except Exception as e:  # noqa: BLE001 (a kernel that does not build here: go without)
+        return None, f"its kernel failed ({type(e).__name__}: {str(e)[:200]})"
+    return p, None

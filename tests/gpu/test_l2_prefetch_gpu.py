@@ -1,0 +1,54 @@
+"""The L2 prefetches on the GPU: the bulk prefetch instruction builds and runs (Hopper), and
+decode graphs that capture the prefetches on their side stream replay the same logits, bit for
+bit, as the same graphs without them (cache hints only)."""
+
+from __future__ import annotations
+
+import torch
+
+from models.attention.flashinfer_paged import KernelChoice
+from models.layers.l2_prefetch import load_prefetcher
+from tests.gpu.common import GPU, cuda_pool, greedy, model_engine, on_gpu, prompts, tiny_model
+
+pytestmark = GPU
+
+
+def test_the_prefetcher_builds_and_runs_over_every_point():
+    cfg, cpu_model = tiny_model()
+    model = on_gpu(cpu_model)
+    p, why = load_prefetcher(model, torch.device("cuda"), 1 << 20, 1 << 20)
+    assert p is not None, why
+    assert len(p.plans) == 2 * cfg.num_layers
+    layer = model.model.layers[1]
+    o, gate_up = layer.self_attn.o_proj.weight, layer.mlp.gate_up_proj.weight
+    o_bytes = o.numel() * o.element_size()  # 512 KiB: all of it, then the head of gate_up
+    assert p.plans[layer.self_attn] == [
+        ((o.data_ptr(), o_bytes), (gate_up.data_ptr(), (1 << 20) - o_bytes))
+    ]
+    # a big weight too: 64 MiB over many programs, the stream joined, the data untouched
+    big = torch.randn(32 << 20, device="cuda", dtype=torch.bfloat16)
+    before = big.float().sum()
+    p.plans[model] = [((big.data_ptr(), 64 << 20), (0, 0))]
+    p.issue(model)
+    p.join()
+    torch.cuda.synchronize()
+    assert big.float().sum() == before
+
+
+def test_graphs_with_prefetches_replay_the_same_logits():
+    cfg, cpu_model = tiny_model(num_attention_heads=8)
+    model = on_gpu(cpu_model)
+    pool = cuda_pool(pages=8)
+    plain = model_engine("plain", cfg, model, pool, kernels=KernelChoice())
+    warmed = model_engine("warmed", cfg, model, pool, kernels=KernelChoice(l2_prefetch_mib=(1, 1)))
+    assert warmed.runner.graphs.prefetcher is not None and plain.runner.graphs.prefetcher is None
+    for n in (1, 3, 16):
+        ps = prompts(n, seed=n)
+        ref_tokens, ref_logits = greedy(plain, ps, 12)
+        tokens, logits = greedy(warmed, ps, 12)
+        assert tokens == ref_tokens
+        for a, b in zip(logits, ref_logits):
+            assert torch.equal(a, b)
+    for me in (plain, warmed):
+        me.check_integrity()
+        me.close()

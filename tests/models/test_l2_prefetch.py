@@ -1,0 +1,116 @@
+"""Weights asked into the L2 during a decode step's idle windows: which bytes each point asks
+for (the plans), how the kernel cuts them into chunks (its build without the prefetch
+instruction, run under Triton's interpreter: the instruction itself runs on Hopper only, in
+tests/gpu/test_l2_prefetch_gpu.py), and where the forward issues them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models.attention.base import AttentionMetadata, ForwardContext, SeqChunk
+from models.attention.torch_paged import TorchPagedAttention
+from models.config import ModelConfig
+from models.layers import l2_prefetch
+from models.layers.l2_prefetch import CHUNK, chunks, load_prefetcher, prefetch_plans
+from models.loader import load_model
+from models.presets import get_preset
+from models.registry import get_model_class
+
+pytest.importorskip("triton")
+
+
+def expected_chunks(ranges):
+    out = []
+    for a, n in ranges:
+        out += [(a + off, min(CHUNK, n - off)) for off in range(0, n, CHUNK)]
+    return out
+
+
+@pytest.mark.parametrize(
+    "ranges",
+    [
+        [(1 << 40, 16)],
+        [(1 << 40, CHUNK), (1 << 41, CHUNK + 16)],
+        [(4096, 0), (1 << 33, 5 * CHUNK - 32)],  # an empty first range
+        [(1 << 40, 70 * CHUNK + 48), (1 << 40 | 1 << 36, 3 * CHUNK)],  # several programs
+        [(16, 32), (1 << 35, 2 * CHUNK), (1 << 36, 80)],  # three: two launches
+    ],
+)
+def test_the_kernel_asks_for_each_byte_once(ranges):
+    got = chunks(ranges)
+    assert got == expected_chunks(ranges)
+    assert all(n % 16 == 0 and 0 < n <= CHUNK and a % 16 == 0 for a, n in got)
+
+
+def test_the_plans_take_the_next_weights_in_order_up_to_each_budget():
+    model = load_model("dummy:tiny-llama").model
+    layers = model.model.layers
+    o = layers[0].self_attn.o_proj.weight
+    gate_up = layers[0].mlp.gate_up_proj.weight
+    down = layers[0].mlp.down_proj.weight
+    size = {w: w.numel() * w.element_size() for w in (o, gate_up, down)}
+
+    plans = prefetch_plans(model, size[o] + 1000, 100)
+    assert len(plans) == 2 * len(layers)
+    for layer in layers:  # each layer's own weights
+        attn, mlp = layer.self_attn, layer.mlp
+        assert plans[attn] == [
+            (attn.o_proj.weight.data_ptr(), size[o]),
+            (mlp.gate_up_proj.weight.data_ptr(), 992),  # rounded down to 16 bytes
+        ]
+        assert plans[mlp] == [(mlp.down_proj.weight.data_ptr(), 96)]
+    # a budget past the weights takes them whole; a budget of 0, nothing at that point
+    big = prefetch_plans(model, 1 << 40, 0)
+    assert big[layers[1].self_attn] == [
+        (layers[1].self_attn.o_proj.weight.data_ptr(), size[o]),
+        (layers[1].mlp.gate_up_proj.weight.data_ptr(), size[gate_up]),
+    ]
+    assert layers[1].mlp not in big and prefetch_plans(model, 0, 0) == {}
+    small = prefetch_plans(model, 64, 1 << 30)  # the head of o_proj only
+    assert small[layers[0].self_attn] == [(o.data_ptr(), 64)]
+    assert small[layers[0].mlp] == [(down.data_ptr(), size[down])]
+
+
+def test_gemma_layers_are_planned_too():
+    cfg = ModelConfig.from_hf(get_preset("gemma-3-1b"))
+    with torch.device("meta"):
+        model = get_model_class(cfg.hf_architecture)(cfg)
+    plans = prefetch_plans(model, 1 << 20, 1 << 20)
+    assert len(plans) == 2 * cfg.num_layers
+    assert {type(m).__name__ for m in plans} == {"SelfAttention", "GatedMLP"}
+
+
+class Recorder:
+    """Where a forward issues its points (the instruction itself needs a Hopper GPU)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def issue(self, module):
+        self.calls.append(module)
+
+    def join(self):
+        self.calls.append("join")
+
+
+@torch.no_grad()
+def test_a_forward_issues_each_point_in_order_and_joins_once_at_its_end():
+    lm = load_model("dummy:tiny-llama")
+    cfg, bs = lm.config, 4
+    caches = [torch.zeros(3, 2, bs, cfg.num_kv_heads, cfg.head_dim) for _ in range(cfg.num_layers)]
+    ids = torch.tensor([5, 17, 200, 3, 99])
+    md = AttentionMetadata.build([SeqChunk(0, 5, [1, 2])], bs, torch.device("cpu"))
+    plain = lm.model(ids, torch.arange(5), ForwardContext(attn=TorchPagedAttention(caches, md)))
+    rec = Recorder()
+    ctx = ForwardContext(attn=TorchPagedAttention(caches, md), prefetcher=rec)
+    hidden = lm.model(ids, torch.arange(5), ctx)
+    layers = lm.model.model.layers
+    assert rec.calls == [m for la in layers for m in (la.self_attn, la.mlp)] + ["join"]
+    torch.testing.assert_close(hidden, plain, rtol=0, atol=0)
+
+
+def test_no_prefetcher_off_a_hopper_gpu():
+    model = load_model("dummy:tiny-llama").model
+    assert load_prefetcher(model, torch.device("cpu"), 1 << 20, 0) == (None, "not a CUDA device")
+    assert l2_prefetch.BLOCK == 32  # one chunk a thread of the kernel's one warp
