@@ -36,6 +36,7 @@ class Gemma3DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: Rope, ctx: ForwardContext) -> torch.Tensor:
         # x: [T, hidden] -> [T, hidden]
+        ctx.prefetch(self)  # qkv's weights into the L2 while the norm runs
         h = ctx.all_reduce(self.self_attn(self.input_layernorm(x), rope, ctx))
         x = x + self.post_attention_layernorm(h)
         h = ctx.all_reduce(self.mlp(self.pre_feedforward_layernorm(x), ctx))

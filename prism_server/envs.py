@@ -85,18 +85,20 @@ def fused_rope_write() -> bool:
     return os.environ.get("PRISM_ROPE_WRITE", "1") not in ("0", "false", "no")
 
 
-def l2_prefetch_mib() -> tuple[int, int]:
-    """Decode graphs ask the L2 for weights while HBM idles: PRISM_L2_PREFETCH=A[,M], MiB
-    asked during each attention (its o_proj's weights, then the head of the MLP's) and during
-    each activation (the head of the down projection's); unset or 0: never."""
+def l2_prefetch_mib() -> tuple[int, int, int]:
+    """Decode graphs ask the L2 for the next GEMMs' weights while HBM idles:
+    PRISM_L2_PREFETCH=A[,M[,N]], the MiB asked during each attention (its o_proj's weights,
+    then the head of the MLP's gate_up), each activation (the head of the down projection's)
+    and each layer's input norm (the head of its qkv projection's); unset or 0: never."""
     v = (os.environ.get("PRISM_L2_PREFETCH") or "0").split(",")
     try:
-        mib = tuple(int(x) for x in v) + (0,)
+        mib = [int(x) for x in v]
     except ValueError:
-        raise ValueError(f"PRISM_L2_PREFETCH must be A[,M] in MiB, got {','.join(v)!r}") from None
-    if len(v) > 2:
-        raise ValueError(f"PRISM_L2_PREFETCH must be A[,M] in MiB, got {','.join(v)!r}")
-    return mib[0], mib[1]
+        mib = []
+    if not 1 <= len(mib) <= 3:
+        raise ValueError(f"PRISM_L2_PREFETCH must be A[,M[,N]] in MiB, got {','.join(v)!r}")
+    a, m, n = mib + [0] * (3 - len(mib))
+    return a, m, n
 
 
 def ragged_prefill() -> bool:

@@ -166,10 +166,10 @@ def default_attention(
 def _prefetcher(model, device: torch.device, resources: DeviceResources | None):
     """The model's L2 prefetches for its decode graphs, where the kernels choose them and they
     can run here (else None, and why in the log)."""
-    mib = resources.kernels.l2_prefetch_mib if resources is not None else (0, 0)
+    mib = resources.kernels.l2_prefetch_mib if resources is not None else (0, 0, 0)
     if not any(mib):
         return None
-    prefetcher, why = load_prefetcher(model, device, mib[0] << 20, mib[1] << 20)
+    prefetcher, why = load_prefetcher(model, device, tuple(n << 20 for n in mib))
     if prefetcher is None:
         log.warning("%s: no L2 prefetch in the decode graphs: %s", device, why)
     else:

@@ -101,10 +101,10 @@ class KernelChoice:
     # software pipelining depth of its loop over the positions
     triton_max_splits: int = 16
     triton_stages: int = 3
-    # decode graphs ask the L2 for the next GEMM's weights while the attention (its first MiB
-    # budget) and the activation (its second) leave HBM idle (models.layers.l2_prefetch);
-    # (0, 0): never
-    l2_prefetch_mib: tuple[int, int] = (0, 0)
+    # decode graphs ask the L2 for the next GEMMs' weights while HBM idles: MiB asked during
+    # each attention, each activation, each layer's input norm (models.layers.l2_prefetch);
+    # all 0: never
+    l2_prefetch_mib: tuple[int, int, int] = (0, 0, 0)
 
     def __post_init__(self):
         if self.prefill_backend not in PREFILL_BACKENDS:
@@ -118,10 +118,10 @@ class KernelChoice:
                 f"Triton decode: {self.triton_max_splits} splits (1 to {triton_ops.MAX_SPLITS}), "
                 f"{self.triton_stages} stages (>= 1)"
             )
-        if len(self.l2_prefetch_mib) != 2 or min(self.l2_prefetch_mib) < 0:
+        if len(self.l2_prefetch_mib) != 3 or min(self.l2_prefetch_mib) < 0:
             raise ValueError(
-                f"L2 prefetch budgets {self.l2_prefetch_mib}: two MiB counts (attention window, "
-                "activation window), each >= 0"
+                f"L2 prefetch budgets {self.l2_prefetch_mib}: three MiB counts (the attention's "
+                "window, the activation's, the input norm's), each >= 0"
             )
         if self.decode_backend_max_batch is not None and self.decode_backend_max_batch < 1:
             raise ValueError(f"decode backend max batch {self.decode_backend_max_batch}: >= 1")

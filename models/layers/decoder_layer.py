@@ -37,6 +37,7 @@ class DecoderLayer(nn.Module):
         """x: the previous layer's output (the embeddings for the first layer, residual None),
         residual: the stream before it, each [T, hidden] -> (this layer's output, the stream
         before it); the stream after this layer is their sum."""
+        ctx.prefetch(self)  # qkv's weights into the L2 while the norm runs
         if residual is None:
             h, residual = self.input_layernorm(x), x
         else:

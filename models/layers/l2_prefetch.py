@@ -6,11 +6,11 @@ idle. At a point of the forward just before such a window, a kernel on a side st
 for the weights of the GEMM after it (Hopper's bulk prefetch, `cp.async.bulk.prefetch.L2`: a
 hint, nothing comes back to the SMs), so that GEMM finds them there.
 
-Points (a plan of each model, `prefetch_plans`):
+Points (a plan of each model, `prefetch_plans`), each with a budget of bytes:
 - in SelfAttention, before its attention: the o_proj weight, then the head of the MLP's gate_up
-  weight, up to the attention window's budget;
-- in GatedMLP, after its gate_up GEMM (before the activation): the head of the down weight, up
-  to the MLP window's budget.
+  weight (read after the o_proj GEMM and the norm);
+- in GatedMLP, after its gate_up GEMM (before the activation): the head of the down weight;
+- in the decoder layer, as it starts (before its input norm): the head of its qkv weight.
 
 The side stream forks from the step's stream at each point and joins it once, at the end of the
 model's forward (CausalLM.forward): nothing on the step's stream waits for a prefetch. Numbers are
@@ -119,18 +119,22 @@ def _take(weights: list[torch.Tensor], budget: int) -> list[Range]:
     return out
 
 
-def prefetch_plans(model: nn.Module, attn_bytes: int, mlp_bytes: int) -> dict[nn.Module, list]:
+def prefetch_plans(
+    model: nn.Module, attn_bytes: int, mlp_bytes: int, norm_bytes: int = 0
+) -> dict[nn.Module, list[Range]]:
     """Each point's byte ranges, keyed by the module whose forward issues them: every decoder
-    layer (a module with `self_attn` and `mlp`) whose attention has an o_proj and whose MLP a
-    gate_up_proj and a down_proj."""
+    layer (a module with `self_attn` and `mlp`) whose attention has a qkv_proj and an o_proj and
+    whose MLP a gate_up_proj and a down_proj. Budgets: attn_bytes at the attention, mlp_bytes at
+    the activation, norm_bytes at the layer's start."""
     plans: dict[nn.Module, list[Range]] = {}
     for layer in model.modules():
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        o = getattr(attn, "o_proj", None)
+        qkv, o = getattr(attn, "qkv_proj", None), getattr(attn, "o_proj", None)
         gate_up, down = getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None)
-        if o is None or gate_up is None or down is None:
+        if None in (qkv, o, gate_up, down):
             continue
         for module, weights, budget in (
+            (layer, [qkv.weight], norm_bytes),
             (attn, [o.weight, gate_up.weight], attn_bytes),
             (mlp, [down.weight], mlp_bytes),
         ):
@@ -146,9 +150,10 @@ class L2Prefetcher:
     stream at its end (`join`). A model's steps run one at a time, so one side stream serves them
     all, captured graphs included."""
 
-    def __init__(self, model: nn.Module, device: torch.device, attn_bytes: int, mlp_bytes: int):
+    def __init__(self, model: nn.Module, device: torch.device, budgets: tuple[int, int, int]):
+        """budgets: bytes asked at the attention, the activation, a layer's start."""
         self.device = device
-        self.plans = {m: _pairs(r) for m, r in prefetch_plans(model, attn_bytes, mlp_bytes).items()}
+        self.plans = {m: _pairs(r) for m, r in prefetch_plans(model, *budgets).items()}
         self.stream = torch.cuda.Stream(device)
         self._out = torch.empty(1, dtype=torch.int64, device=device)
         self._open = False
@@ -176,7 +181,7 @@ class L2Prefetcher:
 
 
 def load_prefetcher(
-    model: nn.Module, device: torch.device, attn_bytes: int, mlp_bytes: int
+    model: nn.Module, device: torch.device, budgets: tuple[int, int, int]
 ) -> tuple[L2Prefetcher | None, str | None]:
     """The model's prefetcher, its kernel built and run once over every point here, or None and
     why it cannot run (not CUDA, before Hopper, no Triton, a kernel that fails, nothing to ask)."""
@@ -189,9 +194,9 @@ def load_prefetcher(
     except ImportError:
         return None, "Triton is not installed"
     try:
-        p = L2Prefetcher(model, device, attn_bytes, mlp_bytes)
+        p = L2Prefetcher(model, device, budgets)
         if not p.plans:
-            return None, "no decoder layer with o_proj, gate_up_proj and down_proj weights"
+            return None, "nothing to ask: no budget, or no layer with the projections planned"
         with torch.cuda.device(device):
             for module in p.plans:
                 p.issue(module)

@@ -16,9 +16,9 @@ pytestmark = GPU
 def test_the_prefetcher_builds_and_runs_over_every_point():
     cfg, cpu_model = tiny_model()
     model = on_gpu(cpu_model)
-    p, why = load_prefetcher(model, torch.device("cuda"), 1 << 20, 1 << 20)
+    p, why = load_prefetcher(model, torch.device("cuda"), (1 << 20, 1 << 20, 1 << 20))
     assert p is not None, why
-    assert len(p.plans) == 2 * cfg.num_layers
+    assert len(p.plans) == 3 * cfg.num_layers
     layer = model.model.layers[1]
     o, gate_up = layer.self_attn.o_proj.weight, layer.mlp.gate_up_proj.weight
     o_bytes = o.numel() * o.element_size()  # 512 KiB: all of it, then the head of gate_up
@@ -40,7 +40,8 @@ def test_graphs_with_prefetches_replay_the_same_logits():
     model = on_gpu(cpu_model)
     pool = cuda_pool(pages=8)
     plain = model_engine("plain", cfg, model, pool, kernels=KernelChoice())
-    warmed = model_engine("warmed", cfg, model, pool, kernels=KernelChoice(l2_prefetch_mib=(1, 1)))
+    warm = KernelChoice(l2_prefetch_mib=(1, 1, 1))
+    warmed = model_engine("warmed", cfg, model, pool, kernels=warm)
     assert warmed.runner.graphs.prefetcher is not None and plain.runner.graphs.prefetcher is None
     for n in (1, 3, 16):
         ps = prompts(n, seed=n)

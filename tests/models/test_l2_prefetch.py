@@ -46,18 +46,20 @@ def test_the_kernel_asks_for_each_byte_once(ranges):
 def test_the_plans_take_the_next_weights_in_order_up_to_each_budget():
     model = load_model("dummy:tiny-llama").model
     layers = model.model.layers
+    qkv = layers[0].self_attn.qkv_proj.weight
     o = layers[0].self_attn.o_proj.weight
     gate_up = layers[0].mlp.gate_up_proj.weight
     down = layers[0].mlp.down_proj.weight
-    size = {w: w.numel() * w.element_size() for w in (o, gate_up, down)}
+    size = {w: w.numel() * w.element_size() for w in (qkv, o, gate_up, down)}
 
-    plans = prefetch_plans(model, size[o] + 1000, 100)
-    assert len(plans) == 2 * len(layers)
+    plans = prefetch_plans(model, size[o] + 1000, 100, 50)
+    assert len(plans) == 3 * len(layers)
     for layer in layers:  # each layer's own weights
         attn, mlp = layer.self_attn, layer.mlp
+        assert plans[layer] == [(attn.qkv_proj.weight.data_ptr(), 48)]  # rounded down to 16
         assert plans[attn] == [
             (attn.o_proj.weight.data_ptr(), size[o]),
-            (mlp.gate_up_proj.weight.data_ptr(), 992),  # rounded down to 16 bytes
+            (mlp.gate_up_proj.weight.data_ptr(), 992),
         ]
         assert plans[mlp] == [(mlp.down_proj.weight.data_ptr(), 96)]
     # a budget past the weights takes them whole; a budget of 0, nothing at that point
@@ -66,19 +68,22 @@ def test_the_plans_take_the_next_weights_in_order_up_to_each_budget():
         (layers[1].self_attn.o_proj.weight.data_ptr(), size[o]),
         (layers[1].mlp.gate_up_proj.weight.data_ptr(), size[gate_up]),
     ]
-    assert layers[1].mlp not in big and prefetch_plans(model, 0, 0) == {}
-    small = prefetch_plans(model, 64, 1 << 30)  # the head of o_proj only
+    assert layers[1].mlp not in big and layers[1] not in big
+    assert prefetch_plans(model, 0, 0, 0) == {}
+    small = prefetch_plans(model, 64, 1 << 30, 1 << 30)  # the head of o_proj only
     assert small[layers[0].self_attn] == [(o.data_ptr(), 64)]
     assert small[layers[0].mlp] == [(down.data_ptr(), size[down])]
+    assert small[layers[0]] == [(qkv.data_ptr(), size[qkv])]
 
 
 def test_gemma_layers_are_planned_too():
     cfg = ModelConfig.from_hf(get_preset("gemma-3-1b"))
     with torch.device("meta"):
         model = get_model_class(cfg.hf_architecture)(cfg)
-    plans = prefetch_plans(model, 1 << 20, 1 << 20)
-    assert len(plans) == 2 * cfg.num_layers
-    assert {type(m).__name__ for m in plans} == {"SelfAttention", "GatedMLP"}
+    plans = prefetch_plans(model, 1 << 20, 1 << 20, 1 << 20)
+    assert len(plans) == 3 * cfg.num_layers
+    kinds = {type(m).__name__ for m in plans}
+    assert kinds == {"Gemma3DecoderLayer", "SelfAttention", "GatedMLP"}
 
 
 class Recorder:
@@ -106,11 +111,12 @@ def test_a_forward_issues_each_point_in_order_and_joins_once_at_its_end():
     ctx = ForwardContext(attn=TorchPagedAttention(caches, md), prefetcher=rec)
     hidden = lm.model(ids, torch.arange(5), ctx)
     layers = lm.model.model.layers
-    assert rec.calls == [m for la in layers for m in (la.self_attn, la.mlp)] + ["join"]
+    assert rec.calls == [m for la in layers for m in (la, la.self_attn, la.mlp)] + ["join"]
     torch.testing.assert_close(hidden, plain, rtol=0, atol=0)
 
 
 def test_no_prefetcher_off_a_hopper_gpu():
     model = load_model("dummy:tiny-llama").model
-    assert load_prefetcher(model, torch.device("cpu"), 1 << 20, 0) == (None, "not a CUDA device")
+    cpu = torch.device("cpu")
+    assert load_prefetcher(model, cpu, (1 << 20, 0, 0)) == (None, "not a CUDA device")
     assert l2_prefetch.BLOCK == 32  # one chunk a thread of the kernel's one warp

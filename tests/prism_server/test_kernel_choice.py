@@ -41,9 +41,10 @@ def test_the_defaults_and_a_bad_backend():
     with pytest.raises(ValueError, match="max batch 0"):
         KernelChoice(decode_backend="triton", decode_backend_max_batch=0)
     assert DEFAULT_KERNELS.fused_rope_write
-    assert DEFAULT_KERNELS.l2_prefetch_mib == (0, 0) == envs.l2_prefetch_mib()
-    with pytest.raises(ValueError, match="L2 prefetch budgets"):
-        KernelChoice(l2_prefetch_mib=(32, -1))
+    assert DEFAULT_KERNELS.l2_prefetch_mib == (0, 0, 0) == envs.l2_prefetch_mib()
+    for bad in ((32, -1, 0), (32, 8)):
+        with pytest.raises(ValueError, match="L2 prefetch budgets"):
+            KernelChoice(l2_prefetch_mib=bad)
 
 
 def test_the_environment_reaches_every_devices_resources(monkeypatch):
@@ -81,14 +82,14 @@ def test_the_environment_reaches_every_devices_resources(monkeypatch):
         kernels = e.worker.resources.kernels
         assert kernels.decode_backend == "triton" and kernels.decode_backend_max_batch == 64
         assert (kernels.triton_max_splits, kernels.triton_stages) == (8, 1)
-        assert not kernels.fused_rope_write and kernels.l2_prefetch_mib == (34, 12)
+        assert not kernels.fused_rope_write and kernels.l2_prefetch_mib == (34, 12, 0)
         e.check_integrity()
-    for v, mib in (("40", (40, 0)), ("0,16", (0, 16)), ("", (0, 0))):
+    for v, mib in (("40", (40, 0, 0)), ("0,16,8", (0, 16, 8)), ("", (0, 0, 0))):
         monkeypatch.setenv("PRISM_L2_PREFETCH", v)
         assert envs.l2_prefetch_mib() == mib
-    for bad in ("1,2,3", "lots"):
+    for bad in ("1,2,3,4", "lots", "8,,8"):
         monkeypatch.setenv("PRISM_L2_PREFETCH", bad)
-        with pytest.raises(ValueError, match="PRISM_L2_PREFETCH must be A"):
+        with pytest.raises(ValueError, match=r"PRISM_L2_PREFETCH must be A\[,M\[,N\]\]"):
             Engine(EngineConfig(models=(spec,), device="cpu", page_bytes=64 << 10))
     monkeypatch.delenv("PRISM_L2_PREFETCH")
     monkeypatch.delenv("PRISM_DECODE_BACKEND_MAX_BATCH")
