@@ -87,10 +87,11 @@ def fused_rope_write() -> bool:
 
 def l2_prefetch_mib() -> tuple[int, int, int]:
     """Decode graphs ask the L2 for the next GEMMs' weights while HBM idles:
-    PRISM_L2_PREFETCH=A[,M[,N]], the MiB asked during each attention (its o_proj's weights,
-    then the head of the MLP's gate_up), each activation (the head of the down projection's)
-    and each layer's input norm (the head of its qkv projection's); unset or 0: never."""
-    v = (os.environ.get("PRISM_L2_PREFETCH") or "0").split(",")
+    PRISM_L2_PREFETCH=A[,M[,N]] (or A:M:N), the MiB asked during each attention (its o_proj's
+    weights, then the head of the MLP's gate_up), each activation (the head of the down
+    projection's) and each layer's input norm (the head of its qkv projection's); unset or 0:
+    never."""
+    v = (os.environ.get("PRISM_L2_PREFETCH") or "0").replace(":", ",").split(",")
     try:
         mib = [int(x) for x in v]
     except ValueError:

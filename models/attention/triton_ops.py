@@ -122,6 +122,25 @@ def _build_kernels(interpret: bool):
         b = tl.program_id(0)
         hk = tl.program_id(1)
         s = tl.program_id(2)
+        g = tl.arange(0, BLOCK_G)
+        gm = g < G
+        d = tl.arange(0, D)
+        hd = tl.arange(0, D // 2)
+        heads = hk * G + g
+        # what does not depend on the length first, so these loads overlap the length's: q in
+        # two halves (rope's), and with ROPE the rope table and the step's own k and v (every
+        # split loads them; the one holding the step's token stores and adds them)
+        q_at = q_ptr + b * sq_b + heads[:, None] * sq_h + hd[None, :]
+        q1_in = tl.load(q_at, mask=gm[:, None], other=0.0)
+        q2_in = tl.load(q_at + D // 2, mask=gm[:, None], other=0.0)
+        if ROPE:
+            cos = tl.load(table_ptr + b * st_r + hd)
+            sin = tl.load(table_ptr + b * st_r + D // 2 + hd)
+            kn_at = k_ptr + b * sk_b + hk * sk_h + hd
+            ka = tl.load(kn_at).to(tl.float32)
+            kb = tl.load(kn_at + D // 2).to(tl.float32)
+            v_in = tl.load(v_ptr + b * sv_b + hk * sv_h + d)
+            slot = tl.load(slots_ptr + b)
         length = tl.load(lens_ptr + b)
         lo = 0
         if WINDOW:
@@ -132,36 +151,18 @@ def _build_kernels(interpret: bool):
         start = lo + s * chunk
         if s < active:
             end = tl.minimum(start + chunk, length)
-            g = tl.arange(0, BLOCK_G)
-            gm = g < G
-            d = tl.arange(0, D)
-            hd = tl.arange(0, D // 2)
-            heads = hk * G + g
-            # q in two halves (rope's), rotated here when ROPE (in fp32, then rounded as the
-            # separate rope kernel would store it)
-            q_at = q_ptr + b * sq_b + heads[:, None] * sq_h + hd[None, :]
-            q1 = tl.load(q_at, mask=gm[:, None], other=0.0)
-            q2 = tl.load(q_at + D // 2, mask=gm[:, None], other=0.0)
-            if ROPE:
-                cos = tl.load(table_ptr + b * st_r + hd)
-                sin = tl.load(table_ptr + b * st_r + D // 2 + hd)
+            # (names of their own in this branch: Triton keeps a name's type across a branch)
+            q1, q2 = q1_in, q2_in
+            if ROPE:  # q rotated in fp32, then rounded as the separate rope kernel stores it
                 q1, q2 = q1.to(tl.float32), q2.to(tl.float32)
                 q1, q2 = (
                     q1 * cos[None, :] - q2 * sin[None, :],
                     q2 * cos[None, :] + q1 * sin[None, :],
                 )
-                # the step's own k and v, loaded now (by the split that holds the step's token:
-                # it stores them and adds them after the loop) so the loads overlap the loop's
-                mine = tl.where(end == length, D, 0)  # how much of the row to load: all, none
-                kn_at = k_ptr + b * sk_b + hk * sk_h + hd
-                ka = tl.load(kn_at, mask=hd < mine, other=0.0).to(tl.float32)
-                kb = tl.load(kn_at + D // 2, mask=hd < mine, other=0.0).to(tl.float32)
                 ty = cache_ptr.dtype.element_ty
                 kn1 = (ka * cos - kb * sin).to(ty)
                 kn2 = (kb * cos + ka * sin).to(ty)
-                vn = tl.load(v_ptr + b * sv_b + hk * sv_h + d, mask=d < mine, other=0.0)
-                vn = vn.to(ty)
-                slot = tl.load(slots_ptr + b)
+                vn = v_in.to(ty)
             q1 = q1.to(cache_ptr.dtype.element_ty)
             q2 = q2.to(cache_ptr.dtype.element_ty)
             if DOT_F32:

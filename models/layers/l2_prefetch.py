@@ -25,12 +25,19 @@ import functools
 import torch
 from torch import nn
 
+from models.attention.triton_ops import interpreting
+
 CHUNK = 16 << 10  # bytes one prefetch instruction asks for
 BLOCK = 32  # chunks a program issues: one a thread of its one warp
 
 
-@functools.cache
 def _kernel():
+    return _build(interpreting())
+
+
+@functools.cache
+def _build(interpret: bool):
+    # NOTE: Triton decides at decoration whether a kernel is interpreted, hence one build each
     import triton
     import triton.language as tl
 

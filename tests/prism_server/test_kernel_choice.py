@@ -84,7 +84,12 @@ def test_the_environment_reaches_every_devices_resources(monkeypatch):
         assert (kernels.triton_max_splits, kernels.triton_stages) == (8, 1)
         assert not kernels.fused_rope_write and kernels.l2_prefetch_mib == (34, 12, 0)
         e.check_integrity()
-    for v, mib in (("40", (40, 0, 0)), ("0,16,8", (0, 16, 8)), ("", (0, 0, 0))):
+    for v, mib in (
+        ("40", (40, 0, 0)),
+        ("0,16,8", (0, 16, 8)),
+        ("48:12", (48, 12, 0)),
+        ("", (0,) * 3),
+    ):
         monkeypatch.setenv("PRISM_L2_PREFETCH", v)
         assert envs.l2_prefetch_mib() == mib
     for bad in ("1,2,3,4", "lots", "8,,8"):

@@ -1,0 +1,88 @@
+"""Builds Prism's Triton kernels for Hopper (sm_90) down to cubins, without a GPU: Triton's
+wheel ships ptxas. Run in a process of its own (tests/models/test_triton_build.py): Triton's own
+library is decorated for the interpreter in a process that imported it with TRITON_INTERPRET=1.
+
+    python -m tests.models.hopper_build   # one line per build, "built N" last
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from models.attention import triton_ops
+from models.layers import l2_prefetch
+
+HOPPER = GPUTarget("cuda", 90, 32)
+DECODE_TYPES = {
+    **dict.fromkeys(("q_ptr", "cache_ptr", "out_ptr", "k_ptr", "v_ptr"), "*bf16"),
+    **dict.fromkeys(("tables_ptr", "lens_ptr", "ticket_ptr"), "*i32"),
+    **dict.fromkeys(("part_o_ptr", "part_ml_ptr", "table_ptr"), "*fp32"),
+    "slots_ptr": "*i64",
+    "scale": "fp32",
+    "softcap": "fp32",
+}
+ROPE_TYPES = {
+    **dict.fromkeys(("q_ptr", "k_ptr", "v_ptr", "qo_ptr", "cache_ptr"), "*bf16"),
+    "table_ptr": "*fp32",
+    "slots_ptr": "*i64",
+}
+PREFETCH_TYPES = {"a0": "i64", "n0": "i32", "a1": "i64", "n1": "i32", "out_ptr": "*i64"}
+
+
+def compile_for_hopper(fn, types: dict, const: dict, **options):
+    """fn compiled for sm_90: types by parameter name (pointers, scalars; anything else i32)."""
+    sig = {n: "constexpr" if n in const else types.get(n, "i32") for n in fn.arg_names}
+    return triton.compile(ASTSource(fn, sig, const), target=HOPPER, options=options)
+
+
+def decode_builds():
+    """The decode builds a model can ask for: with and without the rope, split and not, windows
+    and soft caps, for Llama-3.1-8B's head shape; with and without the rope, split and not, for
+    Gemma 3's (head_dim 256, windows and soft caps) and a group of one."""
+    _, decode = triton_ops._build_kernels(False)
+    for (hq, hkv), dim, extras in (((32, 8), 128, (True, False)), ((4, 1), 256, (True,)),
+                                    ((8, 8), 64, (False,))):  # fmt: skip
+        k = triton_ops.TritonDecodeKernel(hq, hkv, dim, 16, torch.device("cpu"))
+        g_p2 = triton_ops._pow2(k.group)
+        builds = itertools.product((True, False), (True, False), extras, extras)
+        for rope, split, window, softcap in builds:
+            const = dict(
+                HKV=hkv, G=k.group, BLOCK_G=k.block_g, D=dim, PAGE=16, BLOCK_N=k.block_n,
+                SOFTCAP=softcap, WINDOW=window, DOT_F32=False, MAX_SPLITS=triton_ops.MAX_SPLITS,
+                G_P2=g_p2, MERGE_D=min(dim, max(16, 8192 // (triton_ops.MAX_SPLITS * g_p2))),
+                ROPE=rope, SPLIT=split,
+            )  # fmt: skip
+            name = f"decode {hq}/{hkv}x{dim} {rope=} {split=} {window=} {softcap=}"
+            yield name, compile_for_hopper(decode, DECODE_TYPES, const, num_warps=4, num_stages=3)
+
+
+def main() -> None:
+    assert os.environ.get("TRITON_INTERPRET") != "1", "a build for the GPU, not the interpreter"
+    built = 0
+    for name, b in decode_builds():
+        assert b.asm["cubin"], name
+        print(name)
+        built += 1
+    rope_write, _ = triton_ops._build_kernels(False)
+    for half in (64, 128):
+        const = dict(HQ=32, HALF=half, HALF_P2=half, PAGE=16)
+        assert compile_for_hopper(rope_write, ROPE_TYPES, const).asm["cubin"]
+        print(f"rope_write half={half}")
+        built += 1
+    # the prefetch has no result anyone reads: the build must keep it (and ptxas take it)
+    const = dict(CHUNK=l2_prefetch.CHUNK, BLOCK=l2_prefetch.BLOCK, PREFETCH=True)
+    b = compile_for_hopper(l2_prefetch._build(False), PREFETCH_TYPES, const, num_warps=1)
+    prefetches = b.asm["ptx"].count("cp.async.bulk.prefetch.L2.global")
+    assert prefetches == 1 and b.asm["cubin"], prefetches
+    print("l2_prefetch: one cp.async.bulk.prefetch.L2.global")
+    print(f"built {built + 1}")
+
+
+if __name__ == "__main__":
+    main()
