@@ -56,9 +56,12 @@ def spin_cycles(us: float) -> int:
     return int(us * clock_khz / 1e3)
 
 
-def gemm_ms(w, x, window_us: float, head: int | None, flush, side, runs: int) -> float:
+def gemm_ms(
+    w, x, window_us: float, head: int | None, flush, side, runs: int, chunk: int = l2_prefetch.CHUNK
+) -> float:
     """The GEMM x @ w.T alone, after a window of window_us (the L2 flushed before it), with the
-    first `head` bytes of w asked of the L2 when the window opens (None: no prefetch)."""
+    first `head` bytes of w asked of the L2 when the window opens, `chunk` bytes an instruction
+    (head None: no prefetch)."""
     main = torch.cuda.current_stream()
     times = []
     for _ in range(runs + 2):
@@ -66,7 +69,7 @@ def gemm_ms(w, x, window_us: float, head: int | None, flush, side, runs: int) ->
         if head is not None:
             side.wait_stream(main)
             with torch.cuda.stream(side):
-                l2_prefetch._launch(((w.data_ptr(), head), (0, 0)), True, flush)
+                l2_prefetch._launch(((w.data_ptr(), head), (0, 0)), True, flush, chunk)
         if window_us:
             torch.cuda._sleep(spin_cycles(window_us))
         if head is not None:
@@ -118,6 +121,14 @@ def main() -> None:
                 f"cold {cold * 1e3:.1f} us, prefetched {warm * 1e3:.1f} us, "
                 f"HBM floor {floor * 1e3:.1f} us"
             )
+    # the bytes one instruction asks for: o_proj after a 10 us window
+    w = torch.randn(*SHAPES["o_proj"], device=dev, dtype=torch.bfloat16)
+    x = torch.randn(1, w.shape[1], device=dev, dtype=torch.bfloat16)
+    for kib in (4, 16, 64, 256):
+        us = gemm_ms(w, x, 10, w.numel() * 2, flush, side, args.runs, kib << 10) * 1e3
+        row = {"gemm": "o_proj", "window_us": 10, "chunk_kib": kib, "prefetched_us": us}
+        out["rows"].append(row)
+        print(f"o_proj, window 10 us, {kib} KiB an instruction: prefetched {us:.1f} us")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
 

@@ -76,15 +76,17 @@ def _build(interpret: bool):
 Range = tuple[int, int]  # (address, bytes): 16-byte aligned, a multiple of 16 bytes
 
 
-def _programs(ranges: tuple[Range, Range]) -> int:
-    chunks = sum(-(-n // CHUNK) for _, n in ranges)
+def _programs(ranges: tuple[Range, Range], chunk: int = CHUNK) -> int:
+    chunks = sum(-(-n // chunk) for _, n in ranges)
     return -(-chunks // BLOCK)
 
 
-def _launch(ranges: tuple[Range, Range], prefetch: bool, out: torch.Tensor) -> None:
+def _launch(
+    ranges: tuple[Range, Range], prefetch: bool, out: torch.Tensor, chunk: int = CHUNK
+) -> None:
     (a0, n0), (a1, n1) = ranges
-    _kernel()[(_programs(ranges),)](
-        a0, n0, a1, n1, out, CHUNK=CHUNK, BLOCK=BLOCK, PREFETCH=prefetch, num_warps=1
+    _kernel()[(_programs(ranges, chunk),)](
+        a0, n0, a1, n1, out, CHUNK=chunk, BLOCK=BLOCK, PREFETCH=prefetch, num_warps=1
     )
 
 
