@@ -73,10 +73,13 @@ def decode_backend_max_batch() -> int | None:
     return _int("PRISM_DECODE_BACKEND_MAX_BATCH", 16)
 
 
-def triton_decode() -> tuple[int, int]:
-    """The Triton decode kernel's most splits of a sequence's KV and its loop's pipelining
-    depth (PRISM_TRITON_SPLITS, default 16; PRISM_TRITON_STAGES, default 3)."""
-    return _int("PRISM_TRITON_SPLITS", 16), _int("PRISM_TRITON_STAGES", 3)
+def triton_decode() -> tuple[int, int, bool]:
+    """The Triton decode kernel's most splits of a sequence's KV, its loop's pipelining depth,
+    and whether it is a programmatic dependent launch, starting while the qkv projection
+    finishes (PRISM_TRITON_SPLITS, default 16; PRISM_TRITON_STAGES, default 3;
+    PRISM_TRITON_PDL, default 0)."""
+    pdl = os.environ.get("PRISM_TRITON_PDL", "0") not in ("0", "false", "no", "")
+    return _int("PRISM_TRITON_SPLITS", 16), _int("PRISM_TRITON_STAGES", 3), pdl
 
 
 def fused_rope_write() -> bool:

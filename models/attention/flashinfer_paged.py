@@ -101,6 +101,9 @@ class KernelChoice:
     # software pipelining depth of its loop over the positions
     triton_max_splits: int = 16
     triton_stages: int = 3
+    # the Triton decode kernel as a programmatic dependent launch (Hopper): it starts while the
+    # qkv projection finishes and waits for it inside
+    triton_pdl: bool = False
     # decode graphs ask the L2 for the next GEMMs' weights while HBM idles: MiB asked during
     # each attention, each activation, each layer's input norm (models.layers.l2_prefetch);
     # all 0: never
@@ -381,6 +384,7 @@ class FlashInferBackend:
             self.kernels.fused_rope_write,
             self.kernels.triton_max_splits,
             self.kernels.triton_stages,
+            self.kernels.triton_pdl,
         )
         if why is not None:
             log.warning("decode attention through FlashInfer: the Triton kernel cannot run %s", why)

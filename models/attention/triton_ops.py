@@ -115,7 +115,7 @@ def _build_kernels(interpret: bool):
         PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
         SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, DOT_F32: tl.constexpr,
         MAX_SPLITS: tl.constexpr, G_P2: tl.constexpr, MERGE_D: tl.constexpr, ROPE: tl.constexpr,
-        SPLIT: tl.constexpr,
+        SPLIT: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         # program (b, kv head, split s): query heads hk*G .. hk*G+G-1 of sequence b over the
         # split's share of its positions
@@ -127,21 +127,25 @@ def _build_kernels(interpret: bool):
         d = tl.arange(0, D)
         hd = tl.arange(0, D // 2)
         heads = hk * G + g
-        # what does not depend on the length first, so these loads overlap the length's: q in
-        # two halves (rope's), and with ROPE the rope table and the step's own k and v (every
-        # split loads them; the one holding the step's token stores and adds them)
+        # what does not depend on the length first, so these loads overlap the length's: the
+        # rope table; then (after the previous kernel, which writes them, with PDL) q in two
+        # halves (rope's), and with ROPE the step's own k and v (every split loads them; the
+        # one holding the step's token stores and adds them)
+        if ROPE:
+            cos = tl.load(table_ptr + b * st_r + hd)
+            sin = tl.load(table_ptr + b * st_r + D // 2 + hd)
+            slot = tl.load(slots_ptr + b)
+        length = tl.load(lens_ptr + b)
+        if PDL:  # launched while the previous kernel (the qkv projection) finishes: wait now
+            tl.extra.cuda.gdc_wait()
         q_at = q_ptr + b * sq_b + heads[:, None] * sq_h + hd[None, :]
         q1_in = tl.load(q_at, mask=gm[:, None], other=0.0)
         q2_in = tl.load(q_at + D // 2, mask=gm[:, None], other=0.0)
         if ROPE:
-            cos = tl.load(table_ptr + b * st_r + hd)
-            sin = tl.load(table_ptr + b * st_r + D // 2 + hd)
             kn_at = k_ptr + b * sk_b + hk * sk_h + hd
             ka = tl.load(kn_at).to(tl.float32)
             kb = tl.load(kn_at + D // 2).to(tl.float32)
             v_in = tl.load(v_ptr + b * sv_b + hk * sv_h + d)
-            slot = tl.load(slots_ptr + b)
-        length = tl.load(lens_ptr + b)
         lo = 0
         if WINDOW:
             lo = tl.maximum(length - window, 0)
@@ -312,9 +316,12 @@ class TritonDecodeKernel:
         device,
         max_splits: int = MAX_SPLITS,
         stages: int = 3,
+        pdl: bool = False,
     ):
         """max_splits: the most programs a (sequence, KV head) is split over; stages: Triton's
-        software pipelining depth of the loop over the positions."""
+        software pipelining depth of the loop over the positions; pdl: launched as a
+        programmatic dependent launch (Hopper): the kernel starts while the kernel before it
+        finishes, reads the lengths and the rope table, then waits for it (q, k, v are its)."""
         if head_dim & (head_dim - 1) or head_dim < 32:
             raise ValueError(
                 f"head_dim {head_dim}: the Triton decode kernel takes powers of 2 from 32"
@@ -322,6 +329,7 @@ class TritonDecodeKernel:
         self.num_kv_heads, self.head_dim, self.block_size = num_kv_heads, head_dim, block_size
         self.group = num_qo_heads // num_kv_heads
         self.max_splits, self.stages = min(max_splits, MAX_SPLITS), stages
+        self.pdl = pdl and device.type == "cuda"
         self.block_g = max(16, _pow2(self.group))  # the dot's rows: the head group, padded
         self.block_n = 64 if head_dim <= 128 else 32  # positions a tile
         self.tickets = torch.zeros(
@@ -373,7 +381,8 @@ class TritonDecodeKernel:
             DOT_F32=interpreting() or cache.dtype == torch.float32,
             MAX_SPLITS=MAX_SPLITS, G_P2=_pow2(self.group),
             MERGE_D=min(dim, max(16, 8192 // (MAX_SPLITS * _pow2(self.group)))),
-            ROPE=new is not None, SPLIT=nsplit > 1, num_stages=self.stages,
+            ROPE=new is not None, SPLIT=nsplit > 1, PDL=self.pdl, num_stages=self.stages,
+            **({"launch_pdl": True} if self.pdl else {}),
         )  # fmt: skip
         return out
 
@@ -412,6 +421,7 @@ def load_decode_kernel(
     rope: bool,
     max_splits: int = MAX_SPLITS,
     stages: int = 3,
+    pdl: bool = False,
 ) -> tuple[TritonDecodeKernel | None, str | None]:
     """The decode kernel for a model, built and checked on `device` (`self_check`), or None and
     why it cannot run there. heads: (query heads, KV heads)."""
@@ -423,7 +433,7 @@ def load_decode_kernel(
         return None, f"head_dim {head_dim} (a power of 2 from 32)"
     try:
         kernel = TritonDecodeKernel(
-            heads[0], heads[1], head_dim, block_size, device, max_splits, stages
+            heads[0], heads[1], head_dim, block_size, device, max_splits, stages, pdl
         )
         kernel.self_check(specs, dtype, rope)
     except Exception as e:  # noqa: BLE001 (a kernel that does not build here: fall back)

@@ -37,14 +37,16 @@ def count_replays(me) -> list[int]:
     return calls
 
 
-@pytest.mark.parametrize("decode", ["flashinfer", "xqa", "triton"])
+@pytest.mark.parametrize("decode", ["flashinfer", "xqa", "triton", "triton-pdl"])
 def test_graph_replay_gives_the_eager_tokens(decode):
     """The eager engine decodes through FlashInfer; the graphed one through `decode`. 8 query
     heads over 2 KV heads: XQA's group of 4, as Llama-3.1-8B's."""
     cfg, cpu_model = tiny_model(num_attention_heads=8)
     model = on_gpu(cpu_model)
     pool = cuda_pool(pages=8)
-    kernels = KernelChoice(decode_backend=decode)
+    pdl = decode == "triton-pdl"  # Triton's kernel launched while the qkv GEMM finishes
+    decode = "triton" if pdl else decode
+    kernels = KernelChoice(decode_backend=decode, triton_pdl=pdl)
     graphed = model_engine("graphed", cfg, model, pool, graphs=True, kernels=kernels)
     eager = model_engine("eager", cfg, model, pool, graphs=False)
     assert graphed.runner.graphs is not None and eager.runner.graphs is None

@@ -144,6 +144,8 @@ KERNELS = {
     "triton-decode-upto-4": KernelChoice(decode_backend="triton", decode_backend_max_batch=4),
     "unfused-rope": KernelChoice(fused_rope_write=False, decode_backend=FI),
     "unfused-rope-triton": KernelChoice(fused_rope_write=False),
+    "triton-pdl": KernelChoice(triton_pdl=True),
+    "triton-pdl-unfused-rope": KernelChoice(triton_pdl=True, fused_rope_write=False),
 }
 TOUCHES = {  # the kinds of step each choice changes
     "flashinfer-decode": {"decode", "graph-decode"},
@@ -157,6 +159,8 @@ TOUCHES = {  # the kinds of step each choice changes
     "triton-decode-upto-4": {"decode", "graph-decode"},
     "unfused-rope": {"decode", "graph-decode"},
     "unfused-rope-triton": {"decode", "graph-decode"},
+    "triton-pdl": {"decode", "graph-decode"},
+    "triton-pdl-unfused-rope": {"decode", "graph-decode"},
 }
 
 

@@ -44,7 +44,8 @@ def compile_for_hopper(fn, types: dict, const: dict, **options):
 def decode_builds():
     """The decode builds a model can ask for: with and without the rope, split and not, windows
     and soft caps, for Llama-3.1-8B's head shape; with and without the rope, split and not, for
-    Gemma 3's (head_dim 256, windows and soft caps) and a group of one."""
+    Gemma 3's (head_dim 256, windows and soft caps) and a group of one. The split builds are
+    the programmatic dependent launch's (PDL), the others not."""
     _, decode = triton_ops._build_kernels(False)
     for (hq, hkv), dim, extras in (((32, 8), 128, (True, False)), ((4, 1), 256, (True,)),
                                     ((8, 8), 64, (False,))):  # fmt: skip
@@ -56,10 +57,12 @@ def decode_builds():
                 HKV=hkv, G=k.group, BLOCK_G=k.block_g, D=dim, PAGE=16, BLOCK_N=k.block_n,
                 SOFTCAP=softcap, WINDOW=window, DOT_F32=False, MAX_SPLITS=triton_ops.MAX_SPLITS,
                 G_P2=g_p2, MERGE_D=min(dim, max(16, 8192 // (triton_ops.MAX_SPLITS * g_p2))),
-                ROPE=rope, SPLIT=split,
+                ROPE=rope, SPLIT=split, PDL=split,
             )  # fmt: skip
             name = f"decode {hq}/{hkv}x{dim} {rope=} {split=} {window=} {softcap=}"
-            yield name, compile_for_hopper(decode, DECODE_TYPES, const, num_warps=4, num_stages=3)
+            b = compile_for_hopper(decode, DECODE_TYPES, const, num_warps=4, num_stages=3)
+            assert ("griddepcontrol.wait" in b.asm["ptx"]) is split, name
+            yield name, b
 
 
 def main() -> None:
