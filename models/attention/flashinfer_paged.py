@@ -388,6 +388,8 @@ class FlashInferBackend:
         )
         if why is not None:
             log.warning("decode attention through FlashInfer: the Triton kernel cannot run %s", why)
+        elif self.kernels.triton_pdl and not kernel.pdl:
+            log.warning("the Triton decode kernel launches plainly: PDL needs Hopper or later")
         return kernel
 
     def graph_attention(

@@ -329,7 +329,9 @@ class TritonDecodeKernel:
         self.num_kv_heads, self.head_dim, self.block_size = num_kv_heads, head_dim, block_size
         self.group = num_qo_heads // num_kv_heads
         self.max_splits, self.stages = min(max_splits, MAX_SPLITS), stages
-        self.pdl = pdl and device.type == "cuda"
+        # (programmatic dependent launches are Hopper's on: elsewhere the kernel launches plainly)
+        hopper = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+        self.pdl = pdl and hopper
         self.block_g = max(16, _pow2(self.group))  # the dot's rows: the head group, padded
         self.block_n = 64 if head_dim <= 128 else 32  # positions a tile
         self.tickets = torch.zeros(
