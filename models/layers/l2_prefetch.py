@@ -177,7 +177,8 @@ class L2Prefetcher:
         if not pairs:
             return
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
+        # (Triton launches on the current device's current stream: both made the model's)
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             for pair in pairs:
                 _launch(pair, True, self._out)
         self._open = True
