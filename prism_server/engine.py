@@ -77,6 +77,7 @@ class Engine:
             envs.decode_backend_max_batch(),
             *envs.triton_decode(),
             envs.l2_prefetch_mib(),
+            envs.l2_prefetch_inline(),
         )
         # one page pool and one engine thread per device: each GPU of devices (cuda:0 ..), or
         # several emulated CPU devices (each its own pool and thread), for the multi-device

@@ -105,6 +105,12 @@ def l2_prefetch_mib() -> tuple[int, int, int]:
     return a, m, n
 
 
+def l2_prefetch_inline() -> bool:
+    """The attention window's L2 prefetch asked by the Triton decode kernel itself, where it
+    runs the step (PRISM_L2_PREFETCH_INLINE, default 0: a kernel on a side stream)."""
+    return os.environ.get("PRISM_L2_PREFETCH_INLINE", "0") not in ("0", "false", "no", "")
+
+
 def ragged_prefill() -> bool:
     """Steps of fresh prompts attend over their own K/V tensors, not the paged cache
     (PRISM_RAGGED_PREFILL, default 1)."""

@@ -169,7 +169,8 @@ def _prefetcher(model, device: torch.device, resources: DeviceResources | None):
     mib = resources.kernels.l2_prefetch_mib if resources is not None else (0, 0, 0)
     if not any(mib):
         return None
-    prefetcher, why = load_prefetcher(model, device, tuple(n << 20 for n in mib))
+    inline = resources.kernels.l2_prefetch_inline
+    prefetcher, why = load_prefetcher(model, device, tuple(n << 20 for n in mib), inline)
     if prefetcher is None:
         log.warning("%s: no L2 prefetch in the decode graphs: %s", device, why)
     else:

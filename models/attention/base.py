@@ -158,7 +158,12 @@ class AttentionBackend(Protocol):
 
 
 class Prefetcher(Protocol):
+    inline: bool  # an attention backend that can (`takes_prefetch`) asks for its point's bytes
+
     def issue(self, module: torch.nn.Module) -> None: ...
+
+    def pair(self, module: torch.nn.Module) -> tuple[tuple[int, int], tuple[int, int]] | None:
+        """module's point as one pair of (address, bytes) ranges (None: none, or more)."""
 
     def join(self) -> None: ...
 
@@ -204,14 +209,27 @@ class ForwardContext:
         spec: LayerAttention,
         rope: Rope | None = None,
         fused_kernels: bool = True,
+        warm: torch.nn.Module | None = None,
     ) -> torch.Tensor:
         """rope: the step's rotary table, for q and k not yet rotated. A backend that can
-        (`takes_rope`) applies it with its K/V write, in one kernel; else it is applied here."""
+        (`takes_rope`) applies it with its K/V write, in one kernel; else it is applied here.
+        warm: the module whose prefetches (`prefetch`) belong with this attention: asked by the
+        attention kernel itself where the prefetcher is inline and the backend can
+        (`takes_prefetch`), else issued on the prefetches' stream."""
+        extra = {}
+        if warm is not None and self.prefetcher is not None:
+            pair = None
+            if self.prefetcher.inline and getattr(self.attn, "takes_prefetch", False):
+                pair = self.prefetcher.pair(warm)
+            if pair is None:
+                self.prefetcher.issue(warm)
+            else:
+                extra["prefetch"] = pair
         if rope is not None:
             if fused_kernels and getattr(self.attn, "takes_rope", False):
-                return self.attn.forward(layer_idx, q, k, v, spec, rope=rope)
+                return self.attn.forward(layer_idx, q, k, v, spec, rope=rope, **extra)
             q, k = rope.apply(q, k, fused_kernels, contiguous=self.contiguous_q)
-        return self.attn.forward(layer_idx, q, k, v, spec)
+        return self.attn.forward(layer_idx, q, k, v, spec, **extra)
 
 
 def layer_specs(model: torch.nn.Module) -> list[LayerAttention]:

@@ -108,6 +108,8 @@ class KernelChoice:
     # each attention, each activation, each layer's input norm (models.layers.l2_prefetch);
     # all 0: never
     l2_prefetch_mib: tuple[int, int, int] = (0, 0, 0)
+    # the attention window's prefetch asked by the Triton decode kernel itself (no side stream)
+    l2_prefetch_inline: bool = False
 
     def __post_init__(self):
         if self.prefill_backend not in PREFILL_BACKENDS:

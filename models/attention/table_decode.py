@@ -46,16 +46,25 @@ class TableDecodeAttention:
         """Whether forward() can take the layer's rope with its K/V write (ForwardContext)."""
         return isinstance(self.write, RowsWriter) and self.write.fuses_rope(self.kv_caches[0])
 
-    def forward(self, layer_idx: int, q, k, v, spec: LayerAttention, rope=None) -> torch.Tensor:
-        # q: [B, Hq, D]; k, v: [B, Hkv, D] -> [B, Hq, D]; rope: q and k not yet rotated
+    @property
+    def takes_prefetch(self) -> bool:
+        """Whether forward() can take byte ranges for the kernel to ask of the L2."""
+        return getattr(self.kernel, "takes_prefetch", False)
+
+    def forward(
+        self, layer_idx: int, q, k, v, spec: LayerAttention, rope=None, prefetch=None
+    ) -> torch.Tensor:
+        # q: [B, Hq, D]; k, v: [B, Hkv, D] -> [B, Hq, D]; rope: q and k not yet rotated;
+        # prefetch: ranges to ask of the L2 (takes_prefetch)
         cache = self.kv_caches[layer_idx]
         write = self.write
+        extra = {} if prefetch is None else {"prefetch": prefetch}
         if rope is not None and getattr(self.kernel, "takes_rope", False):
             # the kernel rotates q and k and stores k, v itself (write.fuses_rope: takes_rope)
             new = (k, v, rope.table(), write.slots)
-            return self.kernel(q, cache, self.tables, self.seq_lens, spec, new)
+            return self.kernel(q, cache, self.tables, self.seq_lens, spec, new, **extra)
         q = rope_then_write(write, cache, q, k, v, rope, contiguous_q=True)
-        return self.kernel(q, cache, self.tables, self.seq_lens, spec)
+        return self.kernel(q, cache, self.tables, self.seq_lens, spec, **extra)
 
 
 class TableDecodeGraphAttention(TableDecodeAttention):

@@ -104,24 +104,44 @@ def _build_kernels(interpret: bool):
     # nsplit is a run-time value, SPLIT only whether it is above 1: two builds serve every
     # batch size (a build per value made a model's first load 7 s longer; one build for both
     # kinds, the merge's code in the unsplit kernel too, made batch 64 5% slower)
-    @triton.jit(do_not_specialize=["nsplit"])
+    @triton.jit(do_not_specialize=["nsplit", "pa0", "pn0", "pa1", "pn1", "pchunk"])
     def decode_kernel(
         q_ptr, cache_ptr, tables_ptr, lens_ptr, out_ptr, part_o_ptr, part_ml_ptr, ticket_ptr,
         k_ptr, v_ptr, table_ptr, slots_ptr,
         sq_b, sq_h, so_b, so_h, st_b, sk_b, sk_h, sv_b, sv_h, st_r,
         sc_blk, sc_kv, sc_tok, sc_h,
-        scale, softcap, window, nsplit,
+        scale, softcap, window, nsplit, pa0, pn0, pa1, pn1, pchunk,
         HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
         PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
         SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, DOT_F32: tl.constexpr,
         MAX_SPLITS: tl.constexpr, G_P2: tl.constexpr, MERGE_D: tl.constexpr, ROPE: tl.constexpr,
-        SPLIT: tl.constexpr, PDL: tl.constexpr,
+        SPLIT: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, PF_BLOCK: tl.constexpr,
     ):  # fmt: skip
         # program (b, kv head, split s): query heads hk*G .. hk*G+G-1 of sequence b over the
         # split's share of its positions
         b = tl.program_id(0)
         hk = tl.program_id(1)
         s = tl.program_id(2)
+        if PREFETCH:
+            # the next GEMM's weights asked of the L2 while this kernel leaves HBM idle: two
+            # byte ranges cut into pchunk-byte chunks, one a thread (the chunking of
+            # models.layers.l2_prefetch's kernel)
+            pf_c = (((b * HKV + hk) * nsplit + s) * PF_BLOCK + tl.arange(0, PF_BLOCK)).to(tl.int64)
+            pf_c0 = tl.cdiv(pn0, pchunk)
+            pf_first = pf_c < pf_c0
+            pf_off = tl.where(pf_first, pf_c, pf_c - pf_c0) * pchunk
+            pf_n = tl.where(pf_first, pn0, pn1).to(tl.int64)
+            pf_addr = tl.where(pf_first, pa0, pa1).to(tl.int64) + pf_off
+            pf_size = tl.minimum(tl.maximum(pf_n - pf_off, 0), pchunk).to(tl.int32)
+            tl.inline_asm_elementwise(
+                "{ .reg .pred p; setp.ne.s32 p, $2, 0; "
+                "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+                "=r,l,r",
+                [pf_addr, pf_size],
+                dtype=tl.int32,
+                is_pure=False,
+                pack=1,
+            )
         g = tl.arange(0, BLOCK_G)
         gm = g < G
         d = tl.arange(0, D)
@@ -296,7 +316,15 @@ def rope_write(
 
 
 MAX_SPLITS = 16
+PF_BLOCK = 128  # a program's threads (4 warps): one L2 prefetch each, at most
+PF_CHUNK = 16 << 10  # the fewest bytes a prefetch instruction asks for
 MAX_BATCH_TICKETS = 1024  # sequences a step of the kernel below may hold, times KV heads
+
+
+def prefetch_chunk(total: int, threads: int) -> int:
+    """The bytes one thread of the decode kernel asks of the L2 (a multiple of 16, at least
+    PF_CHUNK), so that two ranges of `total` bytes in all take at most `threads` chunks."""
+    return max(PF_CHUNK, -(-total // max(1, threads - 2) // 16) * 16)
 
 
 class TritonDecodeKernel:
@@ -332,6 +360,7 @@ class TritonDecodeKernel:
         # (programmatic dependent launches are Hopper's on: elsewhere the kernel launches plainly)
         hopper = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
         self.pdl = pdl and hopper
+        self.takes_prefetch = hopper  # the weights the step reads next, asked of the L2
         self.block_g = max(16, _pow2(self.group))  # the dot's rows: the head group, padded
         self.block_n = 64 if head_dim <= 128 else 32  # positions a tile
         self.tickets = torch.zeros(
@@ -356,11 +385,14 @@ class TritonDecodeKernel:
         seq_lens: torch.Tensor,
         spec: LayerAttention,
         new: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+        prefetch: tuple[tuple[int, int], tuple[int, int]] | None = None,
     ) -> torch.Tensor:
         """q: [B, Hq, D]; cache: one layer's view; tables: [B, W] int32; seq_lens: [B, 1] int32
         -> [B, Hq, D]. new: the step's (k, v, rope table, slots) when q and k are not rotated
         yet and k, v not in the cache (k, v: [B, Hkv, D], table: [B, D] fp32, slots: [B]
-        int64): this kernel rotates them and stores k, v (one kernel for all of it)."""
+        int64): this kernel rotates them and stores k, v (one kernel for all of it).
+        prefetch: two (address, bytes) ranges (16-byte aligned, multiples of 16) the kernel's
+        programs ask of the L2 as they start (`takes_prefetch`: Hopper only)."""
         b, hq, dim = q.shape
         assert b <= MAX_BATCH_TICKETS and q.stride(2) == 1 and cache.stride(4) == 1
         k, v, table, slots = new if new is not None else (q, q, q, seq_lens)
@@ -370,6 +402,10 @@ class TritonDecodeKernel:
         parts = b * self.num_kv_heads * nsplit * self.group
         part_o = torch.empty(parts * dim if nsplit > 1 else 1, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(parts * 2 if nsplit > 1 else 1, dtype=torch.float32, device=q.device)
+        (pa0, pn0), (pa1, pn1) = prefetch or ((0, 0), (0, 0))
+        if prefetch is not None:
+            assert self.takes_prefetch, "the bulk L2 prefetch needs Hopper"
+        pchunk = prefetch_chunk(pn0 + pn1, b * self.num_kv_heads * nsplit * PF_BLOCK)
         _, kernel = _kernels()
         kernel[(b, self.num_kv_heads, nsplit)](
             q, cache, tables, seq_lens, out, part_o, part_ml, self.tickets, k, v, table, slots,
@@ -377,13 +413,16 @@ class TritonDecodeKernel:
             k.stride(0), k.stride(1), v.stride(0), v.stride(1), table.stride(0),
             cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
             spec.scale, spec.logit_softcap or 0.0, spec.sliding_window or 0, nsplit,
+            pa0, pn0, pa1, pn1, pchunk,
             HKV=self.num_kv_heads, G=self.group, BLOCK_G=self.block_g, D=dim,
             PAGE=self.block_size, BLOCK_N=self.block_n,
             SOFTCAP=bool(spec.logit_softcap), WINDOW=bool(spec.sliding_window),
             DOT_F32=interpreting() or cache.dtype == torch.float32,
             MAX_SPLITS=MAX_SPLITS, G_P2=_pow2(self.group),
             MERGE_D=min(dim, max(16, 8192 // (MAX_SPLITS * _pow2(self.group)))),
-            ROPE=new is not None, SPLIT=nsplit > 1, PDL=self.pdl, num_stages=self.stages,
+            ROPE=new is not None, SPLIT=nsplit > 1, PDL=self.pdl,
+            PREFETCH=prefetch is not None, PF_BLOCK=PF_BLOCK,
+            num_warps=PF_BLOCK // 32, num_stages=self.stages,
             **({"launch_pdl": True} if self.pdl else {}),
         )  # fmt: skip
         return out

@@ -7,8 +7,9 @@ for the weights of the GEMM after it (Hopper's bulk prefetch, `cp.async.bulk.pre
 hint, nothing comes back to the SMs), so that GEMM finds them there.
 
 Points (a plan of each model, `prefetch_plans`), each with a budget of bytes:
-- in SelfAttention, before its attention: the o_proj weight, then the head of the MLP's gate_up
-  weight (read after the o_proj GEMM and the norm);
+- in SelfAttention, at its attention: the o_proj weight, then the head of the MLP's gate_up
+  weight (read after the o_proj GEMM and the norm); with `inline`, asked by the Triton decode
+  kernel itself where it runs the step's attention;
 - in GatedMLP, after its gate_up GEMM (before the activation): the head of the down weight;
 - in the decoder layer, as it starts (before its input norm): the head of its qkv weight.
 
@@ -159,9 +160,17 @@ class L2Prefetcher:
     stream at its end (`join`). A model's steps run one at a time, so one side stream serves them
     all, captured graphs included."""
 
-    def __init__(self, model: nn.Module, device: torch.device, budgets: tuple[int, int, int]):
-        """budgets: bytes asked at the attention, the activation, a layer's start."""
-        self.device = device
+    def __init__(
+        self,
+        model: nn.Module,
+        device: torch.device,
+        budgets: tuple[int, int, int],
+        inline: bool = False,
+    ):
+        """budgets: bytes asked at the attention, the activation, a layer's start. inline: an
+        attention kernel that can asks for its point's bytes itself (as its programs start: no
+        launch of its own, no stream to fork), where the step's attention backend can."""
+        self.device, self.inline = device, inline
         self.plans = {m: _pairs(r) for m, r in prefetch_plans(model, *budgets).items()}
         self.stream = torch.cuda.Stream(device)
         self._out = torch.empty(1, dtype=torch.int64, device=device)
@@ -183,6 +192,11 @@ class L2Prefetcher:
                 _launch(pair, True, self._out)
         self._open = True
 
+    def pair(self, module: nn.Module) -> tuple[Range, Range] | None:
+        """module's point as the one pair of ranges a kernel takes (None: none, or more)."""
+        pairs = self.plans.get(module)
+        return pairs[0] if pairs is not None and len(pairs) == 1 else None
+
     def join(self) -> None:
         """The step's stream waits for the side stream (the end of a forward)."""
         if self._open:
@@ -191,7 +205,7 @@ class L2Prefetcher:
 
 
 def load_prefetcher(
-    model: nn.Module, device: torch.device, budgets: tuple[int, int, int]
+    model: nn.Module, device: torch.device, budgets: tuple[int, int, int], inline: bool = False
 ) -> tuple[L2Prefetcher | None, str | None]:
     """The model's prefetcher, its kernel built and run once over every point here, or None and
     why it cannot run (not CUDA, before Hopper, no Triton, a kernel that fails, nothing to ask)."""
@@ -204,7 +218,7 @@ def load_prefetcher(
     except ImportError:
         return None, "Triton is not installed"
     try:
-        p = L2Prefetcher(model, device, budgets)
+        p = L2Prefetcher(model, device, budgets, inline)
         if not p.plans:
             return None, "nothing to ask: no budget, or no layer with the projections planned"
         with torch.cuda.device(device):

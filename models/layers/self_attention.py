@@ -55,7 +55,7 @@ class SelfAttention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        ctx.prefetch(self)  # o_proj's weights into the L2 while the attention runs
-        # rope on q and k, then attention (one kernel for the rope and K/V write where it can)
-        out = ctx.attention(self.layer_idx, q, k, v, self.spec, rope, self.fused_kernels)
+        # rope on q and k, then attention (one kernel for the rope and K/V write where it can),
+        # o_proj's weights asked of the L2 meanwhile (ctx.prefetch)
+        out = ctx.attention(self.layer_idx, q, k, v, self.spec, rope, self.fused_kernels, warm=self)
         return self.o_proj(out.reshape(t, q_rows))

@@ -1,14 +1,19 @@
-"""The L2 prefetches on the GPU: the bulk prefetch instruction builds and runs (Hopper), and
-decode graphs that capture the prefetches on their side stream replay the same logits, bit for
-bit, as the same graphs without them (cache hints only)."""
+"""The L2 prefetches on the GPU: the bulk prefetch instruction builds and runs (Hopper), the
+decode kernel asks for ranges and gives the same output, and decode graphs that capture the
+prefetches (on their side stream, or some inside the decode kernel) replay the same logits, bit
+for bit, as the same graphs without them (cache hints only)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from models.attention import triton_ops
+from models.attention.base import LayerAttention
 from models.attention.flashinfer_paged import KernelChoice
 from models.layers.l2_prefetch import load_prefetcher
 from tests.gpu.common import GPU, cuda_pool, greedy, model_engine, on_gpu, prompts, tiny_model
+from tests.gpu.test_triton_ops_gpu import BLOCK, decode_step
 
 pytestmark = GPU
 
@@ -35,14 +40,18 @@ def test_the_prefetcher_builds_and_runs_over_every_point():
     assert torch.equal(big, before)
 
 
-def test_graphs_with_prefetches_replay_the_same_logits():
+@pytest.mark.parametrize("inline", [False, True], ids=["side-stream", "inline"])
+def test_graphs_with_prefetches_replay_the_same_logits(inline):
+    """inline: the attention window's prefetch asked by the Triton decode kernel (batches up to
+    16 run it), the others on the side stream."""
     cfg, cpu_model = tiny_model(num_attention_heads=8)
     model = on_gpu(cpu_model)
     pool = cuda_pool(pages=8)
     plain = model_engine("plain", cfg, model, pool, kernels=KernelChoice())
-    warm = KernelChoice(l2_prefetch_mib=(1, 1, 1))
+    warm = KernelChoice(l2_prefetch_mib=(1, 1, 1), l2_prefetch_inline=inline)
     warmed = model_engine("warmed", cfg, model, pool, kernels=warm)
     assert warmed.runner.graphs.prefetcher is not None and plain.runner.graphs.prefetcher is None
+    assert warmed.runner.graphs.prefetcher.inline is inline
     for n in (1, 3, 16):
         ps = prompts(n, seed=n)
         ref_tokens, ref_logits = greedy(plain, ps, 12)
@@ -53,3 +62,21 @@ def test_graphs_with_prefetches_replay_the_same_logits():
     for me in (plain, warmed):
         me.check_integrity()
         me.close()
+
+
+def test_the_decode_kernel_asks_for_ranges_and_gives_the_same_output():
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    md, cache = decode_step([1000, 37, 4000], 8, 128, gen)
+    kernel = triton_ops.TritonDecodeKernel(32, 8, 128, BLOCK, torch.device("cuda"))
+    assert kernel.takes_prefetch
+    q = torch.randn(3, 32, 128, device="cuda", generator=gen).bfloat16()
+    spec = LayerAttention(scale=128**-0.5)
+    tables, lens = md.block_tables, md.seq_lens.view(-1, 1)
+    weights = torch.randn(48 << 20, device="cuda", dtype=torch.bfloat16)  # 96 MiB
+    plain = kernel(q, cache, tables, lens, spec)
+    for ranges in (
+        ((weights.data_ptr(), 32 << 20), (weights.data_ptr() + (64 << 20), 16 << 20)),
+        ((weights.data_ptr(), 96 << 20), (0, 0)),  # more than 16 KiB a thread
+    ):
+        assert torch.equal(kernel(q, cache, tables, lens, spec, prefetch=ranges), plain)
+    torch.cuda.synchronize()

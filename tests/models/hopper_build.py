@@ -26,6 +26,7 @@ DECODE_TYPES = {
     "slots_ptr": "*i64",
     "scale": "fp32",
     "softcap": "fp32",
+    **dict.fromkeys(("pa0", "pa1"), "i64"),
 }
 ROPE_TYPES = {
     **dict.fromkeys(("q_ptr", "k_ptr", "v_ptr", "qo_ptr", "cache_ptr"), "*bf16"),
@@ -45,7 +46,8 @@ def decode_builds():
     """The decode builds a model can ask for: with and without the rope, split and not, windows
     and soft caps, for Llama-3.1-8B's head shape; with and without the rope, split and not, for
     Gemma 3's (head_dim 256, windows and soft caps) and a group of one. The split builds are
-    the programmatic dependent launch's (PDL), the others not."""
+    the programmatic dependent launch's (PDL), the others not; the rope builds ask the L2 for
+    the next weights (PREFETCH), the others not."""
     _, decode = triton_ops._build_kernels(False)
     for (hq, hkv), dim, extras in (((32, 8), 128, (True, False)), ((4, 1), 256, (True,)),
                                     ((8, 8), 64, (False,))):  # fmt: skip
@@ -57,11 +59,15 @@ def decode_builds():
                 HKV=hkv, G=k.group, BLOCK_G=k.block_g, D=dim, PAGE=16, BLOCK_N=k.block_n,
                 SOFTCAP=softcap, WINDOW=window, DOT_F32=False, MAX_SPLITS=triton_ops.MAX_SPLITS,
                 G_P2=g_p2, MERGE_D=min(dim, max(16, 8192 // (triton_ops.MAX_SPLITS * g_p2))),
-                ROPE=rope, SPLIT=split, PDL=split,
+                ROPE=rope, SPLIT=split, PDL=split, PREFETCH=rope,
+                PF_BLOCK=triton_ops.PF_BLOCK,
             )  # fmt: skip
             name = f"decode {hq}/{hkv}x{dim} {rope=} {split=} {window=} {softcap=}"
-            b = compile_for_hopper(decode, DECODE_TYPES, const, num_warps=4, num_stages=3)
-            assert ("griddepcontrol.wait" in b.asm["ptx"]) is split, name
+            warps = triton_ops.PF_BLOCK // 32
+            b = compile_for_hopper(decode, DECODE_TYPES, const, num_warps=warps, num_stages=3)
+            ptx = b.asm["ptx"]
+            assert ("griddepcontrol.wait" in ptx) is split, name
+            assert ("cp.async.bulk.prefetch.L2.global" in ptx) is rope, name
             yield name, b
 
 

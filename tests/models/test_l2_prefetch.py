@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.attention.base import AttentionMetadata, ForwardContext, SeqChunk
+from models.attention import triton_ops
+from models.attention.base import AttentionMetadata, ForwardContext, LayerAttention, SeqChunk
 from models.attention.torch_paged import TorchPagedAttention
 from models.config import ModelConfig
 from models.layers import l2_prefetch
@@ -87,16 +88,34 @@ def test_gemma_layers_are_planned_too():
 
 
 class Recorder:
-    """Where a forward issues its points (the instruction itself needs a Hopper GPU)."""
+    """Where a forward issues its points (the instruction itself needs a Hopper GPU); inline:
+    the attention points are offered to a backend that takes them."""
 
-    def __init__(self):
-        self.calls = []
+    def __init__(self, inline=False):
+        self.calls, self.inline = [], inline
 
     def issue(self, module):
         self.calls.append(module)
 
+    def pair(self, module):
+        return ((id(module), 16), (0, 0))
+
     def join(self):
         self.calls.append("join")
+
+
+class TakingAttention(TorchPagedAttention):
+    """The reference attention, taking the ranges a kernel would ask of the L2 (recorded)."""
+
+    takes_prefetch = True
+
+    def __init__(self, *a):
+        super().__init__(*a)
+        self.taken = []
+
+    def forward(self, layer_idx, q, k, v, spec, prefetch=None):
+        self.taken.append(prefetch)
+        return super().forward(layer_idx, q, k, v, spec)
 
 
 @torch.no_grad()
@@ -107,11 +126,22 @@ def test_a_forward_issues_each_point_in_order_and_joins_once_at_its_end():
     ids = torch.tensor([5, 17, 200, 3, 99])
     md = AttentionMetadata.build([SeqChunk(0, 5, [1, 2])], bs, torch.device("cpu"))
     plain = lm.model(ids, torch.arange(5), ForwardContext(attn=TorchPagedAttention(caches, md)))
-    rec = Recorder()
-    ctx = ForwardContext(attn=TorchPagedAttention(caches, md), prefetcher=rec)
-    hidden = lm.model(ids, torch.arange(5), ctx)
     layers = lm.model.model.layers
-    assert rec.calls == [m for la in layers for m in (la, la.self_attn, la.mlp)] + ["join"]
+    every = [m for la in layers for m in (la, la.self_attn, la.mlp)] + ["join"]
+    # on the side stream, whatever the backend, or inline where the backend takes them
+    for inline, attn in (
+        (False, TorchPagedAttention(caches, md)),
+        (True, TorchPagedAttention(caches, md)),
+        (False, TakingAttention(caches, md)),
+    ):
+        rec = Recorder(inline)
+        hidden = lm.model(ids, torch.arange(5), ForwardContext(attn=attn, prefetcher=rec))
+        assert rec.calls == every
+        torch.testing.assert_close(hidden, plain, rtol=0, atol=0)
+    rec, attn = Recorder(inline=True), TakingAttention(caches, md)
+    hidden = lm.model(ids, torch.arange(5), ForwardContext(attn=attn, prefetcher=rec))
+    assert rec.calls == [m for la in layers for m in (la, la.mlp)] + ["join"]
+    assert attn.taken == [rec.pair(la.self_attn) for la in layers]
     torch.testing.assert_close(hidden, plain, rtol=0, atol=0)
 
 
@@ -120,3 +150,24 @@ def test_no_prefetcher_off_a_hopper_gpu():
     cpu = torch.device("cpu")
     assert load_prefetcher(model, cpu, (1 << 20, 0, 0)) == (None, "not a CUDA device")
     assert l2_prefetch.BLOCK == 32  # one chunk a thread of the kernel's one warp
+
+
+@pytest.mark.parametrize("threads", [128, 1024, 3 * 128, 16 * 8 * 128])
+def test_the_decode_kernel_asks_for_every_byte_within_its_threads(threads):
+    for total in (0, 16, 32 << 20, 48 << 20, 300 << 20, 4096 * 16):
+        chunk = triton_ops.prefetch_chunk(total, threads)
+        assert chunk % 16 == 0 and chunk >= triton_ops.PF_CHUNK
+        for n0 in (0, total // 3 // 16 * 16, total):
+            n1 = total - n0
+            assert -(-n0 // chunk) + -(-n1 // chunk) <= threads, (total, n0)
+
+
+def test_the_decode_kernel_takes_no_prefetch_off_hopper():
+    kernel = triton_ops.TritonDecodeKernel(4, 2, 32, 4, torch.device("cpu"))
+    assert not kernel.takes_prefetch and not kernel.pdl
+    cache = torch.zeros(2, 2, 4, 2, 32)
+    q = torch.zeros(1, 4, 32)
+    tables, lens = torch.ones(1, 1, dtype=torch.int32), torch.ones(1, 1, dtype=torch.int32)
+    spec = LayerAttention(scale=1.0)
+    with pytest.raises(AssertionError, match="needs Hopper"):
+        kernel(q, cache, tables, lens, spec, prefetch=((1 << 40, 4096), (0, 0)))
