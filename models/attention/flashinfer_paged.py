@@ -387,6 +387,7 @@ class FlashInferBackend:
             self.kernels.triton_max_splits,
             self.kernels.triton_stages,
             self.kernels.triton_pdl,
+            self.kernels.l2_prefetch_inline and any(self.kernels.l2_prefetch_mib),
         )
         if why is not None:
             log.warning("decode attention through FlashInfer: the Triton kernel cannot run %s", why)

@@ -427,10 +427,11 @@ class TritonDecodeKernel:
         )  # fmt: skip
         return out
 
-    def self_check(self, specs, dtype: torch.dtype, rope: bool) -> None:
+    def self_check(self, specs, dtype: torch.dtype, rope: bool, prefetch: bool = False) -> None:
         """Builds and runs the kernel once for each kind of layer (and with the rope, when the
-        steps will hand it over) on a two-block cache of zeros: at model load, so a kernel that
-        cannot build or run here fails now, not in a step."""
+        steps will hand it over; asking the L2 for bytes, when they will) on a two-block cache
+        of zeros: at model load, so a kernel that cannot build or run here fails now, not in a
+        step."""
         dev = self.tickets.device
         hkv, dim = self.num_kv_heads, self.head_dim
         cache = torch.zeros(2, 2, self.block_size, hkv, dim, dtype=dtype, device=dev)
@@ -445,9 +446,12 @@ class TritonDecodeKernel:
             kv = torch.zeros(1, hkv, dim, dtype=dtype, device=dev)
             table = torch.zeros(1, dim, dtype=torch.float32, device=dev)
             new = (kv, kv, table, torch.full((1,), self.block_size + 1, device=dev))
+        extra = {}
+        if prefetch and self.takes_prefetch:
+            extra["prefetch"] = ((cache.data_ptr(), cache.numel() // 16 * 16), (0, 0))
         for spec in specs:
             for tables in (narrow, wide):
-                out = self(q, cache, tables, lens, spec, new)
+                out = self(q, cache, tables, lens, spec, new, **extra)
                 if not torch.isfinite(out).all():
                     raise RuntimeError(f"non-finite output on zeros for {spec}")
 
@@ -463,9 +467,11 @@ def load_decode_kernel(
     max_splits: int = MAX_SPLITS,
     stages: int = 3,
     pdl: bool = False,
+    prefetch: bool = False,
 ) -> tuple[TritonDecodeKernel | None, str | None]:
     """The decode kernel for a model, built and checked on `device` (`self_check`), or None and
-    why it cannot run there. heads: (query heads, KV heads)."""
+    why it cannot run there. heads: (query heads, KV heads); prefetch: its steps will hand it
+    byte ranges to ask of the L2 (checked too, on Hopper)."""
     if not triton_runs_on(device):
         return None, "Triton does not run here"
     if heads[0] % heads[1]:
@@ -476,7 +482,7 @@ def load_decode_kernel(
         kernel = TritonDecodeKernel(
             heads[0], heads[1], head_dim, block_size, device, max_splits, stages, pdl
         )
-        kernel.self_check(specs, dtype, rope)
+        kernel.self_check(specs, dtype, rope, prefetch)
     except Exception as e:  # noqa: BLE001 (a kernel that does not build here: fall back)
         return None, f"its kernel failed ({type(e).__name__}: {str(e)[:200]})"
     return kernel, None
