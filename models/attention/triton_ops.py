@@ -101,6 +101,28 @@ def _build_kernels(interpret: bool):
             tl.store(at + sc_kv + d, v1.to(ty), mask=dm)
             tl.store(at + sc_kv + HALF + d, v2.to(ty), mask=dm)
 
+    @triton.jit
+    def ask_l2(pid, nprog, pa0, pn0, pa1, pn1, pchunk, PF_BLOCK: tl.constexpr):
+        # program pid of nprog asks the L2 for its chunks of two byte ranges (16-byte aligned,
+        # multiples of 16) cut into pchunk-byte chunks, range 0's first: chunk c is thread
+        # c // nprog's of program c % nprog, so a few chunks spread over every program (and SM)
+        c = (tl.arange(0, PF_BLOCK) * nprog + pid).to(tl.int64)
+        c0 = tl.cdiv(pn0, pchunk)
+        first = c < c0
+        off = tl.where(first, c, c - c0) * pchunk
+        n = tl.where(first, pn0, pn1).to(tl.int64)
+        addr = tl.where(first, pa0, pa1).to(tl.int64) + off
+        size = tl.minimum(tl.maximum(n - off, 0), pchunk).to(tl.int32)
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.s32 p, $2, 0; "
+            "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+            "=r,l,r",
+            [addr, size],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )
+
     # nsplit is a run-time value, SPLIT only whether it is above 1: two builds serve every
     # batch size (a build per value made a model's first load 7 s longer; one build for both
     # kinds, the merge's code in the unsplit kernel too, made batch 64 5% slower)
@@ -122,26 +144,9 @@ def _build_kernels(interpret: bool):
         b = tl.program_id(0)
         hk = tl.program_id(1)
         s = tl.program_id(2)
-        if PREFETCH:
-            # the next GEMM's weights asked of the L2 while this kernel leaves HBM idle: two
-            # byte ranges cut into pchunk-byte chunks, one a thread (the chunking of
-            # models.layers.l2_prefetch's kernel)
-            pf_c = (((b * HKV + hk) * nsplit + s) * PF_BLOCK + tl.arange(0, PF_BLOCK)).to(tl.int64)
-            pf_c0 = tl.cdiv(pn0, pchunk)
-            pf_first = pf_c < pf_c0
-            pf_off = tl.where(pf_first, pf_c, pf_c - pf_c0) * pchunk
-            pf_n = tl.where(pf_first, pn0, pn1).to(tl.int64)
-            pf_addr = tl.where(pf_first, pa0, pa1).to(tl.int64) + pf_off
-            pf_size = tl.minimum(tl.maximum(pf_n - pf_off, 0), pchunk).to(tl.int32)
-            tl.inline_asm_elementwise(
-                "{ .reg .pred p; setp.ne.s32 p, $2, 0; "
-                "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-                "=r,l,r",
-                [pf_addr, pf_size],
-                dtype=tl.int32,
-                is_pure=False,
-                pack=1,
-            )
+        if PREFETCH:  # the next GEMM's weights asked of the L2 while HBM idles
+            nprog = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
+            ask_l2((b * HKV + hk) * nsplit + s, nprog, pa0, pn0, pa1, pn1, pchunk, PF_BLOCK)
         g = tl.arange(0, BLOCK_G)
         gm = g < G
         d = tl.arange(0, D)
@@ -280,7 +285,7 @@ def _build_kernels(interpret: bool):
                         tl.store(o_at, o.to(out_ptr.dtype.element_ty), mask=(r < G)[:, None])
                     tl.atomic_xchg(ticket_ptr + b * HKV + hk, 0)
 
-    return rope_write_kernel, decode_kernel
+    return rope_write_kernel, decode_kernel, ask_l2
 
 
 def rope_write(
@@ -304,7 +309,7 @@ def rope_write(
     assert table.dtype == torch.float32 and table.stride(1) == 1 and cache.stride(4) == 1
     if t == 0:
         return q_out
-    kernel, _ = _kernels()
+    kernel = _kernels()[0]
     kernel[(t, hq + hkv)](
         q, k, v, q_out, table, slots, cache,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -406,7 +411,7 @@ class TritonDecodeKernel:
         if prefetch is not None:
             assert self.takes_prefetch, "the bulk L2 prefetch needs Hopper"
         pchunk = prefetch_chunk(pn0 + pn1, b * self.num_kv_heads * nsplit * PF_BLOCK)
-        _, kernel = _kernels()
+        kernel = _kernels()[1]
         kernel[(b, self.num_kv_heads, nsplit)](
             q, cache, tables, seq_lens, out, part_o, part_ml, self.tickets, k, v, table, slots,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), tables.stride(0),

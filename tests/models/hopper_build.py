@@ -48,7 +48,7 @@ def decode_builds():
     Gemma 3's (head_dim 256, windows and soft caps) and a group of one. The split builds are
     the programmatic dependent launch's (PDL), the others not; the rope builds ask the L2 for
     the next weights (PREFETCH), the others not."""
-    _, decode = triton_ops._build_kernels(False)
+    decode = triton_ops._build_kernels(False)[1]
     for (hq, hkv), dim, extras in (((32, 8), 128, (True, False)), ((4, 1), 256, (True,)),
                                     ((8, 8), 64, (False,))):  # fmt: skip
         k = triton_ops.TritonDecodeKernel(hq, hkv, dim, 16, torch.device("cpu"))
@@ -78,7 +78,7 @@ def main() -> None:
         assert b.asm["cubin"], name
         print(name)
         built += 1
-    rope_write, _ = triton_ops._build_kernels(False)
+    rope_write = triton_ops._build_kernels(False)[0]
     for half in (64, 128):
         const = dict(HQ=32, HALF=half, HALF_P2=half, PAGE=16)
         assert compile_for_hopper(rope_write, ROPE_TYPES, const).asm["cubin"]
