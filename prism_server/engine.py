@@ -78,6 +78,7 @@ class Engine:
             *envs.triton_decode(),
             envs.l2_prefetch_mib(),
             envs.l2_prefetch_inline(),
+            envs.triton_step_ops(),
         )
         # one page pool and one engine thread per device: each GPU of devices (cuda:0 ..), or
         # several emulated CPU devices (each its own pool and thread), for the multi-device

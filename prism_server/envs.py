@@ -111,6 +111,14 @@ def l2_prefetch_inline() -> bool:
     return os.environ.get("PRISM_L2_PREFETCH_INLINE", "0") not in ("0", "false", "no", "")
 
 
+def triton_step_ops() -> bool:
+    """Decode graphs of at most 16 sequences run the residual add + RMSNorm and SiLU * up
+    through Prism's Triton kernels, not FlashInfer's (PRISM_TRITON_STEP_OPS, default 0); with
+    PRISM_TRITON_PDL they start while the GEMM before them finishes, and with
+    PRISM_L2_PREFETCH_INLINE they ask the L2 for the next weights themselves."""
+    return os.environ.get("PRISM_TRITON_STEP_OPS", "0") not in ("0", "false", "no", "")
+
+
 def ragged_prefill() -> bool:
     """Steps of fresh prompts attend over their own K/V tensors, not the paged cache
     (PRISM_RAGGED_PREFILL, default 1)."""

@@ -34,6 +34,7 @@ from models.attention.torch_paged import TorchPagedAttention
 from models.attention.upload import host_ints, upload
 from models.attention.xqa_decode import XQA_WORKSPACE_BYTES
 from models.layers.l2_prefetch import load_prefetcher
+from models.layers.triton_step_ops import load_step_ops
 from models.tensor_parallel import collective_order
 from prism_server.cuda_graph_runner import DEFAULT_BATCH_SIZES, CudaGraphRunner
 from prism_server.piecewise_graphs import (
@@ -182,6 +183,18 @@ def _prefetcher(model, device: torch.device, resources: DeviceResources | None):
     return prefetcher
 
 
+def _step_ops(device: torch.device, resources: DeviceResources | None):
+    """Triton's kernels for the norms and activation of small decode graphs, where the kernels
+    choose them and they run here (else None, and why in the log)."""
+    if resources is None or not resources.kernels.triton_step_ops:
+        return None
+    k = resources.kernels
+    ops, why = load_step_ops(device, k.triton_pdl, k.l2_prefetch_inline and any(k.l2_prefetch_mib))
+    if ops is None:
+        log.warning("%s: decode graphs keep FlashInfer's norms and activation: %s", device, why)
+    return ops
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -224,6 +237,7 @@ class ModelRunner:
                 pool=resources.graph_pool() if resources is not None else None,
                 stream=resources.capture_stream() if resources is not None else None,
                 prefetcher=_prefetcher(model, device, resources),
+                step_ops=_step_ops(device, resources),
             )
             self.graphs.capture()
         self.pieces: PiecewiseGraphs | None = None

@@ -18,6 +18,7 @@ from models.attention.upload import host_ints, upload
 
 if TYPE_CHECKING:
     from models.layers.rotary_embedding import Rope
+    from models.layers.triton_step_ops import StepOps
 
 
 @dataclass(frozen=True)
@@ -179,11 +180,25 @@ class ForwardContext:
     reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
     # weights asked into the L2 during the step's idle windows (models.layers.l2_prefetch)
     prefetcher: Prefetcher | None = None
+    # Triton's kernels for the norms and activation of a small decode step, in place of
+    # FlashInfer's (models.layers.triton_step_ops.StepOps)
+    step_ops: StepOps | None = None
 
-    def prefetch(self, module: torch.nn.Module) -> None:
-        """The prefetches planned at module's point of the forward, if any."""
-        if self.prefetcher is not None:
-            self.prefetcher.issue(module)
+    def prefetch(
+        self, module: torch.nn.Module | None, rider: bool = False
+    ) -> tuple[tuple[int, int], tuple[int, int]] | None:
+        """The prefetches planned at module's point of the forward, if any: issued on the
+        prefetches' stream, or, when rider (the caller's next kernel can ask for them itself)
+        and the prefetcher is inline, returned for that kernel as one pair of ranges."""
+        p = self.prefetcher
+        if p is None or module is None:
+            return None
+        if rider and p.inline:
+            pair = p.pair(module)
+            if pair is not None:
+                return pair
+        p.issue(module)
+        return None
 
     def join_prefetches(self) -> None:
         """The end of the forward: the step's stream takes the prefetches' stream back."""
@@ -216,15 +231,8 @@ class ForwardContext:
         warm: the module whose prefetches (`prefetch`) belong with this attention: asked by the
         attention kernel itself where the prefetcher is inline and the backend can
         (`takes_prefetch`), else issued on the prefetches' stream."""
-        extra = {}
-        if warm is not None and self.prefetcher is not None:
-            pair = None
-            if self.prefetcher.inline and getattr(self.attn, "takes_prefetch", False):
-                pair = self.prefetcher.pair(warm)
-            if pair is None:
-                self.prefetcher.issue(warm)
-            else:
-                extra["prefetch"] = pair
+        pair = self.prefetch(warm, rider=getattr(self.attn, "takes_prefetch", False))
+        extra = {} if pair is None else {"prefetch": pair}
         if rope is not None:
             if fused_kernels and getattr(self.attn, "takes_rope", False):
                 return self.attn.forward(layer_idx, q, k, v, spec, rope=rope, **extra)

@@ -110,6 +110,9 @@ class KernelChoice:
     l2_prefetch_mib: tuple[int, int, int] = (0, 0, 0)
     # the attention window's prefetch asked by the Triton decode kernel itself (no side stream)
     l2_prefetch_inline: bool = False
+    # decode graphs of at most 16 sequences run their norms and activation through Triton's
+    # kernels (models.layers.triton_step_ops), as dependent launches with triton_pdl
+    triton_step_ops: bool = False
 
     def __post_init__(self):
         if self.prefill_backend not in PREFILL_BACKENDS:

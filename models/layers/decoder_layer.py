@@ -37,11 +37,12 @@ class DecoderLayer(nn.Module):
         """x: the previous layer's output (the embeddings for the first layer, residual None),
         residual: the stream before it, each [T, hidden] -> (this layer's output, the stream
         before it); the stream after this layer is their sum."""
-        ctx.prefetch(self)  # qkv's weights into the L2 while the norm runs
+        # qkv's weights asked of the L2 while the norm runs (ctx.prefetch)
         if residual is None:
+            ctx.prefetch(self)
             h, residual = self.input_layernorm(x), x
         else:
-            h, residual = self.input_layernorm.add(x, residual)
+            h, residual = self.input_layernorm.add(x, residual, ctx, warm=self)
         h = ctx.all_reduce(self.self_attn(h, rope, ctx))
-        h, residual = self.post_attention_layernorm.add(h, residual)
+        h, residual = self.post_attention_layernorm.add(h, residual, ctx)
         return ctx.all_reduce(self.mlp(h, ctx)), residual

@@ -28,8 +28,12 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
         # x: [T, hidden] -> [T, hidden]
         gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
+        # down's weights asked of the L2 while the activation runs (ctx.prefetch)
+        ops = ctx.step_ops if ctx is not None else None
+        if ops is not None and self.act == "silu" and gate_up.dtype != torch.float32:
+            return self.down_proj(ops.silu_mul(gate_up, ctx.prefetch(self, ops.takes_prefetch)))
         if ctx is not None:
-            ctx.prefetch(self)  # down's weights into the L2 while the activation runs
+            ctx.prefetch(self)
         fi = fused(gate_up) if self.fused_kernels else None
         if fi is not None:
             return self.down_proj(act_and_mul(fi, gate_up, self.act))

@@ -40,18 +40,35 @@ def test_the_prefetcher_builds_and_runs_over_every_point():
     assert torch.equal(big, before)
 
 
-@pytest.mark.parametrize("inline", [False, True], ids=["side-stream", "inline"])
-def test_graphs_with_prefetches_replay_the_same_logits(inline):
-    """inline: the attention window's prefetch asked by the Triton decode kernel (batches up to
-    16 run it), the others on the side stream."""
+WARMED = {  # name -> (the kernels of the reference engine, the same with the prefetches)
+    "side-stream": (KernelChoice(), KernelChoice(l2_prefetch_mib=(1, 1, 1))),
+    # the attention window's asked by the Triton decode kernel (batches up to 16 run it)
+    "inline": (KernelChoice(), KernelChoice(l2_prefetch_mib=(1, 1, 1), l2_prefetch_inline=True)),
+    # every window's asked by a Triton kernel (the norms and activation too), each launched
+    # while the GEMM before it finishes
+    "step-ops-pdl": (
+        KernelChoice(triton_step_ops=True),
+        KernelChoice(
+            triton_step_ops=True,
+            triton_pdl=True,
+            l2_prefetch_mib=(1, 1, 1),
+            l2_prefetch_inline=True,
+        ),
+    ),  # fmt: skip
+}
+
+
+@pytest.mark.parametrize("name", list(WARMED))
+def test_graphs_with_prefetches_replay_the_same_logits(name):
     cfg, cpu_model = tiny_model(num_attention_heads=8)
     model = on_gpu(cpu_model)
     pool = cuda_pool(pages=8)
-    plain = model_engine("plain", cfg, model, pool, kernels=KernelChoice())
-    warm = KernelChoice(l2_prefetch_mib=(1, 1, 1), l2_prefetch_inline=inline)
+    ref, warm = WARMED[name]
+    plain = model_engine("plain", cfg, model, pool, kernels=ref)
     warmed = model_engine("warmed", cfg, model, pool, kernels=warm)
     assert warmed.runner.graphs.prefetcher is not None and plain.runner.graphs.prefetcher is None
-    assert warmed.runner.graphs.prefetcher.inline is inline
+    assert warmed.runner.graphs.prefetcher.inline is warm.l2_prefetch_inline
+    assert (warmed.runner.graphs.step_ops is not None) is warm.triton_step_ops
     for n in (1, 3, 16):
         ps = prompts(n, seed=n)
         ref_tokens, ref_logits = greedy(plain, ps, 12)
@@ -80,3 +97,29 @@ def test_the_decode_kernel_asks_for_ranges_and_gives_the_same_output():
     ):
         assert torch.equal(kernel(q, cache, tables, lens, spec, prefetch=ranges), plain)
     torch.cuda.synchronize()
+
+
+def test_the_step_ops_are_flashinfers_kernels():
+    """Triton's add + RMSNorm and SiLU * up against FlashInfer's, at the 8B's widths, with
+    PDL and an L2 prefetch riding along."""
+    import flashinfer
+
+    from models.layers import triton_step_ops
+
+    step_ops, why = triton_step_ops.load_step_ops(torch.device("cuda"), pdl=True, prefetch=True)
+    assert step_ops is not None and step_ops.pdl and step_ops.takes_prefetch, why
+    g = torch.Generator(device="cuda").manual_seed(0)
+    weights = torch.randn(8 << 20, device="cuda", dtype=torch.bfloat16)
+    pair = ((weights.data_ptr(), 12 << 20), (weights.data_ptr() + (12 << 20), 4 << 20))
+    for rows in (1, 16):
+        x = torch.randn(rows, 4096, device="cuda", generator=g).bfloat16()
+        r = torch.randn(rows, 4096, device="cuda", generator=g).bfloat16()
+        w = torch.randn(4096, device="cuda", generator=g).bfloat16()
+        fx, fr = x.clone(), r.clone()
+        flashinfer.norm.fused_add_rmsnorm(fx, fr, w, 1e-5)
+        step_ops.add_rmsnorm(x, r, w, 1e-5, pair)
+        assert torch.equal(r, fr)
+        torch.testing.assert_close(x, fx, rtol=2**-7, atol=1e-3)  # fp32 sums in another order
+        gu = torch.randn(rows, 2 * 14336, device="cuda", generator=g).bfloat16()
+        want = flashinfer.activation.silu_and_mul(gu)
+        torch.testing.assert_close(step_ops.silu_mul(gu, pair), want, rtol=2**-7, atol=1e-3)

@@ -16,7 +16,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from models.attention import triton_ops
-from models.layers import l2_prefetch
+from models.layers import l2_prefetch, triton_step_ops
 
 HOPPER = GPUTarget("cuda", 90, 32)
 DECODE_TYPES = {
@@ -84,6 +84,20 @@ def main() -> None:
         assert compile_for_hopper(rope_write, ROPE_TYPES, const).asm["cubin"]
         print(f"rope_write half={half}")
         built += 1
+    add_rmsnorm, silu_mul = triton_step_ops._build(False)
+    step_types = {**dict.fromkeys(("x_ptr", "r_ptr", "w_ptr", "gu_ptr", "o_ptr"), "*bf16"),
+                  "eps": "fp32", "pa0": "i64", "pa1": "i64"}  # fmt: skip
+    for pdl, prefetch in itertools.product((True, False), repeat=2):
+        pf = dict(PDL=pdl, PREFETCH=prefetch, PF_BLOCK=128, PF_CHUNK=triton_ops.PF_CHUNK)
+        for name, fn, const in (
+            ("add_rmsnorm", add_rmsnorm, dict(D=4096, BLOCK_D=4096, **pf)),
+            ("silu_mul", silu_mul, dict(D=14336, BLOCK=1024, NBLK=14, **pf)),
+        ):
+            ptx = compile_for_hopper(fn, step_types, const, num_warps=4).asm["ptx"]
+            assert ("griddepcontrol.wait" in ptx) is pdl, (name, pdl)
+            assert ("cp.async.bulk.prefetch.L2.global" in ptx) is prefetch, (name, prefetch)
+            print(f"{name} {pdl=} {prefetch=}")
+            built += 1
     # the prefetch has no result anyone reads: the build must keep it (and ptxas take it)
     const = dict(CHUNK=l2_prefetch.CHUNK, BLOCK=l2_prefetch.BLOCK, PREFETCH=True)
     b = compile_for_hopper(l2_prefetch._build(False), PREFETCH_TYPES, const, num_warps=1)

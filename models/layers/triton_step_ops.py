@@ -1,0 +1,196 @@
+"""Triton kernels for the small elementwise ops of a small decode step, in place of FlashInfer's:
+the residual add + RMSNorm, and SiLU(gate) * up. At batch 1 each is a few microseconds of
+latency between two GEMMs; these can also
+
+- start while the GEMM before them finishes (`pdl`: a programmatic dependent launch, Hopper):
+  what the GEMM does not write (the norm's weight, the residual stream) is read first, then the
+  kernel waits for the GEMM (`gdc_wait`) before reading its output;
+- ask the L2 for the next GEMM's weights as their programs start (`prefetch`: two byte ranges,
+  as models.layers.l2_prefetch plans them; programs beyond the op's own ride along to spread
+  the asks over the GPU).
+
+Numerics as FlashInfer's kernels: the add and the sum of squares in fp32, the normalized row
+scaled by the weight in fp32, then one cast; SiLU as x / (1 + exp(-x)) in fp32. Both run under
+Triton's interpreter too (the CPU tests), without `pdl` and `prefetch`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from models.attention.triton_ops import PF_CHUNK, _build_kernels, _pow2, interpreting
+
+ASKS_PER_PROGRAM = 32  # at most this many L2 prefetches a program (riders spread the rest)
+
+
+@functools.cache
+def _build(interpret: bool):
+    # NOTE: Triton decides at decoration whether a kernel is interpreted, hence one build each
+    import triton
+    import triton.language as tl
+
+    ask_l2 = _build_kernels(interpret)[2]
+
+    @triton.jit(do_not_specialize=["rows", "pa0", "pn0", "pa1", "pn1"])
+    def add_rmsnorm_kernel(
+        x_ptr, r_ptr, w_ptr, sx, sr, rows, eps, pa0, pn0, pa1, pn1,
+        D: tl.constexpr, BLOCK_D: tl.constexpr,
+        PDL: tl.constexpr, PREFETCH: tl.constexpr, PF_BLOCK: tl.constexpr, PF_CHUNK: tl.constexpr,
+    ):  # fmt: skip
+        # program i < rows: residual[i] += x[i]; x[i] = rmsnorm(residual[i]) * w, in place
+        pid = tl.program_id(0)
+        if PREFETCH:
+            ask_l2(pid, tl.num_programs(0), pa0, pn0, pa1, pn1, PF_CHUNK, PF_BLOCK)
+        if pid < rows:
+            d = tl.arange(0, BLOCK_D)
+            m = d < D
+            w = tl.load(w_ptr + d, mask=m, other=0.0).to(tl.float32)
+            r = tl.load(r_ptr + pid * sr + d, mask=m, other=0.0).to(tl.float32)
+            if PDL:  # x is the output of the GEMM this kernel may start beside
+                tl.extra.cuda.gdc_wait()
+            x = tl.load(x_ptr + pid * sx + d, mask=m, other=0.0).to(tl.float32)
+            s = x + r
+            tl.store(r_ptr + pid * sr + d, s.to(r_ptr.dtype.element_ty), mask=m)
+            inv = 1.0 / tl.sqrt(tl.sum(s * s, 0) / D + eps)
+            tl.store(x_ptr + pid * sx + d, (s * inv * w).to(x_ptr.dtype.element_ty), mask=m)
+
+    @triton.jit(do_not_specialize=["work", "pa0", "pn0", "pa1", "pn1"])
+    def silu_mul_kernel(
+        gu_ptr, o_ptr, sg, so, work, pa0, pn0, pa1, pn1,
+        D: tl.constexpr, BLOCK: tl.constexpr, NBLK: tl.constexpr,
+        PDL: tl.constexpr, PREFETCH: tl.constexpr, PF_BLOCK: tl.constexpr, PF_CHUNK: tl.constexpr,
+    ):  # fmt: skip
+        # program i < work: columns (i % NBLK) * BLOCK .. of row i // NBLK of silu(gate) * up
+        pid = tl.program_id(0)
+        if PREFETCH:
+            ask_l2(pid, tl.num_programs(0), pa0, pn0, pa1, pn1, PF_CHUNK, PF_BLOCK)
+        if pid < work:
+            row = pid // NBLK
+            j = (pid % NBLK) * BLOCK + tl.arange(0, BLOCK)
+            m = j < D
+            if PDL:  # gate_up is the output of the GEMM this kernel may start beside
+                tl.extra.cuda.gdc_wait()
+            g = tl.load(gu_ptr + row * sg + j, mask=m, other=0.0).to(tl.float32)
+            u = tl.load(gu_ptr + row * sg + D + j, mask=m, other=0.0).to(tl.float32)
+            y = g / (1.0 + tl.exp(-g)) * u
+            tl.store(o_ptr + row * so + j, y.to(o_ptr.dtype.element_ty), mask=m)
+
+    return add_rmsnorm_kernel, silu_mul_kernel
+
+
+Pair = tuple[tuple[int, int], tuple[int, int]]  # two (address, bytes) ranges
+
+
+def _grid(work: int, prefetch: Pair | None) -> tuple[int, int, int, int, int]:
+    """Programs for `work` programs of the op and the asks of `prefetch` (riders beyond the
+    op's own, so that no program asks for more than ASKS_PER_PROGRAM chunks), and the ranges
+    as kernel arguments."""
+    (a0, n0), (a1, n1) = prefetch or ((0, 0), (0, 0))
+    asks = -(-n0 // PF_CHUNK) + -(-n1 // PF_CHUNK)
+    return max(work, -(-asks // ASKS_PER_PROGRAM)), a0, n0, a1, n1
+
+
+def _options(warps: int, pdl: bool, prefetch: Pair | None) -> dict:
+    opts = dict(PDL=pdl, PREFETCH=prefetch is not None, PF_BLOCK=32 * warps, PF_CHUNK=PF_CHUNK)
+    return {**opts, "num_warps": warps, **({"launch_pdl": True} if pdl else {})}
+
+
+def add_rmsnorm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    prefetch: Pair | None = None,
+    pdl: bool = False,
+) -> None:
+    """residual += x, then x = rmsnorm(residual) * weight, both in place (FlashInfer's
+    fused_add_rmsnorm); x, residual: [T, D], last dim contiguous."""
+    rows, dim = x.shape
+    assert x.stride(1) == residual.stride(1) == 1 and weight.is_contiguous()
+    warps = 8 if dim > 4096 else 4
+    n, a0, n0, a1, n1 = _grid(rows, prefetch)
+    _build(interpreting())[0][(n,)](
+        x, residual, weight, x.stride(0), residual.stride(0), rows, eps, a0, n0, a1, n1,
+        D=dim, BLOCK_D=_pow2(dim), **_options(warps, pdl, prefetch),
+    )  # fmt: skip
+
+
+SILU_BLOCK = 1024  # columns a program of silu_mul
+
+
+def silu_mul(gate_up: torch.Tensor, prefetch: Pair | None = None, pdl: bool = False):
+    """gate_up: [T, 2 * D] (gate, then up; last dim contiguous) -> silu(gate) * up, [T, D]
+    (FlashInfer's silu_and_mul)."""
+    rows, two_d = gate_up.shape
+    dim = two_d // 2
+    assert gate_up.stride(1) == 1
+    out = torch.empty(rows, dim, dtype=gate_up.dtype, device=gate_up.device)
+    nblk = -(-dim // SILU_BLOCK)
+    n, a0, n0, a1, n1 = _grid(rows * nblk, prefetch)
+    _build(interpreting())[1][(n,)](
+        gate_up, out, gate_up.stride(0), out.stride(0), rows * nblk, a0, n0, a1, n1,
+        D=dim, BLOCK=SILU_BLOCK, NBLK=nblk, **_options(4, pdl, prefetch),
+    )  # fmt: skip
+    return out
+
+
+class StepOps:
+    """A small decode step's norms and activation through these kernels (ForwardContext's
+    step_ops: decode graphs of few sequences). pdl: each a programmatic dependent launch;
+    prefetch: whether the kernels can ask the L2 for bytes (Hopper)."""
+
+    def __init__(self, pdl: bool = False, prefetch: bool = False):
+        self.pdl, self.takes_prefetch = pdl, prefetch
+
+    @staticmethod
+    def fits_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, unit_offset: bool) -> bool:
+        """Whether add_rmsnorm computes this norm (Llama's, rows contiguous, a GPU's dtype)."""
+        return (
+            not unit_offset
+            and x.dim() == 2
+            and x.stride(1) == residual.stride(1) == 1
+            and x.dtype in (torch.bfloat16, torch.float16)
+        )
+
+    def add_rmsnorm(self, x, residual, weight, eps, prefetch: Pair | None = None):
+        add_rmsnorm(x, residual, weight, eps, prefetch, self.pdl)
+        return x, residual
+
+    def silu_mul(self, gate_up, prefetch: Pair | None = None):
+        return silu_mul(gate_up, prefetch, self.pdl)
+
+
+STEP_OPS_MAX_BATCH = 16  # decode graphs of at most this many sequences take them
+
+
+def load_step_ops(
+    device: torch.device, pdl: bool = False, prefetch: bool = False
+) -> tuple[StepOps | None, str | None]:
+    """The step kernels for `device`, built and checked there against the torch reference (a
+    row of each, with PDL and an L2 prefetch when asked and on Hopper), or None and why not."""
+    from models.attention.triton_ops import triton_runs_on
+
+    if not triton_runs_on(device):
+        return None, "Triton does not run here"
+    hopper = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+    ops = StepOps(pdl and hopper, prefetch and hopper)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    try:
+        g = torch.Generator(device=device).manual_seed(0)
+        x, r = (torch.randn(2, 4096, generator=g, device=device).to(dtype) for _ in range(2))
+        w = torch.randn(4096, generator=g, device=device).to(dtype)
+        pair = ((w.data_ptr(), 4096), (0, 0)) if ops.takes_prefetch else None
+        s = x.float() + r.float()
+        want = (s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-5) * w.float()).to(dtype)
+        got, _ = ops.add_rmsnorm(x.clone(), r.clone(), w, 1e-5, pair)
+        gu = torch.randn(2, 2 * 4096, generator=g, device=device).to(dtype)
+        act = torch.nn.functional.silu(gu[:, :4096].float()) * gu[:, 4096:].float()
+        checks = (("add_rmsnorm", got, want), ("silu_mul", ops.silu_mul(gu, pair), act))
+        for name, out, ref in checks:
+            if not torch.allclose(out.float(), ref.float(), rtol=2e-2, atol=2e-2):
+                raise RuntimeError(f"{name} differs from the reference")
+    except Exception as e:  # noqa: BLE001 (kernels that do not build or run here: go without)
+        return None, f"its kernels failed ({type(e).__name__}: {str(e)[:200]})"
+    return ops, None
