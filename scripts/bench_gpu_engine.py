@@ -13,6 +13,7 @@ beside the reference it is judged by, all measured in this run (DESIGN.md §7).
 
     python3 scripts/bench_gpu_engine.py [--json out.json] [--skip-hf] [--skip-append]
     PRISM_PREFILL_BACKEND=fa3 python3 scripts/bench_gpu_engine.py --speed-only   # a kernel choice
+    PRISM_TRITON_PDL=1 python3 scripts/bench_gpu_engine.py --speed-only --decode-only  # decode
 """
 
 from __future__ import annotations
@@ -145,12 +146,14 @@ def weight_bytes(engine: Engine) -> int:
 
 
 @section("prism decode and prefill")
-def prism_decode_prefill(engine: Engine, ceil: dict) -> dict:
+def prism_decode_prefill(engine: Engine, ceil: dict, prefill: bool = True) -> dict:
     run_batch(engine, [prompt(64, 0), prompt(64, 1)], 4)  # warm-up
     out: dict = {"weight_bytes": weight_bytes(engine)}
     for b, n in ((1, 128), (16, 64), (64, 64)):
         out[f"decode_b{b}"] = run_batch(engine, [prompt(1024, 100 + i) for i in range(b)], n)
         print(f"   decode B={b}: TPOT {out[f'decode_b{b}']['tpot_ms']:.2f} ms")
+    if not prefill:
+        return out
     cfg = engine.worker.models["m"].runner.model.config
     linear = out["weight_bytes"] // 2 - 2 * cfg.vocab_size * cfg.hidden_size  # no embed, lm_head
     for n in (1024, 8192):
@@ -618,6 +621,11 @@ def main() -> None:
         help="only decode TPOT and prefill, and where their time goes (a kernel choice measured "
         "beside the default)",
     )
+    ap.add_argument(
+        "--decode-only",
+        action="store_true",
+        help="with --speed-only: decode TPOT and where its time goes, no prefill",
+    )
     args = ap.parse_args()
 
     def save(key: str, value) -> None:  # after every section: a killed run keeps what it got
@@ -632,10 +640,11 @@ def main() -> None:
     save("load_s", time.perf_counter() - t)
     if vmm is not None:
         if args.speed_only:
-            save("prism", prism_decode_prefill(vmm, RESULTS["ceilings"]))
+            save("prism", prism_decode_prefill(vmm, RESULTS["ceilings"], not args.decode_only))
             save("profile", profile_decode(vmm))
             save("profile_b16", profile_decode(vmm, 16))
-            save("profile_long_prefill", profile_long_prefill(vmm))
+            if not args.decode_only:
+                save("profile_long_prefill", profile_long_prefill(vmm))
             vmm.close()
             return
         if not args.vmm_vs_plain_only:

@@ -26,6 +26,7 @@
 # All of it takes more than a
 # call's 10 minutes: PARTS picks some of "tests ab engine ttft concurrent prefetch kernels", e.g.
 #   PARTS="tests kernels" KERNELS=PRISM_DECODE_BACKEND=xqa bash scripts/gpu_check.sh --decode
+# KERNELS_ARGS adds arguments to each choice's engine benchmark (--decode-only: no prefill).
 # TESTS_K selects the tests (pytest -k; default "not fa3": fa3's first compile takes minutes a
 # variant, unless its kernels came in .fiaot; TESTS_K="" runs them all).
 set -uo pipefail
@@ -80,7 +81,7 @@ if [ "$quick" = "--decode" ]; then
   if part kernels; then
     for choice in ${KERNELS-PRISM_DECODE_BACKEND=flashinfer PRISM_DECODE_BACKEND=xqa PRISM_ROPE_WRITE=0 CUBLASLT_WORKSPACE_SIZE=1 PRISM_PREFILL_BACKEND=fa3}; do
       t0=$SECONDS
-      env ${choice//,/ } timeout 330 python3 scripts/bench_gpu_engine.py --speed-only \
+      env ${choice//,/ } timeout 330 python3 scripts/bench_gpu_engine.py --speed-only ${KERNELS_ARGS:-} \
         --json "$OUT/engine-${choice//[=,]/-}.json" 2>&1 \
         | grep -E "decode B=|B=1[6]?: step|prefill|tokens: wall" | sed "s/^/$choice: /"
       echo "$choice: $((SECONDS - t0)) s"
