@@ -56,6 +56,45 @@ def _kernels():
     return _build_kernels(interpreting())
 
 
+if _triton() is not None:
+    # Asking the L2 for bytes (Hopper's bulk prefetch), for the kernels that ask while HBM
+    # idles: here, the decode kernel; models.layers.l2_prefetch's side-stream kernel and
+    # triton_step_ops'. Decorated at import (Triton decides then whether a function is
+    # interpreted: one mode a process), unlike the kernels (one build each mode).
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def ask_l2(pid, nprog, a0, n0, a1, n1, chunk, out_ptr, LANES: tl.constexpr, DRY: tl.constexpr):
+        # program pid of nprog asks the L2 for its chunks of two byte ranges [a0, a0 + n0) and
+        # [a1, a1 + n1) (16-byte aligned, multiples of 16) cut into `chunk`-byte chunks, range
+        # 0's first: chunk c is lane c // nprog's of program c % nprog, so that a few chunks
+        # spread over every program (and SM). DRY: write the chunks to out_ptr ([c] = address,
+        # bytes) instead (the interpreter has no prefetch)
+        c = (tl.arange(0, LANES) * nprog + pid).to(tl.int64)
+        c0 = tl.cdiv(n0, chunk)
+        first = c < c0
+        off = tl.where(first, c, c - c0) * chunk
+        n = tl.where(first, n0, n1).to(tl.int64)
+        addr = tl.where(first, a0, a1).to(tl.int64) + off
+        size = tl.minimum(tl.maximum(n - off, 0), chunk).to(tl.int32)
+        if DRY:
+            tl.store(out_ptr + 2 * c, addr)
+            tl.store(out_ptr + 2 * c + 1, size.to(tl.int64))
+        else:
+            tl.inline_asm_elementwise(
+                "{ .reg .pred p; setp.ne.s32 p, $2, 0; "
+                "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+                "=r,l,r",
+                [addr, size],
+                dtype=tl.int32,
+                is_pure=False,
+                pack=1,
+            )
+else:
+    ask_l2 = None  # no Triton: no kernel here runs (triton_runs_on)
+
+
 @functools.cache
 def _build_kernels(interpret: bool):
     # NOTE: Triton decides at decoration whether a kernel is interpreted, hence one build each
@@ -101,28 +140,6 @@ def _build_kernels(interpret: bool):
             tl.store(at + sc_kv + d, v1.to(ty), mask=dm)
             tl.store(at + sc_kv + HALF + d, v2.to(ty), mask=dm)
 
-    @triton.jit
-    def ask_l2(pid, nprog, pa0, pn0, pa1, pn1, pchunk, PF_BLOCK: tl.constexpr):
-        # program pid of nprog asks the L2 for its chunks of two byte ranges (16-byte aligned,
-        # multiples of 16) cut into pchunk-byte chunks, range 0's first: chunk c is thread
-        # c // nprog's of program c % nprog, so a few chunks spread over every program (and SM)
-        c = (tl.arange(0, PF_BLOCK) * nprog + pid).to(tl.int64)
-        c0 = tl.cdiv(pn0, pchunk)
-        first = c < c0
-        off = tl.where(first, c, c - c0) * pchunk
-        n = tl.where(first, pn0, pn1).to(tl.int64)
-        addr = tl.where(first, pa0, pa1).to(tl.int64) + off
-        size = tl.minimum(tl.maximum(n - off, 0), pchunk).to(tl.int32)
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.s32 p, $2, 0; "
-            "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-            "=r,l,r",
-            [addr, size],
-            dtype=tl.int32,
-            is_pure=False,
-            pack=1,
-        )
-
     # nsplit is a run-time value, SPLIT only whether it is above 1: two builds serve every
     # batch size (a build per value made a model's first load 7 s longer; one build for both
     # kinds, the merge's code in the unsplit kernel too, made batch 64 5% slower)
@@ -146,7 +163,8 @@ def _build_kernels(interpret: bool):
         s = tl.program_id(2)
         if PREFETCH:  # the next GEMM's weights asked of the L2 while HBM idles
             nprog = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
-            ask_l2((b * HKV + hk) * nsplit + s, nprog, pa0, pn0, pa1, pn1, pchunk, PF_BLOCK)
+            pid = (b * HKV + hk) * nsplit + s
+            ask_l2(pid, nprog, pa0, pn0, pa1, pn1, pchunk, out_ptr, PF_BLOCK, False)
         g = tl.arange(0, BLOCK_G)
         gm = g < G
         d = tl.arange(0, D)
@@ -285,7 +303,7 @@ def _build_kernels(interpret: bool):
                         tl.store(o_at, o.to(out_ptr.dtype.element_ty), mask=(r < G)[:, None])
                     tl.atomic_xchg(ticket_ptr + b * HKV + hk, 0)
 
-    return rope_write_kernel, decode_kernel, ask_l2
+    return rope_write_kernel, decode_kernel
 
 
 def rope_write(

@@ -26,7 +26,7 @@ import functools
 import torch
 from torch import nn
 
-from models.attention.triton_ops import interpreting
+from models.attention.triton_ops import ask_l2, interpreting  # noqa: F401 (the kernel's)
 
 CHUNK = 16 << 10  # bytes one prefetch instruction asks for
 BLOCK = 32  # chunks a program issues: one a thread of its one warp
@@ -47,29 +47,10 @@ def _build(interpret: bool):
         a0, n0, a1, n1, out_ptr,
         CHUNK: tl.constexpr, BLOCK: tl.constexpr, PREFETCH: tl.constexpr,
     ):  # fmt: skip
-        # two byte ranges [a0, a0 + n0) and [a1, a1 + n1) (16-byte aligned, multiples of 16),
-        # cut into CHUNK-byte chunks, range 0's first: chunk c is thread c % BLOCK's of program
-        # c // BLOCK
-        c = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
-        c0 = tl.cdiv(n0, CHUNK)
-        first = c < c0
-        off = tl.where(first, c, c - c0) * CHUNK
-        n = tl.where(first, n0, n1).to(tl.int64)
-        addr = tl.where(first, a0, a1).to(tl.int64) + off
-        size = tl.minimum(tl.maximum(n - off, 0), CHUNK).to(tl.int32)
-        if PREFETCH:
-            tl.inline_asm_elementwise(
-                "{ .reg .pred p; setp.ne.s32 p, $2, 0; "
-                "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-                "=r,l,r",
-                [addr, size],
-                dtype=tl.int32,
-                is_pure=False,
-                pack=1,
-            )
-        else:  # the chunks themselves: [programs * BLOCK, 2] (address, bytes)
-            tl.store(out_ptr + 2 * c, addr)
-            tl.store(out_ptr + 2 * c + 1, size.to(tl.int64))
+        # two byte ranges cut into CHUNK-byte chunks, BLOCK a program (ask_l2); without
+        # PREFETCH the chunks are written out instead: [programs * BLOCK, 2] (address, bytes)
+        pid, nprog = tl.program_id(0), tl.num_programs(0)
+        ask_l2(pid, nprog, a0, n0, a1, n1, CHUNK, out_ptr, BLOCK, not PREFETCH)
 
     return l2_prefetch_kernel
 
@@ -92,8 +73,8 @@ def _launch(
 
 
 def chunks(ranges: list[Range], device="cpu") -> list[tuple[int, int]]:
-    """The (address, bytes) chunks the kernel asks for over `ranges`, in launch order, as its
-    build without the prefetch writes them out (that build runs under Triton's interpreter)."""
+    """The (address, bytes) chunks the kernel asks for over `ranges`, in order, as its build
+    without the prefetch writes them out (that build runs under Triton's interpreter)."""
     got = []
     for pair in _pairs(ranges):
         out = torch.zeros(_programs(pair) * BLOCK, 2, dtype=torch.int64, device=device)

@@ -20,7 +20,7 @@ import functools
 
 import torch
 
-from models.attention.triton_ops import PF_CHUNK, _build_kernels, _pow2, interpreting
+from models.attention.triton_ops import PF_CHUNK, _pow2, ask_l2, interpreting  # noqa: F401
 
 ASKS_PER_PROGRAM = 32  # at most this many L2 prefetches a program (riders spread the rest)
 
@@ -31,8 +31,6 @@ def _build(interpret: bool):
     import triton
     import triton.language as tl
 
-    ask_l2 = _build_kernels(interpret)[2]
-
     @triton.jit(do_not_specialize=["rows", "pa0", "pn0", "pa1", "pn1"])
     def add_rmsnorm_kernel(
         x_ptr, r_ptr, w_ptr, sx, sr, rows, eps, pa0, pn0, pa1, pn1,
@@ -42,7 +40,7 @@ def _build(interpret: bool):
         # program i < rows: residual[i] += x[i]; x[i] = rmsnorm(residual[i]) * w, in place
         pid = tl.program_id(0)
         if PREFETCH:
-            ask_l2(pid, tl.num_programs(0), pa0, pn0, pa1, pn1, PF_CHUNK, PF_BLOCK)
+            ask_l2(pid, tl.num_programs(0), pa0, pn0, pa1, pn1, PF_CHUNK, x_ptr, PF_BLOCK, False)
         if pid < rows:
             d = tl.arange(0, BLOCK_D)
             m = d < D
@@ -65,7 +63,7 @@ def _build(interpret: bool):
         # program i < work: columns (i % NBLK) * BLOCK .. of row i // NBLK of silu(gate) * up
         pid = tl.program_id(0)
         if PREFETCH:
-            ask_l2(pid, tl.num_programs(0), pa0, pn0, pa1, pn1, PF_CHUNK, PF_BLOCK)
+            ask_l2(pid, tl.num_programs(0), pa0, pn0, pa1, pn1, PF_CHUNK, o_ptr, PF_BLOCK, False)
         if pid < work:
             row = pid // NBLK
             j = (pid % NBLK) * BLOCK + tl.arange(0, BLOCK)
