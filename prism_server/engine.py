@@ -67,18 +67,22 @@ class Engine:
             gpu_setup.report(d, config.memory_backend)
         check_host_budget(config, self.device)
         self.policy = policy(config.policy)
+        splits, stages, pdl = envs.triton_decode()
         kernels = KernelChoice(
-            envs.decode_tensor_cores(),
-            envs.prefill_backend(),
-            envs.ragged_prefill(),
-            envs.decode_split_pages(),
-            envs.decode_backend(),
-            envs.fused_rope_write(),
-            envs.decode_backend_max_batch(),
-            *envs.triton_decode(),
-            envs.l2_prefetch_mib(),
-            envs.l2_prefetch_inline(),
-            envs.triton_step_ops(),
+            decode_tensor_cores=envs.decode_tensor_cores(),
+            prefill_backend=envs.prefill_backend(),
+            ragged_prefill=envs.ragged_prefill(),
+            decode_split_pages=envs.decode_split_pages(),
+            decode_backend=envs.decode_backend(),
+            fused_rope_write=envs.fused_rope_write(),
+            decode_backend_max_batch=envs.decode_backend_max_batch(),
+            triton_max_splits=splits,
+            triton_stages=stages,
+            triton_pdl=pdl,
+            l2_prefetch_mib=envs.l2_prefetch_mib(),
+            l2_prefetch_inline=envs.l2_prefetch_inline(),
+            l2_prefetch_keep=envs.l2_prefetch_keep(),
+            triton_step_ops=envs.triton_step_ops(),
         )
         # one page pool and one engine thread per device: each GPU of devices (cuda:0 ..), or
         # several emulated CPU devices (each its own pool and thread), for the multi-device

@@ -111,6 +111,12 @@ def l2_prefetch_inline() -> bool:
     return os.environ.get("PRISM_L2_PREFETCH_INLINE", "0") not in ("0", "false", "no", "")
 
 
+def l2_prefetch_keep() -> bool:
+    """What the L2 prefetches ask for is the last the L2 evicts, an evict_last policy
+    (PRISM_L2_PREFETCH_KEEP, default 0: the L2's usual policy)."""
+    return os.environ.get("PRISM_L2_PREFETCH_KEEP", "0") not in ("0", "false", "no", "")
+
+
 def triton_step_ops() -> bool:
     """Decode graphs of at most 16 sequences run the residual add + RMSNorm and SiLU * up
     through Prism's Triton kernels, not FlashInfer's (PRISM_TRITON_STEP_OPS, default 0); with

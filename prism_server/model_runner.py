@@ -170,8 +170,11 @@ def _prefetcher(model, device: torch.device, resources: DeviceResources | None):
     mib = resources.kernels.l2_prefetch_mib if resources is not None else (0, 0, 0)
     if not any(mib):
         return None
-    inline = resources.kernels.l2_prefetch_inline
-    prefetcher, why = load_prefetcher(model, device, tuple(n << 20 for n in mib), inline)
+    k = resources.kernels
+    budgets = tuple(n << 20 for n in mib)
+    prefetcher, why = load_prefetcher(
+        model, device, budgets, k.l2_prefetch_inline, k.l2_prefetch_keep
+    )
     if prefetcher is None:
         log.warning("%s: no L2 prefetch in the decode graphs: %s", device, why)
     else:
@@ -189,7 +192,8 @@ def _step_ops(device: torch.device, resources: DeviceResources | None):
     if resources is None or not resources.kernels.triton_step_ops:
         return None
     k = resources.kernels
-    ops, why = load_step_ops(device, k.triton_pdl, k.l2_prefetch_inline and any(k.l2_prefetch_mib))
+    inline = k.l2_prefetch_inline and any(k.l2_prefetch_mib)
+    ops, why = load_step_ops(device, k.triton_pdl, inline, k.l2_prefetch_keep)
     if ops is None:
         log.warning("%s: decode graphs keep FlashInfer's norms and activation: %s", device, why)
     return ops

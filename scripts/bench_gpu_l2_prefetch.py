@@ -57,7 +57,15 @@ def spin_cycles(us: float) -> int:
 
 
 def gemm_ms(
-    w, x, window_us: float, head: int | None, flush, side, runs: int, chunk: int = l2_prefetch.CHUNK
+    w,
+    x,
+    window_us: float,
+    head: int | None,
+    flush,
+    side,
+    runs: int,
+    chunk: int = l2_prefetch.CHUNK,
+    keep: bool = False,
 ) -> float:
     """The GEMM x @ w.T alone, after a window of window_us (the L2 flushed before it), with the
     first `head` bytes of w asked of the L2 when the window opens, `chunk` bytes an instruction
@@ -69,7 +77,7 @@ def gemm_ms(
         if head is not None:
             side.wait_stream(main)
             with torch.cuda.stream(side):
-                l2_prefetch._launch(((w.data_ptr(), head), (0, 0)), True, flush, chunk)
+                l2_prefetch._launch(((w.data_ptr(), head), (0, 0)), True, flush, chunk, keep)
         if window_us:
             torch.cuda._sleep(spin_cycles(window_us))
         if head is not None:
@@ -129,6 +137,10 @@ def main() -> None:
         row = {"gemm": "o_proj", "window_us": 10, "chunk_kib": kib, "prefetched_us": us}
         out["rows"].append(row)
         print(f"o_proj, window 10 us, {kib} KiB an instruction: prefetched {us:.1f} us")
+    # the lines asked to be evicted last (an evict_last policy)
+    us = gemm_ms(w, x, 10, w.numel() * 2, flush, side, args.runs, keep=True) * 1e3
+    out["rows"].append({"gemm": "o_proj", "window_us": 10, "keep": True, "prefetched_us": us})
+    print(f"o_proj, window 10 us, evict_last: prefetched {us:.1f} us")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
 

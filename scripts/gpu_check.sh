@@ -76,7 +76,7 @@ if [ "$quick" = "--decode" ]; then
     2>&1 | tail -3
   # a GEMM after an idle window, its weight asked of the L2 in the window or not
   part prefetch && timeout 120 python3 scripts/bench_gpu_l2_prefetch.py --json "$OUT/l2.json" 2>&1 \
-    | tail -22
+    | tail -24
   # the kernel choices beside the default (KERNELS="" skips them)
   if part kernels; then
     for choice in ${KERNELS-PRISM_DECODE_BACKEND=flashinfer PRISM_DECODE_BACKEND=xqa PRISM_ROPE_WRITE=0 CUBLASLT_WORKSPACE_SIZE=1 PRISM_PREFILL_BACKEND=fa3}; do

@@ -110,6 +110,8 @@ class KernelChoice:
     l2_prefetch_mib: tuple[int, int, int] = (0, 0, 0)
     # the attention window's prefetch asked by the Triton decode kernel itself (no side stream)
     l2_prefetch_inline: bool = False
+    # what the prefetches ask for is the last the L2 evicts (an evict_last policy)
+    l2_prefetch_keep: bool = False
     # decode graphs of at most 16 sequences run their norms and activation through Triton's
     # kernels (models.layers.triton_step_ops), as dependent launches with triton_pdl
     triton_step_ops: bool = False
@@ -391,6 +393,7 @@ class FlashInferBackend:
             self.kernels.triton_stages,
             self.kernels.triton_pdl,
             self.kernels.l2_prefetch_inline and any(self.kernels.l2_prefetch_mib),
+            self.kernels.l2_prefetch_keep,
         )
         if why is not None:
             log.warning("decode attention through FlashInfer: the Triton kernel cannot run %s", why)

@@ -65,11 +65,15 @@ if _triton() is not None:
     import triton.language as tl
 
     @triton.jit
-    def ask_l2(pid, nprog, a0, n0, a1, n1, chunk, out_ptr, LANES: tl.constexpr, DRY: tl.constexpr):
+    def ask_l2(
+        pid, nprog, a0, n0, a1, n1, chunk, out_ptr,
+        LANES: tl.constexpr, DRY: tl.constexpr, KEEP: tl.constexpr = False,
+    ):  # fmt: skip
         # program pid of nprog asks the L2 for its chunks of two byte ranges [a0, a0 + n0) and
         # [a1, a1 + n1) (16-byte aligned, multiples of 16) cut into `chunk`-byte chunks, range
         # 0's first: chunk c is lane c // nprog's of program c % nprog, so that a few chunks
-        # spread over every program (and SM). DRY: write the chunks to out_ptr ([c] = address,
+        # spread over every program (and SM). KEEP: the lines fetched are the last the L2
+        # evicts (an evict_last policy). DRY: write the chunks to out_ptr ([c] = address,
         # bytes) instead (the interpreter has no prefetch)
         c = (tl.arange(0, LANES) * nprog + pid).to(tl.int64)
         c0 = tl.cdiv(n0, chunk)
@@ -81,6 +85,18 @@ if _triton() is not None:
         if DRY:
             tl.store(out_ptr + 2 * c, addr)
             tl.store(out_ptr + 2 * c + 1, size.to(tl.int64))
+        elif KEEP:
+            tl.inline_asm_elementwise(
+                "{ .reg .pred p; .reg .b64 keep; setp.ne.s32 p, $2, 0; "
+                "createpolicy.fractional.L2::evict_last.b64 keep, 1.0; "
+                "@p cp.async.bulk.prefetch.L2.global.L2::cache_hint [$1], $2, keep; "
+                "mov.u32 $0, 0; }",
+                "=r,l,r",
+                [addr, size],
+                dtype=tl.int32,
+                is_pure=False,
+                pack=1,
+            )
         else:
             tl.inline_asm_elementwise(
                 "{ .reg .pred p; setp.ne.s32 p, $2, 0; "
@@ -164,7 +180,7 @@ def _build_kernels(interpret: bool):
         if PREFETCH:  # the next GEMM's weights asked of the L2 while HBM idles
             nprog = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
             pid = (b * HKV + hk) * nsplit + s
-            ask_l2(pid, nprog, pa0, pn0, pa1, pn1, pchunk, out_ptr, PF_BLOCK, False)
+            ask_l2(pid, nprog, pa0, pn0, pa1, pn1, pchunk, out_ptr, PF_BLOCK, False, PREFETCH == 2)
         g = tl.arange(0, BLOCK_G)
         gm = g < G
         d = tl.arange(0, D)
@@ -368,11 +384,13 @@ class TritonDecodeKernel:
         max_splits: int = MAX_SPLITS,
         stages: int = 3,
         pdl: bool = False,
+        l2_keep: bool = False,
     ):
         """max_splits: the most programs a (sequence, KV head) is split over; stages: Triton's
         software pipelining depth of the loop over the positions; pdl: launched as a
         programmatic dependent launch (Hopper): the kernel starts while the kernel before it
-        finishes, reads the lengths and the rope table, then waits for it (q, k, v are its)."""
+        finishes, reads the lengths and the rope table, then waits for it (q, k, v are its);
+        l2_keep: the bytes it asks of the L2 (`prefetch`) are the last the L2 evicts."""
         if head_dim & (head_dim - 1) or head_dim < 32:
             raise ValueError(
                 f"head_dim {head_dim}: the Triton decode kernel takes powers of 2 from 32"
@@ -384,6 +402,7 @@ class TritonDecodeKernel:
         hopper = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
         self.pdl = pdl and hopper
         self.takes_prefetch = hopper  # the weights the step reads next, asked of the L2
+        self.l2_keep = l2_keep
         self.block_g = max(16, _pow2(self.group))  # the dot's rows: the head group, padded
         self.block_n = 64 if head_dim <= 128 else 32  # positions a tile
         self.tickets = torch.zeros(
@@ -444,7 +463,7 @@ class TritonDecodeKernel:
             MAX_SPLITS=MAX_SPLITS, G_P2=_pow2(self.group),
             MERGE_D=min(dim, max(16, 8192 // (MAX_SPLITS * _pow2(self.group)))),
             ROPE=new is not None, SPLIT=nsplit > 1, PDL=self.pdl,
-            PREFETCH=prefetch is not None, PF_BLOCK=PF_BLOCK,
+            PREFETCH=0 if prefetch is None else 1 + self.l2_keep, PF_BLOCK=PF_BLOCK,
             num_warps=PF_BLOCK // 32, num_stages=self.stages,
             **({"launch_pdl": True} if self.pdl else {}),
         )  # fmt: skip
@@ -491,6 +510,7 @@ def load_decode_kernel(
     stages: int = 3,
     pdl: bool = False,
     prefetch: bool = False,
+    l2_keep: bool = False,
 ) -> tuple[TritonDecodeKernel | None, str | None]:
     """The decode kernel for a model, built and checked on `device` (`self_check`), or None and
     why it cannot run there. heads: (query heads, KV heads); prefetch: its steps will hand it
@@ -503,7 +523,7 @@ def load_decode_kernel(
         return None, f"head_dim {head_dim} (a power of 2 from 32)"
     try:
         kernel = TritonDecodeKernel(
-            heads[0], heads[1], head_dim, block_size, device, max_splits, stages, pdl
+            heads[0], heads[1], head_dim, block_size, device, max_splits, stages, pdl, l2_keep
         )
         kernel.self_check(specs, dtype, rope, prefetch)
     except Exception as e:  # noqa: BLE001 (a kernel that does not build here: fall back)

@@ -47,10 +47,11 @@ def _build(interpret: bool):
         a0, n0, a1, n1, out_ptr,
         CHUNK: tl.constexpr, BLOCK: tl.constexpr, PREFETCH: tl.constexpr,
     ):  # fmt: skip
-        # two byte ranges cut into CHUNK-byte chunks, BLOCK a program (ask_l2); without
-        # PREFETCH the chunks are written out instead: [programs * BLOCK, 2] (address, bytes)
+        # two byte ranges cut into CHUNK-byte chunks, BLOCK a program (ask_l2). PREFETCH: 1,
+        # asked of the L2; 2, asked to be the last it evicts; 0, the chunks written out
+        # instead: [programs * BLOCK, 2] (address, bytes)
         pid, nprog = tl.program_id(0), tl.num_programs(0)
-        ask_l2(pid, nprog, a0, n0, a1, n1, CHUNK, out_ptr, BLOCK, not PREFETCH)
+        ask_l2(pid, nprog, a0, n0, a1, n1, CHUNK, out_ptr, BLOCK, PREFETCH == 0, PREFETCH == 2)
 
     return l2_prefetch_kernel
 
@@ -64,11 +65,17 @@ def _programs(ranges: tuple[Range, Range], chunk: int = CHUNK) -> int:
 
 
 def _launch(
-    ranges: tuple[Range, Range], prefetch: bool, out: torch.Tensor, chunk: int = CHUNK
+    ranges: tuple[Range, Range],
+    prefetch: bool,
+    out: torch.Tensor,
+    chunk: int = CHUNK,
+    keep: bool = False,
 ) -> None:
+    """prefetch: ask the L2 (keep: to evict these lines last), else write the chunks to out."""
     (a0, n0), (a1, n1) = ranges
+    mode = (1 + keep) if prefetch else 0
     _kernel()[(_programs(ranges, chunk),)](
-        a0, n0, a1, n1, out, CHUNK=chunk, BLOCK=BLOCK, PREFETCH=prefetch, num_warps=1
+        a0, n0, a1, n1, out, CHUNK=chunk, BLOCK=BLOCK, PREFETCH=mode, num_warps=1
     )
 
 
@@ -147,11 +154,13 @@ class L2Prefetcher:
         device: torch.device,
         budgets: tuple[int, int, int],
         inline: bool = False,
+        keep: bool = False,
     ):
         """budgets: bytes asked at the attention, the activation, a layer's start. inline: an
         attention kernel that can asks for its point's bytes itself (as its programs start: no
-        launch of its own, no stream to fork), where the step's attention backend can."""
-        self.device, self.inline = device, inline
+        launch of its own, no stream to fork), where the step's attention backend can. keep:
+        the L2 evicts what is asked last (an evict_last policy)."""
+        self.device, self.inline, self.keep = device, inline, keep
         self.plans = {m: _pairs(r) for m, r in prefetch_plans(model, *budgets).items()}
         self.stream = torch.cuda.Stream(device)
         self._out = torch.empty(1, dtype=torch.int64, device=device)
@@ -170,7 +179,7 @@ class L2Prefetcher:
         # (Triton launches on the current device's current stream: both made the model's)
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             for pair in pairs:
-                _launch(pair, True, self._out)
+                _launch(pair, True, self._out, keep=self.keep)
         self._open = True
 
     def pair(self, module: nn.Module) -> tuple[Range, Range] | None:
@@ -186,7 +195,11 @@ class L2Prefetcher:
 
 
 def load_prefetcher(
-    model: nn.Module, device: torch.device, budgets: tuple[int, int, int], inline: bool = False
+    model: nn.Module,
+    device: torch.device,
+    budgets: tuple[int, int, int],
+    inline: bool = False,
+    keep: bool = False,
 ) -> tuple[L2Prefetcher | None, str | None]:
     """The model's prefetcher, its kernel built and run once over every point here, or None and
     why it cannot run (not CUDA, before Hopper, no Triton, a kernel that fails, nothing to ask)."""
@@ -199,7 +212,7 @@ def load_prefetcher(
     except ImportError:
         return None, "Triton is not installed"
     try:
-        p = L2Prefetcher(model, device, budgets, inline)
+        p = L2Prefetcher(model, device, budgets, inline, keep)
         if not p.plans:
             return None, "nothing to ask: no budget, or no layer with the projections planned"
         with torch.cuda.device(device):

@@ -40,7 +40,8 @@ def _build(interpret: bool):
         # program i < rows: residual[i] += x[i]; x[i] = rmsnorm(residual[i]) * w, in place
         pid = tl.program_id(0)
         if PREFETCH:
-            ask_l2(pid, tl.num_programs(0), pa0, pn0, pa1, pn1, PF_CHUNK, x_ptr, PF_BLOCK, False)
+            nprog = tl.num_programs(0)
+            ask_l2(pid, nprog, pa0, pn0, pa1, pn1, PF_CHUNK, x_ptr, PF_BLOCK, False, PREFETCH == 2)
         if pid < rows:
             d = tl.arange(0, BLOCK_D)
             m = d < D
@@ -63,7 +64,8 @@ def _build(interpret: bool):
         # program i < work: columns (i % NBLK) * BLOCK .. of row i // NBLK of silu(gate) * up
         pid = tl.program_id(0)
         if PREFETCH:
-            ask_l2(pid, tl.num_programs(0), pa0, pn0, pa1, pn1, PF_CHUNK, o_ptr, PF_BLOCK, False)
+            nprog = tl.num_programs(0)
+            ask_l2(pid, nprog, pa0, pn0, pa1, pn1, PF_CHUNK, o_ptr, PF_BLOCK, False, PREFETCH == 2)
         if pid < work:
             row = pid // NBLK
             j = (pid % NBLK) * BLOCK + tl.arange(0, BLOCK)
@@ -90,8 +92,9 @@ def _grid(work: int, prefetch: Pair | None) -> tuple[int, int, int, int, int]:
     return max(work, -(-asks // ASKS_PER_PROGRAM)), a0, n0, a1, n1
 
 
-def _options(warps: int, pdl: bool, prefetch: Pair | None) -> dict:
-    opts = dict(PDL=pdl, PREFETCH=prefetch is not None, PF_BLOCK=32 * warps, PF_CHUNK=PF_CHUNK)
+def _options(warps: int, pdl: bool, prefetch: Pair | None, keep: bool) -> dict:
+    mode = 0 if prefetch is None else 1 + keep  # PREFETCH: none, asked, asked to be kept
+    opts = dict(PDL=pdl, PREFETCH=mode, PF_BLOCK=32 * warps, PF_CHUNK=PF_CHUNK)
     return {**opts, "num_warps": warps, **({"launch_pdl": True} if pdl else {})}
 
 
@@ -102,25 +105,29 @@ def add_rmsnorm(
     eps: float,
     prefetch: Pair | None = None,
     pdl: bool = False,
+    keep: bool = False,
 ) -> None:
     """residual += x, then x = rmsnorm(residual) * weight, both in place (FlashInfer's
-    fused_add_rmsnorm); x, residual: [T, D], last dim contiguous."""
+    fused_add_rmsnorm); x, residual: [T, D], last dim contiguous. keep: the bytes asked of the
+    L2 (`prefetch`) are the last it evicts."""
     rows, dim = x.shape
     assert x.stride(1) == residual.stride(1) == 1 and weight.is_contiguous()
     warps = 8 if dim > 4096 else 4
     n, a0, n0, a1, n1 = _grid(rows, prefetch)
     _build(interpreting())[0][(n,)](
         x, residual, weight, x.stride(0), residual.stride(0), rows, eps, a0, n0, a1, n1,
-        D=dim, BLOCK_D=_pow2(dim), **_options(warps, pdl, prefetch),
+        D=dim, BLOCK_D=_pow2(dim), **_options(warps, pdl, prefetch, keep),
     )  # fmt: skip
 
 
 SILU_BLOCK = 1024  # columns a program of silu_mul
 
 
-def silu_mul(gate_up: torch.Tensor, prefetch: Pair | None = None, pdl: bool = False):
+def silu_mul(
+    gate_up: torch.Tensor, prefetch: Pair | None = None, pdl: bool = False, keep: bool = False
+):
     """gate_up: [T, 2 * D] (gate, then up; last dim contiguous) -> silu(gate) * up, [T, D]
-    (FlashInfer's silu_and_mul)."""
+    (FlashInfer's silu_and_mul); keep as add_rmsnorm's."""
     rows, two_d = gate_up.shape
     dim = two_d // 2
     assert gate_up.stride(1) == 1
@@ -129,7 +136,7 @@ def silu_mul(gate_up: torch.Tensor, prefetch: Pair | None = None, pdl: bool = Fa
     n, a0, n0, a1, n1 = _grid(rows * nblk, prefetch)
     _build(interpreting())[1][(n,)](
         gate_up, out, gate_up.stride(0), out.stride(0), rows * nblk, a0, n0, a1, n1,
-        D=dim, BLOCK=SILU_BLOCK, NBLK=nblk, **_options(4, pdl, prefetch),
+        D=dim, BLOCK=SILU_BLOCK, NBLK=nblk, **_options(4, pdl, prefetch, keep),
     )  # fmt: skip
     return out
 
@@ -137,10 +144,11 @@ def silu_mul(gate_up: torch.Tensor, prefetch: Pair | None = None, pdl: bool = Fa
 class StepOps:
     """A small decode step's norms and activation through these kernels (ForwardContext's
     step_ops: decode graphs of few sequences). pdl: each a programmatic dependent launch;
-    prefetch: whether the kernels can ask the L2 for bytes (Hopper)."""
+    prefetch: whether the kernels can ask the L2 for bytes (Hopper); keep: what they ask for is
+    the last the L2 evicts."""
 
-    def __init__(self, pdl: bool = False, prefetch: bool = False):
-        self.pdl, self.takes_prefetch = pdl, prefetch
+    def __init__(self, pdl: bool = False, prefetch: bool = False, keep: bool = False):
+        self.pdl, self.takes_prefetch, self.keep = pdl, prefetch, keep
 
     @staticmethod
     def fits_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, unit_offset: bool) -> bool:
@@ -153,18 +161,18 @@ class StepOps:
         )
 
     def add_rmsnorm(self, x, residual, weight, eps, prefetch: Pair | None = None):
-        add_rmsnorm(x, residual, weight, eps, prefetch, self.pdl)
+        add_rmsnorm(x, residual, weight, eps, prefetch, self.pdl, self.keep)
         return x, residual
 
     def silu_mul(self, gate_up, prefetch: Pair | None = None):
-        return silu_mul(gate_up, prefetch, self.pdl)
+        return silu_mul(gate_up, prefetch, self.pdl, self.keep)
 
 
 STEP_OPS_MAX_BATCH = 16  # decode graphs of at most this many sequences take them
 
 
 def load_step_ops(
-    device: torch.device, pdl: bool = False, prefetch: bool = False
+    device: torch.device, pdl: bool = False, prefetch: bool = False, keep: bool = False
 ) -> tuple[StepOps | None, str | None]:
     """The step kernels for `device`, built and checked there against the torch reference (a
     row of each, with PDL and an L2 prefetch when asked and on Hopper), or None and why not."""
@@ -173,7 +181,7 @@ def load_step_ops(
     if not triton_runs_on(device):
         return None, "Triton does not run here"
     hopper = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
-    ops = StepOps(pdl and hopper, prefetch and hopper)
+    ops = StepOps(pdl and hopper, prefetch and hopper, keep)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     try:
         g = torch.Generator(device=device).manual_seed(0)

@@ -42,6 +42,10 @@ def test_the_prefetcher_builds_and_runs_over_every_point():
 
 WARMED = {  # name -> (the kernels of the reference engine, the same with the prefetches)
     "side-stream": (KernelChoice(), KernelChoice(l2_prefetch_mib=(1, 1, 1))),
+    "side-stream-keep": (
+        KernelChoice(),
+        KernelChoice(l2_prefetch_mib=(1, 1, 1), l2_prefetch_keep=True),
+    ),
     # the attention window's asked by the Triton decode kernel (batches up to 16 run it)
     "inline": (KernelChoice(), KernelChoice(l2_prefetch_mib=(1, 1, 1), l2_prefetch_inline=True)),
     # every window's asked by a Triton kernel (the norms and activation too), each launched
@@ -53,8 +57,9 @@ WARMED = {  # name -> (the kernels of the reference engine, the same with the pr
             triton_pdl=True,
             l2_prefetch_mib=(1, 1, 1),
             l2_prefetch_inline=True,
+            l2_prefetch_keep=True,
         ),
-    ),  # fmt: skip
+    ),
 }
 
 

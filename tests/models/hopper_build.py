@@ -47,7 +47,7 @@ def decode_builds():
     and soft caps, for Llama-3.1-8B's head shape; with and without the rope, split and not, for
     Gemma 3's (head_dim 256, windows and soft caps) and a group of one. The split builds are
     the programmatic dependent launch's (PDL), the others not; the rope builds ask the L2 for
-    the next weights (PREFETCH), the others not."""
+    the next weights (PREFETCH), those with windows too to keep them (evict_last)."""
     decode = triton_ops._build_kernels(False)[1]
     for (hq, hkv), dim, extras in (((32, 8), 128, (True, False)), ((4, 1), 256, (True,)),
                                     ((8, 8), 64, (False,))):  # fmt: skip
@@ -59,7 +59,7 @@ def decode_builds():
                 HKV=hkv, G=k.group, BLOCK_G=k.block_g, D=dim, PAGE=16, BLOCK_N=k.block_n,
                 SOFTCAP=softcap, WINDOW=window, DOT_F32=False, MAX_SPLITS=triton_ops.MAX_SPLITS,
                 G_P2=g_p2, MERGE_D=min(dim, max(16, 8192 // (triton_ops.MAX_SPLITS * g_p2))),
-                ROPE=rope, SPLIT=split, PDL=split, PREFETCH=rope,
+                ROPE=rope, SPLIT=split, PDL=split, PREFETCH=rope + (rope and window),
                 PF_BLOCK=triton_ops.PF_BLOCK,
             )  # fmt: skip
             name = f"decode {hq}/{hkv}x{dim} {rope=} {split=} {window=} {softcap=}"
@@ -68,6 +68,7 @@ def decode_builds():
             ptx = b.asm["ptx"]
             assert ("griddepcontrol.wait" in ptx) is split, name
             assert ("cp.async.bulk.prefetch.L2.global" in ptx) is rope, name
+            assert ("evict_last" in ptx) is (rope and window), name
             yield name, b
 
 
@@ -87,7 +88,7 @@ def main() -> None:
     add_rmsnorm, silu_mul = triton_step_ops._build(False)
     step_types = {**dict.fromkeys(("x_ptr", "r_ptr", "w_ptr", "gu_ptr", "o_ptr"), "*bf16"),
                   "eps": "fp32", "pa0": "i64", "pa1": "i64"}  # fmt: skip
-    for pdl, prefetch in itertools.product((True, False), repeat=2):
+    for pdl, prefetch in itertools.product((True, False), (0, 1, 2)):
         pf = dict(PDL=pdl, PREFETCH=prefetch, PF_BLOCK=128, PF_CHUNK=triton_ops.PF_CHUNK)
         for name, fn, const in (
             ("add_rmsnorm", add_rmsnorm, dict(D=4096, BLOCK_D=4096, **pf)),
@@ -95,7 +96,8 @@ def main() -> None:
         ):
             ptx = compile_for_hopper(fn, step_types, const, num_warps=4).asm["ptx"]
             assert ("griddepcontrol.wait" in ptx) is pdl, (name, pdl)
-            assert ("cp.async.bulk.prefetch.L2.global" in ptx) is prefetch, (name, prefetch)
+            assert ("cp.async.bulk.prefetch.L2.global" in ptx) is (prefetch > 0), name
+            assert ("createpolicy.fractional.L2::evict_last" in ptx) is (prefetch == 2), name
             print(f"{name} {pdl=} {prefetch=}")
             built += 1
     # the prefetch has no result anyone reads: the build must keep it (and ptxas take it)
