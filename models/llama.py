@@ -35,7 +35,10 @@ class LlamaModel(nn.Module):
         rope = self.rotary_emb(positions)  # this step's rotary table, shared by every layer
         for layer in self.layers:
             x, residual = layer(x, residual, rope, ctx)
-        return self.norm.add(x, residual)[0] if residual is not None else self.norm(x)
+        if residual is None:
+            return self.norm(x)
+        # the lm_head's weights asked of the L2 while the final norm runs (ctx.prefetch)
+        return self.norm.add(x, residual, ctx, warm=self.norm)[0]
 
 
 class LlamaForCausalLM(CausalLM):

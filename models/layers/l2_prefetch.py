@@ -11,7 +11,8 @@ Points (a plan of each model, `prefetch_plans`), each with a budget of bytes:
   weight (read after the o_proj GEMM and the norm); with `inline`, asked by the Triton decode
   kernel itself where it runs the step's attention;
 - in GatedMLP, after its gate_up GEMM (before the activation): the head of the down weight;
-- in the decoder layer, as it starts (before its input norm): the head of its qkv weight.
+- in the decoder layer, as it starts (before its input norm): the head of its qkv weight;
+- at the model's final norm: the head of the lm_head's weight (the layer-start budget).
 
 The side stream forks from the step's stream at each point and joins it once, at the end of the
 model's forward (CausalLM.forward): nothing on the step's stream waits for a prefetch. Numbers are
@@ -122,8 +123,9 @@ def prefetch_plans(
 ) -> dict[nn.Module, list[Range]]:
     """Each point's byte ranges, keyed by the module whose forward issues them: every decoder
     layer (a module with `self_attn` and `mlp`) whose attention has a qkv_proj and an o_proj and
-    whose MLP a gate_up_proj and a down_proj. Budgets: attn_bytes at the attention, mlp_bytes at
-    the activation, norm_bytes at the layer's start."""
+    whose MLP a gate_up_proj and a down_proj, and the model's final norm (its lm_head's).
+    Budgets: attn_bytes at the attention, mlp_bytes at the activation, norm_bytes at the layer's
+    start and the final norm."""
     plans: dict[nn.Module, list[Range]] = {}
     for layer in model.modules():
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
@@ -139,6 +141,12 @@ def prefetch_plans(
             ranges = _take(weights, budget)
             if ranges:
                 plans[module] = ranges
+    norm = getattr(getattr(model, "model", None), "norm", None)
+    head = getattr(model, "lm_head", None)
+    if norm is not None and head is not None and plans:
+        ranges = _take([head.weight], norm_bytes)
+        if ranges:
+            plans[norm] = ranges
     return plans
 
 

@@ -23,7 +23,7 @@ def test_the_prefetcher_builds_and_runs_over_every_point():
     model = on_gpu(cpu_model)
     p, why = load_prefetcher(model, torch.device("cuda"), (1 << 20, 1 << 20, 1 << 20))
     assert p is not None, why
-    assert len(p.plans) == 3 * cfg.num_layers
+    assert len(p.plans) == 3 * cfg.num_layers + 1  # and the final norm
     layer = model.model.layers[1]
     o, gate_up = layer.self_attn.o_proj.weight, layer.mlp.gate_up_proj.weight
     o_bytes = o.numel() * o.element_size()  # 512 KiB: all of it, then the head of gate_up

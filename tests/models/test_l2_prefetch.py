@@ -54,7 +54,8 @@ def test_the_plans_take_the_next_weights_in_order_up_to_each_budget():
     size = {w: w.numel() * w.element_size() for w in (qkv, o, gate_up, down)}
 
     plans = prefetch_plans(model, size[o] + 1000, 100, 50)
-    assert len(plans) == 3 * len(layers)
+    assert len(plans) == 3 * len(layers) + 1
+    assert plans[model.model.norm] == [(model.lm_head.weight.data_ptr(), 48)]  # the final norm
     for layer in layers:  # each layer's own weights
         attn, mlp = layer.self_attn, layer.mlp
         assert plans[layer] == [(attn.qkv_proj.weight.data_ptr(), 48)]  # rounded down to 16
@@ -69,7 +70,7 @@ def test_the_plans_take_the_next_weights_in_order_up_to_each_budget():
         (layers[1].self_attn.o_proj.weight.data_ptr(), size[o]),
         (layers[1].mlp.gate_up_proj.weight.data_ptr(), size[gate_up]),
     ]
-    assert layers[1].mlp not in big and layers[1] not in big
+    assert layers[1].mlp not in big and layers[1] not in big and model.model.norm not in big
     assert prefetch_plans(model, 0, 0, 0) == {}
     small = prefetch_plans(model, 64, 1 << 30, 1 << 30)  # the head of o_proj only
     assert small[layers[0].self_attn] == [(o.data_ptr(), 64)]
@@ -82,9 +83,9 @@ def test_gemma_layers_are_planned_too():
     with torch.device("meta"):
         model = get_model_class(cfg.hf_architecture)(cfg)
     plans = prefetch_plans(model, 1 << 20, 1 << 20, 1 << 20)
-    assert len(plans) == 3 * cfg.num_layers
+    assert len(plans) == 3 * cfg.num_layers + 1  # and the final norm, issued by no forward
     kinds = {type(m).__name__ for m in plans}
-    assert kinds == {"Gemma3DecoderLayer", "SelfAttention", "GatedMLP"}
+    assert kinds == {"Gemma3DecoderLayer", "SelfAttention", "GatedMLP", "RMSNorm"}
 
 
 class Recorder:
@@ -127,7 +128,8 @@ def test_a_forward_issues_each_point_in_order_and_joins_once_at_its_end():
     md = AttentionMetadata.build([SeqChunk(0, 5, [1, 2])], bs, torch.device("cpu"))
     plain = lm.model(ids, torch.arange(5), ForwardContext(attn=TorchPagedAttention(caches, md)))
     layers = lm.model.model.layers
-    every = [m for la in layers for m in (la, la.self_attn, la.mlp)] + ["join"]
+    final = lm.model.model.norm
+    every = [m for la in layers for m in (la, la.self_attn, la.mlp)] + [final, "join"]
     # on the side stream, whatever the backend, or inline where the backend takes them
     for inline, attn in (
         (False, TorchPagedAttention(caches, md)),
@@ -140,7 +142,7 @@ def test_a_forward_issues_each_point_in_order_and_joins_once_at_its_end():
         torch.testing.assert_close(hidden, plain, rtol=0, atol=0)
     rec, attn = Recorder(inline=True), TakingAttention(caches, md)
     hidden = lm.model(ids, torch.arange(5), ForwardContext(attn=attn, prefetcher=rec))
-    assert rec.calls == [m for la in layers for m in (la, la.mlp)] + ["join"]
+    assert rec.calls == [m for la in layers for m in (la, la.mlp)] + [final, "join"]
     assert attn.taken == [rec.pair(la.self_attn) for la in layers]
     torch.testing.assert_close(hidden, plain, rtol=0, atol=0)
 
