@@ -388,12 +388,12 @@ class FlashInferBackend:
             self.device,
             self.specs,
             sh.kv_dtype,
-            self.kernels.fused_rope_write,
-            self.kernels.triton_max_splits,
-            self.kernels.triton_stages,
-            self.kernels.triton_pdl,
-            self.kernels.l2_prefetch_inline and any(self.kernels.l2_prefetch_mib),
-            self.kernels.l2_prefetch_keep,
+            rope=self.kernels.fused_rope_write,
+            max_splits=self.kernels.triton_max_splits,
+            stages=self.kernels.triton_stages,
+            pdl=self.kernels.triton_pdl,
+            prefetch=self.kernels.l2_prefetch_inline and any(self.kernels.l2_prefetch_mib),
+            l2_keep=self.kernels.l2_prefetch_keep,
         )
         if why is not None:
             log.warning("decode attention through FlashInfer: the Triton kernel cannot run %s", why)

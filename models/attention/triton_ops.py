@@ -523,8 +523,9 @@ def load_decode_kernel(
         return None, f"head_dim {head_dim} (a power of 2 from 32)"
     try:
         kernel = TritonDecodeKernel(
-            heads[0], heads[1], head_dim, block_size, device, max_splits, stages, pdl, l2_keep
-        )
+            heads[0], heads[1], head_dim, block_size, device,
+            max_splits=max_splits, stages=stages, pdl=pdl, l2_keep=l2_keep,
+        )  # fmt: skip
         kernel.self_check(specs, dtype, rope, prefetch)
     except Exception as e:  # noqa: BLE001 (a kernel that does not build here: fall back)
         return None, f"its kernel failed ({type(e).__name__}: {str(e)[:200]})"
