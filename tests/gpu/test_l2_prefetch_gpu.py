@@ -96,11 +96,13 @@ def test_the_decode_kernel_asks_for_ranges_and_gives_the_same_output():
     tables, lens = md.block_tables, md.seq_lens.view(-1, 1)
     weights = torch.randn(48 << 20, device="cuda", dtype=torch.bfloat16)  # 96 MiB
     plain = kernel(q, cache, tables, lens, spec)
+    keeping = triton_ops.TritonDecodeKernel(32, 8, 128, BLOCK, torch.device("cuda"), l2_keep=True)
     for ranges in (
         ((weights.data_ptr(), 32 << 20), (weights.data_ptr() + (64 << 20), 16 << 20)),
         ((weights.data_ptr(), 96 << 20), (0, 0)),  # more than 16 KiB a thread
     ):
         assert torch.equal(kernel(q, cache, tables, lens, spec, prefetch=ranges), plain)
+        assert torch.equal(keeping(q, cache, tables, lens, spec, prefetch=ranges), plain)
     torch.cuda.synchronize()
 
 
