@@ -17,6 +17,14 @@ def _int(name: str, default: int | None) -> int | None:
         raise ValueError(f"{name} must be a number, got {v!r}") from None
 
 
+def _flag(name: str, default: bool) -> bool:
+    """A yes/no knob: 0, false or no is off, any other value on; unset or empty: default."""
+    v = os.environ.get(name)
+    if v is None or v == "":
+        return default
+    return v not in ("0", "false", "no")
+
+
 def cache_dir() -> Path:
     """Where converted model files are cached (PRISM_CACHE_DIR, default ~/.cache/prism)."""
     return Path(os.environ.get("PRISM_CACHE_DIR") or Path.home() / ".cache" / "prism")
@@ -40,13 +48,13 @@ def cpu_threads() -> int | None:
 
 def fused_kernels() -> bool:
     """Use FlashInfer's fused norm/activation kernels on CUDA (PRISM_FUSED_KERNELS, default 1)."""
-    return os.environ.get("PRISM_FUSED_KERNELS", "1") not in ("0", "false", "no")
+    return _flag("PRISM_FUSED_KERNELS", True)
 
 
 def decode_tensor_cores() -> bool:
     """Decode attention through FlashInfer's tensor-core kernel (PRISM_DECODE_TENSOR_CORES,
     default 1; 0: its CUDA-core decode kernel)."""
-    return os.environ.get("PRISM_DECODE_TENSOR_CORES", "1") not in ("0", "false", "no")
+    return _flag("PRISM_DECODE_TENSOR_CORES", True)
 
 
 def prefill_backend() -> str:
@@ -78,14 +86,14 @@ def triton_decode() -> tuple[int, int, bool]:
     and whether it is a programmatic dependent launch, starting while the qkv projection
     finishes (PRISM_TRITON_SPLITS, default 16; PRISM_TRITON_STAGES, default 3;
     PRISM_TRITON_PDL, default 0)."""
-    pdl = os.environ.get("PRISM_TRITON_PDL", "0") not in ("0", "false", "no", "")
+    pdl = _flag("PRISM_TRITON_PDL", False)
     return _int("PRISM_TRITON_SPLITS", 16), _int("PRISM_TRITON_STAGES", 3), pdl
 
 
 def fused_rope_write() -> bool:
     """Decode steps rotate q and k and write K/V in one Triton kernel (PRISM_ROPE_WRITE,
     default 1; 0: FlashInfer's rope, then an indexed store)."""
-    return os.environ.get("PRISM_ROPE_WRITE", "1") not in ("0", "false", "no")
+    return _flag("PRISM_ROPE_WRITE", True)
 
 
 def l2_prefetch_mib() -> tuple[int, int, int]:
@@ -108,13 +116,13 @@ def l2_prefetch_mib() -> tuple[int, int, int]:
 def l2_prefetch_inline() -> bool:
     """The attention window's L2 prefetch asked by the Triton decode kernel itself, where it
     runs the step (PRISM_L2_PREFETCH_INLINE, default 0: a kernel on a side stream)."""
-    return os.environ.get("PRISM_L2_PREFETCH_INLINE", "0") not in ("0", "false", "no", "")
+    return _flag("PRISM_L2_PREFETCH_INLINE", False)
 
 
 def l2_prefetch_keep() -> bool:
     """What the L2 prefetches ask for is the last the L2 evicts, an evict_last policy
     (PRISM_L2_PREFETCH_KEEP, default 0: the L2's usual policy)."""
-    return os.environ.get("PRISM_L2_PREFETCH_KEEP", "0") not in ("0", "false", "no", "")
+    return _flag("PRISM_L2_PREFETCH_KEEP", False)
 
 
 def triton_step_ops() -> bool:
@@ -122,19 +130,19 @@ def triton_step_ops() -> bool:
     through Prism's Triton kernels, not FlashInfer's (PRISM_TRITON_STEP_OPS, default 0); with
     PRISM_TRITON_PDL they start while the GEMM before them finishes, and with
     PRISM_L2_PREFETCH_INLINE they ask the L2 for the next weights themselves."""
-    return os.environ.get("PRISM_TRITON_STEP_OPS", "0") not in ("0", "false", "no", "")
+    return _flag("PRISM_TRITON_STEP_OPS", False)
 
 
 def ragged_prefill() -> bool:
     """Steps of fresh prompts attend over their own K/V tensors, not the paged cache
     (PRISM_RAGGED_PREFILL, default 1)."""
-    return os.environ.get("PRISM_RAGGED_PREFILL", "1") not in ("0", "false", "no")
+    return _flag("PRISM_RAGGED_PREFILL", True)
 
 
 def piecewise_graphs() -> bool:
     """Capture piecewise CUDA graphs for the steps decode graphs cannot run: prefill chunks,
     mixed batches (PRISM_PIECEWISE_GRAPHS, default 1)."""
-    return os.environ.get("PRISM_PIECEWISE_GRAPHS", "1") not in ("0", "false", "no")
+    return _flag("PRISM_PIECEWISE_GRAPHS", True)
 
 
 def piecewise_max_tokens() -> int | None:

@@ -167,11 +167,10 @@ def default_attention(
 def _prefetcher(model, device: torch.device, resources: DeviceResources | None):
     """The model's L2 prefetches for its decode graphs, where the kernels choose them and they
     can run here (else None, and why in the log)."""
-    mib = resources.kernels.l2_prefetch_mib if resources is not None else (0, 0, 0)
-    if not any(mib):
+    if resources is None or not any(resources.kernels.l2_prefetch_mib):
         return None
     k = resources.kernels
-    budgets = tuple(n << 20 for n in mib)
+    budgets = tuple(n << 20 for n in k.l2_prefetch_mib)
     prefetcher, why = load_prefetcher(
         model, device, budgets, k.l2_prefetch_inline, k.l2_prefetch_keep
     )
@@ -192,8 +191,7 @@ def _step_ops(device: torch.device, resources: DeviceResources | None):
     if resources is None or not resources.kernels.triton_step_ops:
         return None
     k = resources.kernels
-    inline = k.l2_prefetch_inline and any(k.l2_prefetch_mib)
-    ops, why = load_step_ops(device, k.triton_pdl, inline, k.l2_prefetch_keep)
+    ops, why = load_step_ops(device, k.triton_pdl, k.l2_prefetch_in_kernels, k.l2_prefetch_keep)
     if ops is None:
         log.warning("%s: decode graphs keep FlashInfer's norms and activation: %s", device, why)
     return ops

@@ -148,6 +148,12 @@ class KernelChoice:
                 "tensor-core decode kernel"
             )
 
+    @property
+    def l2_prefetch_in_kernels(self) -> bool:
+        """Whether kernels that can (the Triton decode and step kernels) ask the L2 for the
+        next weights themselves."""
+        return self.l2_prefetch_inline and any(self.l2_prefetch_mib)
+
     def decode_plan_kwargs(self, graph: bool = False) -> dict:
         """The decode plan's split-kv keywords for this choice, for eager steps: a graph is
         always planned by FlashInfer's planner (a captured graph keeps the kernel its capture
@@ -392,7 +398,7 @@ class FlashInferBackend:
             max_splits=self.kernels.triton_max_splits,
             stages=self.kernels.triton_stages,
             pdl=self.kernels.triton_pdl,
-            prefetch=self.kernels.l2_prefetch_inline and any(self.kernels.l2_prefetch_mib),
+            prefetch=self.kernels.l2_prefetch_in_kernels,
             l2_keep=self.kernels.l2_prefetch_keep,
         )
         if why is not None:

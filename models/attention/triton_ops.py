@@ -64,6 +64,17 @@ if _triton() is not None:
     import triton
     import triton.language as tl
 
+    # one bulk prefetch of $2 bytes at $1 where $2 is not 0; with an evict_last policy (KEEP)
+    _ASK = tl.constexpr(
+        "{ .reg .pred p; setp.ne.s32 p, $2, 0; "
+        "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }"
+    )
+    _ASK_KEEP = tl.constexpr(
+        "{ .reg .pred p; .reg .b64 keep; setp.ne.s32 p, $2, 0; "
+        "createpolicy.fractional.L2::evict_last.b64 keep, 1.0; "
+        "@p cp.async.bulk.prefetch.L2.global.L2::cache_hint [$1], $2, keep; mov.u32 $0, 0; }"
+    )
+
     @triton.jit
     def ask_l2(
         pid, nprog, a0, n0, a1, n1, chunk, out_ptr,
@@ -85,28 +96,16 @@ if _triton() is not None:
         if DRY:
             tl.store(out_ptr + 2 * c, addr)
             tl.store(out_ptr + 2 * c + 1, size.to(tl.int64))
-        elif KEEP:
-            tl.inline_asm_elementwise(
-                "{ .reg .pred p; .reg .b64 keep; setp.ne.s32 p, $2, 0; "
-                "createpolicy.fractional.L2::evict_last.b64 keep, 1.0; "
-                "@p cp.async.bulk.prefetch.L2.global.L2::cache_hint [$1], $2, keep; "
-                "mov.u32 $0, 0; }",
-                "=r,l,r",
-                [addr, size],
-                dtype=tl.int32,
-                is_pure=False,
-                pack=1,
-            )
         else:
             tl.inline_asm_elementwise(
-                "{ .reg .pred p; setp.ne.s32 p, $2, 0; "
-                "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+                _ASK_KEEP if KEEP else _ASK,
                 "=r,l,r",
                 [addr, size],
                 dtype=tl.int32,
                 is_pure=False,
                 pack=1,
             )
+
 else:
     ask_l2 = None  # no Triton: no kernel here runs (triton_runs_on)
 
@@ -357,7 +356,30 @@ def rope_write(
 MAX_SPLITS = 16
 PF_BLOCK = 128  # a program's threads (4 warps): one L2 prefetch each, at most
 PF_CHUNK = 16 << 10  # the fewest bytes a prefetch instruction asks for
+ASKS_PER_PROGRAM = 32  # L2 prefetches a program of a kernel that sizes its grid for them
 MAX_BATCH_TICKETS = 1024  # sequences a step of the kernel below may hold, times KV heads
+
+
+def bulk_prefetch_runs_on(device: torch.device) -> bool:
+    """Whether the kernels here can ask the L2 for bytes on `device` (ask_l2: Hopper's bulk
+    prefetch; the same for their programmatic dependent launches)."""
+    return (
+        triton_runs_on(device)
+        and device.type == "cuda"
+        and torch.cuda.get_device_capability(device) >= (9, 0)
+    )
+
+
+def ask_programs(ranges, chunk: int = PF_CHUNK) -> int:
+    """Programs enough for two (address, bytes) ranges in `chunk`-byte asks, ASKS_PER_PROGRAM a
+    program."""
+    asks = sum(-(-n // chunk) for _, n in ranges)
+    return -(-asks // ASKS_PER_PROGRAM)
+
+
+def prefetch_mode(asked: bool, keep: bool) -> int:
+    """A kernel's PREFETCH: 0, none; 1, bytes asked of the L2; 2, asked to be evicted last."""
+    return (1 + keep) if asked else 0
 
 
 def prefetch_chunk(total: int, threads: int) -> int:
@@ -399,7 +421,7 @@ class TritonDecodeKernel:
         self.group = num_qo_heads // num_kv_heads
         self.max_splits, self.stages = min(max_splits, MAX_SPLITS), stages
         # (programmatic dependent launches are Hopper's on: elsewhere the kernel launches plainly)
-        hopper = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+        hopper = bulk_prefetch_runs_on(device)
         self.pdl = pdl and hopper
         self.takes_prefetch = hopper  # the weights the step reads next, asked of the L2
         self.l2_keep = l2_keep
@@ -463,7 +485,7 @@ class TritonDecodeKernel:
             MAX_SPLITS=MAX_SPLITS, G_P2=_pow2(self.group),
             MERGE_D=min(dim, max(16, 8192 // (MAX_SPLITS * _pow2(self.group)))),
             ROPE=new is not None, SPLIT=nsplit > 1, PDL=self.pdl,
-            PREFETCH=0 if prefetch is None else 1 + self.l2_keep, PF_BLOCK=PF_BLOCK,
+            PREFETCH=prefetch_mode(prefetch is not None, self.l2_keep), PF_BLOCK=PF_BLOCK,
             num_warps=PF_BLOCK // 32, num_stages=self.stages,
             **({"launch_pdl": True} if self.pdl else {}),
         )  # fmt: skip

@@ -27,10 +27,18 @@ import functools
 import torch
 from torch import nn
 
-from models.attention.triton_ops import ask_l2, interpreting  # noqa: F401 (the kernel's)
+from models.attention.triton_ops import (  # noqa: F401 (ask_l2: the kernel's)
+    ASKS_PER_PROGRAM,
+    PF_CHUNK,
+    ask_l2,
+    ask_programs,
+    bulk_prefetch_runs_on,
+    interpreting,
+    prefetch_mode,
+)
 
-CHUNK = 16 << 10  # bytes one prefetch instruction asks for
-BLOCK = 32  # chunks a program issues: one a thread of its one warp
+CHUNK = PF_CHUNK  # bytes one prefetch instruction asks for
+BLOCK = ASKS_PER_PROGRAM  # chunks a program issues: one a thread of its one warp
 
 
 def _kernel():
@@ -60,11 +68,6 @@ def _build(interpret: bool):
 Range = tuple[int, int]  # (address, bytes): 16-byte aligned, a multiple of 16 bytes
 
 
-def _programs(ranges: tuple[Range, Range], chunk: int = CHUNK) -> int:
-    chunks = sum(-(-n // chunk) for _, n in ranges)
-    return -(-chunks // BLOCK)
-
-
 def _launch(
     ranges: tuple[Range, Range],
     prefetch: bool,
@@ -74,8 +77,8 @@ def _launch(
 ) -> None:
     """prefetch: ask the L2 (keep: to evict these lines last), else write the chunks to out."""
     (a0, n0), (a1, n1) = ranges
-    mode = (1 + keep) if prefetch else 0
-    _kernel()[(_programs(ranges, chunk),)](
+    mode = prefetch_mode(prefetch, keep)
+    _kernel()[(ask_programs(ranges, chunk),)](
         a0, n0, a1, n1, out, CHUNK=chunk, BLOCK=BLOCK, PREFETCH=mode, num_warps=1
     )
 
@@ -85,7 +88,7 @@ def chunks(ranges: list[Range], device="cpu") -> list[tuple[int, int]]:
     without the prefetch writes them out (that build runs under Triton's interpreter)."""
     got = []
     for pair in _pairs(ranges):
-        out = torch.zeros(_programs(pair) * BLOCK, 2, dtype=torch.int64, device=device)
+        out = torch.zeros(ask_programs(pair) * BLOCK, 2, dtype=torch.int64, device=device)
         _launch(pair, False, out)
         got += [(a, n) for a, n in out.tolist() if n]
     return got
@@ -213,21 +216,16 @@ def load_prefetcher(
     why it cannot run (not CUDA, before Hopper, no Triton, a kernel that fails, nothing to ask)."""
     if device.type != "cuda":
         return None, "not a CUDA device"
-    if torch.cuda.get_device_capability(device) < (9, 0):
-        return None, "the bulk L2 prefetch needs Hopper (compute capability 9.0) or later"
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return None, "Triton is not installed"
+    if not bulk_prefetch_runs_on(device):
+        return None, "the bulk L2 prefetch needs Triton, and Hopper (compute capability 9.0) on"
     try:
         p = L2Prefetcher(model, device, budgets, inline, keep)
         if not p.plans:
             return None, "nothing to ask: no budget, or no layer with the projections planned"
-        with torch.cuda.device(device):
-            for module in p.plans:
-                p.issue(module)
-            p.join()
-            torch.cuda.synchronize(device)
+        for module in p.plans:
+            p.issue(module)
+        p.join()
+        torch.cuda.synchronize(device)
     except Exception as e:  # noqa: BLE001 (a kernel that does not build here: go without)
         return None, f"its kernel failed ({type(e).__name__}: {str(e)[:200]})"
     return p, None

@@ -20,9 +20,16 @@ import functools
 
 import torch
 
-from models.attention.triton_ops import PF_CHUNK, _pow2, ask_l2, interpreting  # noqa: F401
-
-ASKS_PER_PROGRAM = 32  # at most this many L2 prefetches a program (riders spread the rest)
+from models.attention.triton_ops import (  # noqa: F401 (ask_l2: the kernels')
+    PF_CHUNK,
+    _pow2,
+    ask_l2,
+    ask_programs,
+    bulk_prefetch_runs_on,
+    interpreting,
+    prefetch_mode,
+    triton_runs_on,
+)
 
 
 @functools.cache
@@ -85,15 +92,15 @@ Pair = tuple[tuple[int, int], tuple[int, int]]  # two (address, bytes) ranges
 
 def _grid(work: int, prefetch: Pair | None) -> tuple[int, int, int, int, int]:
     """Programs for `work` programs of the op and the asks of `prefetch` (riders beyond the
-    op's own, so that no program asks for more than ASKS_PER_PROGRAM chunks), and the ranges
-    as kernel arguments."""
-    (a0, n0), (a1, n1) = prefetch or ((0, 0), (0, 0))
-    asks = -(-n0 // PF_CHUNK) + -(-n1 // PF_CHUNK)
-    return max(work, -(-asks // ASKS_PER_PROGRAM)), a0, n0, a1, n1
+    op's own, so that no program asks for more than ASKS_PER_PROGRAM chunks: ask_programs),
+    and the ranges as kernel arguments."""
+    ranges = prefetch or ((0, 0), (0, 0))
+    (a0, n0), (a1, n1) = ranges
+    return max(work, ask_programs(ranges)), a0, n0, a1, n1
 
 
 def _options(warps: int, pdl: bool, prefetch: Pair | None, keep: bool) -> dict:
-    mode = 0 if prefetch is None else 1 + keep  # PREFETCH: none, asked, asked to be kept
+    mode = prefetch_mode(prefetch is not None, keep)
     opts = dict(PDL=pdl, PREFETCH=mode, PF_BLOCK=32 * warps, PF_CHUNK=PF_CHUNK)
     return {**opts, "num_warps": warps, **({"launch_pdl": True} if pdl else {})}
 
@@ -176,11 +183,9 @@ def load_step_ops(
 ) -> tuple[StepOps | None, str | None]:
     """The step kernels for `device`, built and checked there against the torch reference (a
     row of each, with PDL and an L2 prefetch when asked and on Hopper), or None and why not."""
-    from models.attention.triton_ops import triton_runs_on
-
     if not triton_runs_on(device):
         return None, "Triton does not run here"
-    hopper = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+    hopper = bulk_prefetch_runs_on(device)
     ops = StepOps(pdl and hopper, prefetch and hopper, keep)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     try:
