@@ -64,6 +64,7 @@ class Gemma3Model(nn.Module):
         rope_local = self.rotary_emb_local(positions)
         for layer in self.layers:
             x = layer(x, rope_local if layer.is_sliding else rope_full, ctx)
+        ctx.prefetch(self.norm)  # the lm_head's weights into the L2 while the final norm runs
         return self.norm(x)
 
 

@@ -22,6 +22,7 @@ import argparse
 import gc
 import itertools
 import json
+import logging
 import re
 import statistics
 import sys
@@ -627,6 +628,9 @@ def main() -> None:
         help="with --speed-only: decode TPOT and where its time goes, no prefill",
     )
     args = ap.parse_args()
+    # which kernels the engines took, and any that fell back (the model runner's choices)
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    logging.getLogger("prism_server.model_runner").setLevel(logging.INFO)
 
     def save(key: str, value) -> None:  # after every section: a killed run keeps what it got
         RESULTS[key] = value

@@ -10,6 +10,10 @@
 #                                                    # of 15 MiB (the most a call returns per file)
 #   bash scripts/fi_kernels.sh join DIR              # here: the parts a call returned in DIR ->
 #                                                    # .fiaot/fi_aot.tar.xz (about 60% of gzip's size)
+#   bash scripts/fi_kernels.sh build [SHAPE ...]     # here, no GPU needed: prefill modules (fa3's by
+#                                                    # default) compiled with nvcc of the GPU machine's
+#                                                    # CUDA release, added to .fiaot/fi_aot.tar.xz
+#                                                    # (scripts/fi_prebuild.py; toolchain in .fibuild/)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
@@ -34,6 +38,31 @@ case "${1:-}" in
     tar -czf - -C "$stage" . | split -b 15m -d - "$out/fi_aot.tgz.part"
     ls -la "$out"/fi_aot.tgz.part*
     ;;
+  build)
+    shift
+    cuda=${FI_CUDA_RELEASE:-13.0}  # the GPU machine's nvcc (../shared/device/README.md)
+    site=$PWD/.fibuild/site
+    wheel=$(ls .whl/flashinfer_python-*.whl 2>/dev/null | head -1)
+    [ -n "$wheel" ] || { echo "no FlashInfer wheel in .whl/ (../shared/device/fetch_wheels.sh .whl)"; exit 1; }
+    [ -x .venv/bin/python ] || { echo "no .venv: bash scripts/install.sh first"; exit 1; }
+    if [ ! -x "$site/nvidia/cu13/bin/nvcc" ]; then
+      .venv/bin/python -m pip install -q --target "$site" --no-deps "$wheel"
+      .venv/bin/python -m pip install -q --target "$site" nvidia-ml-py ninja einops tabulate \
+        "nvidia-cuda-nvcc==$cuda.*" "nvidia-cuda-crt==$cuda.*" "nvidia-nvvm==$cuda.*" \
+        "nvidia-cuda-runtime==$cuda.*" "nvidia-cuda-cccl==$cuda.*" "nvidia-curand<10.5"
+      # the layout FlashInfer's link line expects: lib64/, an unversioned libcudart, and a libcuda
+      # to link against (no driver here; the module resolves it where it runs)
+      cu=$site/nvidia/cu13
+      ln -sfn lib "$cu/lib64"
+      ln -sf libcudart.so.13 "$cu/lib/libcudart.so"
+      mkdir -p "$cu/lib/stubs"
+      echo "" | gcc -shared -fPIC -Wl,-soname,libcuda.so.1 -x c -o "$cu/lib/stubs/libcuda.so" -
+    fi
+    CUDA_HOME=$site/nvidia/cu13 PATH=$site/bin:$site/nvidia/cu13/bin:$PATH PYTHONPATH=$site \
+      LD_LIBRARY_PATH=$site/nvidia/cu13/lib FLASHINFER_CUDA_ARCH_LIST=9.0a \
+      FLASHINFER_WORKSPACE_BASE=$PWD/.fibuild MAX_JOBS=${MAX_JOBS:-$(nproc)} \
+      .venv/bin/python scripts/fi_prebuild.py "$@"
+    ;;
   join)
     mkdir -p .fiaot
     cat "$2"/fi_aot.tgz.part* | gzip -dc | xz -9e -T2 > .fiaot/fi_aot.tar.xz.new
@@ -42,6 +71,6 @@ case "${1:-}" in
     ls -la .fiaot
     ;;
   *)
-    sed -n 2,12p "$0"; exit 2
+    sed -n 2,16p "$0"; exit 2
     ;;
 esac

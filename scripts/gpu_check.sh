@@ -83,7 +83,8 @@ if [ "$quick" = "--decode" ]; then
       t0=$SECONDS
       env ${choice//,/ } timeout 330 python3 scripts/bench_gpu_engine.py --speed-only ${KERNELS_ARGS:-} \
         --json "$OUT/engine-${choice//[=,]/-}.json" 2>&1 \
-        | grep -E "decode B=|B=1[6]?: step|prefill|tokens: wall" | sed "s/^/$choice: /"
+        | grep -E "decode B=|B=1[6]?: step|prefill|tokens: wall|the L2|through FlashInfer|plainly|norms and act" \
+        | sed "s/^/$choice: /"
       echo "$choice: $((SECONDS - t0)) s"
     done
   fi

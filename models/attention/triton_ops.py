@@ -185,17 +185,19 @@ def _build_kernels(interpret: bool):
         d = tl.arange(0, D)
         hd = tl.arange(0, D // 2)
         heads = hk * G + g
-        # what does not depend on the length first, so these loads overlap the length's: the
-        # rope table; then (after the previous kernel, which writes them, with PDL) q in two
-        # halves (rope's), and with ROPE the step's own k and v (every split loads them; the
-        # one holding the step's token stores and adds them)
+        # what no kernel of the step writes first (the slots and lengths, uploaded before the
+        # step); with PDL, then the wait for the kernels before (the qkv projection, and the
+        # step's rope table, which may be made right before this kernel); then what they wrote:
+        # the rope table, q in two halves (rope's), and with ROPE the step's own k and v (every
+        # split loads them; the one holding the step's token stores and adds them)
+        if ROPE:
+            slot = tl.load(slots_ptr + b)
+        length = tl.load(lens_ptr + b)
+        if PDL:  # launched while the previous kernel finishes: wait now
+            tl.extra.cuda.gdc_wait()
         if ROPE:
             cos = tl.load(table_ptr + b * st_r + hd)
             sin = tl.load(table_ptr + b * st_r + D // 2 + hd)
-            slot = tl.load(slots_ptr + b)
-        length = tl.load(lens_ptr + b)
-        if PDL:  # launched while the previous kernel (the qkv projection) finishes: wait now
-            tl.extra.cuda.gdc_wait()
         q_at = q_ptr + b * sq_b + heads[:, None] * sq_h + hd[None, :]
         q1_in = tl.load(q_at, mask=gm[:, None], other=0.0)
         q2_in = tl.load(q_at + D // 2, mask=gm[:, None], other=0.0)

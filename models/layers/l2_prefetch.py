@@ -187,11 +187,11 @@ class L2Prefetcher:
         if not pairs:
             return
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        self._open = True  # forked: joined even if a launch below raises
         # (Triton launches on the current device's current stream: both made the model's)
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             for pair in pairs:
                 _launch(pair, True, self._out, keep=self.keep)
-        self._open = True
 
     def pair(self, module: nn.Module) -> tuple[Range, Range] | None:
         """module's point as the one pair of ranges a kernel takes (None: none, or more)."""

@@ -1,7 +1,8 @@
 """The L2 prefetches on the GPU: the bulk prefetch instruction builds and runs (Hopper), the
 decode kernel asks for ranges and gives the same output, and decode graphs that capture the
 prefetches (on their side stream, or some inside the decode kernel) replay the same logits, bit
-for bit, as the same graphs without them (cache hints only)."""
+for bit, as the same graphs without them (cache hints only). And the kernels launched as
+programmatic dependent launches read what the kernel before them wrote."""
 
 from __future__ import annotations
 
@@ -130,3 +131,75 @@ def test_the_step_ops_are_flashinfers_kernels():
         gu = torch.randn(rows, 2 * 14336, device="cuda", generator=g).bfloat16()
         want = flashinfer.activation.silu_and_mul(gu)
         torch.testing.assert_close(step_ops.silu_mul(gu, pair), want, rtol=2**-7, atol=1e-3)
+
+
+def slow_write(out: torch.Tensor, gen: torch.Generator) -> None:
+    """out = a @ b, b of 256 MiB: a GEMM of about a tenth of a millisecond, the kernel right
+    before the one under test, writing that kernel's input late."""
+    rows, cols = out.shape
+    inner = (256 << 20) // (cols * out.element_size())
+    a = torch.randn(rows, inner, device="cuda", generator=gen, dtype=out.dtype)
+    b = torch.randn(inner, cols, device="cuda", generator=gen, dtype=out.dtype) / inner**0.5
+    torch.cuda.synchronize()  # (its inputs made before the pair under test)
+    torch.mm(a, b, out=out)
+
+
+def test_pdl_kernels_read_what_the_kernel_before_them_wrote():
+    """A programmatic dependent launch may start while the kernel before it runs; it must read
+    what that kernel writes only after its wait. Here that kernel is a slow GEMM writing the
+    input last (q; the rope table; x of add + RMSNorm; gate-up of the activation), into zeros:
+    each PDL kernel's output is the plain launch's, bit for bit, every time."""
+    from models.layers import triton_step_ops
+
+    hq, hkv, d, b = 32, 8, 128, 4
+    md, cache = decode_step([700, 64, 1500, 3], hkv, d, torch.Generator("cuda").manual_seed(5))
+    spec = LayerAttention(scale=d**-0.5)
+    tables, lens = md.block_tables, md.seq_lens.view(-1, 1)
+    kernels = {
+        pdl: triton_ops.TritonDecodeKernel(hq, hkv, d, BLOCK, torch.device("cuda"), pdl=pdl)
+        for pdl in (False, True)
+    }
+    assert kernels[True].pdl
+    ops = {pdl: triton_step_ops.StepOps(pdl=pdl) for pdl in (False, True)}
+    w = torch.randn(4096, device="cuda").bfloat16()
+    for it in range(8):
+        got = {}
+        for pdl in (False, True):
+            g = torch.Generator(device="cuda").manual_seed(it)
+            rows = torch.zeros(b, (hq + 2 * hkv) * d, device="cuda", dtype=torch.bfloat16)
+            slow_write(rows, g)  # q, k, v: the qkv projection
+            q, k, v = rows.split([hq * d, hkv * d, hkv * d], dim=-1)
+            q, k, v = q.view(b, hq, d), k.view(b, hkv, d), v.view(b, hkv, d)
+            plain_q = kernels[pdl](q, cache, tables, lens, spec)
+            c, table = cache.clone(), torch.zeros(b, d, device="cuda")
+            slow_write(table, g)  # the step's rope table, made right before the kernel
+            roped = kernels[pdl](q, c, tables, lens, spec, (k, v, table, md.slot_mapping))
+            x = torch.zeros(16, 4096, device="cuda", dtype=torch.bfloat16)
+            r = torch.ones(16, 4096, device="cuda", dtype=torch.bfloat16)
+            slow_write(x, g)
+            ops[pdl].add_rmsnorm(x, r, w, 1e-5)
+            gu = torch.zeros(16, 2 * 14336, device="cuda", dtype=torch.bfloat16)
+            slow_write(gu, g)
+            act = ops[pdl].silu_mul(gu)
+            torch.cuda.synchronize()
+            got[pdl] = (plain_q, roped, c, x, r, act)
+        for plain, pdl_out in zip(got[False], got[True]):
+            assert torch.equal(plain, pdl_out)
+    assert not kernels[True].tickets.any()
+
+
+def test_a_small_grid_asks_more_than_16_kib_a_thread():
+    """Batch 1 over one program a KV head: 128 threads ask 96 MiB, each past PF_CHUNK."""
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    md, cache = decode_step([300], 8, 128, gen)
+    kernel = triton_ops.TritonDecodeKernel(32, 8, 128, BLOCK, torch.device("cuda"), max_splits=1)
+    assert kernel.splits(1, md.block_tables.shape[1] * BLOCK) == 1
+    assert triton_ops.prefetch_chunk(96 << 20, 8 * triton_ops.PF_BLOCK) > triton_ops.PF_CHUNK
+    q = torch.randn(1, 32, 128, device="cuda", generator=gen).bfloat16()
+    spec = LayerAttention(scale=128**-0.5)
+    weights = torch.randn(48 << 20, device="cuda", dtype=torch.bfloat16)
+    tables, lens = md.block_tables, md.seq_lens.view(-1, 1)
+    plain = kernel(q, cache, tables, lens, spec)
+    asked = kernel(q, cache, tables, lens, spec, prefetch=((weights.data_ptr(), 96 << 20), (0, 0)))
+    assert torch.equal(asked, plain)
+    torch.cuda.synchronize()

@@ -83,7 +83,7 @@ def test_gemma_layers_are_planned_too():
     with torch.device("meta"):
         model = get_model_class(cfg.hf_architecture)(cfg)
     plans = prefetch_plans(model, 1 << 20, 1 << 20, 1 << 20)
-    assert len(plans) == 3 * cfg.num_layers + 1  # and the final norm, issued by no forward
+    assert len(plans) == 3 * cfg.num_layers + 1  # and the final norm
     kinds = {type(m).__name__ for m in plans}
     assert kinds == {"Gemma3DecoderLayer", "SelfAttention", "GatedMLP", "RMSNorm"}
 
@@ -173,3 +173,53 @@ def test_the_decode_kernel_takes_no_prefetch_off_hopper():
     spec = LayerAttention(scale=1.0)
     with pytest.raises(AssertionError, match="needs Hopper"):
         kernel(q, cache, tables, lens, spec, prefetch=((1 << 40, 4096), (0, 0)))
+
+
+def tiny_gemma():
+    hf = get_preset("gemma-3-1b")
+    hf.update(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=32, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"], torch_dtype="float32",
+    )  # fmt: skip
+    cfg = ModelConfig.from_hf(hf)
+    torch.manual_seed(0)
+    return cfg, get_model_class(cfg.hf_architecture)(cfg)
+
+
+class FailingAttention(TorchPagedAttention):
+    """The reference attention until layer `at`, which raises."""
+
+    def __init__(self, at, *a):
+        super().__init__(*a)
+        self.at = at
+
+    def forward(self, layer_idx, q, k, v, spec, prefetch=None):
+        if layer_idx == self.at:
+            raise RuntimeError("a kernel failed")
+        return super().forward(layer_idx, q, k, v, spec)
+
+
+@torch.no_grad()
+def test_gemma_issues_every_point_and_a_failed_forward_still_joins():
+    cfg, lm = tiny_gemma()
+    bs = 4
+    caches = [torch.zeros(3, 2, bs, cfg.num_kv_heads, cfg.head_dim) for _ in range(cfg.num_layers)]
+    ids = torch.tensor([5, 17, 200])
+    md = AttentionMetadata.build([SeqChunk(0, 3, [1])], bs, torch.device("cpu"))
+    layers = lm.model.layers
+    every = [m for la in layers for m in (la, la.self_attn, la.mlp)] + [lm.model.norm, "join"]
+    assert set(every[:-1]) == set(prefetch_plans(lm, 1 << 10, 1 << 10, 1 << 10))
+    rec = Recorder()
+    lm(ids, torch.arange(3), ForwardContext(attn=TorchPagedAttention(caches, md), prefetcher=rec))
+    assert rec.calls == every
+    # a step that raises between the fork and the join still joins (a capture would fail on
+    # the unjoined side stream, hiding the step's own error)
+    rec = Recorder()
+    with pytest.raises(RuntimeError, match="a kernel failed"):
+        lm(
+            ids,
+            torch.arange(3),
+            ForwardContext(attn=FailingAttention(1, caches, md), prefetcher=rec),
+        )
+    assert rec.calls == every[:5] + ["join"]  # layer 1's attention point issued, then it raised
