@@ -135,6 +135,8 @@ KERNELS = {
     "flashinfer-decode": KernelChoice(decode_backend=FI),
     "cuda-core-decode": KernelChoice(decode_tensor_cores=False, decode_backend=FI),
     "fa3-prefill": KernelChoice(prefill_backend="fa3"),
+    # FlashInfer's choice: fa3 on Hopper where it has the head_dim (these cases), else fa2
+    "fa3-auto-prefill": KernelChoice(prefill_backend="auto"),
     "paged-fresh": KernelChoice(ragged_prefill=False),
     "decode-no-split": KernelChoice(decode_split_pages=0, decode_backend=FI),
     "decode-split-4": KernelChoice(decode_split_pages=4, decode_backend=FI),
@@ -151,6 +153,7 @@ TOUCHES = {  # the kinds of step each choice changes
     "flashinfer-decode": {"decode", "graph-decode"},
     "cuda-core-decode": {"decode", "graph-decode"},
     "fa3-prefill": {"mixed", "fresh"},
+    "fa3-auto-prefill": {"mixed", "fresh"},
     "paged-fresh": {"fresh"},
     "decode-no-split": {"decode", "graph-decode"},
     "decode-split-4": {"decode", "graph-decode"},
