@@ -14,15 +14,24 @@ beside the reference it is judged by, all measured in this run (DESIGN.md §7).
     python3 scripts/bench_gpu_engine.py [--json out.json] [--skip-hf] [--skip-append]
     PRISM_PREFILL_BACKEND=fa3 python3 scripts/bench_gpu_engine.py --speed-only   # a kernel choice
     PRISM_TRITON_PDL=1 python3 scripts/bench_gpu_engine.py --speed-only --decode-only  # decode
+    python3 scripts/bench_gpu_engine.py --choices "PRISM_TRITON_PDL=1 PRISM_L2_PREFETCH=48:12:12"
+
+--choices: decode under several kernel choices (each PRISM_* settings joined by commas; the
+defaults are measured too, first), one engine at a time in this one process, in rounds (ABC ABC:
+drift and noise fall on every choice alike): each round's TPOT and graph replay at batches 1 and
+16, their medians, and in the first round where a B=1 replay's kernel time goes. The settings
+must be ones the engine reads as it starts (PRISM_*; not CUBLASLT_*, read once a process).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import itertools
 import json
 import logging
+import os
 import re
 import statistics
 import sys
@@ -605,6 +614,95 @@ def kv_write() -> dict:
     return out
 
 
+def parse_choice(text: str) -> dict[str, str]:
+    """'PRISM_A=1,PRISM_B=x' -> its settings ('default': none)."""
+    if text == "default":
+        return {}
+    settings = dict(kv.split("=", 1) for kv in text.split(","))
+    if not all(k.startswith("PRISM_") for k in settings):
+        raise SystemExit(f"{text}: only PRISM_* settings can change between engines of a process")
+    return settings
+
+
+@contextlib.contextmanager
+def environment(settings: dict[str, str]):
+    old = {k: os.environ.get(k) for k in settings}
+    os.environ.update(settings)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def decode_choices(choices: list[str], rounds: int) -> dict:
+    """Each choice's engine built, measured and closed in turn, `rounds` times over."""
+    out: dict = {c: {"rounds": []} for c in choices}
+    for r in range(rounds):
+        for c in choices:
+            free0 = torch.cuda.mem_get_info()[0]
+            t = time.perf_counter()
+            try:
+                with environment(parse_choice(c)):
+                    engine = make_engine()
+            except Exception as e:  # this choice cannot run here: the others still do
+                traceback.print_exc()
+                out[c].setdefault("errors", []).append(f"{type(e).__name__}: {e}")
+                continue
+            load_s = time.perf_counter() - t
+            try:
+                run_batch(engine, [prompt(64, 0), prompt(64, 1)], 4)  # warm-up
+                got = {"load_s": load_s}
+                for b, n in ((1, 128), (16, 64)):
+                    got[f"tpot_b{b}_ms"] = run_batch(
+                        engine, [prompt(1024, 100 + i) for i in range(b)], n
+                    )["tpot_ms"]
+                for b in (1, 16):
+                    prof = profile_decode(engine, b) if r == 0 or b == 1 else None
+                    if prof is None:
+                        continue
+                    got[f"replay_b{b}_ms"] = prof["graph_replay_ms"]
+                    if r == 0:
+                        out[c][f"kernels_b{b}"] = prof["kernel_ms_per_step"]
+                        out[c][f"kernel_counts_b{b}"] = prof["kernels_per_step"]
+            finally:
+                engine.close()
+                del engine
+                gc.collect()
+                torch.cuda.empty_cache()
+            leak = (free0 - torch.cuda.mem_get_info()[0]) / GiB
+            got["device_memory_not_returned_gib"] = leak
+            out[c]["rounds"].append(got)
+            print(
+                f"   [{c}] round {r + 1}: TPOT B=1 {got['tpot_b1_ms']:.3f} ms, B=16 "
+                f"{got['tpot_b16_ms']:.3f} ms; B=1 replay {got.get('replay_b1_ms', 0):.3f} ms"
+                f"{f'; {leak:.2f} GiB not returned' if leak > 0.5 else ''}"
+            )
+    print("   choice: TPOT B=1 / B=16, B=1 replay (medians of the rounds; x the default's)")
+    keys = ("tpot_b1_ms", "tpot_b16_ms", "replay_b1_ms")
+    for c in choices:
+        got = out[c]["rounds"]
+        med = {
+            k: statistics.median(g[k] for g in got)
+            for k in keys
+            if got and all(k in g for g in got)
+        }
+        out[c]["median"] = med
+        base = out[choices[0]].get("median", {})
+        if len(med) < len(keys):
+            print(f"   {c}: not measured ({'; '.join(out[c].get('errors', [])) or 'see above'})")
+            continue
+        ratios = " / ".join(f"x{med[k] / base[k]:.3f}" if k in base else "-" for k in keys)
+        print(
+            f"   {c}: {med['tpot_b1_ms']:.3f} / {med['tpot_b16_ms']:.3f} ms, "
+            f"{med['replay_b1_ms']:.3f} ms ({ratios})"
+        )
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", type=Path)
@@ -627,6 +725,12 @@ def main() -> None:
         action="store_true",
         help="with --speed-only: decode TPOT and where its time goes, no prefill",
     )
+    ap.add_argument(
+        "--choices",
+        help="decode under each of these kernel choices (space-separated; settings of one "
+        "joined by commas) beside the defaults, in one process, in rounds",
+    )
+    ap.add_argument("--rounds", type=int, default=2, help="with --choices")
     args = ap.parse_args()
     # which kernels the engines took, and any that fell back (the model runner's choices)
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
@@ -639,6 +743,11 @@ def main() -> None:
 
     save("device", torch.cuda.get_device_name())
     save("ceilings", ceilings())
+    if args.choices:
+        choices = ["default"] + [c for c in args.choices.split() if c != "default"]
+        save("choices", section("kernel choices")(decode_choices)(choices, args.rounds))
+        save("errors", RESULTS["errors"])
+        return
     t = time.perf_counter()
     vmm = section("load (VMM)")(make_engine)()
     save("load_s", time.perf_counter() - t)

@@ -26,6 +26,9 @@
 # All of it takes more than a
 # call's 10 minutes: PARTS picks some of "tests ab engine ttft concurrent prefetch kernels", e.g.
 #   PARTS="tests kernels" KERNELS=PRISM_DECODE_BACKEND=xqa bash scripts/gpu_check.sh --decode
+# PARTS=choices (not in the default set) measures decode under CHOICES, PRISM_* settings only,
+# beside the defaults in one process, in ROUNDS (default 2) interleaved rounds:
+#   PARTS=choices CHOICES="PRISM_TRITON_PDL=1 PRISM_L2_PREFETCH=48:12:12" bash scripts/gpu_check.sh --decode
 # KERNELS_ARGS adds arguments to each choice's engine benchmark (--decode-only: no prefill).
 # TESTS_K selects the tests (pytest -k; default: all of them). fa3's modules come compiled in
 # .fiaot (`bash scripts/fi_kernels.sh build`, no GPU needed); without them, each compiles for
@@ -78,7 +81,14 @@ if [ "$quick" = "--decode" ]; then
   # a GEMM after an idle window, its weight asked of the L2 in the window or not
   part prefetch && timeout 120 python3 scripts/bench_gpu_l2_prefetch.py --json "$OUT/l2.json" 2>&1 \
     | tail -24
-  # the kernel choices beside the default (KERNELS="" skips them)
+  # decode under kernel choices (CHOICES: PRISM_* settings) beside the defaults, one process,
+  # engines built in turn, ROUNDS rounds (ABC ABC), medians and ratios to the defaults last
+  if part choices; then
+    timeout "${CHOICES_TIMEOUT:-560}" python3 scripts/bench_gpu_engine.py --choices "${CHOICES:-}" \
+      --rounds "${ROUNDS:-2}" --json "$OUT/choices.json" 2>&1 | tee "$OUT/choices.log" \
+      | grep -E "^   \[|^   choice:|^   (default|PRISM_)|the L2|through FlashInfer|plainly|norms and act|Error"
+  fi
+  # the kernel choices beside the default, a process each (KERNELS="" skips them)
   if part kernels; then
     for choice in ${KERNELS-PRISM_DECODE_BACKEND=flashinfer PRISM_DECODE_BACKEND=xqa PRISM_ROPE_WRITE=0 CUBLASLT_WORKSPACE_SIZE=1 PRISM_PREFILL_BACKEND=fa3}; do
       t0=$SECONDS
