@@ -18,9 +18,10 @@ beside the reference it is judged by, all measured in this run (DESIGN.md §7).
 
 --choices: decode under several kernel choices (each PRISM_* settings joined by commas; the
 defaults are measured too, first), one engine at a time in this one process, in rounds (ABC ABC:
-drift and noise fall on every choice alike): each round's TPOT and graph replay at batches 1 and
-16, their medians, and in the first round where a B=1 replay's kernel time goes. The settings
-must be ones the engine reads as it starts (PRISM_*; not CUBLASLT_*, read once a process).
+drift and noise fall on every choice alike): each round's TPOT at batches 1, 16 and 64 and graph
+replay at batch 1, their medians, and in the first round where the replay's kernel time goes at
+batches 1 and 16. The settings must be ones the engine reads as it starts (PRISM_*; not
+CUBLASLT_*, read once a process).
 """
 
 from __future__ import annotations
@@ -656,7 +657,7 @@ def decode_choices(choices: list[str], rounds: int) -> dict:
             try:
                 run_batch(engine, [prompt(64, 0), prompt(64, 1)], 4)  # warm-up
                 got = {"load_s": load_s}
-                for b, n in ((1, 128), (16, 64)):
+                for b, n in ((1, 128), (16, 64), (64, 64)):
                     got[f"tpot_b{b}_ms"] = run_batch(
                         engine, [prompt(1024, 100 + i) for i in range(b)], n
                     )["tpot_ms"]
@@ -678,11 +679,12 @@ def decode_choices(choices: list[str], rounds: int) -> dict:
             out[c]["rounds"].append(got)
             print(
                 f"   [{c}] round {r + 1}: TPOT B=1 {got['tpot_b1_ms']:.3f} ms, B=16 "
-                f"{got['tpot_b16_ms']:.3f} ms; B=1 replay {got.get('replay_b1_ms', 0):.3f} ms"
+                f"{got['tpot_b16_ms']:.3f} ms, B=64 {got['tpot_b64_ms']:.3f} ms; B=1 replay "
+                f"{got.get('replay_b1_ms', 0):.3f} ms"
                 f"{f'; {leak:.2f} GiB not returned' if leak > 0.5 else ''}"
             )
-    print("   choice: TPOT B=1 / B=16, B=1 replay (medians of the rounds; x the default's)")
-    keys = ("tpot_b1_ms", "tpot_b16_ms", "replay_b1_ms")
+    print("   choice: TPOT B=1 / 16 / 64, B=1 replay (medians of the rounds; x the default's)")
+    keys = ("tpot_b1_ms", "tpot_b16_ms", "tpot_b64_ms", "replay_b1_ms")
     for c in choices:
         got = out[c]["rounds"]
         med = {
@@ -697,8 +699,8 @@ def decode_choices(choices: list[str], rounds: int) -> dict:
             continue
         ratios = " / ".join(f"x{med[k] / base[k]:.3f}" if k in base else "-" for k in keys)
         print(
-            f"   {c}: {med['tpot_b1_ms']:.3f} / {med['tpot_b16_ms']:.3f} ms, "
-            f"{med['replay_b1_ms']:.3f} ms ({ratios})"
+            f"   {c}: {med['tpot_b1_ms']:.3f} / {med['tpot_b16_ms']:.3f} / "
+            f"{med['tpot_b64_ms']:.3f} ms, {med['replay_b1_ms']:.3f} ms ({ratios})"
         )
     return out
 
