@@ -413,7 +413,8 @@ class TritonDecodeKernel:
         """max_splits: the most programs a (sequence, KV head) is split over; stages: Triton's
         software pipelining depth of the loop over the positions; pdl: launched as a
         programmatic dependent launch (Hopper): the kernel starts while the kernel before it
-        finishes, reads the lengths and the rope table, then waits for it (q, k, v are its);
+        finishes, reads the lengths and slots, then waits for it (the rope table, q, k and v
+        may be its);
         l2_keep: the bytes it asks of the L2 (`prefetch`) are the last the L2 evicts."""
         if head_dim & (head_dim - 1) or head_dim < 32:
             raise ValueError(
