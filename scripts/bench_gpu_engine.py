@@ -639,8 +639,9 @@ def environment(settings: dict[str, str]):
                 os.environ[k] = v
 
 
-def decode_choices(choices: list[str], rounds: int) -> dict:
-    """Each choice's engine built, measured and closed in turn, `rounds` times over."""
+def decode_choices(choices: list[str], rounds: int, keep=lambda out: None) -> dict:
+    """Each choice's engine built, measured and closed in turn, `rounds` times over; keep(out)
+    after each (a run cut short keeps what it measured)."""
     out: dict = {c: {"rounds": []} for c in choices}
     for r in range(rounds):
         for c in choices:
@@ -677,6 +678,7 @@ def decode_choices(choices: list[str], rounds: int) -> dict:
             leak = (free0 - torch.cuda.mem_get_info()[0]) / GiB
             got["device_memory_not_returned_gib"] = leak
             out[c]["rounds"].append(got)
+            keep(out)
             print(
                 f"   [{c}] round {r + 1}: TPOT B=1 {got['tpot_b1_ms']:.3f} ms, B=16 "
                 f"{got['tpot_b16_ms']:.3f} ms, B=64 {got['tpot_b64_ms']:.3f} ms; B=1 replay "
@@ -702,6 +704,7 @@ def decode_choices(choices: list[str], rounds: int) -> dict:
             f"   {c}: {med['tpot_b1_ms']:.3f} / {med['tpot_b16_ms']:.3f} / "
             f"{med['tpot_b64_ms']:.3f} ms, {med['replay_b1_ms']:.3f} ms ({ratios})"
         )
+    keep(out)
     return out
 
 
@@ -747,7 +750,8 @@ def main() -> None:
     save("ceilings", ceilings())
     if args.choices:
         choices = ["default"] + [c for c in args.choices.split() if c != "default"]
-        save("choices", section("kernel choices")(decode_choices)(choices, args.rounds))
+        keep = lambda out: save("choices", out)  # noqa: E731
+        section("kernel choices")(decode_choices)(choices, args.rounds, keep)
         save("errors", RESULTS["errors"])
         return
     t = time.perf_counter()
