@@ -27,7 +27,6 @@ CUBLASLT_*, read once a process).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import itertools
 import json
@@ -39,6 +38,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -157,12 +157,19 @@ def weight_bytes(engine: Engine) -> int:
 
 
 @section("prism decode and prefill")
+def decode_tpot(engine: Engine) -> dict[int, dict]:
+    """A warm-up, then each batch size's decode run over 1k-token prompts (TPOT among its
+    figures), by batch size."""
+    run_batch(engine, [prompt(64, 0), prompt(64, 1)], 4)
+    batches = ((1, 128), (16, 64), (64, 64))  # (sequences, tokens each)
+    return {b: run_batch(engine, [prompt(1024, 100 + i) for i in range(b)], n) for b, n in batches}
+
+
 def prism_decode_prefill(engine: Engine, ceil: dict, prefill: bool = True) -> dict:
-    run_batch(engine, [prompt(64, 0), prompt(64, 1)], 4)  # warm-up
     out: dict = {"weight_bytes": weight_bytes(engine)}
-    for b, n in ((1, 128), (16, 64), (64, 64)):
-        out[f"decode_b{b}"] = run_batch(engine, [prompt(1024, 100 + i) for i in range(b)], n)
-        print(f"   decode B={b}: TPOT {out[f'decode_b{b}']['tpot_ms']:.2f} ms")
+    for b, run in decode_tpot(engine).items():
+        out[f"decode_b{b}"] = run
+        print(f"   decode B={b}: TPOT {run['tpot_ms']:.2f} ms")
     if not prefill:
         return out
     cfg = engine.worker.models["m"].runner.model.config
@@ -625,20 +632,6 @@ def parse_choice(text: str) -> dict[str, str]:
     return settings
 
 
-@contextlib.contextmanager
-def environment(settings: dict[str, str]):
-    old = {k: os.environ.get(k) for k in settings}
-    os.environ.update(settings)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def decode_choices(choices: list[str], rounds: int, keep=lambda out: None) -> dict:
     """Each choice's engine built, measured and closed in turn, `rounds` times over; keep(out)
     after each (a run cut short keeps what it measured)."""
@@ -648,7 +641,7 @@ def decode_choices(choices: list[str], rounds: int, keep=lambda out: None) -> di
             free0 = torch.cuda.mem_get_info()[0]
             t = time.perf_counter()
             try:
-                with environment(parse_choice(c)):
+                with mock.patch.dict(os.environ, parse_choice(c)):
                     engine = make_engine()
             except Exception as e:  # this choice cannot run here: the others still do
                 traceback.print_exc()
@@ -656,15 +649,12 @@ def decode_choices(choices: list[str], rounds: int, keep=lambda out: None) -> di
                 continue
             load_s = time.perf_counter() - t
             try:
-                run_batch(engine, [prompt(64, 0), prompt(64, 1)], 4)  # warm-up
                 got = {"load_s": load_s}
-                for b, n in ((1, 128), (16, 64), (64, 64)):
-                    got[f"tpot_b{b}_ms"] = run_batch(
-                        engine, [prompt(1024, 100 + i) for i in range(b)], n
-                    )["tpot_ms"]
-                for b in (1, 16):
-                    prof = profile_decode(engine, b) if r == 0 or b == 1 else None
-                    if prof is None:
+                for b, run in decode_tpot(engine).items():
+                    got[f"tpot_b{b}_ms"] = run["tpot_ms"]
+                for b in (1, 16) if r == 0 else (1,):  # where the time goes: the first round
+                    prof = profile_decode(engine, b)
+                    if prof is None:  # (its section reported why)
                         continue
                     got[f"replay_b{b}_ms"] = prof["graph_replay_ms"]
                     if r == 0:
