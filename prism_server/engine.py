@@ -25,6 +25,7 @@ from kvpool import (
 )
 from models.attention.flashinfer_paged import KernelChoice
 from models.embedded import resolve_source
+from models.layers.triton_gemv import GemvConfig
 from models.loader import ModelSource, empty_model, load_model, load_shards
 from models.tensor_parallel import TensorParallel
 from prism_server import envs, gpu_setup
@@ -83,6 +84,7 @@ class Engine:
             l2_prefetch_inline=envs.l2_prefetch_inline(),
             l2_prefetch_keep=envs.l2_prefetch_keep(),
             triton_step_ops=envs.triton_step_ops(),
+            triton_gemv=None if (gemv := envs.triton_gemv()) is None else GemvConfig(*gemv),
         )
         # one page pool and one engine thread per device: each GPU of devices (cuda:0 ..), or
         # several emulated CPU devices (each its own pool and thread), for the multi-device

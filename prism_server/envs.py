@@ -133,6 +133,26 @@ def triton_step_ops() -> bool:
     return _flag("PRISM_TRITON_STEP_OPS", False)
 
 
+def triton_gemv() -> tuple[int, ...] | None:
+    """One-row decode graphs run each Llama layer as four Triton GEMVs that carry its norms,
+    activation and residual adds (models.layers.triton_gemv), not cuBLAS's GEMMs with kernels
+    between them: PRISM_TRITON_GEMV=1, or the GEMVs' tiling BN[:BK[:WARPS[:STAGES]]] (output
+    rows a program, columns a loop step, warps, pipeline stages); unset or 0: off. With
+    PRISM_TRITON_PDL each asks the L2 for its weights before waiting for the kernel before it."""
+    v = os.environ.get("PRISM_TRITON_GEMV") or "0"
+    if v in ("0", "false", "no"):
+        return None
+    if v in ("1", "true", "yes"):
+        return ()
+    try:
+        parts = tuple(int(p) for p in v.replace(",", ":").split(":"))
+    except ValueError:
+        parts = ()
+    if not parts or len(parts) > 4:
+        raise ValueError(f"PRISM_TRITON_GEMV must be 0, 1 or BN[:BK[:WARPS[:STAGES]]], got {v!r}")
+    return parts
+
+
 def ragged_prefill() -> bool:
     """Steps of fresh prompts attend over their own K/V tensors, not the paged cache
     (PRISM_RAGGED_PREFILL, default 1)."""

@@ -186,14 +186,29 @@ def _prefetcher(model, device: torch.device, resources: DeviceResources | None):
 
 
 def _step_ops(device: torch.device, resources: DeviceResources | None):
-    """Triton's kernels for the norms and activation of small decode graphs, where the kernels
-    choose them and they run here (else None, and why in the log)."""
-    if resources is None or not resources.kernels.triton_step_ops:
+    """Triton's kernels for the norms and activation of small decode graphs, and the GEMVs of
+    one-row ones, where the kernels choose them and they run here (else None, and why in the
+    log)."""
+    k = resources.kernels if resources is not None else None
+    if k is None or not (k.triton_step_ops or k.triton_gemv is not None):
         return None
-    k = resources.kernels
-    ops, why = load_step_ops(device, k.triton_pdl, k.l2_prefetch_in_kernels, k.l2_prefetch_keep)
+    ops, why = load_step_ops(
+        device,
+        k.triton_pdl,
+        k.l2_prefetch_in_kernels,
+        k.l2_prefetch_keep,
+        norms=k.triton_step_ops,
+        gemv=k.triton_gemv,
+    )
     if ops is None:
-        log.warning("%s: decode graphs keep FlashInfer's norms and activation: %s", device, why)
+        log.warning("%s: decode graphs keep FlashInfer's norms and cuBLAS's GEMMs: %s", device, why)
+    elif ops.gemv_config is not None:
+        c = ops.gemv_config
+        log.info(
+            "%s: one-row decode graphs run their layers as Triton GEMVs (%d rows x %d columns, "
+            "%d warps, %d stages%s)",
+            device, c.block_n, c.block_k, c.warps, c.stages, ", PDL" if ops.pdl else "",
+        )  # fmt: skip
     return ops
 
 

@@ -26,6 +26,8 @@
 # All of it takes more than a
 # call's 10 minutes: PARTS picks some of "tests ab engine ttft concurrent prefetch kernels", e.g.
 #   PARTS="tests kernels" KERNELS=PRISM_DECODE_BACKEND=xqa bash scripts/gpu_check.sh --decode
+# PARTS=gemv (not in the default set) times batch-1 projections, cuBLAS against the GEMVs of
+# models.layers.triton_gemv, alone and as a layer's chain (bench_gpu_gemv.py).
 # PARTS=choices (not in the default set) measures decode under CHOICES, PRISM_* settings only,
 # beside the defaults in one process, in ROUNDS (default 2) interleaved rounds:
 #   PARTS=choices CHOICES="PRISM_TRITON_PDL=1 PRISM_L2_PREFETCH=48:12:12" bash scripts/gpu_check.sh --decode
@@ -81,6 +83,10 @@ if [ "$quick" = "--decode" ]; then
   # a GEMM after an idle window, its weight asked of the L2 in the window or not
   part prefetch && timeout 120 python3 scripts/bench_gpu_l2_prefetch.py --json "$OUT/l2.json" 2>&1 \
     | tail -24
+  # batch-1 projections: cuBLAS beside Prism's Triton GEMVs that carry the norms, activation
+  # and residual adds (not in the default set: PARTS=gemv; GEMV_CONFIGS: the tilings tried)
+  part gemv && timeout 300 python3 scripts/bench_gpu_gemv.py ${GEMV_CONFIGS:+--configs "$GEMV_CONFIGS"} \
+    --json "$OUT/gemv.json" 2>&1 | tail -8
   # decode under kernel choices (CHOICES: PRISM_* settings) beside the defaults, one process,
   # engines built in turn, ROUNDS rounds (ABC ABC), medians and ratios to the defaults last
   if part choices; then

@@ -47,6 +47,7 @@ from models.attention.xqa_decode import (
     xqa_modules,
     xqa_unsupported,
 )
+from models.layers.triton_gemv import GemvConfig
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +116,9 @@ class KernelChoice:
     # decode graphs of at most 16 sequences run their norms and activation through Triton's
     # kernels (models.layers.triton_step_ops), as dependent launches with triton_pdl
     triton_step_ops: bool = False
+    # one-row decode graphs run each Llama layer as four Triton GEMVs carrying its norms,
+    # activation and residual adds, under this tiling (models.layers.triton_gemv); None: off
+    triton_gemv: GemvConfig | None = None
 
     def __post_init__(self):
         if self.prefill_backend not in PREFILL_BACKENDS:

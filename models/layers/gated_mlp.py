@@ -30,7 +30,7 @@ class GatedMLP(nn.Module):
         gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
         # down's weights asked of the L2 while the activation runs (ctx.prefetch)
         ops = ctx.step_ops if ctx is not None else None
-        if ops is not None and self.act == "silu" and gate_up.dtype != torch.float32:
+        if ops is not None and ops.fits_silu_mul(gate_up, self.act):
             return self.down_proj(ops.silu_mul(gate_up, ctx.prefetch(self, ops.takes_prefetch)))
         if ctx is not None:
             ctx.prefetch(self)

@@ -47,9 +47,13 @@ class SelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: Rope, ctx: ForwardContext) -> torch.Tensor:
         # x: [T, hidden]; rope: this step's rotary table -> [T, hidden]
-        t = x.shape[0]
+        return self.o_proj(self.attend(self.qkv_proj(x), rope, ctx))
+
+    def attend(self, qkv: torch.Tensor, rope: Rope, ctx: ForwardContext) -> torch.Tensor:
+        """The attention between the projections: qkv [T, (Hq + 2 Hkv) D] -> [T, Hq D]."""
+        t = qkv.shape[0]
         q_rows, kv_rows = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(x).split([q_rows, kv_rows, kv_rows], dim=-1)
+        q, k, v = qkv.split([q_rows, kv_rows, kv_rows], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
@@ -58,4 +62,4 @@ class SelfAttention(nn.Module):
         # rope on q and k, then attention (one kernel for the rope and K/V write where it can),
         # o_proj's weights asked of the L2 meanwhile (ctx.prefetch)
         out = ctx.attention(self.layer_idx, q, k, v, self.spec, rope, self.fused_kernels, warm=self)
-        return self.o_proj(out.reshape(t, q_rows))
+        return out.reshape(t, q_rows)

@@ -30,6 +30,7 @@ from models.attention.triton_ops import (  # noqa: F401 (ask_l2: the kernels')
     prefetch_mode,
     triton_runs_on,
 )
+from models.layers.triton_gemv import GemvConfig, gemv, gemv_reference
 
 
 @functools.cache
@@ -150,22 +151,49 @@ def silu_mul(
 
 class StepOps:
     """A small decode step's norms and activation through these kernels (ForwardContext's
-    step_ops: decode graphs of few sequences). pdl: each a programmatic dependent launch;
-    prefetch: whether the kernels can ask the L2 for bytes (Hopper); keep: what they ask for is
-    the last the L2 evicts."""
+    step_ops: decode graphs of few sequences), and with `gemv` (a tiling), a one-row step's
+    layers as chains of GEMVs that carry them (models.layers.triton_gemv). pdl: each a
+    programmatic dependent launch; prefetch: whether the kernels can ask the L2 for bytes
+    (Hopper); keep: what they ask for is the last the L2 evicts; norms: the norms and
+    activation of the steps the GEMVs do not take through these kernels (else FlashInfer's)."""
 
-    def __init__(self, pdl: bool = False, prefetch: bool = False, keep: bool = False):
+    def __init__(
+        self,
+        pdl: bool = False,
+        prefetch: bool = False,
+        keep: bool = False,
+        norms: bool = True,
+        gemv: GemvConfig | None = None,
+    ):
         self.pdl, self.takes_prefetch, self.keep = pdl, prefetch, keep
+        self.norms, self.gemv_config = norms, gemv
 
-    @staticmethod
-    def fits_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, unit_offset: bool) -> bool:
+    def fits_add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, unit_offset: bool) -> bool:
         """Whether add_rmsnorm computes this norm (Llama's, rows contiguous, a GPU's dtype)."""
         return (
-            not unit_offset
+            self.norms
+            and not unit_offset
             and x.dim() == 2
             and x.stride(1) == residual.stride(1) == 1
             and x.dtype in (torch.bfloat16, torch.float16)
         )
+
+    def fits_silu_mul(self, gate_up: torch.Tensor, act: str) -> bool:
+        return self.norms and act == "silu" and gate_up.dtype != torch.float32
+
+    def takes_layer(self, layer: torch.nn.Module, x: torch.Tensor, whole: bool) -> bool:
+        """Whether a decoder layer's step runs as GEMVs (`gemv_layer`): one row of a GPU's
+        dtype, a whole model (whole: no shards' sums between the projections), SiLU."""
+        return (
+            self.gemv_config is not None
+            and whole
+            and x.shape[0] == 1
+            and x.dtype in (torch.bfloat16, torch.float16)
+            and layer.mlp.act == "silu"
+        )
+
+    def gemv(self, linear: torch.nn.Linear, x: torch.Tensor, **ops) -> torch.Tensor:
+        return gemv(linear, x, config=self.gemv_config, pdl=self.pdl, **ops)
 
     def add_rmsnorm(self, x, residual, weight, eps, prefetch: Pair | None = None):
         add_rmsnorm(x, residual, weight, eps, prefetch, self.pdl, self.keep)
@@ -179,14 +207,20 @@ STEP_OPS_MAX_BATCH = 16  # decode graphs of at most this many sequences take the
 
 
 def load_step_ops(
-    device: torch.device, pdl: bool = False, prefetch: bool = False, keep: bool = False
+    device: torch.device,
+    pdl: bool = False,
+    prefetch: bool = False,
+    keep: bool = False,
+    norms: bool = True,
+    gemv: GemvConfig | None = None,
 ) -> tuple[StepOps | None, str | None]:
     """The step kernels for `device`, built and checked there against the torch reference (a
-    row of each, with PDL and an L2 prefetch when asked and on Hopper), or None and why not."""
+    row of each, with PDL and an L2 prefetch when asked and on Hopper; the GEMVs' three kinds
+    when asked), or None and why not."""
     if not triton_runs_on(device):
         return None, "Triton does not run here"
     hopper = bulk_prefetch_runs_on(device)
-    ops = StepOps(pdl and hopper, prefetch and hopper, keep)
+    ops = StepOps(pdl and hopper, prefetch and hopper, keep, norms, gemv)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     try:
         g = torch.Generator(device=device).manual_seed(0)
@@ -198,10 +232,34 @@ def load_step_ops(
         got, _ = ops.add_rmsnorm(x.clone(), r.clone(), w, 1e-5, pair)
         gu = torch.randn(2, 2 * 4096, generator=g, device=device).to(dtype)
         act = torch.nn.functional.silu(gu[:, :4096].float()) * gu[:, 4096:].float()
-        checks = (("add_rmsnorm", got, want), ("silu_mul", ops.silu_mul(gu, pair), act))
+        checks = [("add_rmsnorm", got, want), ("silu_mul", ops.silu_mul(gu, pair), act)]
+        if gemv is not None:
+            checks += _gemv_checks(ops, g, device, dtype)
         for name, out, ref in checks:
             if not torch.allclose(out.float(), ref.float(), rtol=2e-2, atol=2e-2):
                 raise RuntimeError(f"{name} differs from the reference")
     except Exception as e:  # noqa: BLE001 (kernels that do not build or run here: go without)
         return None, f"its kernels failed ({type(e).__name__}: {str(e)[:200]})"
     return ops, None
+
+
+def _gemv_checks(ops: StepOps, g: torch.Generator, device: torch.device, dtype: torch.dtype):
+    """(name, ops.gemv's result, the reference's) for a norm's, an activation's and a residual
+    add's GEMV of 4096 columns."""
+    lin = torch.nn.Linear(4096, 256, bias=False, device=device, dtype=dtype)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(256, 4096, generator=g, device=device) * 4096**-0.5)
+    sq = torch.nn.Linear(4096, 4096, bias=False, device=device, dtype=dtype)
+    with torch.no_grad():
+        sq.weight.copy_(torch.randn(4096, 4096, generator=g, device=device) * 4096**-0.5)
+    x, h, r = (torch.randn(1, 4096, generator=g, device=device).to(dtype) for _ in range(3))
+    nw = torch.randn(4096, generator=g, device=device).to(dtype)
+    gu = torch.randn(1, 8192, generator=g, device=device).to(dtype)
+    norm = (nw, 1e-5)
+    return [
+        ("GEMV after a norm", ops.gemv(lin, x, norm=norm, h=h),
+         gemv_reference(lin, x, norm=norm, h=h)),
+        ("GEMV after SiLU * up", ops.gemv(lin, gu, silu=True), gemv_reference(lin, gu, silu=True)),
+        ("GEMV into the residual", ops.gemv(sq, x, into=r.clone(), h=h),
+         gemv_reference(sq, x, into=r.clone(), h=h)),
+    ]  # fmt: skip

@@ -9,6 +9,7 @@ import torch
 
 from models.attention.flashinfer_paged import DEFAULT_KERNELS, KernelChoice
 from models.attention.table_decode import TableDecodeGraphAttention
+from models.layers.triton_gemv import GemvConfig
 from tests.gpu.common import (
     GPU,
     assert_no_real_divergence,
@@ -37,7 +38,10 @@ def count_replays(me) -> list[int]:
     return calls
 
 
-@pytest.mark.parametrize("decode", ["flashinfer", "xqa", "triton", "triton-pdl", "step-ops"])
+DECODES = ["flashinfer", "xqa", "triton", "triton-pdl", "step-ops", "gemv", "gemv-pdl"]
+
+
+@pytest.mark.parametrize("decode", DECODES)
 def test_graph_replay_gives_the_eager_tokens(decode):
     """The eager engine decodes through FlashInfer; the graphed one through `decode`. 8 query
     heads over 2 KV heads: XQA's group of 4, as Llama-3.1-8B's."""
@@ -45,17 +49,23 @@ def test_graph_replay_gives_the_eager_tokens(decode):
     model = on_gpu(cpu_model)
     pool = cuda_pool(pages=8)
     # triton-pdl: Triton's kernel launched while the qkv GEMM finishes; step-ops: the norms and
-    # activation Triton's too, launched so as well
-    pdl, step_ops = decode in ("triton-pdl", "step-ops"), decode == "step-ops"
-    decode = "triton" if pdl else decode
-    kernels = KernelChoice(decode_backend=decode, triton_pdl=pdl, triton_step_ops=step_ops)
+    # activation Triton's too, launched so as well; gemv: one-row graphs' layers as Triton's
+    # GEMVs carrying the norms, activation and adds (gemv-pdl: each a dependent launch)
+    pdl = decode in ("triton-pdl", "step-ops", "gemv-pdl")
+    step_ops = decode == "step-ops"
+    gemv = GemvConfig() if decode.startswith("gemv") else None
+    decode = "triton" if pdl or gemv else decode
+    kernels = KernelChoice(
+        decode_backend=decode, triton_pdl=pdl, triton_step_ops=step_ops, triton_gemv=gemv
+    )
     graphed = model_engine("graphed", cfg, model, pool, graphs=True, kernels=kernels)
     eager = model_engine("eager", cfg, model, pool, graphs=False)
     assert graphed.runner.graphs is not None and eager.runner.graphs is None
     attn = next(iter(graphed.runner.graphs.graphs.values())).attn
     assert isinstance(attn, TableDecodeGraphAttention) is (decode != "flashinfer")
+    assert (graphed.runner.graphs.step_ops is not None) is (step_ops or gemv is not None)
     replays = count_replays(graphed)
-    for n in (3, 16):  # padded to 4; exactly 16
+    for n in (1, 3, 16):  # one row (the GEMVs'); padded to 4; exactly 16
         ps = prompts(n, seed=n)
         ref_tokens, ref_logits = greedy(eager, ps, 20)
         tokens, logits = greedy(graphed, ps, 20)
@@ -66,7 +76,7 @@ def test_graph_replay_gives_the_eager_tokens(decode):
             rel = (lg[:k] - rl[:k]).norm() / rl[:k].norm()
             # two kernels, rounded apart over 20 steps: XQA vs FlashInfer measured 0.0103,
             # FlashInfer vs Triton 0.0100 (H200); the same kernel both ways: within 1e-2
-            same_kernel = decode == DEFAULT_KERNELS.decode_backend and not step_ops
+            same_kernel = decode == DEFAULT_KERNELS.decode_backend and not step_ops and not gemv
             assert rel < (1e-2 if same_kernel else 2e-2), float(rel)
     assert replays[0] >= 19 + 1  # the decode steps replayed graphs
     for me in (graphed, eager):

@@ -16,7 +16,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from models.attention import triton_ops
-from models.layers import l2_prefetch, triton_step_ops
+from models.layers import l2_prefetch, triton_gemv, triton_step_ops
 
 HOPPER = GPUTarget("cuda", 90, 32)
 DECODE_TYPES = {
@@ -37,9 +37,12 @@ PREFETCH_TYPES = {"a0": "i64", "n0": "i32", "a1": "i64", "n1": "i32", "out_ptr":
 
 
 def compile_for_hopper(fn, types: dict, const: dict, **options):
-    """fn compiled for sm_90: types by parameter name (pointers, scalars; anything else i32)."""
+    """fn compiled for sm_90: types by parameter name (pointers, scalars; anything else i32),
+    every pointer 16-byte aligned, as Triton's launcher specializes a tensor's data pointer."""
     sig = {n: "constexpr" if n in const else types.get(n, "i32") for n in fn.arg_names}
-    return triton.compile(ASTSource(fn, sig, const), target=HOPPER, options=options)
+    ptrs = [i for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")]
+    attrs = {(i,): [["tt.divisibility", 16]] for i in ptrs}
+    return triton.compile(ASTSource(fn, sig, const, attrs), target=HOPPER, options=options)
 
 
 def decode_builds():
@@ -72,6 +75,39 @@ def decode_builds():
             yield name, b
 
 
+GEMV_TYPES = {
+    **dict.fromkeys(("w_ptr", "x_ptr", "h_ptr", "nw_ptr", "b_ptr", "out_ptr"), "*bf16"),
+    "eps": "fp32",
+    "w_addr": "i64",
+}
+
+
+def gemv_builds():
+    """A one-row layer's GEMVs (triton_gemv) for Llama-3.1-8B's shapes, each plain and as a
+    programmatic dependent launch that asks the L2 for its rows of W first; and one with a
+    bias, of Qwen2's qkv."""
+    fn = triton_gemv._build(False)
+    c = triton_gemv.GemvConfig()
+    pro_norm, pro_silu = triton_gemv.PRO_NORM, triton_gemv.PRO_SILU
+    shapes = (  # name, K, PRO, INTO, HAS_H, BIAS
+        ("qkv", 4096, pro_norm, False, True, False),
+        ("o", 4096, 0, True, True, False),
+        ("gate_up", 4096, pro_norm, False, False, False),
+        ("down", 14336, pro_silu, False, False, False),
+        ("qkv+bias", 3584, pro_norm, False, True, True),
+    )
+    for (name, k, pro, into, has_h, bias), pdl in itertools.product(shapes, (True, False)):
+        lanes = triton_ops._pow2(-(-c.block_n * k * 2 // triton_ops.PF_CHUNK)) if pdl else 1
+        const = dict(K=k, BLOCK_N=c.block_n, BLOCK_K=c.block_k, PRO=pro, INTO=into, HAS_H=has_h,
+                     BIAS=bias, PDL=pdl, ASK_LANES=lanes, PF_CHUNK=triton_ops.PF_CHUNK)  # fmt: skip
+        b = compile_for_hopper(fn, GEMV_TYPES, const, num_warps=c.warps, num_stages=c.stages)
+        ptx = b.asm["ptx"]
+        assert ("griddepcontrol.wait" in ptx) is pdl, (name, pdl)
+        assert ("cp.async.bulk.prefetch.L2.global" in ptx) is pdl, (name, pdl)
+        assert "ld.global.v4" in ptx, name  # W read 16 bytes a load
+        yield f"gemv {name} {pdl=}", b
+
+
 def main() -> None:
     assert os.environ.get("TRITON_INTERPRET") != "1", "a build for the GPU, not the interpreter"
     built = 0
@@ -100,6 +136,10 @@ def main() -> None:
             assert ("createpolicy.fractional.L2::evict_last" in ptx) is (prefetch == 2), name
             print(f"{name} {pdl=} {prefetch=}")
             built += 1
+    for name, b in gemv_builds():
+        assert b.asm["cubin"], name
+        print(name)
+        built += 1
     # the prefetch has no result anyone reads: the build must keep it (and ptxas take it)
     const = dict(CHUNK=l2_prefetch.CHUNK, BLOCK=l2_prefetch.BLOCK, PREFETCH=True)
     b = compile_for_hopper(l2_prefetch._build(False), PREFETCH_TYPES, const, num_warps=1)

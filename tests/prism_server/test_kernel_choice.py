@@ -143,3 +143,23 @@ def test_piecewise_buckets_and_their_knob(monkeypatch):
     monkeypatch.setenv("PRISM_PIECEWISE_MAX_TOKENS", "4")
     with pytest.raises(ValueError, match="PRISM_PIECEWISE_MAX_TOKENS must be at least 8"):
         Engine(EngineConfig(models=(spec,), device="cpu", page_bytes=64 << 10))
+
+
+def test_the_gemv_knob(monkeypatch):
+    """PRISM_TRITON_GEMV: off by default, 1 for the default tiling, or a tiling; a bad one is
+    refused when the engine is built."""
+    from models.layers.triton_gemv import GemvConfig
+
+    assert DEFAULT_KERNELS.triton_gemv is None and envs.triton_gemv() is None
+    for v, want in (("0", None), ("1", ()), ("16:256", (16, 256)), ("8,512,8,1", (8, 512, 8, 1))):
+        monkeypatch.setenv("PRISM_TRITON_GEMV", v)
+        assert envs.triton_gemv() == want
+    spec = ModelSpec("a", "dummy:tiny-llama", block_size=4)
+    monkeypatch.setenv("PRISM_TRITON_GEMV", "16:256")
+    with Engine(EngineConfig(models=(spec,), device="cpu", page_bytes=64 << 10)) as e:
+        assert e.worker.resources.kernels.triton_gemv == GemvConfig(16, 256)
+        e.check_integrity()
+    for bad, match in (("wide", "PRISM_TRITON_GEMV must be"), ("12:256", "GEMV block_n 12")):
+        monkeypatch.setenv("PRISM_TRITON_GEMV", bad)
+        with pytest.raises(ValueError, match=match):
+            Engine(EngineConfig(models=(spec,), device="cpu", page_bytes=64 << 10))

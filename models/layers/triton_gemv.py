@@ -1,0 +1,200 @@
+"""A one-row decode step's projections as Triton GEMVs that carry the ops between them.
+
+At batch 1 a Llama layer is four weight-bound GEMMs with small kernels between them: the
+residual add + RMSNorm before qkv, the add + norm before gate_up, SiLU * up before down. Each
+small kernel is a few microseconds of latency during which HBM idles. Here each projection is
+one kernel, y = W x, that computes its own input and output:
+
+- prologue `norm`: x = rmsnorm(src [+ h]) * w, each program summing the row's squares itself
+  (the row is a few KiB, read from the L2), then normalizing the chunks of x as it streams W;
+- prologue `silu`: x = silu(gate) * up, from the gate_up projection's output;
+- epilogue `into`: out = out [+ h] + y, in place: the residual stream's adds. Each program
+  owns its output rows, so the add of the row it writes reads nothing another program writes.
+
+A layer is then qkv(norm(residual + h)) -> attention -> residual += h + o(.) ->
+gate_up(norm(residual)) -> h = down(silu(.)): four kernels and the attention, where eight ran.
+Numerics as the unfused chain's: sums in fp32; the normalized row, the activation, each
+projection's output and each add rounded to the model's dtype where that chain rounds them.
+
+With `pdl` (Hopper) the kernel is a programmatic dependent launch: each program asks the L2 for
+its own rows of W (which no kernel of the step writes) before it waits for the kernel before
+it, so the weights start to stream during that kernel's tail. Runs under Triton's interpreter
+too (the CPU tests), without `pdl`.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from models.attention.triton_ops import PF_CHUNK, _pow2, ask_l2, interpreting  # noqa: F401
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """A GEMV's tiling: output rows a program, columns a loop step, warps, pipeline stages."""
+
+    block_n: int = 8
+    block_k: int = 512
+    warps: int = 4
+    stages: int = 3
+
+    def __post_init__(self):
+        for name in ("block_n", "block_k"):
+            v = getattr(self, name)
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"GEMV {name} {v}: a power of 2")
+        if self.warps not in (1, 2, 4, 8, 16) or self.stages < 1:
+            raise ValueError(f"GEMV warps {self.warps} (1..16, a power of 2), stages {self.stages}")
+
+    @classmethod
+    def parse(cls, text: str) -> GemvConfig:
+        """'BN:BK:WARPS:STAGES' (or a prefix of it; the rest default)."""
+        parts = [int(p) for p in text.replace(",", ":").split(":") if p]
+        if len(parts) > 4:
+            raise ValueError(f"GEMV config {text!r}: at most BN:BK:WARPS:STAGES")
+        return cls(*parts)
+
+
+PRO_NONE, PRO_NORM, PRO_SILU = 0, 1, 2
+
+
+@functools.cache
+def _build(interpret: bool):
+    # NOTE: Triton decides at decoration whether a kernel is interpreted, hence one build each
+    import triton
+    import triton.language as tl
+
+    @triton.jit(do_not_specialize=["n", "eps", "w_addr"])
+    def gemv_kernel(
+        w_ptr, x_ptr, h_ptr, nw_ptr, b_ptr, out_ptr, n, eps, w_addr,
+        K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        PRO: tl.constexpr, INTO: tl.constexpr, HAS_H: tl.constexpr, BIAS: tl.constexpr,
+        PDL: tl.constexpr, ASK_LANES: tl.constexpr, PF_CHUNK: tl.constexpr,
+    ):  # fmt: skip
+        # program i: out[rows] (op)= W[rows, :] @ x, rows = i * BLOCK_N + [0, BLOCK_N)
+        pid = tl.program_id(0)
+        rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        rm = rows < n
+        dt = out_ptr.dtype.element_ty
+        if PDL:  # W is no kernel's output: asked of the L2 before the wait
+            first = pid * BLOCK_N
+            nbytes = (tl.minimum(n - first, BLOCK_N) * K * 2).to(tl.int64)
+            a0 = w_addr + first.to(tl.int64) * K * 2
+            ask_l2(0, 1, a0, nbytes, 0, 0, PF_CHUNK, w_ptr, ASK_LANES, False)
+            tl.extra.cuda.gdc_wait()
+        kk0 = tl.arange(0, BLOCK_K)
+        if PRO == 1:  # the row's sum of squares, of src (+ h) in fp32
+            sq = tl.zeros([BLOCK_K], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                kk = k0 + kk0
+                km = kk < K
+                s = tl.load(x_ptr + kk, mask=km, other=0.0).to(tl.float32)
+                if HAS_H:
+                    s += tl.load(h_ptr + kk, mask=km, other=0.0).to(tl.float32)
+                sq += s * s
+            inv = 1.0 / tl.sqrt(tl.sum(sq, 0) / K + eps)
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + kk0
+            km = kk < K
+            if PRO == 1:
+                s = tl.load(x_ptr + kk, mask=km, other=0.0).to(tl.float32)
+                if HAS_H:
+                    s += tl.load(h_ptr + kk, mask=km, other=0.0).to(tl.float32)
+                nw = tl.load(nw_ptr + kk, mask=km, other=0.0).to(tl.float32)
+                xv = (s * inv * nw).to(dt).to(tl.float32)
+            elif PRO == 2:
+                g = tl.load(x_ptr + kk, mask=km, other=0.0).to(tl.float32)
+                u = tl.load(x_ptr + K + kk, mask=km, other=0.0).to(tl.float32)
+                xv = (g / (1.0 + tl.exp(-g)) * u).to(dt).to(tl.float32)
+            else:
+                xv = tl.load(x_ptr + kk, mask=km, other=0.0).to(tl.float32)
+            wm = rm[:, None] & km[None, :]
+            w = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + kk[None, :], mask=wm, other=0.0)
+            acc += w.to(tl.float32) * xv[None, :]
+        y = tl.sum(acc, 1)
+        if BIAS:
+            y += tl.load(b_ptr + rows, mask=rm, other=0.0).to(tl.float32)
+        y = y.to(dt)
+        if INTO:  # the residual stream: out (+ h) + y, each add rounded as the unfused chain's
+            r = tl.load(out_ptr + rows, mask=rm, other=0.0)
+            if HAS_H:
+                r = r.to(tl.float32) + tl.load(h_ptr + rows, mask=rm, other=0.0).to(tl.float32)
+                r = r.to(dt)
+            y = (r.to(tl.float32) + y.to(tl.float32)).to(dt)
+        tl.store(out_ptr + rows, y, mask=rm)
+
+    return gemv_kernel
+
+
+def gemv(
+    linear: torch.nn.Linear,
+    x: torch.Tensor,
+    *,
+    norm: tuple[torch.Tensor, float] | None = None,
+    silu: bool = False,
+    h: torch.Tensor | None = None,
+    into: torch.Tensor | None = None,
+    config: GemvConfig = GemvConfig(),
+    pdl: bool = False,
+) -> torch.Tensor:
+    """linear(x) for one row x [1, K] (or [1, 2K] with silu), with the ops beside it:
+
+    - norm=(weight, eps): linear(rmsnorm(x + h) * weight) (h: [1, K] or None);
+    - silu: linear(silu(x[:, :K]) * x[:, K:]);
+    - into: into (+ h) + linear(x), written into `into` [1, N] and returned.
+
+    h joins the norm's input, or with `into`, the residual's add (not both)."""
+    w = linear.weight
+    n, k = w.shape
+    assert x.shape[0] == 1 and x.is_contiguous() and w.stride() == (k, 1)
+    assert x.shape[1] == (2 * k if silu else k) and not (norm is not None and silu)
+    assert h is None or (h.is_contiguous() and h.numel() == (n if into is not None else k))
+    assert into is None or (into.is_contiguous() and into.numel() == n)
+    assert into is None or norm is None or h is None
+    out = into if into is not None else torch.empty(1, n, dtype=x.dtype, device=x.device)
+    nw, eps = norm if norm is not None else (x, 0.0)
+    bias = linear.bias
+    c = config
+    block_k = min(c.block_k, _pow2(k))
+    lanes = _pow2(-(-c.block_n * k * w.element_size() // PF_CHUNK)) if pdl else 1
+    pro = PRO_NORM if norm is not None else PRO_SILU if silu else PRO_NONE
+    _build(interpreting())[(-(-n // c.block_n),)](
+        w, x, h if h is not None else x, nw, bias if bias is not None else w, out,
+        n, float(eps), w.data_ptr(),
+        K=k, BLOCK_N=c.block_n, BLOCK_K=block_k, PRO=pro, INTO=into is not None,
+        HAS_H=h is not None, BIAS=bias is not None, PDL=pdl, ASK_LANES=lanes, PF_CHUNK=PF_CHUNK,
+        num_warps=c.warps, num_stages=c.stages, **({"launch_pdl": True} if pdl else {}),
+    )  # fmt: skip
+    return out
+
+
+def gemv_reference(
+    linear: torch.nn.Linear,
+    x: torch.Tensor,
+    *,
+    norm: tuple[torch.Tensor, float] | None = None,
+    silu: bool = False,
+    h: torch.Tensor | None = None,
+    into: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """gemv's result through torch ops, rounded where the unfused chain rounds (the tests')."""
+    dt = x.dtype
+    if norm is not None:
+        s = x.float() + (h.float() if h is not None else 0.0)
+        weight, eps = norm
+        x = (s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(dt)
+    elif silu:
+        g, u = x.float().chunk(2, dim=-1)
+        x = (torch.nn.functional.silu(g) * u).to(dt)
+    y = torch.nn.functional.linear(x, linear.weight, linear.bias)
+    if into is None:
+        return y
+    r = into.reshape(1, -1)
+    if h is not None:
+        r = (r.float() + h.reshape(1, -1).float()).to(dt)
+    into.copy_((r.float() + y.float()).to(dt).reshape(into.shape))
+    return into

@@ -1,0 +1,86 @@
+"""The one-row layer's GEMVs on the GPU (models.layers.triton_gemv): each kind at
+Llama-3.1-8B's shapes against the unfused chain's torch ops (cuBLAS's GEMM, rounded where the
+chain rounds), plain and as programmatic dependent launches, and a dependent launch reads what
+the kernel before it wrote. (The tokens of graphs that run them: test_cuda_graphs.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models.layers.triton_gemv import GemvConfig, gemv, gemv_reference
+from tests.gpu.common import GPU
+from tests.gpu.test_l2_prefetch_gpu import slow_write
+
+pytestmark = GPU
+
+HIDDEN, INTER = 4096, 14336
+KINDS = {  # name -> (out, in, the ops)
+    "qkv after add + norm": (6144, HIDDEN, "norm+h"),
+    "o into the stream (+ h)": (HIDDEN, HIDDEN, "into+h"),
+    "gate_up after the norm": (2 * INTER, HIDDEN, "norm"),
+    "down after SiLU * up": (HIDDEN, INTER, "silu"),
+    "qkv with a bias (Qwen2)": (4608, 3584, "norm+h+bias"),
+}
+
+
+def case(n: int, k: int, kind: str, g: torch.Generator):
+    lin = torch.nn.Linear(k, n, bias="bias" in kind, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(n, k, device="cuda", generator=g) * k**-0.5)
+        if lin.bias is not None:
+            lin.bias.copy_(torch.randn(n, device="cuda", generator=g))
+    x = torch.randn(1, 2 * k if kind == "silu" else k, device="cuda", generator=g).bfloat16()
+    ops: dict = {}
+    if "+h" in kind:
+        ops["h"] = torch.randn(1, k, device="cuda", generator=g).bfloat16()
+    if kind.startswith("norm"):
+        nw = (1 + 0.1 * torch.randn(k, device="cuda", generator=g)).bfloat16()
+        ops["norm"] = (nw, 1e-5)
+    if kind == "silu":
+        ops["silu"] = True
+    stream = torch.randn(1, n, device="cuda", generator=g).bfloat16() if "into" in kind else None
+    return lin, x, ops, stream
+
+
+@pytest.mark.parametrize("pdl", [False, True])
+@pytest.mark.parametrize("name", list(KINDS))
+def test_each_kind_is_the_unfused_chain(name, pdl):
+    n, k, kind = KINDS[name]
+    lin, x, ops, stream = case(n, k, kind, torch.Generator("cuda").manual_seed(n))
+    for config in (GemvConfig(), GemvConfig(16, 256, 4, 1), GemvConfig(4, 2048, 8, 1)):
+        into = {} if stream is None else {"into": stream.clone()}
+        got = gemv(lin, x, config=config, pdl=pdl, **ops, **into)
+        into = {} if stream is None else {"into": stream.clone()}
+        want = gemv_reference(lin, x, **ops, **into)
+        # fp32 sums in another order than cuBLAS's, one bf16 rounding of the output apart
+        torch.testing.assert_close(got, want, rtol=2**-7, atol=2e-3)
+
+
+def test_a_dependent_gemv_reads_what_the_kernel_before_it_wrote():
+    """A slow GEMM writes the GEMV's input (the stream, h, the attention's output, gate_up)
+    into zeros right before it; the dependent launch asks the L2 for its weights first, then
+    waits: its output is the plain launch's, bit for bit, every time."""
+    g = torch.Generator("cuda").manual_seed(0)
+    sq = torch.nn.Linear(HIDDEN, HIDDEN, bias=False, device="cuda", dtype=torch.bfloat16)
+    down = torch.nn.Linear(INTER, HIDDEN, bias=False, device="cuda", dtype=torch.bfloat16)
+    nw = torch.randn(HIDDEN, device="cuda", generator=g).bfloat16()
+    for it in range(6):
+        got = {}
+        for pdl in (False, True):
+            gen = torch.Generator(device="cuda").manual_seed(it)
+            r, h = (torch.zeros(1, HIDDEN, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+            slow_write(r, gen)
+            a = gemv(sq, r, norm=(nw, 1e-5), pdl=pdl)
+            slow_write(h, gen)
+            b = gemv(sq, r, norm=(nw, 1e-5), h=h, pdl=pdl)
+            x = torch.zeros(1, HIDDEN, device="cuda", dtype=torch.bfloat16)
+            slow_write(x, gen)
+            stream = gemv(sq, x, into=r.clone(), h=h, pdl=pdl)
+            gu = torch.zeros(1, 2 * INTER, device="cuda", dtype=torch.bfloat16)
+            slow_write(gu, gen)
+            c = gemv(down, gu, silu=True, pdl=pdl)
+            torch.cuda.synchronize()
+            got[pdl] = (a, b, stream, c)
+        for plain, dependent in zip(got[False], got[True]):
+            assert torch.equal(plain, dependent)

@@ -1,0 +1,133 @@
+"""The GEMVs that carry a one-row layer's norms, activation and residual adds, under Triton's
+interpreter: each kind against the unfused chain's torch ops (its roundings), ragged tiles, a
+bias, the tiling's knob, and a forward whose layers take them. (On a GPU, in bf16, with PDL:
+tests/gpu/test_triton_gemv_gpu.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models.attention.base import AttentionMetadata, ForwardContext, SeqChunk
+from models.attention.torch_paged import TorchPagedAttention
+from models.layers import triton_step_ops
+from models.layers.triton_gemv import GemvConfig, gemv, gemv_reference
+from models.loader import load_model
+
+pytest.importorskip("triton")
+
+
+def linear(n: int, k: int, bias: bool, g: torch.Generator, dtype=torch.float32):
+    lin = torch.nn.Linear(k, n, bias=bias)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(n, k, generator=g) * k**-0.5)
+        if bias:
+            lin.bias.copy_(torch.randn(n, generator=g))
+    return lin.to(dtype)
+
+
+# (rows, columns, bias, tiling): whole tiles, ragged rows and columns, a bias, one row a program
+SHAPES = [
+    (64, 256, False, GemvConfig(8, 64)),
+    (40, 200, True, GemvConfig(16, 128, 2, 1)),
+    (7, 96, False, GemvConfig(1, 32, 1, 2)),
+]
+
+
+@pytest.mark.parametrize("n,k,bias,config", SHAPES)
+@pytest.mark.parametrize("kind", ["plain", "norm", "norm+h", "silu", "into", "into+h"])
+def test_each_kind_is_the_unfused_chain(n, k, bias, config, kind):
+    g = torch.Generator().manual_seed(n * k)
+    into = kind.startswith("into")
+    lin = linear(k if into else n, k, bias, g)
+    x = torch.randn(1, 2 * k if kind == "silu" else k, generator=g)
+    h = torch.randn(1, k, generator=g) if kind.endswith("+h") else None
+    ops: dict = {"h": h}
+    if kind.startswith("norm"):
+        ops["norm"] = (1 + 0.1 * torch.randn(k, generator=g), 1e-5)
+    if kind == "silu":
+        ops["silu"] = True
+    r = torch.randn(1, k, generator=g)
+    got = gemv(lin, x, config=config, **ops, **({"into": r.clone()} if into else {}))
+    want = gemv_reference(lin, x, **ops, **({"into": r.clone()} if into else {}))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    if into:  # in place: the stream's tensor holds the sum
+        stream = r.clone()
+        assert gemv(lin, x, config=config, into=stream, h=h) is stream
+
+
+def test_bf16_rounds_where_the_chain_rounds():
+    """In bf16 the normalized row and the activation are rounded before the products, the
+    output before the residual's add, and each add after it (the interpreter rounds toward
+    zero, torch to nearest: a bf16 step apart at most)."""
+    g = torch.Generator().manual_seed(1)
+    lin = linear(128, 512, False, g, torch.bfloat16)
+    x, h, r = (torch.randn(1, 512, generator=g).bfloat16() for _ in range(3))
+    nw = (1 + 0.1 * torch.randn(512, generator=g)).bfloat16()
+    got = gemv(lin, x, norm=(nw, 1e-5), h=h, config=GemvConfig(16, 128))
+    want = gemv_reference(lin, x, norm=(nw, 1e-5), h=h)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    sq = linear(512, 512, False, g, torch.bfloat16)
+    got = gemv(sq, x, into=r.clone(), h=h, config=GemvConfig(16, 128))
+    want = gemv_reference(sq, x, into=r.clone(), h=h)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2**-6, atol=2e-2)
+
+
+def test_the_tiling_knob():
+    assert GemvConfig.parse("16:256") == GemvConfig(16, 256, 4, 3)
+    assert GemvConfig.parse("8:512:8:1") == GemvConfig(8, 512, 8, 1)
+    for bad in ("12", "8:300", "8:512:3", "8:512:4:0", "1:2:4:1:5"):
+        with pytest.raises(ValueError, match="GEMV"):
+            GemvConfig.parse(bad)
+
+
+def test_load_step_ops_checks_the_gemvs():
+    ops, why = triton_step_ops.load_step_ops(
+        torch.device("cpu"), pdl=True, norms=False, gemv=GemvConfig(32, 512)
+    )
+    assert why is None and ops.gemv_config == GemvConfig(32, 512) and not ops.pdl
+    x = torch.zeros(1, 8, dtype=torch.bfloat16)
+    assert not ops.fits_add_rmsnorm(x, x, False) and not ops.fits_silu_mul(x, "silu")
+
+
+@torch.no_grad()
+def test_a_one_row_forward_runs_its_layers_as_gemvs():
+    """The tiny Llama in bf16, one decode row over a cached prompt: every layer as four GEMVs
+    (the first layer's stream the embeddings), against the model's own forward; a step of two
+    rows keeps the model's own layers."""
+    lm = load_model("dummy:tiny-llama", dtype=torch.bfloat16)
+    cfg, bs = lm.config, 4
+    caches = [
+        torch.zeros(3, 2, bs, cfg.num_kv_heads, cfg.head_dim, dtype=torch.bfloat16)
+        for _ in range(cfg.num_layers)
+    ]
+    prompt = torch.tensor([5, 17, 200, 3, 99])
+    md = AttentionMetadata.build([SeqChunk(0, 5, [1, 2])], bs, torch.device("cpu"))
+    lm.model(prompt, torch.arange(5), ForwardContext(attn=TorchPagedAttention(caches, md)))
+    step = AttentionMetadata.build([SeqChunk(5, 1, [1, 2])], bs, torch.device("cpu"))
+    ids, pos = torch.tensor([42]), torch.tensor([5])
+    saved = [c.clone() for c in caches]
+    plain = lm.model(ids, pos, ForwardContext(attn=TorchPagedAttention(caches, step)))
+    calls = []
+
+    class Counting(triton_step_ops.StepOps):
+        def gemv(self, linear, x, **ops):
+            calls.append(sorted(k for k, v in ops.items() if v is not None and v is not False))
+            return super().gemv(linear, x, **ops)
+
+    for c, s in zip(caches, saved):
+        c.copy_(s)
+    ops = Counting(norms=False, gemv=GemvConfig(8, 32))
+    got = lm.model(ids, pos, ForwardContext(attn=TorchPagedAttention(caches, step), step_ops=ops))
+    first = [["norm"], ["into"], ["norm"], ["silu"]]  # the stream: the embeddings, no h yet
+    later = [["h", "norm"], ["h", "into"], ["norm"], ["silu"]]
+    assert calls == first + later * (cfg.num_layers - 1)
+    rel = (got.float() - plain.float()).norm() / plain.float().norm()
+    assert rel < 2e-2, float(rel)  # bf16 sums in another order, over the layers
+    # two rows: the layers' own path, FlashInfer's (here torch's) norms
+    calls.clear()
+    two = AttentionMetadata.build([SeqChunk(5, 2, [1, 2])], bs, torch.device("cpu"))
+    ctx = ForwardContext(attn=TorchPagedAttention(caches, two), step_ops=ops)
+    lm.model(torch.tensor([42, 7]), torch.tensor([5, 6]), ctx)
+    assert calls == []
