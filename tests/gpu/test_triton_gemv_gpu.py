@@ -53,8 +53,11 @@ def test_each_kind_is_the_unfused_chain(name, pdl):
         got = gemv(lin, x, config=config, pdl=pdl, **ops, **into)
         into = {} if stream is None else {"into": stream.clone()}
         want = gemv_reference(lin, x, **ops, **into)
-        # fp32 sums in another order than cuBLAS's, one bf16 rounding of the output apart
-        torch.testing.assert_close(got, want, rtol=2**-7, atol=2e-3)
+        # fp32 sums in another order than cuBLAS's: the output one bf16 step apart at most
+        # (2**-7 of it); into the stream, that step of the output (|y| < 4: 2**-5) is then
+        # added to the stream's value, which may cancel it
+        atol = 2**-5 if stream is not None else 2e-3
+        torch.testing.assert_close(got, want, rtol=2**-7, atol=atol)
 
 
 def test_a_dependent_gemv_reads_what_the_kernel_before_it_wrote():
