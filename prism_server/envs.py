@@ -136,8 +136,8 @@ def triton_step_ops() -> bool:
 def triton_gemv() -> tuple[int, ...] | None:
     """One-row decode graphs run each Llama layer as four Triton GEMVs that carry its norms,
     activation and residual adds (models.layers.triton_gemv), not cuBLAS's GEMMs with kernels
-    between them: PRISM_TRITON_GEMV=1, or the GEMVs' tiling BN[:BK[:WARPS[:STAGES]]] (output
-    rows a program, columns a loop step, warps, pipeline stages); unset or 0: off. With
+    between them: PRISM_TRITON_GEMV=1, or the GEMVs' tiling BN[:BK[:WARPS[:UNROLL]]] (output
+    rows a program, columns a loop step, warps, the loop's unrolling); unset or 0: off. With
     PRISM_TRITON_PDL each asks the L2 for its weights before waiting for the kernel before it."""
     v = os.environ.get("PRISM_TRITON_GEMV") or "0"
     if v in ("0", "false", "no"):
@@ -149,7 +149,7 @@ def triton_gemv() -> tuple[int, ...] | None:
     except ValueError:
         parts = ()
     if not parts or len(parts) > 4:
-        raise ValueError(f"PRISM_TRITON_GEMV must be 0, 1 or BN[:BK[:WARPS[:STAGES]]], got {v!r}")
+        raise ValueError(f"PRISM_TRITON_GEMV must be 0, 1 or BN[:BK[:WARPS[:UNROLL]]], got {v!r}")
     return parts
 
 

@@ -206,8 +206,8 @@ def _step_ops(device: torch.device, resources: DeviceResources | None):
         c = ops.gemv_config
         log.info(
             "%s: one-row decode graphs run their layers as Triton GEMVs (%d rows x %d columns, "
-            "%d warps, %d stages%s)",
-            device, c.block_n, c.block_k, c.warps, c.stages, ", PDL" if ops.pdl else "",
+            "%d warps, unrolled %d times%s)",
+            device, c.block_n, c.block_k, c.warps, c.unroll, ", PDL" if ops.pdl else "",
         )  # fmt: skip
     return ops
 

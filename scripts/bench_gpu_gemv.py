@@ -9,7 +9,7 @@ Llama-3.1-8B's shapes, bf16, on one GPU, in the same run:
    four GEMVs that carry them (triton_gemv), plain and as programmatic dependent launches, each
    under the tiling that led in 1. The chain's floor is its weights' bytes over the copy rate.
 
-    python3 scripts/bench_gpu_gemv.py [--configs "8:512:4:3 16:256:4:1"] [--json out.json]
+    python3 scripts/bench_gpu_gemv.py [--configs "8:512:4:2 16:256:4:4"] [--json out.json]
 """
 
 from __future__ import annotations
@@ -33,7 +33,10 @@ SHAPES = {  # name -> (out, in), the prologue/epilogue the chain gives it
     "gate_up_proj": (2 * INTER, HIDDEN),
     "down_proj": (HIDDEN, INTER),
 }
-CONFIGS = "8:512:4:1 8:512:4:3 16:512:4:1 4:1024:4:1 8:1024:8:1 16:1024:8:1 8:2048:8:1 32:256:4:1"
+CONFIGS = (
+    "8:512:4:1 8:512:4:2 8:512:4:4 16:512:4:2 4:1024:4:2 8:1024:8:2 2:2048:4:2 4:2048:8:1 "
+    "16:256:4:4 32:256:8:2"
+)
 
 
 def hbm_gbs(dev) -> float:
@@ -83,7 +86,7 @@ def linears(n: int, k: int, count: int, dev) -> list[torch.nn.Linear]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--configs", default=CONFIGS, help="GEMV tilings BN:BK:WARPS:STAGES")
+    ap.add_argument("--configs", default=CONFIGS, help="GEMV tilings BN:BK:WARPS:UNROLL")
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--runs", type=int, default=20)
     ap.add_argument("--json", default=None)
@@ -115,10 +118,7 @@ def main() -> None:
         out["alone"].append(row)
         print(
             f"{name} ({n}x{k}): floor {floor:.1f} us, cuBLAS {cublas:.1f} us, GEMV "
-            + ", ".join(
-                f"{c.block_n}:{c.block_k}:{c.warps}:{c.stages} {v:.1f}"
-                for c, v in zip(configs, row["gemv_us"].values())
-            )  # fmt: skip
+            + ", ".join(f"{c} {v:.1f}" for c, v in zip(configs, row["gemv_us"].values()))
             + f" us; best {row['gemv_us'][str(lead)]:.1f} us"
         )
     # 2. the layer chain without attention, `--layers` deep

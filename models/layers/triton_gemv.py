@@ -34,28 +34,32 @@ from models.attention.triton_ops import PF_CHUNK, _pow2, ask_l2, interpreting  #
 
 @dataclass(frozen=True)
 class GemvConfig:
-    """A GEMV's tiling: output rows a program, columns a loop step, warps, pipeline stages."""
+    """A GEMV's tiling: output rows a program, columns a loop step, warps, and the loop's
+    unrolling (the loads of that many steps issued together: more bytes in flight a thread)."""
 
     block_n: int = 8
     block_k: int = 512
     warps: int = 4
-    stages: int = 3
+    unroll: int = 2
 
     def __post_init__(self):
         for name in ("block_n", "block_k"):
             v = getattr(self, name)
             if v < 1 or v & (v - 1):
                 raise ValueError(f"GEMV {name} {v}: a power of 2")
-        if self.warps not in (1, 2, 4, 8, 16) or self.stages < 1:
-            raise ValueError(f"GEMV warps {self.warps} (1..16, a power of 2), stages {self.stages}")
+        if self.warps not in (1, 2, 4, 8, 16) or self.unroll < 1:
+            raise ValueError(f"GEMV warps {self.warps} (1..16, a power of 2), unroll {self.unroll}")
 
     @classmethod
     def parse(cls, text: str) -> GemvConfig:
-        """'BN:BK:WARPS:STAGES' (or a prefix of it; the rest default)."""
+        """'BN:BK:WARPS:UNROLL' (or a prefix of it; the rest default)."""
         parts = [int(p) for p in text.replace(",", ":").split(":") if p]
         if len(parts) > 4:
-            raise ValueError(f"GEMV config {text!r}: at most BN:BK:WARPS:STAGES")
+            raise ValueError(f"GEMV config {text!r}: at most BN:BK:WARPS:UNROLL")
         return cls(*parts)
+
+    def __str__(self) -> str:
+        return f"{self.block_n}:{self.block_k}:{self.warps}:{self.unroll}"
 
 
 PRO_NONE, PRO_NORM, PRO_SILU = 0, 1, 2
@@ -73,6 +77,7 @@ def _build(interpret: bool):
         K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         PRO: tl.constexpr, INTO: tl.constexpr, HAS_H: tl.constexpr, BIAS: tl.constexpr,
         PDL: tl.constexpr, ASK_LANES: tl.constexpr, PF_CHUNK: tl.constexpr,
+        UNROLL: tl.constexpr,
     ):  # fmt: skip
         # program i: out[rows] (op)= W[rows, :] @ x, rows = i * BLOCK_N + [0, BLOCK_N)
         pid = tl.program_id(0)
@@ -97,7 +102,7 @@ def _build(interpret: bool):
                 sq += s * s
             inv = 1.0 / tl.sqrt(tl.sum(sq, 0) / K + eps)
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in tl.range(0, K, BLOCK_K, loop_unroll_factor=UNROLL):
             kk = k0 + kk0
             km = kk < K
             if PRO == 1:
@@ -167,7 +172,7 @@ def gemv(
         n, float(eps), w.data_ptr(),
         K=k, BLOCK_N=c.block_n, BLOCK_K=block_k, PRO=pro, INTO=into is not None,
         HAS_H=h is not None, BIAS=bias is not None, PDL=pdl, ASK_LANES=lanes, PF_CHUNK=PF_CHUNK,
-        num_warps=c.warps, num_stages=c.stages, **({"launch_pdl": True} if pdl else {}),
+        UNROLL=c.unroll, num_warps=c.warps, num_stages=1, **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     return out
 

@@ -99,8 +99,9 @@ def gemv_builds():
     for (name, k, pro, into, has_h, bias), pdl in itertools.product(shapes, (True, False)):
         lanes = triton_ops._pow2(-(-c.block_n * k * 2 // triton_ops.PF_CHUNK)) if pdl else 1
         const = dict(K=k, BLOCK_N=c.block_n, BLOCK_K=c.block_k, PRO=pro, INTO=into, HAS_H=has_h,
-                     BIAS=bias, PDL=pdl, ASK_LANES=lanes, PF_CHUNK=triton_ops.PF_CHUNK)  # fmt: skip
-        b = compile_for_hopper(fn, GEMV_TYPES, const, num_warps=c.warps, num_stages=c.stages)
+                     BIAS=bias, PDL=pdl, ASK_LANES=lanes, PF_CHUNK=triton_ops.PF_CHUNK,
+                     UNROLL=c.unroll)  # fmt: skip
+        b = compile_for_hopper(fn, GEMV_TYPES, const, num_warps=c.warps, num_stages=1)
         ptx = b.asm["ptx"]
         assert ("griddepcontrol.wait" in ptx) is pdl, (name, pdl)
         assert ("cp.async.bulk.prefetch.L2.global" in ptx) is pdl, (name, pdl)

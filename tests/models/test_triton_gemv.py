@@ -75,8 +75,9 @@ def test_bf16_rounds_where_the_chain_rounds():
 
 
 def test_the_tiling_knob():
-    assert GemvConfig.parse("16:256") == GemvConfig(16, 256, 4, 3)
+    assert GemvConfig.parse("16:256") == GemvConfig(16, 256, 4, 2)
     assert GemvConfig.parse("8:512:8:1") == GemvConfig(8, 512, 8, 1)
+    assert str(GemvConfig(8, 512, 8, 1)) == "8:512:8:1"
     for bad in ("12", "8:300", "8:512:3", "8:512:4:0", "1:2:4:1:5"):
         with pytest.raises(ValueError, match="GEMV"):
             GemvConfig.parse(bad)
