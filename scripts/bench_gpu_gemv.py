@@ -25,6 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from models.layers.triton_gemv import GemvConfig, gemv, gemv_reference  # noqa: E402
+from scripts.bench_gpu_l2_prefetch import hbm_gbs  # noqa: E402
 
 HIDDEN, INTER, QKV = 4096, 14336, 6144
 SHAPES = {  # name -> (out, in), the prologue/epilogue the chain gives it
@@ -37,21 +38,6 @@ CONFIGS = (
     "8:512:4:1 8:512:4:2 8:512:4:4 16:512:4:2 4:1024:4:2 8:1024:8:2 2:2048:4:2 4:2048:8:1 "
     "16:256:4:4 32:256:8:2"
 )
-
-
-def hbm_gbs(dev) -> float:
-    """The bus's rate (GB/s, read + write) by a 1 GiB copy, best of 5."""
-    a = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
-    b = torch.empty_like(a)
-    best = float("inf")
-    for _ in range(5):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        b.copy_(a)
-        e1.record()
-        e1.synchronize()
-        best = min(best, e0.elapsed_time(e1))
-    return 2 * a.numel() / best / 1e6
 
 
 def graph_ms(fn, runs: int) -> float:
