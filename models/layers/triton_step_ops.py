@@ -182,15 +182,21 @@ class StepOps:
         return self.norms and act == "silu" and gate_up.dtype != torch.float32
 
     def takes_layer(self, layer: torch.nn.Module, x: torch.Tensor, whole: bool) -> bool:
-        """Whether a decoder layer's step runs as GEMVs (`gemv_layer`): one row of a GPU's
-        dtype, a whole model (whole: no shards' sums between the projections), SiLU."""
-        return (
+        """Whether a decoder layer's step runs as GEMVs (`gemv_layer`): one contiguous row of a
+        GPU's dtype, a whole model (whole: no shards' sums between the projections), SiLU, and
+        the projections' weights row-major."""
+        if not (
             self.gemv_config is not None
             and whole
             and x.shape[0] == 1
+            and x.is_contiguous()
             and x.dtype in (torch.bfloat16, torch.float16)
             and layer.mlp.act == "silu"
-        )
+        ):
+            return False
+        attn, mlp = layer.self_attn, layer.mlp
+        projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        return all(p.weight.is_contiguous() for p in projections)
 
     def gemv(self, linear: torch.nn.Linear, x: torch.Tensor, **ops) -> torch.Tensor:
         return gemv(linear, x, config=self.gemv_config, pdl=self.pdl, **ops)
