@@ -118,7 +118,9 @@ def _build(interpret: bool):
             else:
                 xv = tl.load(x_ptr + kk, mask=km, other=0.0).to(tl.float32)
             wm = rm[:, None] & km[None, :]
-            w = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + kk[None, :], mask=wm, other=0.0)
+            # W is read once a step: the first lines the L2 evicts (the rows of x stay)
+            w_at = w_ptr + rows[:, None].to(tl.int64) * K + kk[None, :]
+            w = tl.load(w_at, mask=wm, other=0.0, eviction_policy="evict_first")
             acc += w.to(tl.float32) * xv[None, :]
         y = tl.sum(acc, 1)
         if BIAS:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 
 import torch
 import triton
@@ -105,7 +106,9 @@ def gemv_builds():
         ptx = b.asm["ptx"]
         assert ("griddepcontrol.wait" in ptx) is pdl, (name, pdl)
         assert ("cp.async.bulk.prefetch.L2.global" in ptx) is pdl, (name, pdl)
-        assert "ld.global.v4" in ptx, name  # W read 16 bytes a load
+        # W read 16 bytes a load, the first lines the L2 evicts
+        assert re.search(r"ld\.global\.L1::evict_first\.L2::cache_hint\.v4", ptx), name
+        assert "createpolicy.fractional.L2::evict_first" in ptx, name
         yield f"gemv {name} {pdl=}", b
 
 
