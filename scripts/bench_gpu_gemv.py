@@ -176,6 +176,10 @@ def main() -> None:
     for name in tilings:
         pdl = f", with PDL {chain[f'gemv_{name}_pdl_ms']:.3f} ms" if pdl_ok else ""
         print(f"  GEMVs, the {name} tiling: {chain[f'gemv_{name}_ms']:.3f} ms{pdl}")
+    gemv_ms = min(v for k, v in chain.items() if k.startswith("gemv_uniform"))
+    chain["gemv_leads"] = gemv_ms < chain["cublas_flashinfer_ms"]
+    ratio = gemv_ms / chain["cublas_flashinfer_ms"]
+    print(f"gemv leads: {int(chain['gemv_leads'])} (x{ratio:.3f} the cuBLAS chain's time)")
     print(f"best uniform tiling: {uniform}")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))

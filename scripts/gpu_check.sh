@@ -86,7 +86,7 @@ if [ "$quick" = "--decode" ]; then
   # batch-1 projections: cuBLAS beside Prism's Triton GEMVs that carry the norms, activation
   # and residual adds (not in the default set: PARTS=gemv; GEMV_CONFIGS: the tilings tried)
   part gemv && timeout 200 python3 scripts/bench_gpu_gemv.py ${GEMV_CONFIGS:+--configs "$GEMV_CONFIGS"} \
-    --json "$OUT/gemv.json" 2>&1 | tail -8
+    --json "$OUT/gemv.json" 2>&1 | tail -10
   # decode under kernel choices (CHOICES: PRISM_* settings) beside the defaults, one process,
   # engines built in turn, ROUNDS rounds (ABC ABC), medians and ratios to the defaults last
   if part choices; then
