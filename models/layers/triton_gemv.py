@@ -76,7 +76,7 @@ def _build(interpret: bool):
         w_ptr, x_ptr, h_ptr, nw_ptr, b_ptr, out_ptr, n, eps, w_addr,
         K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         PRO: tl.constexpr, INTO: tl.constexpr, HAS_H: tl.constexpr, BIAS: tl.constexpr,
-        PDL: tl.constexpr, ASK_LANES: tl.constexpr, PF_CHUNK: tl.constexpr,
+        PDL: tl.constexpr, ASK: tl.constexpr, ASK_LANES: tl.constexpr, PF_CHUNK: tl.constexpr,
         UNROLL: tl.constexpr,
     ):  # fmt: skip
         # program i: out[rows] (op)= W[rows, :] @ x, rows = i * BLOCK_N + [0, BLOCK_N)
@@ -84,11 +84,13 @@ def _build(interpret: bool):
         rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         rm = rows < n
         dt = out_ptr.dtype.element_ty
-        if PDL:  # W is no kernel's output: asked of the L2 before the wait
-            first = pid * BLOCK_N
-            nbytes = (tl.minimum(n - first, BLOCK_N) * K * 2).to(tl.int64)
-            a0 = w_addr + first.to(tl.int64) * K * 2
-            ask_l2(0, 1, a0, nbytes, 0, 0, PF_CHUNK, w_ptr, ASK_LANES, False)
+        if PDL:
+            if ASK:  # W is no kernel's output: this program's rows asked of the L2 first
+                first = pid * BLOCK_N
+                row_bytes = K * w_ptr.dtype.element_ty.primitive_bitwidth // 8
+                nbytes = (tl.minimum(n - first, BLOCK_N) * row_bytes).to(tl.int64)
+                a0 = w_addr + first.to(tl.int64) * row_bytes
+                ask_l2(0, 1, a0, nbytes, 0, 0, PF_CHUNK, w_ptr, ASK_LANES, False)
             tl.extra.cuda.gdc_wait()
         kk0 = tl.arange(0, BLOCK_K)
         if PRO == 1:  # the row's sum of squares, of src (+ h) in fp32
@@ -167,13 +169,17 @@ def gemv(
     bias = linear.bias
     c = config
     block_k = min(c.block_k, _pow2(k))
-    lanes = _pow2(-(-c.block_n * k * w.element_size() // PF_CHUNK)) if pdl else 1
+    # the bulk prefetch takes 16-byte aligned ranges, multiples of 16 bytes: whole rows
+    row_bytes = k * w.element_size()
+    ask = pdl and row_bytes % 16 == 0 and w.data_ptr() % 16 == 0
+    lanes = _pow2(-(-c.block_n * row_bytes // PF_CHUNK)) if ask else 1
     pro = PRO_NORM if norm is not None else PRO_SILU if silu else PRO_NONE
     _build(interpreting())[(-(-n // c.block_n),)](
         w, x, h if h is not None else x, nw, bias if bias is not None else w, out,
         n, float(eps), w.data_ptr(),
         K=k, BLOCK_N=c.block_n, BLOCK_K=block_k, PRO=pro, INTO=into is not None,
-        HAS_H=h is not None, BIAS=bias is not None, PDL=pdl, ASK_LANES=lanes, PF_CHUNK=PF_CHUNK,
+        HAS_H=h is not None, BIAS=bias is not None, PDL=pdl, ASK=ask, ASK_LANES=lanes,
+        PF_CHUNK=PF_CHUNK,
         UNROLL=c.unroll, num_warps=c.warps, num_stages=1, **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     return out
