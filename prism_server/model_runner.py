@@ -203,11 +203,9 @@ def _step_ops(device: torch.device, resources: DeviceResources | None):
     if ops is None:
         log.warning("%s: decode graphs keep FlashInfer's norms and cuBLAS's GEMMs: %s", device, why)
     elif ops.gemv_config is not None:
-        c = ops.gemv_config
         log.info(
-            "%s: one-row decode graphs run their layers as Triton GEMVs (%d rows x %d columns, "
-            "%d warps, unrolled %d times%s)",
-            device, c.block_n, c.block_k, c.warps, c.unroll, ", PDL" if ops.pdl else "",
+            "%s: one-row decode graphs run their layers as Triton GEMVs (tiling %s%s)",
+            device, ops.gemv_config, ", PDL" if ops.pdl else "",
         )  # fmt: skip
     return ops
 

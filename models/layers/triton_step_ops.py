@@ -220,9 +220,9 @@ def load_step_ops(
     norms: bool = True,
     gemv: GemvConfig | None = None,
 ) -> tuple[StepOps | None, str | None]:
-    """The step kernels for `device`, built and checked there against the torch reference (a
-    row of each, with PDL and an L2 prefetch when asked and on Hopper; the GEMVs' three kinds
-    when asked), or None and why not."""
+    """The step kernels for `device`, built and checked there against the torch reference (the
+    norms' kernels with `norms`, with PDL and an L2 prefetch when asked and on Hopper; the
+    GEMVs' three kinds with `gemv`), or None and why not."""
     if not triton_runs_on(device):
         return None, "Triton does not run here"
     hopper = bulk_prefetch_runs_on(device)
@@ -230,15 +230,7 @@ def load_step_ops(
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     try:
         g = torch.Generator(device=device).manual_seed(0)
-        x, r = (torch.randn(2, 4096, generator=g, device=device).to(dtype) for _ in range(2))
-        w = torch.randn(4096, generator=g, device=device).to(dtype)
-        pair = ((w.data_ptr(), 4096), (0, 0)) if ops.takes_prefetch else None
-        s = x.float() + r.float()
-        want = (s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-5) * w.float()).to(dtype)
-        got, _ = ops.add_rmsnorm(x.clone(), r.clone(), w, 1e-5, pair)
-        gu = torch.randn(2, 2 * 4096, generator=g, device=device).to(dtype)
-        act = torch.nn.functional.silu(gu[:, :4096].float()) * gu[:, 4096:].float()
-        checks = [("add_rmsnorm", got, want), ("silu_mul", ops.silu_mul(gu, pair), act)]
+        checks = _norm_checks(ops, g, device, dtype) if norms else []
         if gemv is not None:
             checks += _gemv_checks(ops, g, device, dtype)
         for name, out, ref in checks:
@@ -249,15 +241,31 @@ def load_step_ops(
     return ops, None
 
 
+def _norm_checks(ops: StepOps, g: torch.Generator, device: torch.device, dtype: torch.dtype):
+    """(name, the kernel's result, the reference's) for add + RMSNorm and SiLU * up, two rows of
+    4096 columns, with an L2 prefetch riding along where the kernels ask."""
+    x, r = (torch.randn(2, 4096, generator=g, device=device).to(dtype) for _ in range(2))
+    w = torch.randn(4096, generator=g, device=device).to(dtype)
+    pair = ((w.data_ptr(), 4096), (0, 0)) if ops.takes_prefetch else None
+    s = x.float() + r.float()
+    want = (s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-5) * w.float()).to(dtype)
+    got, _ = ops.add_rmsnorm(x.clone(), r.clone(), w, 1e-5, pair)
+    gu = torch.randn(2, 2 * 4096, generator=g, device=device).to(dtype)
+    act = torch.nn.functional.silu(gu[:, :4096].float()) * gu[:, 4096:].float()
+    return [("add_rmsnorm", got, want), ("silu_mul", ops.silu_mul(gu, pair), act)]
+
+
 def _gemv_checks(ops: StepOps, g: torch.Generator, device: torch.device, dtype: torch.dtype):
     """(name, ops.gemv's result, the reference's) for a norm's, an activation's and a residual
     add's GEMV of 4096 columns."""
-    lin = torch.nn.Linear(4096, 256, bias=False, device=device, dtype=dtype)
-    with torch.no_grad():
-        lin.weight.copy_(torch.randn(256, 4096, generator=g, device=device) * 4096**-0.5)
-    sq = torch.nn.Linear(4096, 4096, bias=False, device=device, dtype=dtype)
-    with torch.no_grad():
-        sq.weight.copy_(torch.randn(4096, 4096, generator=g, device=device) * 4096**-0.5)
+
+    def linear(rows: int) -> torch.nn.Linear:
+        lin = torch.nn.Linear(4096, rows, bias=False, device=device, dtype=dtype)
+        with torch.no_grad():
+            lin.weight.copy_(torch.randn(rows, 4096, generator=g, device=device) * 4096**-0.5)
+        return lin
+
+    lin, sq = linear(256), linear(4096)
     x, h, r = (torch.randn(1, 4096, generator=g, device=device).to(dtype) for _ in range(3))
     nw = torch.randn(4096, generator=g, device=device).to(dtype)
     gu = torch.randn(1, 8192, generator=g, device=device).to(dtype)

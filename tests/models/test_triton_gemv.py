@@ -12,7 +12,7 @@ from models.attention.base import AttentionMetadata, ForwardContext, SeqChunk
 from models.attention.torch_paged import TorchPagedAttention
 from models.layers import triton_step_ops
 from models.layers.triton_gemv import GemvConfig, gemv, gemv_reference
-from models.loader import load_model
+from tests.models.test_triton_step_ops import BLOCK, tiny_bf16_llama
 
 pytest.importorskip("triton")
 
@@ -97,12 +97,8 @@ def test_a_one_row_forward_runs_its_layers_as_gemvs():
     """The tiny Llama in bf16, one decode row over a cached prompt: every layer as four GEMVs
     (the first layer's stream the embeddings), against the model's own forward; a step of two
     rows keeps the model's own layers."""
-    lm = load_model("dummy:tiny-llama", dtype=torch.bfloat16)
-    cfg, bs = lm.config, 4
-    caches = [
-        torch.zeros(3, 2, bs, cfg.num_kv_heads, cfg.head_dim, dtype=torch.bfloat16)
-        for _ in range(cfg.num_layers)
-    ]
+    lm, caches = tiny_bf16_llama()
+    cfg, bs = lm.config, BLOCK
     prompt = torch.tensor([5, 17, 200, 3, 99])
     md = AttentionMetadata.build([SeqChunk(0, 5, [1, 2])], bs, torch.device("cpu"))
     lm.model(prompt, torch.arange(5), ForwardContext(attn=TorchPagedAttention(caches, md)))

@@ -75,16 +75,27 @@ def test_load_step_ops_checks_them_against_the_reference():
     assert not step_ops.pdl and not step_ops.takes_prefetch  # Hopper's only
 
 
+BLOCK = 4  # tokens a page of tiny_bf16_llama's caches
+
+
+def tiny_bf16_llama():
+    """The tiny Llama in bf16 on the CPU and a paged cache for it: 3 pages of BLOCK tokens a
+    layer."""
+    lm = load_model("dummy:tiny-llama", dtype=torch.bfloat16)
+    cfg = lm.config
+    caches = [
+        torch.zeros(3, 2, BLOCK, cfg.num_kv_heads, cfg.head_dim, dtype=torch.bfloat16)
+        for _ in range(cfg.num_layers)
+    ]
+    return lm, caches
+
+
 @torch.no_grad()
 def test_a_bf16_forward_through_the_step_ops():
     """The tiny Llama in bf16 on the CPU: its norms (all but the first layer's input norm, the
     final one too) and its activations through the Triton kernels, against the model's own."""
-    lm = load_model("dummy:tiny-llama", dtype=torch.bfloat16)
-    cfg, bs = lm.config, 4
-    caches = [
-        torch.zeros(3, 2, bs, cfg.num_kv_heads, cfg.head_dim, dtype=torch.bfloat16)
-        for _ in range(cfg.num_layers)
-    ]
+    lm, caches = tiny_bf16_llama()
+    cfg, bs = lm.config, BLOCK
     ids = torch.tensor([5, 17, 200, 3, 99])
     md = AttentionMetadata.build([SeqChunk(0, 5, [1, 2])], bs, torch.device("cpu"))
     plain = lm.model(ids, torch.arange(5), ForwardContext(attn=TorchPagedAttention(caches, md)))
