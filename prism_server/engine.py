@@ -72,6 +72,7 @@ class Engine:
         kernels = KernelChoice(
             decode_tensor_cores=envs.decode_tensor_cores(),
             prefill_backend=envs.prefill_backend(),
+            prefill_backend_min_tokens=envs.prefill_backend_min_tokens(),
             ragged_prefill=envs.ragged_prefill(),
             decode_split_pages=envs.decode_split_pages(),
             decode_backend=envs.decode_backend(),

@@ -58,8 +58,18 @@ def decode_tensor_cores() -> bool:
 
 
 def prefill_backend() -> str:
-    """FlashInfer's prefill backend (PRISM_PREFILL_BACKEND: fa2, the default; fa3; auto)."""
-    return os.environ.get("PRISM_PREFILL_BACKEND") or "fa2"
+    """FlashInfer's prefill backend for steps of at least prefill_backend_min_tokens query
+    tokens (PRISM_PREFILL_BACKEND: auto, the default: fa3 where it runs; fa3; fa2)."""
+    return os.environ.get("PRISM_PREFILL_BACKEND") or "auto"
+
+
+def prefill_backend_min_tokens() -> int:
+    """Steps of fewer query tokens prefill through fa2 whatever PRISM_PREFILL_BACKEND says
+    (PRISM_PREFILL_BACKEND_MIN_TOKENS, default 2048)."""
+    n = _int("PRISM_PREFILL_BACKEND_MIN_TOKENS", 2048)
+    if n is None or n < 0:
+        raise ValueError(f"PRISM_PREFILL_BACKEND_MIN_TOKENS must be >= 0, got {n}")
+    return n
 
 
 def decode_split_pages() -> int | None:
@@ -137,9 +147,10 @@ def triton_gemv() -> tuple[int, ...] | None:
     """One-row decode graphs run each Llama layer as four Triton GEMVs that carry its norms,
     activation and residual adds (models.layers.triton_gemv), not cuBLAS's GEMMs with kernels
     between them: PRISM_TRITON_GEMV=1, or the GEMVs' tiling BN[:BK[:WARPS[:UNROLL]]] (output
-    rows a program, columns a loop step, warps, the loop's unrolling); unset or 0: off. With
-    PRISM_TRITON_PDL each asks the L2 for its weights before waiting for the kernel before it."""
-    v = os.environ.get("PRISM_TRITON_GEMV") or "0"
+    rows a program, columns a loop step, warps, the loop's unrolling); unset: on, under the
+    default tiling; 0: off. With PRISM_TRITON_PDL each asks the L2 for its weights before
+    waiting for the kernel before it."""
+    v = os.environ.get("PRISM_TRITON_GEMV") or "1"
     if v in ("0", "false", "no"):
         return None
     if v in ("1", "true", "yes"):

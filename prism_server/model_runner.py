@@ -338,26 +338,38 @@ class ModelRunner:
         compiled (FlashInfer compiles at first use: minutes on a fresh machine for some) and
         chosen before the first request. The steps read and write the null block only."""
         table = [0] * 4  # block 0, whatever the block size
-        for chunks in (
-            [SeqChunk(0, 3, table)],  # a fresh prompt
-            [SeqChunk(2, 2, table)],  # a chunk over a cached prefix
-            [SeqChunk(3, 1, table)] * 2,  # decodes, eagerly (past the graphs' batch sizes)
-        ):
+        # FlashInfer's prefill steps through each backend they may take (fa2 for small steps,
+        # fa3 for large ones), though these are small
+        backends = getattr(self.attention, "prefill_backends", (None,))
+        steps = [
+            (c, b) for c in ([SeqChunk(0, 3, table)], [SeqChunk(2, 2, table)]) for b in backends
+        ]
+        steps.append(([SeqChunk(3, 1, table)] * 2, None))  # decodes, eagerly (past the graphs')
+        for chunks, backend in steps:  # fresh prompts, chunks over a cached prefix, decodes
             pos = [p for c in chunks for p in range(c.num_computed, c.num_computed + c.num_new)]
             ids, pos_dev = upload(
                 [host_ints([0] * len(pos), torch.long), host_ints(pos, torch.long)], self.device
             )
             md = AttentionMetadata.build(chunks, self.block_size, self.device)
-            logits = self.model.compute_logits(self._forward(ids, pos_dev, md)[-1:])
+            views = self.kv_cache.layer_views
+            attn = self.attention(views, md, prefill_backend=backend) if backend else None
+            logits = self.model.compute_logits(self._forward(ids, pos_dev, md, attn)[-1:])
         sample_batch(logits, [SamplingParams(temperature=1.0, top_k=50, top_p=0.9)])
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
     def _forward(
-        self, input_ids: torch.Tensor, pos: torch.Tensor, md: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        pos: torch.Tensor,
+        md: AttentionMetadata,
+        attn: AttentionBackend | None = None,
     ) -> torch.Tensor:
-        """A step run eagerly -> hidden states [T, hidden]."""
-        ctx = ForwardContext(attn=self.attention(self.kv_cache.layer_views, md))
+        """A step run eagerly -> hidden states [T, hidden]. attn: the step's attention, planned
+        for md (None: the runner's attention factory's)."""
+        if attn is None:
+            attn = self.attention(self.kv_cache.layer_views, md)
+        ctx = ForwardContext(attn=attn)
         if self._planned is not None:
             self._planned.record()
         return self.model(input_ids, pos, ctx)

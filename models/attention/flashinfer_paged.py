@@ -84,7 +84,12 @@ class KernelChoice:
     measured best so far, the others are there to be measured beside them."""
 
     decode_tensor_cores: bool = True  # decode through the tensor-core kernel (else CUDA cores)
-    prefill_backend: str = "fa2"  # FlashInfer's prefill backend: "fa2", "fa3" (Hopper), "auto"
+    # FlashInfer's prefill backend: "fa2", "fa3" (Hopper), "auto" (fa3 where it can run), for
+    # steps of at least prefill_backend_min_tokens query tokens; fa2 for the smaller ones. On
+    # the H100 fa3's kernels were faster at 1k tokens, but its launches cost more host time a
+    # layer than they saved there; at 8k it led by 11% (docs/BENCHMARKS.md)
+    prefill_backend: str = "auto"
+    prefill_backend_min_tokens: int = 2048
     ragged_prefill: bool = True  # fresh prompts attend over their own K/V tensors (else paged)
     # decode's split of each sequence's KV over thread blocks, in pages (None: FlashInfer's
     # planner chooses; 0: no split, one block per sequence and KV head; n: every n pages)
@@ -117,8 +122,9 @@ class KernelChoice:
     # kernels (models.layers.triton_step_ops), as dependent launches with triton_pdl
     triton_step_ops: bool = False
     # one-row decode graphs run each Llama layer as four Triton GEMVs carrying its norms,
-    # activation and residual adds, under this tiling (models.layers.triton_gemv); None: off
-    triton_gemv: GemvConfig | None = None
+    # activation and residual adds, under this tiling (models.layers.triton_gemv); None: off.
+    # On the H100 they took batch 1's step from 6.39 to 6.06 ms (docs/BENCHMARKS.md)
+    triton_gemv: GemvConfig | None = GemvConfig()
 
     def __post_init__(self):
         if self.prefill_backend not in PREFILL_BACKENDS:
@@ -137,6 +143,8 @@ class KernelChoice:
                 f"L2 prefetch budgets {self.l2_prefetch_mib}: three MiB counts (the attention's "
                 "window, the activation's, the input norm's), each >= 0"
             )
+        if self.prefill_backend_min_tokens < 0:
+            raise ValueError(f"prefill backend min tokens {self.prefill_backend_min_tokens}: >= 0")
         if self.decode_backend_max_batch is not None and self.decode_backend_max_batch < 1:
             raise ValueError(f"decode backend max batch {self.decode_backend_max_batch}: >= 1")
         if self.decode_backend != "flashinfer" and self.decode_split_pages is not None:
@@ -151,6 +159,10 @@ class KernelChoice:
                 f"decode split of {n} pages: 0 (no split) or a positive count, with the "
                 "tensor-core decode kernel"
             )
+
+    def prefill_backend_for(self, tokens: int) -> str:
+        """The prefill backend of a step of `tokens` query tokens."""
+        return self.prefill_backend if tokens >= self.prefill_backend_min_tokens else "fa2"
 
     @property
     def l2_prefetch_in_kernels(self) -> bool:
@@ -280,17 +292,21 @@ class FlashInferBackend:
         if workspace is None:
             workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.workspace = workspace
+        # by backend: fa2's for steps under prefill_backend_min_tokens, the chosen one's above
+        backends = {"fa2", kernels.prefill_backend}
         self.prefill = {
-            s: flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-                self.workspace, "NHD", backend=kernels.prefill_backend
-            )
-            for s in self.specs
+            b: {
+                s: flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend=b)
+                for s in self.specs
+            }
+            for b in backends
         }
         self.ragged = {
-            s: flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
-                self.workspace, "NHD", backend=kernels.prefill_backend
-            )
-            for s in self.specs
+            b: {
+                s: flashinfer.BatchPrefillWithRaggedKVCacheWrapper(self.workspace, "NHD", backend=b)
+                for s in self.specs
+            }
+            for b in backends
         }
         self.decode = {
             s: flashinfer.BatchDecodeWithPagedKVCacheWrapper(
@@ -325,11 +341,21 @@ class FlashInferBackend:
             else:
                 log.warning("decode attention through FlashInfer: XQA cannot run %s", why)
 
+    @property
+    def prefill_backends(self) -> tuple[str, ...]:
+        """The prefill backends steps can run (fa2 for the small ones, the chosen one's above)."""
+        return tuple(sorted(self.prefill))
+
     def __call__(
-        self, kv_caches: list[torch.Tensor], md: AttentionMetadata, write_kv: bool = True
+        self,
+        kv_caches: list[torch.Tensor],
+        md: AttentionMetadata,
+        write_kv: bool = True,
+        prefill_backend: str | None = None,
     ) -> FlashInferAttention:
         """The step's attention, planned for md. write_kv False: the step's K/V are written by
-        someone else before each layer's call (a piecewise graph)."""
+        someone else before each layer's call (a piecewise graph). prefill_backend: one of
+        prefill_backends for a prefill or mixed step (None: the kernel choice's for its size)."""
         sh = self.shape
         decode = md.is_decode_only
         fused = self.kernels.fused_rope_write
@@ -356,8 +382,10 @@ class FlashInferBackend:
             write = (
                 AppendWriter(self._fi, append_inputs(index, md, self.device)) if write_kv else None
             )
+            backend = prefill_backend or self.kernels.prefill_backend_for(md.num_tokens)
             if self.kernels.ragged_prefill and md.seq_lens_cpu == md.query_lens_cpu:
-                for spec, w in self.ragged.items():
+                ragged = self.ragged[backend]
+                for spec, w in ragged.items():
                     w.plan(
                         index.qo_indptr,
                         index.qo_indptr,
@@ -367,8 +395,8 @@ class FlashInferBackend:
                         causal=True,
                         **{**plan_kwargs(spec, sh), "kv_data_type": sh.q_dtype},  # k, v as q
                     )
-                return RaggedAttention(kv_caches, self.ragged, write)
-            wrappers = self.prefill
+                return RaggedAttention(kv_caches, ragged, write)
+            wrappers = self.prefill[backend]
             for spec, w in wrappers.items():
                 w.plan(
                     index.qo_indptr,

@@ -37,8 +37,9 @@ class GemvConfig:
     """A GEMV's tiling: output rows a program, columns a loop step, warps, and the loop's
     unrolling (the loads of that many steps issued together: more bytes in flight a thread)."""
 
-    block_n: int = 8
-    block_k: int = 512
+    # the best uniform tiling of Llama-3.1-8B's four projections on the H100 (docs/BENCHMARKS.md)
+    block_n: int = 2
+    block_k: int = 2048
     warps: int = 4
     unroll: int = 2
 

@@ -12,8 +12,21 @@ from prism_server.engine import Engine
 
 
 def test_the_defaults_and_a_bad_backend():
-    assert KernelChoice(True, "fa2", ragged_prefill=True) == DEFAULT_KERNELS
+    assert KernelChoice(True, "auto", 2048, ragged_prefill=True) == DEFAULT_KERNELS
+    assert envs.prefill_backend() == "auto" and envs.prefill_backend_min_tokens() == 2048
     assert KernelChoice(prefill_backend="fa3").prefill_backend == "fa3"
+    # the chosen backend from 2048 query tokens a step; fa2 below
+    assert [DEFAULT_KERNELS.prefill_backend_for(n) for n in (1, 2047, 2048)] == [
+        "fa2",
+        "fa2",
+        "auto",
+    ]
+    assert (
+        KernelChoice(prefill_backend="fa3", prefill_backend_min_tokens=0).prefill_backend_for(1)
+        == "fa3"
+    )
+    with pytest.raises(ValueError, match="prefill backend min tokens -1"):
+        KernelChoice(prefill_backend_min_tokens=-1)
     with pytest.raises(ValueError, match="choose from fa2, fa3, auto"):
         KernelChoice(prefill_backend="fa4")
     assert KernelChoice().decode_plan_kwargs() == {}
@@ -51,12 +64,13 @@ def test_the_environment_reaches_every_devices_resources(monkeypatch):
     monkeypatch.setenv("PRISM_DECODE_TENSOR_CORES", "0")
     monkeypatch.setenv("PRISM_PREFILL_BACKEND", "fa3")
     monkeypatch.setenv("PRISM_RAGGED_PREFILL", "0")
+    monkeypatch.setenv("PRISM_PREFILL_BACKEND_MIN_TOKENS", "0")
     assert not envs.decode_tensor_cores() and envs.prefill_backend() == "fa3"
     assert not envs.ragged_prefill()
     spec = ModelSpec("a", "dummy:tiny-llama", block_size=4)
     with Engine(EngineConfig(models=(spec,), device="cpu", page_bytes=64 << 10, devices=2)) as e:
         kinds = {w.resources.kernels for w in e._workers}
-        assert kinds == {KernelChoice(False, "fa3", ragged_prefill=False)}
+        assert kinds == {KernelChoice(False, "fa3", 0, ragged_prefill=False)}
         assert e.worker.resources.xqa_workspace() is None  # not chosen: never allocated
         e.check_integrity()
     monkeypatch.setenv("PRISM_DECODE_SPLIT_PAGES", "0")  # needs FlashInfer's tensor-core kernel
@@ -143,14 +157,18 @@ def test_piecewise_buckets_and_their_knob(monkeypatch):
     monkeypatch.setenv("PRISM_PIECEWISE_MAX_TOKENS", "4")
     with pytest.raises(ValueError, match="PRISM_PIECEWISE_MAX_TOKENS must be at least 8"):
         Engine(EngineConfig(models=(spec,), device="cpu", page_bytes=64 << 10))
+    monkeypatch.setenv("PRISM_PREFILL_BACKEND_MIN_TOKENS", "-4")
+    with pytest.raises(ValueError, match="PRISM_PREFILL_BACKEND_MIN_TOKENS must be >= 0"):
+        envs.prefill_backend_min_tokens()
 
 
 def test_the_gemv_knob(monkeypatch):
-    """PRISM_TRITON_GEMV: off by default, 1 for the default tiling, or a tiling; a bad one is
-    refused when the engine is built."""
+    """PRISM_TRITON_GEMV: on by default (1: the default tiling), 0 off, or a tiling; a bad one
+    is refused when the engine is built."""
     from models.layers.triton_gemv import GemvConfig
 
-    assert DEFAULT_KERNELS.triton_gemv is None and envs.triton_gemv() is None
+    assert DEFAULT_KERNELS.triton_gemv == GemvConfig() and envs.triton_gemv() == ()
+    assert str(GemvConfig()) == "2:2048:4:2"
     for v, want in (("0", None), ("1", ()), ("16:256", (16, 256)), ("8,512,8,1", (8, 512, 8, 1))):
         monkeypatch.setenv("PRISM_TRITON_GEMV", v)
         assert envs.triton_gemv() == want
