@@ -65,8 +65,8 @@ def prefill_backend() -> str:
 
 def prefill_backend_min_tokens() -> int:
     """Steps of fewer query tokens prefill through fa2 whatever PRISM_PREFILL_BACKEND says
-    (PRISM_PREFILL_BACKEND_MIN_TOKENS, default 2048)."""
-    n = _int("PRISM_PREFILL_BACKEND_MIN_TOKENS", 2048)
+    (PRISM_PREFILL_BACKEND_MIN_TOKENS, default 1024)."""
+    n = _int("PRISM_PREFILL_BACKEND_MIN_TOKENS", 1024)
     if n is None or n < 0:
         raise ValueError(f"PRISM_PREFILL_BACKEND_MIN_TOKENS must be >= 0, got {n}")
     return n

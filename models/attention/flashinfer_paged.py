@@ -85,11 +85,11 @@ class KernelChoice:
 
     decode_tensor_cores: bool = True  # decode through the tensor-core kernel (else CUDA cores)
     # FlashInfer's prefill backend: "fa2", "fa3" (Hopper), "auto" (fa3 where it can run), for
-    # steps of at least prefill_backend_min_tokens query tokens; fa2 for the smaller ones. On
-    # the H100 fa3's kernels were faster at 1k tokens, but its launches cost more host time a
-    # layer than they saved there; at 8k it led by 11% (docs/BENCHMARKS.md)
+    # steps of at least prefill_backend_min_tokens query tokens; fa2 for the smaller ones. fa3
+    # led at 1k tokens on the H200 (+3.6%), tied there on the H100 and led at 8k on both (+11%
+    # on the H100); for every step, it added 3 ms to a 32-token prompt's TTFT (docs/BENCHMARKS.md)
     prefill_backend: str = "auto"
-    prefill_backend_min_tokens: int = 2048
+    prefill_backend_min_tokens: int = 1024
     ragged_prefill: bool = True  # fresh prompts attend over their own K/V tensors (else paged)
     # decode's split of each sequence's KV over thread blocks, in pages (None: FlashInfer's
     # planner chooses; 0: no split, one block per sequence and KV head; n: every n pages)

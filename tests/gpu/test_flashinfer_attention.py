@@ -134,7 +134,7 @@ KERNELS = {
     "default": KernelChoice(),  # Triton's decode
     "flashinfer-decode": KernelChoice(decode_backend=FI),
     "cuda-core-decode": KernelChoice(decode_tensor_cores=False, decode_backend=FI),
-    # every step's (the default: from 2048 query tokens, past these small steps)
+    # every step's (the default: from 1024 query tokens, past these small steps)
     "fa3-prefill": KernelChoice(prefill_backend="fa3", prefill_backend_min_tokens=0),
     # FlashInfer's choice: fa3 on Hopper where it has the head_dim (these cases), else fa2
     "fa3-auto-prefill": KernelChoice(prefill_backend="auto", prefill_backend_min_tokens=0),

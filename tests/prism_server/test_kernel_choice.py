@@ -12,11 +12,11 @@ from prism_server.engine import Engine
 
 
 def test_the_defaults_and_a_bad_backend():
-    assert KernelChoice(True, "auto", 2048, ragged_prefill=True) == DEFAULT_KERNELS
-    assert envs.prefill_backend() == "auto" and envs.prefill_backend_min_tokens() == 2048
+    assert KernelChoice(True, "auto", 1024, ragged_prefill=True) == DEFAULT_KERNELS
+    assert envs.prefill_backend() == "auto" and envs.prefill_backend_min_tokens() == 1024
     assert KernelChoice(prefill_backend="fa3").prefill_backend == "fa3"
-    # the chosen backend from 2048 query tokens a step; fa2 below
-    assert [DEFAULT_KERNELS.prefill_backend_for(n) for n in (1, 2047, 2048)] == [
+    # the chosen backend from 1024 query tokens a step; fa2 below
+    assert [DEFAULT_KERNELS.prefill_backend_for(n) for n in (1, 1023, 1024)] == [
         "fa2",
         "fa2",
         "auto",
