@@ -7,7 +7,8 @@
 #   bash scripts/fi_kernels.sh pack AOT_DIR JIT_DIR OUT
 #                                                    # on the GPU: those modules and the ones compiled
 #                                                    # now under JIT_DIR -> OUT/fi_aot.tgz.partNN, parts
-#                                                    # of 15 MiB (the most a call returns per file)
+#                                                    # of 15 MiB (the most a call returns per file);
+#                                                    # nothing when none is new
 #   bash scripts/fi_kernels.sh join DIR              # here: the parts a call returned in DIR ->
 #                                                    # .fiaot/fi_aot.tar.xz (about 60% of gzip's size)
 #   bash scripts/fi_kernels.sh build [SHAPE ...]     # here, no GPU needed: prefill modules (fa3's by
@@ -31,10 +32,18 @@ case "${1:-}" in
     aot=$2 jit=$3 out=$4
     stage=$(mktemp -d)
     [ -d "$aot" ] && cp -r "$aot"/. "$stage"/
-    find "$jit" -path '*cached_ops*' -name '*.so' 2>/dev/null | while read -r so; do
-      name=$(basename "$so" .so); mkdir -p "$stage/$name"; cp "$so" "$stage/$name/"
-    done
-    [ -n "$(ls -A "$stage")" ] || exit 0
+    new=0
+    while read -r so; do
+      name=$(basename "$so" .so)
+      [ -e "$stage/$name" ] && continue
+      mkdir -p "$stage/$name"; cp "$so" "$stage/$name/"; new=$((new + 1))
+    done < <(find "$jit" -path '*cached_ops*' -name '*.so' 2>/dev/null)
+    # a call returns few files: the parts only when this run compiled a module not carried
+    if [ "$new" = 0 ]; then
+      echo "FlashInfer: no module compiled that .fiaot lacks; nothing to carry back"
+      exit 0
+    fi
+    echo "FlashInfer: $new modules compiled that .fiaot lacks"
     tar -czf - -C "$stage" . | split -b 15m -d - "$out/fi_aot.tgz.part"
     ls -la "$out"/fi_aot.tgz.part*
     ;;
