@@ -2,7 +2,9 @@
 # The GPU check, one command on the GPU machine: installs the carried wheel bundle, runs the GPU
 # tests, then the GPU benchmarks, and prints a short table last. Long logs go under $OUT (or
 # /tmp/prism-gpu-check). Run from the repository root with the bundle in .whl/ (see
-# ../shared/device/README.md); a carried .fiaot (compiled FlashInfer kernels of an earlier run,
+# ../shared/device/README.md; split models also need greenlet's wheel there: `python3 -m pip
+# download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64
+# -d .whl "greenlet>=3"`); a carried .fiaot (compiled FlashInfer kernels of an earlier run,
 # scripts/fi_kernels.sh) skips the JIT compile.
 #
 #   bash scripts/gpu_check.sh            # set-up transcript + tests + benchmarks
@@ -44,7 +46,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --tar
   || { echo "wheel install failed"; exit 1; }
 export PYTHONPATH=$PWD:/tmp/site FLASHINFER_CUDA_ARCH_LIST=9.0a PYTHONUNBUFFERED=1
 python3 -c "import greenlet" 2>/dev/null \
-  || echo "greenlet is in neither the machine's packages nor .whl/: split (tensor-parallel) models cannot run"
+  || echo "greenlet is in neither the machine's packages nor .whl/: split (tensor-parallel) models cannot run (its wheel: see the head of this script)"
 export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/fi-ws}
 aot=/tmp/site/flashinfer/data/aot
 bash scripts/fi_kernels.sh unpack "$aot"
