@@ -86,6 +86,7 @@ class Engine:
             l2_prefetch_keep=envs.l2_prefetch_keep(),
             triton_step_ops=envs.triton_step_ops(),
             triton_gemv=None if (gemv := envs.triton_gemv()) is None else GemvConfig(*gemv),
+            triton_gemv_glu=envs.triton_gemv_glu(),
         )
         # one page pool and one engine thread per device: each GPU of devices (cuda:0 ..), or
         # several emulated CPU devices (each its own pool and thread), for the multi-device

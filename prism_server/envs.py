@@ -164,6 +164,13 @@ def triton_gemv() -> tuple[int, ...] | None:
     return parts
 
 
+def triton_gemv_glu() -> bool:
+    """The GEMVs' SiLU * up made by the gate_up GEMV from its outputs, the down GEMV then a
+    plain one, not computed by every program of the down GEMV (PRISM_TRITON_GEMV_GLU,
+    default 0)."""
+    return _flag("PRISM_TRITON_GEMV_GLU", False)
+
+
 def ragged_prefill() -> bool:
     """Steps of fresh prompts attend over their own K/V tensors, not the paged cache
     (PRISM_RAGGED_PREFILL, default 1)."""

@@ -199,13 +199,15 @@ def _step_ops(device: torch.device, resources: DeviceResources | None):
         k.l2_prefetch_keep,
         norms=k.triton_step_ops,
         gemv=k.triton_gemv,
+        glu=k.triton_gemv_glu,
     )
     if ops is None:
         log.warning("%s: decode graphs keep FlashInfer's norms and cuBLAS's GEMMs: %s", device, why)
     elif ops.gemv_config is not None:
         log.info(
-            "%s: one-row decode graphs run their layers as Triton GEMVs (tiling %s%s)",
+            "%s: one-row decode graphs run their layers as Triton GEMVs (tiling %s%s%s)",
             device, ops.gemv_config, ", PDL" if ops.pdl else "",
+            ", SiLU * up out of gate_up's" if ops.glu else "",
         )  # fmt: skip
     return ops
 

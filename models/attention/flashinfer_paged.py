@@ -125,6 +125,10 @@ class KernelChoice:
     # activation and residual adds, under this tiling (models.layers.triton_gemv); None: off.
     # On the H100 they took batch 1's step from 6.39 to 6.06 ms (docs/BENCHMARKS.md)
     triton_gemv: GemvConfig | None = GemvConfig()
+    # the GEMVs' SiLU * up made by gate_up's GEMV from its outputs (each program a gate row and
+    # its up row), the down GEMV a plain one; else the down GEMV computes it from gate_up's
+    # outputs, every program over the whole row
+    triton_gemv_glu: bool = False
 
     def __post_init__(self):
         if self.prefill_backend not in PREFILL_BACKENDS:

@@ -63,5 +63,8 @@ class DecoderLayer(nn.Module):
         qkv = ops.gemv(attn.qkv_proj, stream, norm=(ln1.weight, ln1.eps), h=h)
         out = attn.attend(qkv, rope, ctx)
         stream = ops.gemv(attn.o_proj, out, into=stream, h=h)  # stream (+ h) + o_proj(out)
+        if ops.glu:  # the activation out of gate_up's GEMV
+            act = ops.gemv(mlp.gate_up_proj, stream, norm=(ln2.weight, ln2.eps), glu=True)
+            return ops.gemv(mlp.down_proj, act), stream
         gate_up = ops.gemv(mlp.gate_up_proj, stream, norm=(ln2.weight, ln2.eps))
         return ops.gemv(mlp.down_proj, gate_up, silu=True), stream

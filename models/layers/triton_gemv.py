@@ -78,12 +78,20 @@ def _build(interpret: bool):
         K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         PRO: tl.constexpr, INTO: tl.constexpr, HAS_H: tl.constexpr, BIAS: tl.constexpr,
         PDL: tl.constexpr, ASK: tl.constexpr, ASK_LANES: tl.constexpr, PF_CHUNK: tl.constexpr,
-        UNROLL: tl.constexpr,
+        UNROLL: tl.constexpr, GLU: tl.constexpr,
     ):  # fmt: skip
-        # program i: out[rows] (op)= W[rows, :] @ x, rows = i * BLOCK_N + [0, BLOCK_N)
+        # program i: out[rows] (op)= W[rows, :] @ x, rows = i * BLOCK_N + [0, BLOCK_N); with GLU
+        # (W: gate rows, then n up rows), out[i * BLOCK_N / 2 + j] = silu(gate_j) * up_j, the
+        # program's rows interleaved gate, up, gate, up ..
         pid = tl.program_id(0)
-        rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        rm = rows < n
+        jj = tl.arange(0, BLOCK_N)
+        if GLU:
+            orows = pid * (BLOCK_N // 2) + jj // 2
+            rows = orows + (jj % 2) * n
+            rm = orows < n
+        else:
+            rows = pid * BLOCK_N + jj
+            rm = rows < n
         dt = out_ptr.dtype.element_ty
         if PDL:
             if ASK:  # W is no kernel's output: this program's rows asked of the L2 first
@@ -129,13 +137,19 @@ def _build(interpret: bool):
         if BIAS:
             y += tl.load(b_ptr + rows, mask=rm, other=0.0).to(tl.float32)
         y = y.to(dt)
-        if INTO:  # the residual stream: out (+ h) + y, each add rounded as the unfused chain's
-            r = tl.load(out_ptr + rows, mask=rm, other=0.0)
-            if HAS_H:
-                r = r.to(tl.float32) + tl.load(h_ptr + rows, mask=rm, other=0.0).to(tl.float32)
-                r = r.to(dt)
-            y = (r.to(tl.float32) + y.to(tl.float32)).to(dt)
-        tl.store(out_ptr + rows, y, mask=rm)
+        if GLU:  # rounded as the unfused chain: gate_up's outputs, then the activation
+            g, u = tl.split(tl.reshape(y.to(tl.float32), (BLOCK_N // 2, 2)))
+            act = (g / (1.0 + tl.exp(-g)) * u).to(dt)
+            orow = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+            tl.store(out_ptr + orow, act, mask=orow < n)
+        else:
+            if INTO:  # the residual stream: out (+ h) + y, each add rounded as the unfused chain's
+                r = tl.load(out_ptr + rows, mask=rm, other=0.0)
+                if HAS_H:
+                    r = r.to(tl.float32) + tl.load(h_ptr + rows, mask=rm, other=0.0).to(tl.float32)
+                    r = r.to(dt)
+                y = (r.to(tl.float32) + y.to(tl.float32)).to(dt)
+            tl.store(out_ptr + rows, y, mask=rm)
 
     return gemv_kernel
 
@@ -148,6 +162,7 @@ def gemv(
     silu: bool = False,
     h: torch.Tensor | None = None,
     into: torch.Tensor | None = None,
+    glu: bool = False,
     config: GemvConfig = GemvConfig(),
     pdl: bool = False,
 ) -> torch.Tensor:
@@ -155,7 +170,9 @@ def gemv(
 
     - norm=(weight, eps): linear(rmsnorm(x + h) * weight) (h: [1, K] or None);
     - silu: linear(silu(x[:, :K]) * x[:, K:]);
-    - into: into (+ h) + linear(x), written into `into` [1, N] and returned.
+    - into: into (+ h) + linear(x), written into `into` [1, N] and returned;
+    - glu (linear: gate rows, then up rows; config.block_n >= 2): silu(gate) * up of linear(x),
+      [1, N / 2], the activation the next GEMV then reads as it is.
 
     h joins the norm's input, or with `into`, the residual's add (not both)."""
     w = linear.weight
@@ -165,6 +182,9 @@ def gemv(
     assert h is None or (h.is_contiguous() and h.numel() == (n if into is not None else k))
     assert into is None or (into.is_contiguous() and into.numel() == n)
     assert into is None or norm is None or h is None
+    assert not glu or (into is None and n % 2 == 0 and config.block_n >= 2)
+    if glu:
+        n //= 2  # the outputs: one a gate row and its up row
     out = into if into is not None else torch.empty(1, n, dtype=x.dtype, device=x.device)
     nw, eps = norm if norm is not None else (x, 0.0)
     bias = linear.bias
@@ -172,16 +192,19 @@ def gemv(
     block_k = min(c.block_k, _pow2(k))
     # the bulk prefetch takes 16-byte aligned ranges, multiples of 16 bytes: whole rows
     row_bytes = k * w.element_size()
-    ask = pdl and row_bytes % 16 == 0 and w.data_ptr() % 16 == 0
+    # (a GLU program's rows are two ranges: not asked)
+    ask = pdl and not glu and row_bytes % 16 == 0 and w.data_ptr() % 16 == 0
     lanes = _pow2(-(-c.block_n * row_bytes // PF_CHUNK)) if ask else 1
     pro = PRO_NORM if norm is not None else PRO_SILU if silu else PRO_NONE
-    _build(interpreting())[(-(-n // c.block_n),)](
+    outputs_a_program = c.block_n // 2 if glu else c.block_n
+    _build(interpreting())[(-(-n // outputs_a_program),)](
         w, x, h if h is not None else x, nw, bias if bias is not None else w, out,
         n, float(eps), w.data_ptr(),
         K=k, BLOCK_N=c.block_n, BLOCK_K=block_k, PRO=pro, INTO=into is not None,
         HAS_H=h is not None, BIAS=bias is not None, PDL=pdl, ASK=ask, ASK_LANES=lanes,
         PF_CHUNK=PF_CHUNK,
-        UNROLL=c.unroll, num_warps=c.warps, num_stages=1, **({"launch_pdl": True} if pdl else {}),
+        UNROLL=c.unroll, GLU=glu, num_warps=c.warps, num_stages=1,
+        **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     return out
 
@@ -194,6 +217,7 @@ def gemv_reference(
     silu: bool = False,
     h: torch.Tensor | None = None,
     into: torch.Tensor | None = None,
+    glu: bool = False,
 ) -> torch.Tensor:
     """gemv's result through torch ops, rounded where the unfused chain rounds (the tests')."""
     dt = x.dtype
@@ -205,6 +229,9 @@ def gemv_reference(
         g, u = x.float().chunk(2, dim=-1)
         x = (torch.nn.functional.silu(g) * u).to(dt)
     y = torch.nn.functional.linear(x, linear.weight, linear.bias)
+    if glu:
+        g, u = y.float().chunk(2, dim=-1)
+        return (torch.nn.functional.silu(g) * u).to(dt)
     if into is None:
         return y
     r = into.reshape(1, -1)

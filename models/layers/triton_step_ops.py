@@ -155,7 +155,10 @@ class StepOps:
     layers as chains of GEMVs that carry them (models.layers.triton_gemv). pdl: each a
     programmatic dependent launch; prefetch: whether the kernels can ask the L2 for bytes
     (Hopper); keep: what they ask for is the last the L2 evicts; norms: the norms and
-    activation of the steps the GEMVs do not take through these kernels (else FlashInfer's)."""
+    activation of the steps the GEMVs do not take through these kernels (else FlashInfer's);
+    glu: the SiLU * up made by the gate_up GEMV from its outputs, the down GEMV then a plain one
+    (else the down GEMV computes it from gate_up's outputs; a tiling of one row a program
+    cannot pair a gate row with its up row and keeps that)."""
 
     def __init__(
         self,
@@ -164,9 +167,11 @@ class StepOps:
         keep: bool = False,
         norms: bool = True,
         gemv: GemvConfig | None = None,
+        glu: bool = False,
     ):
         self.pdl, self.takes_prefetch, self.keep = pdl, prefetch, keep
         self.norms, self.gemv_config = norms, gemv
+        self.glu = glu and gemv is not None and gemv.block_n >= 2
 
     def fits_add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, unit_offset: bool) -> bool:
         """Whether add_rmsnorm computes this norm (Llama's, rows contiguous, a GPU's dtype)."""
@@ -219,6 +224,7 @@ def load_step_ops(
     keep: bool = False,
     norms: bool = True,
     gemv: GemvConfig | None = None,
+    glu: bool = False,
 ) -> tuple[StepOps | None, str | None]:
     """The step kernels for `device`, built and checked there against the torch reference (the
     norms' kernels with `norms`, with PDL and an L2 prefetch when asked and on Hopper; the
@@ -226,7 +232,7 @@ def load_step_ops(
     if not triton_runs_on(device):
         return None, "Triton does not run here"
     hopper = bulk_prefetch_runs_on(device)
-    ops = StepOps(pdl and hopper, prefetch and hopper, keep, norms, gemv)
+    ops = StepOps(pdl and hopper, prefetch and hopper, keep, norms, gemv, glu)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     try:
         g = torch.Generator(device=device).manual_seed(0)
@@ -270,10 +276,14 @@ def _gemv_checks(ops: StepOps, g: torch.Generator, device: torch.device, dtype: 
     nw = torch.randn(4096, generator=g, device=device).to(dtype)
     gu = torch.randn(1, 8192, generator=g, device=device).to(dtype)
     norm = (nw, 1e-5)
-    return [
+    checks = [
         ("GEMV after a norm", ops.gemv(lin, x, norm=norm, h=h),
          gemv_reference(lin, x, norm=norm, h=h)),
         ("GEMV after SiLU * up", ops.gemv(lin, gu, silu=True), gemv_reference(lin, gu, silu=True)),
         ("GEMV into the residual", ops.gemv(sq, x, into=r.clone(), h=h),
          gemv_reference(sq, x, into=r.clone(), h=h)),
     ]  # fmt: skip
+    if ops.glu:
+        got = ops.gemv(lin, x, norm=norm, glu=True)
+        checks.append(("GEMV making SiLU * up", got, gemv_reference(lin, x, norm=norm, glu=True)))
+    return checks

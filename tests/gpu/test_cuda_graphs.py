@@ -38,7 +38,7 @@ def count_replays(me) -> list[int]:
     return calls
 
 
-DECODES = ["flashinfer", "xqa", "triton", "triton-pdl", "step-ops", "gemv", "gemv-pdl"]
+DECODES = ["flashinfer", "xqa", "triton", "triton-pdl", "step-ops", "gemv", "gemv-pdl", "gemv-glu"]
 
 
 @pytest.mark.parametrize("decode", DECODES)
@@ -54,9 +54,14 @@ def test_graph_replay_gives_the_eager_tokens(decode):
     pdl = decode in ("triton-pdl", "step-ops", "gemv-pdl")
     step_ops = decode == "step-ops"
     gemv = GemvConfig() if decode.startswith("gemv") else None
+    glu = decode == "gemv-glu"  # gate_up's GEMV makes SiLU * up
     decode = "triton" if pdl or gemv else decode
     kernels = KernelChoice(
-        decode_backend=decode, triton_pdl=pdl, triton_step_ops=step_ops, triton_gemv=gemv
+        decode_backend=decode,
+        triton_pdl=pdl,
+        triton_step_ops=step_ops,
+        triton_gemv=gemv,
+        triton_gemv_glu=glu,
     )
     graphed = model_engine("graphed", cfg, model, pool, graphs=True, kernels=kernels)
     eager = model_engine("eager", cfg, model, pool, graphs=False)
@@ -66,6 +71,7 @@ def test_graph_replay_gives_the_eager_tokens(decode):
     assert isinstance(graphs[1].attn, TableDecodeGraphAttention) is (decode != "flashinfer")
     assert not isinstance(graphs[max(graphs)].attn, TableDecodeGraphAttention)
     assert (graphed.runner.graphs.step_ops is not None) is (step_ops or gemv is not None)
+    assert gemv is None or graphed.runner.graphs.step_ops.glu is glu
     replays = count_replays(graphed)
     for n in (1, 3, 16):  # one row (the GEMVs'); padded to 4; exactly 16
         ps = prompts(n, seed=n)

@@ -85,8 +85,8 @@ GEMV_TYPES = {
 
 def gemv_builds():
     """A one-row layer's GEMVs (triton_gemv) for Llama-3.1-8B's shapes, each plain and as a
-    programmatic dependent launch that asks the L2 for its rows of W first; and one with a
-    bias, of Qwen2's qkv."""
+    programmatic dependent launch that asks the L2 for its rows of W first; one with a bias, of
+    Qwen2's qkv; and gate_up making SiLU * up (GLU: its dependent launch asks nothing)."""
     fn = triton_gemv._build(False)
     c = triton_gemv.GemvConfig()
     pro_norm, pro_silu = triton_gemv.PRO_NORM, triton_gemv.PRO_SILU
@@ -96,13 +96,17 @@ def gemv_builds():
         ("gate_up", 4096, pro_norm, False, False, False),
         ("down", 14336, pro_silu, False, False, False),
         ("qkv+bias", 3584, pro_norm, False, True, True),
+        ("gate_up+glu", 4096, pro_norm, False, False, False),
     )
     for (name, k, pro, into, has_h, bias), pdl in itertools.product(shapes, (True, False)):
-        ask = pdl and name != "o"  # (the o projection's dependent launch without its asks)
+        glu = name.endswith("glu")
+        # (the o projection's dependent launch without its asks; a GLU program's rows are two
+        # ranges, never asked)
+        ask = pdl and name != "o" and not glu
         lanes = triton_ops._pow2(-(-c.block_n * k * 2 // triton_ops.PF_CHUNK)) if ask else 1
         const = dict(K=k, BLOCK_N=c.block_n, BLOCK_K=c.block_k, PRO=pro, INTO=into, HAS_H=has_h,
                      BIAS=bias, PDL=pdl, ASK=ask, ASK_LANES=lanes, PF_CHUNK=triton_ops.PF_CHUNK,
-                     UNROLL=c.unroll)  # fmt: skip
+                     UNROLL=c.unroll, GLU=glu)  # fmt: skip
         b = compile_for_hopper(fn, GEMV_TYPES, const, num_warps=c.warps, num_stages=1)
         ptx = b.asm["ptx"]
         assert ("griddepcontrol.wait" in ptx) is pdl, (name, pdl)

@@ -35,11 +35,16 @@ SHAPES = [
 
 
 @pytest.mark.parametrize("n,k,bias,config", SHAPES)
-@pytest.mark.parametrize("kind", ["plain", "norm", "norm+h", "silu", "into", "into+h"])
+@pytest.mark.parametrize(
+    "kind", ["plain", "norm", "norm+h", "silu", "into", "into+h", "norm+glu", "plain+glu"]
+)
 def test_each_kind_is_the_unfused_chain(n, k, bias, config, kind):
     g = torch.Generator().manual_seed(n * k)
     into = kind.startswith("into")
-    lin = linear(k if into else n, k, bias, g)
+    glu = kind.endswith("glu")
+    if glu and config.block_n < 2:
+        pytest.skip("a GLU program takes a gate row and its up row")
+    lin = linear(k if into else 2 * n if glu else n, k, bias, g)
     x = torch.randn(1, 2 * k if kind == "silu" else k, generator=g)
     h = torch.randn(1, k, generator=g) if kind.endswith("+h") else None
     ops: dict = {"h": h}
@@ -47,9 +52,12 @@ def test_each_kind_is_the_unfused_chain(n, k, bias, config, kind):
         ops["norm"] = (1 + 0.1 * torch.randn(k, generator=g), 1e-5)
     if kind == "silu":
         ops["silu"] = True
+    if glu:  # the activation of gate_up's outputs, [1, n]
+        ops["glu"] = True
     r = torch.randn(1, k, generator=g)
     got = gemv(lin, x, config=config, **ops, **({"into": r.clone()} if into else {}))
     want = gemv_reference(lin, x, **ops, **({"into": r.clone()} if into else {}))
+    assert got.shape == want.shape == (1, k if into else n)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     if into:  # in place: the stream's tensor holds the sum
         stream = r.clone()
@@ -72,6 +80,11 @@ def test_bf16_rounds_where_the_chain_rounds():
     got = gemv(sq, x, into=r.clone(), h=h, config=GemvConfig(16, 128))
     want = gemv_reference(sq, x, into=r.clone(), h=h)
     torch.testing.assert_close(got.float(), want.float(), rtol=2**-6, atol=2e-2)
+    # GLU: gate_up's outputs rounded, then the activation (the silu GEMV's input, as it is)
+    got = gemv(lin, x, norm=(nw, 1e-5), glu=True, config=GemvConfig(16, 128))
+    want = gemv_reference(lin, x, norm=(nw, 1e-5), glu=True)
+    assert got.shape == (1, 64) and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
 
 
 def test_the_tiling_knob():
@@ -88,8 +101,18 @@ def test_load_step_ops_checks_the_gemvs():
         torch.device("cpu"), pdl=True, norms=False, gemv=GemvConfig(32, 512)
     )
     assert why is None and ops.gemv_config == GemvConfig(32, 512) and not ops.pdl
+    assert not ops.glu
     x = torch.zeros(1, 8, dtype=torch.bfloat16)
     assert not ops.fits_add_rmsnorm(x, x, False) and not ops.fits_silu_mul(x, "silu")
+    ops, why = triton_step_ops.load_step_ops(
+        torch.device("cpu"), norms=False, gemv=GemvConfig(32, 512), glu=True
+    )
+    assert why is None and ops.glu
+    # a program of one row cannot pair a gate row with its up row: the activation stays apart
+    ops, why = triton_step_ops.load_step_ops(
+        torch.device("cpu"), norms=False, gemv=GemvConfig(1, 512), glu=True
+    )
+    assert why is None and not ops.glu
 
 
 @torch.no_grad()
@@ -122,6 +145,16 @@ def test_a_one_row_forward_runs_its_layers_as_gemvs():
     assert calls == first + later * (cfg.num_layers - 1)
     rel = (got.float() - plain.float()).norm() / plain.float().norm()
     assert rel < 2e-2, float(rel)  # bf16 sums in another order, over the layers
+    # glu: the activation made by gate_up's GEMV, the down GEMV a plain one
+    calls.clear()
+    for c, s in zip(caches, saved):
+        c.copy_(s)
+    ops = Counting(norms=False, gemv=GemvConfig(8, 32), glu=True)
+    glu = lm.model(ids, pos, ForwardContext(attn=TorchPagedAttention(caches, step), step_ops=ops))
+    first = [["norm"], ["into"], ["glu", "norm"], []]
+    later = [["h", "norm"], ["h", "into"], ["glu", "norm"], []]
+    assert calls == first + later * (cfg.num_layers - 1)
+    torch.testing.assert_close(glu, got, rtol=0, atol=0)  # the same roundings, bit for bit
     # two rows: the layers' own path, FlashInfer's (here torch's) norms
     calls.clear()
     two = AttentionMetadata.build([SeqChunk(5, 2, [1, 2])], bs, torch.device("cpu"))
