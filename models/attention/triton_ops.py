@@ -193,8 +193,10 @@ def _build_kernels(interpret: bool):
         if ROPE:
             slot = tl.load(slots_ptr + b)
         length = tl.load(lens_ptr + b)
-        if PDL:  # launched while the previous kernel finishes: wait now
+        if PDL:  # launched while the previous kernel finishes: wait now; then the next kernel
+            # (a dependent launch too, where the GEMVs follow) may launch during this one's tail
             tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         if ROPE:
             cos = tl.load(table_ptr + b * st_r + hd)
             sin = tl.load(table_ptr + b * st_r + D // 2 + hd)

@@ -71,6 +71,7 @@ def decode_builds():
             b = compile_for_hopper(decode, DECODE_TYPES, const, num_warps=warps, num_stages=3)
             ptx = b.asm["ptx"]
             assert ("griddepcontrol.wait" in ptx) is split, name
+            assert ("griddepcontrol.launch_dependents" in ptx) is split, name
             assert ("cp.async.bulk.prefetch.L2.global" in ptx) is rope, name
             assert ("evict_last" in ptx) is (rope and window), name
             yield name, b
@@ -80,6 +81,7 @@ GEMV_TYPES = {
     **dict.fromkeys(("w_ptr", "x_ptr", "h_ptr", "nw_ptr", "b_ptr", "out_ptr"), "*bf16"),
     "eps": "fp32",
     "w_addr": "i64",
+    "ask_below": "i32",
 }
 
 
@@ -110,6 +112,7 @@ def gemv_builds():
         b = compile_for_hopper(fn, GEMV_TYPES, const, num_warps=c.warps, num_stages=1)
         ptx = b.asm["ptx"]
         assert ("griddepcontrol.wait" in ptx) is pdl, (name, pdl)
+        assert ("griddepcontrol.launch_dependents" in ptx) is pdl, (name, pdl)
         assert ("cp.async.bulk.prefetch.L2.global" in ptx) is ask, (name, pdl)
         # W read 16 bytes a load, the first lines the L2 evicts
         assert re.search(r"ld\.global\.L1::evict_first\.L2::cache_hint\.v4", ptx), name
