@@ -93,3 +93,41 @@ def test_a_dependent_gemv_reads_what_the_kernel_before_it_wrote():
             got[pdl] = (a, b, stream, c)
         for plain, dependent in zip(got[False], got[True]):
             assert torch.equal(plain, dependent)
+
+
+def test_a_chain_of_dependent_gemvs_reads_each_output():
+    """A layer's GEMVs as dependent launches, each reading the one before's output: each lets
+    the next launch once its own wait is over, so the next may run beside its tail and must
+    wait for all of it. Bit for bit the plain launches' output, every time (with SiLU * up out
+    of gate_up's GEMV too)."""
+    g = torch.Generator("cuda").manual_seed(1)
+
+    def weight(n: int, k: int) -> torch.nn.Linear:
+        lin = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad():
+            lin.weight.copy_(torch.randn(n, k, device="cuda", generator=g) * k**-0.5)
+        return lin
+
+    qkv, o, gate_up, down = (
+        weight(6144, HIDDEN),
+        weight(HIDDEN, HIDDEN),
+        weight(2 * INTER, HIDDEN),
+        weight(HIDDEN, INTER),
+    )
+    nw = (1 + 0.1 * torch.randn(HIDDEN, device="cuda", generator=g)).bfloat16()
+    for it in range(6):
+        got = {}
+        for pdl in (False, True):
+            gen = torch.Generator(device="cuda").manual_seed(it)
+            stream = torch.zeros(1, HIDDEN, device="cuda", dtype=torch.bfloat16)
+            slow_write(stream, gen)
+            q = gemv(qkv, stream, norm=(nw, 1e-5), pdl=pdl)
+            stream = gemv(o, q[:, :HIDDEN].contiguous(), into=stream, pdl=pdl)
+            act = gemv(gate_up, stream, norm=(nw, 1e-5), glu=True, pdl=pdl)
+            h = gemv(down, act, pdl=pdl)
+            gu = gemv(gate_up, h, norm=(nw, 1e-5), h=stream, pdl=pdl)
+            h2 = gemv(down, gu, silu=True, pdl=pdl)
+            torch.cuda.synchronize()
+            got[pdl] = (q, stream, act, h, gu, h2)
+        for plain, dependent in zip(got[False], got[True]):
+            assert torch.equal(plain, dependent)
