@@ -297,7 +297,13 @@ class FlashInferBackend:
             workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.workspace = workspace
         # by backend: fa2's for steps under prefill_backend_min_tokens, the chosen one's above
-        backends = {"fa2", kernels.prefill_backend}
+        # ("auto" off Hopper is fa2: one set; each wrapper holds 8 MiB of device workspace)
+        large = kernels.prefill_backend
+        hopper = getattr(flashinfer.utils, "is_sm90a_supported", None)
+        if large == "auto" and (device.type != "cuda" or hopper is None or not hopper(device)):
+            large = "fa2"
+        self._large_prefill = large
+        backends = {large} | ({"fa2"} if kernels.prefill_backend_min_tokens > 0 else set())
         self.prefill = {
             b: {
                 s: flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend=b)
@@ -387,6 +393,7 @@ class FlashInferBackend:
                 AppendWriter(self._fi, append_inputs(index, md, self.device)) if write_kv else None
             )
             backend = prefill_backend or self.kernels.prefill_backend_for(md.num_tokens)
+            backend = self._large_prefill if backend == self.kernels.prefill_backend else backend
             if self.kernels.ragged_prefill and md.seq_lens_cpu == md.query_lens_cpu:
                 ragged = self.ragged[backend]
                 for spec, w in ragged.items():

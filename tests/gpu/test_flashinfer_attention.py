@@ -210,3 +210,20 @@ def test_flashinfer_matches_reference(name, kind, kernels):
     kv.allocator.free(blocks)
     kv.check_integrity()
     kv.close()
+
+
+def test_the_prefill_backends_a_model_keeps():
+    """fa2's wrappers for steps under prefill_backend_min_tokens beside the chosen backend's
+    (auto: fa3 on Hopper, else fa2 and one set); none of fa2's where every step takes fa3."""
+    shape = AttentionShape(32, 8, 128, BLOCK, torch.bfloat16, torch.bfloat16)
+    dev = torch.device("cuda")
+    hopper = torch.cuda.get_device_capability(dev)[0] == 9
+    cases = [
+        (KernelChoice(), ("auto", "fa2") if hopper else ("fa2",)),
+        (KernelChoice(prefill_backend="fa2"), ("fa2",)),
+        (KernelChoice(prefill_backend="fa3", prefill_backend_min_tokens=0), ("fa3",)),
+    ]
+    for choice, want in cases:
+        backend = FlashInferBackend(shape, [LayerAttention(scale=128**-0.5)], dev, kernels=choice)
+        assert backend.prefill_backends == tuple(sorted(want)), choice
+        assert set(backend.ragged) == set(backend.prefill)
