@@ -28,3 +28,28 @@ def test_warm_up_leaves_the_tokens_and_the_blocks_alone():
     for me in (plain, warmed):
         me.check_integrity()
         me.close()
+
+
+def test_warm_up_runs_every_prefill_backend_the_attention_keeps():
+    """An attention factory that keeps several prefill backends (FlashInfer's fa2 for small
+    steps and fa3 for large ones) gets the warm-up's fresh prompt and cached-prefix chunk once
+    through each, small as they are; the decodes once, through its own choice."""
+    me = tiny_cpu_worker("backends")
+    own = me.runner.attention
+    asked: list[tuple[str | None, bool]] = []
+
+    class Backends:
+        prefill_backends = ("fa2", "fa3")
+
+        def __call__(self, kv_caches, md, write_kv=True, prefill_backend=None):
+            asked.append((prefill_backend, md.is_decode_only))
+            return own(kv_caches, md)  # (the CPU's torch attention writes K/V itself)
+
+    me.runner.attention = Backends()
+    free = me.kv.allocator.num_free_blocks
+    me.runner.warm_up()
+    fresh_and_cached = [("fa2", False), ("fa3", False)] * 2
+    assert asked == fresh_and_cached + [(None, True)]
+    assert me.kv.allocator.num_free_blocks == free
+    me.check_integrity()
+    me.close()
