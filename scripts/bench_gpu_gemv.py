@@ -17,6 +17,7 @@ Llama-3.1-8B's shapes, bf16, on one GPU, in the same run:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -156,7 +157,8 @@ def main() -> None:
 
     # the fused chain computes what the unfused one does (its output and stream after L layers)
     want = [t.clone() for t in unfused()]
-    glu_tiling = {k: c if c.block_n >= 2 else GemvConfig(2, c.block_k) for k, c in best.items()}
+    # (a GLU program pairs a gate row with its up row: at least two rows)
+    glu_tiling = {k: dataclasses.replace(c, block_n=max(c.block_n, 2)) for k, c in best.items()}
     for chain_fn in (fused(False, best), fused(False, glu_tiling, glu=True)):
         got = [t.clone() for t in chain_fn()]
         for a, b in zip(got, want):
