@@ -167,8 +167,8 @@ def triton_gemv() -> tuple[int, ...] | None:
 def triton_gemv_glu() -> bool:
     """The GEMVs' SiLU * up made by the gate_up GEMV from its outputs, the down GEMV then a
     plain one, not computed by every program of the down GEMV (PRISM_TRITON_GEMV_GLU,
-    default 0)."""
-    return _flag("PRISM_TRITON_GEMV_GLU", False)
+    default 1; 0 off)."""
+    return _flag("PRISM_TRITON_GEMV_GLU", True)
 
 
 def ragged_prefill() -> bool:

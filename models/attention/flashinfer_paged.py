@@ -127,8 +127,9 @@ class KernelChoice:
     triton_gemv: GemvConfig | None = GemvConfig()
     # the GEMVs' SiLU * up made by gate_up's GEMV from its outputs (each program a gate row and
     # its up row), the down GEMV a plain one; else the down GEMV computes it from gate_up's
-    # outputs, every program over the whole row
-    triton_gemv_glu: bool = False
+    # outputs, every program over the whole row. On the H100 it took batch 1's step from 6.06
+    # to 5.80 ms (docs/BENCHMARKS.md)
+    triton_gemv_glu: bool = True
 
     def __post_init__(self):
         if self.prefill_backend not in PREFILL_BACKENDS:

@@ -164,21 +164,21 @@ def test_piecewise_buckets_and_their_knob(monkeypatch):
 
 def test_the_gemv_knob(monkeypatch):
     """PRISM_TRITON_GEMV: on by default (1: the default tiling), 0 off, or a tiling; a bad one
-    is refused when the engine is built."""
+    is refused when the engine is built. PRISM_TRITON_GEMV_GLU: on by default, 0 off."""
     from models.layers.triton_gemv import GemvConfig
 
     assert DEFAULT_KERNELS.triton_gemv == GemvConfig() and envs.triton_gemv() == ()
-    assert not DEFAULT_KERNELS.triton_gemv_glu and not envs.triton_gemv_glu()
+    assert DEFAULT_KERNELS.triton_gemv_glu and envs.triton_gemv_glu()
     assert str(GemvConfig()) == "2:2048:4:2"
     for v, want in (("0", None), ("1", ()), ("16:256", (16, 256)), ("8,512,8,1", (8, 512, 8, 1))):
         monkeypatch.setenv("PRISM_TRITON_GEMV", v)
         assert envs.triton_gemv() == want
     spec = ModelSpec("a", "dummy:tiny-llama", block_size=4)
     monkeypatch.setenv("PRISM_TRITON_GEMV", "16:256")
-    monkeypatch.setenv("PRISM_TRITON_GEMV_GLU", "1")
+    monkeypatch.setenv("PRISM_TRITON_GEMV_GLU", "0")
     with Engine(EngineConfig(models=(spec,), device="cpu", page_bytes=64 << 10)) as e:
         assert e.worker.resources.kernels.triton_gemv == GemvConfig(16, 256)
-        assert e.worker.resources.kernels.triton_gemv_glu
+        assert not e.worker.resources.kernels.triton_gemv_glu
         e.check_integrity()
     for bad, match in (("wide", "PRISM_TRITON_GEMV must be"), ("12:256", "GEMV block_n 12")):
         monkeypatch.setenv("PRISM_TRITON_GEMV", bad)
