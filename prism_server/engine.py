@@ -80,6 +80,7 @@ class Engine:
             decode_backend_max_batch=envs.decode_backend_max_batch(),
             triton_max_splits=splits,
             triton_stages=stages,
+            triton_waves=envs.triton_waves(),
             triton_pdl=pdl,
             l2_prefetch_mib=envs.l2_prefetch_mib(),
             l2_prefetch_inline=envs.l2_prefetch_inline(),

@@ -100,6 +100,13 @@ def triton_decode() -> tuple[int, int, bool]:
     return _int("PRISM_TRITON_SPLITS", 16), _int("PRISM_TRITON_STAGES", 3), pdl
 
 
+def triton_waves() -> int:
+    """The programs a launch of the Triton decode kernel aims at, this many for each SM: a
+    small batch's sequences are split until there are that many (PRISM_TRITON_WAVES,
+    default 2)."""
+    return _int("PRISM_TRITON_WAVES", 2)
+
+
 def fused_rope_write() -> bool:
     """Decode steps rotate q and k and write K/V in one Triton kernel (PRISM_ROPE_WRITE,
     default 1; 0: FlashInfer's rope, then an indexed store)."""

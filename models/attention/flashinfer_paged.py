@@ -107,6 +107,9 @@ class KernelChoice:
     # software pipelining depth of its loop over the positions
     triton_max_splits: int = 16
     triton_stages: int = 3
+    # ... and the programs a step's split aims at, this many for each SM (a memory-bound kernel
+    # needs several an SM in flight to keep the HBM busy)
+    triton_waves: int = 2
     # the Triton decode kernel as a programmatic dependent launch (Hopper): it starts while the
     # qkv projection finishes and waits for it inside
     triton_pdl: bool = False
@@ -138,10 +141,14 @@ class KernelChoice:
         if self.decode_backend not in DECODE_BACKENDS:
             choices = ", ".join(DECODE_BACKENDS)
             raise ValueError(f"decode backend {self.decode_backend!r}: choose from {choices}")
-        if not 1 <= self.triton_max_splits <= triton_ops.MAX_SPLITS or self.triton_stages < 1:
+        if (
+            not 1 <= self.triton_max_splits <= triton_ops.MAX_SPLITS
+            or self.triton_stages < 1
+            or self.triton_waves < 1
+        ):
             raise ValueError(
                 f"Triton decode: {self.triton_max_splits} splits (1 to {triton_ops.MAX_SPLITS}), "
-                f"{self.triton_stages} stages (>= 1)"
+                f"{self.triton_stages} stages (>= 1), {self.triton_waves} waves (>= 1)"
             )
         if len(self.l2_prefetch_mib) != 3 or min(self.l2_prefetch_mib) < 0:
             raise ValueError(
@@ -441,6 +448,7 @@ class FlashInferBackend:
             rope=self.kernels.fused_rope_write,
             max_splits=self.kernels.triton_max_splits,
             stages=self.kernels.triton_stages,
+            waves=self.kernels.triton_waves,
             pdl=self.kernels.triton_pdl,
             prefetch=self.kernels.l2_prefetch_in_kernels,
             l2_keep=self.kernels.l2_prefetch_keep,

@@ -411,9 +411,11 @@ class TritonDecodeKernel:
         stages: int = 3,
         pdl: bool = False,
         l2_keep: bool = False,
+        waves: int = 2,
     ):
         """max_splits: the most programs a (sequence, KV head) is split over; stages: Triton's
-        software pipelining depth of the loop over the positions; pdl: launched as a
+        software pipelining depth of the loop over the positions; waves: the programs a launch
+        aims at, this many an SM (`splits`); pdl: launched as a
         programmatic dependent launch (Hopper): the kernel starts while the kernel before it
         finishes, reads the lengths and slots, then waits for it (the rope table, q, k and v
         may be its);
@@ -425,6 +427,7 @@ class TritonDecodeKernel:
         self.num_kv_heads, self.head_dim, self.block_size = num_kv_heads, head_dim, block_size
         self.group = num_qo_heads // num_kv_heads
         self.max_splits, self.stages = min(max_splits, MAX_SPLITS), stages
+        self.waves = waves
         # (programmatic dependent launches are Hopper's on: elsewhere the kernel launches plainly)
         hopper = bulk_prefetch_runs_on(device)
         self.pdl = pdl and hopper
@@ -441,9 +444,9 @@ class TritonDecodeKernel:
             self.sm_count = 8
 
     def splits(self, batch: int, max_len: int) -> int:
-        """How many programs share each (sequence, KV head): enough for about two waves of the
-        GPU's SMs, none holding less than one tile."""
-        want = -(-2 * self.sm_count // (batch * self.num_kv_heads))
+        """How many programs share each (sequence, KV head): enough for about `waves` programs
+        an SM, none holding less than one tile."""
+        want = -(-self.waves * self.sm_count // (batch * self.num_kv_heads))
         return max(1, min(want, self.max_splits, -(-max_len // self.block_n)))
 
     def __call__(
@@ -538,6 +541,7 @@ def load_decode_kernel(
     pdl: bool = False,
     prefetch: bool = False,
     l2_keep: bool = False,
+    waves: int = 2,
 ) -> tuple[TritonDecodeKernel | None, str | None]:
     """The decode kernel for a model, built and checked on `device` (`self_check`), or None and
     why it cannot run there. heads: (query heads, KV heads); prefetch: its steps will hand it
@@ -551,7 +555,7 @@ def load_decode_kernel(
     try:
         kernel = TritonDecodeKernel(
             heads[0], heads[1], head_dim, block_size, device,
-            max_splits=max_splits, stages=stages, pdl=pdl, l2_keep=l2_keep,
+            max_splits=max_splits, stages=stages, pdl=pdl, l2_keep=l2_keep, waves=waves,
         )  # fmt: skip
         kernel.self_check(specs, dtype, rope, prefetch)
     except Exception as e:  # noqa: BLE001 (a kernel that does not build here: fall back)

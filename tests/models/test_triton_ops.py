@@ -109,6 +109,17 @@ def test_the_decode_kernel_matches_the_reference_however_it_splits(spec, sms):
     assert not kernel.tickets.any()  # every merge left its ticket at zero for the next launch
 
 
+def test_the_split_aims_at_the_waves_asked_for():
+    """B=16 of an 8B model (8 KV heads, 128 pairs) on 132 SMs: two waves split each pair's
+    KV in 3, eight in 9; a split never holds less than a tile nor exceeds MAX_SPLITS."""
+    for waves, want in ((2, 3), (8, 9), (64, triton_ops.MAX_SPLITS)):
+        kernel = triton_ops.TritonDecodeKernel(32, 8, 128, BLOCK, CPU, waves=waves)
+        kernel.sm_count = 132
+        assert kernel.splits(16, 1024) == want
+        assert kernel.splits(16, 100) == 2  # 100 positions: two tiles of 64
+        assert kernel.splits(1, 1024) == 16
+
+
 def test_a_query_group_of_one_and_head_dim_256():
     md, cache, q = decode_case([5, 40], hq=4, hkv=4, head_dim=256, seed=3)
     kernel = triton_ops.TritonDecodeKernel(4, 4, 256, BLOCK, CPU)

@@ -40,6 +40,8 @@ def test_the_defaults_and_a_bad_backend():
         KernelChoice(decode_split_pages=16)  # the default decode kernel: Triton's
     with pytest.raises(ValueError, match="17 splits"):
         KernelChoice(triton_max_splits=17)
+    with pytest.raises(ValueError, match="0 waves"):
+        KernelChoice(triton_waves=0)
     for n in (16, 0):
         with pytest.raises(ValueError, match="tensor-core decode kernel"):
             KernelChoice(False, decode_split_pages=n, decode_backend="flashinfer")
@@ -91,6 +93,7 @@ def test_the_environment_reaches_every_devices_resources(monkeypatch):
     monkeypatch.setenv("PRISM_ROPE_WRITE", "0")
     monkeypatch.setenv("PRISM_TRITON_SPLITS", "8")
     monkeypatch.setenv("PRISM_TRITON_STAGES", "1")
+    monkeypatch.setenv("PRISM_TRITON_WAVES", "8")
     monkeypatch.setenv("PRISM_L2_PREFETCH", "34,12")
     monkeypatch.setenv("PRISM_TRITON_PDL", "1")
     monkeypatch.setenv("PRISM_L2_PREFETCH_INLINE", "1")
@@ -100,6 +103,7 @@ def test_the_environment_reaches_every_devices_resources(monkeypatch):
         kernels = e.worker.resources.kernels
         assert kernels.decode_backend == "triton" and kernels.decode_backend_max_batch == 64
         assert (kernels.triton_max_splits, kernels.triton_stages) == (8, 1)
+        assert kernels.triton_waves == 8 and DEFAULT_KERNELS.triton_waves == 2
         assert kernels.triton_pdl and not DEFAULT_KERNELS.triton_pdl
         assert kernels.l2_prefetch_inline and not DEFAULT_KERNELS.l2_prefetch_inline
         assert kernels.triton_step_ops and not DEFAULT_KERNELS.triton_step_ops
