@@ -39,7 +39,7 @@ from models.attention import triton_ops
 from models.attention.base import AttentionMetadata, LayerAttention
 from models.attention.kv_write import RowsWriter, rope_then_write
 from models.attention.table_decode import TableDecodeAttention, TableDecodeGraphAttention
-from models.attention.upload import upload
+from models.attention.upload import pinned, upload
 from models.attention.xqa_decode import (
     XQA_WORKSPACE_BYTES,
     XqaKernel,
@@ -235,6 +235,13 @@ class PagedKVIndex:
             last_page_len=last,
         )
 
+    def pinned(self, device: torch.device) -> PagedKVIndex:
+        """The same index in pinned host memory when `device` is a GPU (`upload.pinned`): the
+        copies FlashInfer's plan() makes of it do not hold the host."""
+        return PagedKVIndex(
+            *pinned((self.qo_indptr, self.kv_indptr, self.kv_indices, self.last_page_len), device)
+        )
+
 
 def plan_kwargs(spec: LayerAttention, shape: AttentionShape) -> dict:
     """The plan() keywords of one kind of layer (everything after page_size is keyword-only)."""
@@ -380,7 +387,7 @@ class FlashInferBackend:
         if decode and self._table_decodes(md.num_seqs):  # reads md's block tables as they are
             write = RowsWriter(md.slot_mapping, sh.block_size, fused) if write_kv else None
             return TableDecodeAttention(self.table_kernel, kv_caches, md, write)
-        index = PagedKVIndex.from_metadata(md)
+        index = PagedKVIndex.from_metadata(md).pinned(self.device)
         if decode:
             write = RowsWriter(md.slot_mapping, sh.block_size, fused) if write_kv else None
             wrappers = self.decode
@@ -540,9 +547,9 @@ class DecodeGraphAttention(FlashInferAttention):
     def plan(self, md: AttentionMetadata) -> None:
         """Refill the buffers for md's decode batch (padded with one-token sequences in block 0)."""
         assert md.is_decode_only and self.fits(md), (md.num_seqs, self.batch_size)
-        index = PagedKVIndex.from_metadata(md, pad_to=self.batch_size)
+        index = PagedKVIndex.from_metadata(md, pad_to=self.batch_size).pinned(self.indices.device)
         n, b = len(index.kv_indices), md.num_seqs
-        self.indices[:n].copy_(upload([index.kv_indices], self.indices.device)[0])
+        self.indices[:n].copy_(index.kv_indices, non_blocking=True)
         self.slots[:b].copy_(md.slot_mapping)
         if b < self.batch_size:
             self.slots[b:].zero_()  # padded rows write the null block

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from models.attention.upload import tensor_on, upload
+from models.attention.flashinfer_paged import PagedKVIndex
+from models.attention.upload import pinned, tensor_on, upload
 from tests.gpu.common import GPU
 
 pytestmark = GPU
@@ -34,3 +35,30 @@ def test_many_uploads_queued_behind_a_busy_device_all_arrive_intact():
             assert torch.equal(o.cpu(), h)
     assert tensor_on([3, 1, 2], torch.int32, dev).tolist() == [3, 1, 2]
     assert upload([], dev) == []
+
+
+def test_an_index_in_pinned_memory_reaches_the_device_intact_behind_a_busy_device():
+    """FlashInfer's plan copies the index arrays itself: from pinned views, asynchronously.
+    Many indices pinned and copied while the device is busy each arrive as they were."""
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(1)
+    a = torch.randn(4096, 4096, device=dev)
+    for _ in range(40):
+        a @ a
+    sent, got = [], []
+    for i in range(200):
+        n = int(torch.randint(1, 300, (1,), generator=gen))
+        ix = PagedKVIndex(
+            torch.arange(i % 7 + 2, dtype=torch.int32),
+            torch.arange(i % 5 + 2, dtype=torch.int32) * 3,
+            torch.randint(0, 2**31 - 1, (n,), generator=gen, dtype=torch.int32),
+            torch.randint(1, 17, (i % 5 + 1,), generator=gen, dtype=torch.int32),
+        )
+        p = ix.pinned(dev)
+        assert all(t.is_pinned() for t in vars(p).values())
+        sent.append(ix)
+        got.append([t.to(dev, non_blocking=True) for t in vars(p).values()])
+    for ix, out in zip(sent, got):
+        for h, o in zip(vars(ix).values(), out):
+            assert torch.equal(o.cpu(), h)
+    assert pinned([], dev) == []

@@ -20,7 +20,7 @@ from models.attention.flashinfer_paged import (
 from models.attention.kv_write import KVSlots, RowsWriter, kv_pairs, write_kv
 from models.attention.table_decode import TableDecodeGraphAttention
 from models.attention.torch_paged import TorchPagedAttention
-from models.attention.upload import host_ints, upload
+from models.attention.upload import _packed, host_ints, pinned, upload
 from models.attention.xqa_decode import (
     load_xqa,
     xqa_modules,
@@ -193,3 +193,17 @@ def test_host_ints_keep_every_value_and_its_type():
     assert host_ints([], torch.int32).shape == (0,)
     a, b = upload([host_ints(big, torch.int64), torch.ones(2, 3)], CPU)
     assert a.tolist() == big and b.shape == (2, 3)
+
+
+def test_packed_tensors_keep_their_values_from_aligned_offsets():
+    ts = [torch.arange(5, dtype=torch.int32), torch.empty(0, dtype=torch.int64), -torch.ones(2, 3)]
+    buf, offsets = _packed(ts, pin=False)
+    assert offsets == [0, 32, 32] and buf.numel() == 32 + 32  # 20 -> 32 bytes; 0; 24 -> 32
+    for t, off in zip(ts, offsets):
+        n = t.numel() * t.element_size()
+        assert torch.equal(buf[off : off + n].view(t.dtype).view(t.shape), t)
+    # off a GPU, the index FlashInfer plans from stays as it is
+    chunks = [SeqChunk(0, 5, [7]), SeqChunk(30, 3, [4, 9, 2, 8])]
+    ix = PagedKVIndex.from_metadata(AttentionMetadata.build(chunks, 16, CPU))
+    assert all(a is b for a, b in zip(vars(ix.pinned(CPU)).values(), vars(ix).values()))
+    assert all(a is b for a, b in zip(pinned(ts, CPU), ts))
