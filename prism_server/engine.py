@@ -68,7 +68,7 @@ class Engine:
             gpu_setup.report(d, config.memory_backend)
         check_host_budget(config, self.device)
         self.policy = policy(config.policy)
-        splits, stages, pdl = envs.triton_decode()
+        splits, stages, waves, pdl = envs.triton_decode()
         kernels = KernelChoice(
             decode_tensor_cores=envs.decode_tensor_cores(),
             prefill_backend=envs.prefill_backend(),
@@ -80,7 +80,7 @@ class Engine:
             decode_backend_max_batch=envs.decode_backend_max_batch(),
             triton_max_splits=splits,
             triton_stages=stages,
-            triton_waves=envs.triton_waves(),
+            triton_waves=waves,
             triton_pdl=pdl,
             l2_prefetch_mib=envs.l2_prefetch_mib(),
             l2_prefetch_inline=envs.l2_prefetch_inline(),

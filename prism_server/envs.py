@@ -91,20 +91,15 @@ def decode_backend_max_batch() -> int | None:
     return _int("PRISM_DECODE_BACKEND_MAX_BATCH", 16)
 
 
-def triton_decode() -> tuple[int, int, bool]:
+def triton_decode() -> tuple[int, int, int, bool]:
     """The Triton decode kernel's most splits of a sequence's KV, its loop's pipelining depth,
-    and whether it is a programmatic dependent launch, starting while the qkv projection
-    finishes (PRISM_TRITON_SPLITS, default 16; PRISM_TRITON_STAGES, default 3;
-    PRISM_TRITON_PDL, default 0)."""
+    the programs a launch aims at for each SM (a small batch's sequences are split until there
+    are that many), and whether it is a programmatic dependent launch, starting while the qkv
+    projection finishes (PRISM_TRITON_SPLITS, default 16; PRISM_TRITON_STAGES, default 3;
+    PRISM_TRITON_WAVES, default 2; PRISM_TRITON_PDL, default 0)."""
     pdl = _flag("PRISM_TRITON_PDL", False)
-    return _int("PRISM_TRITON_SPLITS", 16), _int("PRISM_TRITON_STAGES", 3), pdl
-
-
-def triton_waves() -> int:
-    """The programs a launch of the Triton decode kernel aims at, this many for each SM: a
-    small batch's sequences are split until there are that many (PRISM_TRITON_WAVES,
-    default 2)."""
-    return _int("PRISM_TRITON_WAVES", 2)
+    splits, stages = _int("PRISM_TRITON_SPLITS", 16), _int("PRISM_TRITON_STAGES", 3)
+    return splits, stages, _int("PRISM_TRITON_WAVES", 2), pdl
 
 
 def fused_rope_write() -> bool:
