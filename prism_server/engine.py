@@ -26,6 +26,7 @@ from kvpool import (
 from models.attention.flashinfer_paged import KernelChoice
 from models.embedded import resolve_source
 from models.layers.triton_gemv import GemvConfig
+from models.layers.triton_small_gemm import SmallGemmConfig
 from models.loader import ModelSource, empty_model, load_model, load_shards
 from models.tensor_parallel import TensorParallel
 from prism_server import envs, gpu_setup
@@ -88,6 +89,8 @@ class Engine:
             triton_step_ops=envs.triton_step_ops(),
             triton_gemv=None if (gemv := envs.triton_gemv()) is None else GemvConfig(*gemv),
             triton_gemv_glu=envs.triton_gemv_glu(),
+            triton_small_gemm=None if (sg := envs.triton_small_gemm()) is None
+            else SmallGemmConfig(*sg),
         )
         # one page pool and one engine thread per device: each GPU of devices (cuda:0 ..), or
         # several emulated CPU devices (each its own pool and thread), for the multi-device

@@ -173,6 +173,27 @@ def triton_gemv_glu() -> bool:
     return _flag("PRISM_TRITON_GEMV_GLU", True)
 
 
+def triton_small_gemm() -> tuple[int, ...] | None:
+    """Decode graphs of 2 to 16 sequences (and of one where the GEMVs are off) run their
+    projections as Triton's small GEMMs (models.layers.triton_small_gemm), not cuBLAS's:
+    PRISM_TRITON_SMALL_GEMM=1, or the tiling BN[:BK[:WARPS[:STAGES]]] (weight rows a program,
+    columns a loop step, warps, the loop's pipelining depth); unset or 0: off."""
+    v = os.environ.get("PRISM_TRITON_SMALL_GEMM") or "0"
+    if v in ("0", "false", "no"):
+        return None
+    if v in ("1", "true", "yes"):
+        return ()
+    try:
+        parts = tuple(int(p) for p in v.replace(",", ":").split(":"))
+    except ValueError:
+        parts = ()
+    if not parts or len(parts) > 4:
+        raise ValueError(
+            f"PRISM_TRITON_SMALL_GEMM must be 0, 1 or BN[:BK[:WARPS[:STAGES]]], got {v!r}"
+        )
+    return parts
+
+
 def ragged_prefill() -> bool:
     """Steps of fresh prompts attend over their own K/V tensors, not the paged cache
     (PRISM_RAGGED_PREFILL, default 1)."""

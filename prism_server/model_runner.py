@@ -186,11 +186,13 @@ def _prefetcher(model, device: torch.device, resources: DeviceResources | None):
 
 
 def _step_ops(device: torch.device, resources: DeviceResources | None):
-    """Triton's kernels for the norms and activation of small decode graphs, and the GEMVs of
-    one-row ones, where the kernels choose them and they run here (else None, and why in the
+    """Triton's kernels for the norms and activation of small decode graphs, the GEMVs of
+    one-row ones and the small GEMMs of the others, where the kernels choose them and they run here (else None, and why in the
     log)."""
     k = resources.kernels if resources is not None else None
-    if k is None or not (k.triton_step_ops or k.triton_gemv is not None):
+    if k is None or not (
+        k.triton_step_ops or k.triton_gemv is not None or k.triton_small_gemm is not None
+    ):
         return None
     ops, why = load_step_ops(
         device,
@@ -200,6 +202,7 @@ def _step_ops(device: torch.device, resources: DeviceResources | None):
         norms=k.triton_step_ops,
         gemv=k.triton_gemv,
         glu=k.triton_gemv_glu,
+        small=k.triton_small_gemm,
     )
     if ops is None:
         log.warning("%s: decode graphs keep FlashInfer's norms and cuBLAS's GEMMs: %s", device, why)
@@ -208,6 +211,11 @@ def _step_ops(device: torch.device, resources: DeviceResources | None):
             "%s: one-row decode graphs run their layers as Triton GEMVs (tiling %s%s%s)",
             device, ops.gemv_config, ", PDL" if ops.pdl else "",
             ", SiLU * up out of gate_up's" if ops.glu else "",
+        )  # fmt: skip
+    if ops is not None and ops.small_config is not None:
+        log.info(
+            "%s: decode graphs of at most 16 sequences run their projections as Triton's small "
+            "GEMMs (tiling %s)", device, ops.small_config,
         )  # fmt: skip
     return ops
 

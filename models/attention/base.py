@@ -211,6 +211,10 @@ class ForwardContext:
         a new tensor rather than rotating the qkv projection's strided view in place)."""
         return getattr(self.attn, "contiguous_q", False)
 
+    def linear(self, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """module(x), or the step ops' kernel for it (a small step's GEMM: StepOps.linear)."""
+        return module(x) if self.step_ops is None else self.step_ops.linear(module, x)
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """x summed over the model's shards (x itself for a whole model)."""
         return x if self.reduce is None else self.reduce(x)

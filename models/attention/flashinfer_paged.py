@@ -48,6 +48,7 @@ from models.attention.xqa_decode import (
     xqa_unsupported,
 )
 from models.layers.triton_gemv import GemvConfig
+from models.layers.triton_small_gemm import SmallGemmConfig
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +134,9 @@ class KernelChoice:
     # outputs, every program over the whole row. On the H100 it took batch 1's step from 6.06
     # to 5.80 ms (docs/BENCHMARKS.md)
     triton_gemv_glu: bool = True
+    # decode graphs of at most 16 sequences run their projections as Triton's small GEMMs
+    # under this tiling (models.layers.triton_small_gemm), not cuBLAS's; None: cuBLAS's
+    triton_small_gemm: SmallGemmConfig | None = None
 
     def __post_init__(self):
         if self.prefill_backend not in PREFILL_BACKENDS:

@@ -27,16 +27,21 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
         # x: [T, hidden] -> [T, hidden]
-        gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
+        def proj(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+            return module(x) if ctx is None else ctx.linear(module, x)
+
+        gate_up = proj(self.gate_up_proj, x)  # [T, 2 * intermediate]
         # down's weights asked of the L2 while the activation runs (ctx.prefetch)
         ops = ctx.step_ops if ctx is not None else None
         if ops is not None and ops.fits_silu_mul(gate_up, self.act):
-            return self.down_proj(ops.silu_mul(gate_up, ctx.prefetch(self, ops.takes_prefetch)))
+            return proj(
+                self.down_proj, ops.silu_mul(gate_up, ctx.prefetch(self, ops.takes_prefetch))
+            )
         if ctx is not None:
             ctx.prefetch(self)
         fi = fused(gate_up) if self.fused_kernels else None
         if fi is not None:
-            return self.down_proj(act_and_mul(fi, gate_up, self.act))
+            return proj(self.down_proj, act_and_mul(fi, gate_up, self.act))
         gate, up = gate_up.chunk(2, dim=-1)  # [T, intermediate] each
         gate = F.silu(gate) if self.act == "silu" else F.gelu(gate, approximate="tanh")
-        return self.down_proj(gate * up)
+        return proj(self.down_proj, gate * up)

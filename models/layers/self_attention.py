@@ -47,7 +47,7 @@ class SelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: Rope, ctx: ForwardContext) -> torch.Tensor:
         # x: [T, hidden]; rope: this step's rotary table -> [T, hidden]
-        return self.o_proj(self.attend(self.qkv_proj(x), rope, ctx))
+        return ctx.linear(self.o_proj, self.attend(ctx.linear(self.qkv_proj, x), rope, ctx))
 
     def attend(self, qkv: torch.Tensor, rope: Rope, ctx: ForwardContext) -> torch.Tensor:
         """The attention between the projections: qkv [T, (Hq + 2 Hkv) D] -> [T, Hq D]."""

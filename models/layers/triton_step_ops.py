@@ -31,6 +31,8 @@ from models.attention.triton_ops import (  # noqa: F401 (ask_l2: the kernels')
     triton_runs_on,
 )
 from models.layers.triton_gemv import GemvConfig, gemv, gemv_reference
+from models.layers.triton_small_gemm import SmallGemmConfig, small_gemm
+from models.layers.triton_small_gemm import fits as small_gemm_fits
 
 
 @functools.cache
@@ -158,7 +160,9 @@ class StepOps:
     activation of the steps the GEMVs do not take through these kernels (else FlashInfer's);
     glu: the SiLU * up made by the gate_up GEMV from its outputs, the down GEMV then a plain one
     (else the down GEMV computes it from gate_up's outputs; a tiling of one row a program
-    cannot pair a gate row with its up row and keeps that)."""
+    cannot pair a gate row with its up row and keeps that); small: the projections of steps of
+    a few rows (at most 16) as Triton's small GEMMs under this tiling
+    (models.layers.triton_small_gemm), not cuBLAS's."""
 
     def __init__(
         self,
@@ -168,10 +172,12 @@ class StepOps:
         norms: bool = True,
         gemv: GemvConfig | None = None,
         glu: bool = False,
+        small: SmallGemmConfig | None = None,
     ):
         self.pdl, self.takes_prefetch, self.keep = pdl, prefetch, keep
         self.norms, self.gemv_config = norms, gemv
         self.glu = glu and gemv is not None and gemv.block_n >= 2
+        self.small_config = small
 
     def fits_add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, unit_offset: bool) -> bool:
         """Whether add_rmsnorm computes this norm (Llama's, rows contiguous, a GPU's dtype)."""
@@ -206,6 +212,13 @@ class StepOps:
     def gemv(self, linear: torch.nn.Linear, x: torch.Tensor, **ops) -> torch.Tensor:
         return gemv(linear, x, config=self.gemv_config, pdl=self.pdl, **ops)
 
+    def linear(self, linear: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """linear(x): a small GEMM where one takes it (`small`: at most 16 rows, a row-major
+        weight of x's dtype), else the module itself."""
+        if self.small_config is not None and small_gemm_fits(linear, x):
+            return small_gemm(linear, x, self.small_config)
+        return linear(x)
+
     def add_rmsnorm(self, x, residual, weight, eps, prefetch: Pair | None = None):
         add_rmsnorm(x, residual, weight, eps, prefetch, self.pdl, self.keep)
         return x, residual
@@ -225,20 +238,23 @@ def load_step_ops(
     norms: bool = True,
     gemv: GemvConfig | None = None,
     glu: bool = False,
+    small: SmallGemmConfig | None = None,
 ) -> tuple[StepOps | None, str | None]:
     """The step kernels for `device`, built and checked there against the torch reference (the
     norms' kernels with `norms`, with PDL and an L2 prefetch when asked and on Hopper; the
-    GEMVs' three kinds with `gemv`), or None and why not."""
+    GEMVs' three kinds with `gemv`; the small GEMM with `small`), or None and why not."""
     if not triton_runs_on(device):
         return None, "Triton does not run here"
     hopper = bulk_prefetch_runs_on(device)
-    ops = StepOps(pdl and hopper, prefetch and hopper, keep, norms, gemv, glu)
+    ops = StepOps(pdl and hopper, prefetch and hopper, keep, norms, gemv, glu, small)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     try:
         g = torch.Generator(device=device).manual_seed(0)
         checks = _norm_checks(ops, g, device, dtype) if norms else []
         if gemv is not None:
             checks += _gemv_checks(ops, g, device, dtype)
+        if small is not None:
+            checks += _small_gemm_checks(ops, g, device, dtype)
         for name, out, ref in checks:
             if not torch.allclose(out.float(), ref.float(), rtol=2e-2, atol=2e-2):
                 raise RuntimeError(f"{name} differs from the reference")
@@ -287,3 +303,12 @@ def _gemv_checks(ops: StepOps, g: torch.Generator, device: torch.device, dtype: 
         got = ops.gemv(lin, x, norm=norm, glu=True)
         checks.append(("GEMV making SiLU * up", got, gemv_reference(lin, x, norm=norm, glu=True)))
     return checks
+
+
+def _small_gemm_checks(ops: StepOps, g: torch.Generator, device: torch.device, dtype):
+    """(name, ops.linear's result, torch's) for 5 and 16 rows of 4096 columns, with a bias."""
+    lin = torch.nn.Linear(4096, 320, device=device, dtype=dtype)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(320, 4096, generator=g, device=device) * 4096**-0.5)
+    xs = [torch.randn(m, 4096, generator=g, device=device).to(dtype) for m in (5, 16)]
+    return [(f"small GEMM of {x.shape[0]} rows", ops.linear(lin, x), lin(x)) for x in xs]

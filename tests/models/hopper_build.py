@@ -17,7 +17,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from models.attention import triton_ops
-from models.layers import l2_prefetch, triton_gemv, triton_step_ops
+from models.layers import l2_prefetch, triton_gemv, triton_small_gemm, triton_step_ops
 
 HOPPER = GPUTarget("cuda", 90, 32)
 DECODE_TYPES = {
@@ -120,6 +120,26 @@ def gemv_builds():
         yield f"gemv {name} {pdl=}", b
 
 
+SMALL_GEMM_TYPES = {**dict.fromkeys(("x_ptr", "w_ptr", "b_ptr", "out_ptr"), "*bf16")}
+
+
+def small_gemm_builds():
+    """A few-row step's projections (triton_small_gemm) for Llama-3.1-8B's shapes, and Qwen2's
+    qkv with its bias, under the default tiling: products on the tensor cores, W's tiles
+    fetched asynchronously into shared memory (the loop pipelined)."""
+    fn = triton_small_gemm._build(False)
+    c = triton_small_gemm.SmallGemmConfig()
+    for name, k, bias in (("qkv", 4096, False), ("down", 14336, False), ("qkv+bias", 3584, True)):
+        even = k % c.block_k == 0
+        const = dict(K=k, BLOCK_M=triton_small_gemm.MAX_ROWS, BLOCK_N=c.block_n,
+                     BLOCK_K=c.block_k, EVEN_K=even, BIAS=bias, DOT_F32=False)  # fmt: skip
+        b = compile_for_hopper(fn, SMALL_GEMM_TYPES, const, num_warps=c.warps, num_stages=c.stages)
+        ptx = b.asm["ptx"]
+        assert re.search(r"\bw?mma\b|mma\.sync", ptx), name
+        assert "cp.async.cg" in ptx, name
+        yield f"small gemm {name}", b
+
+
 def main() -> None:
     assert os.environ.get("TRITON_INTERPRET") != "1", "a build for the GPU, not the interpreter"
     built = 0
@@ -149,6 +169,10 @@ def main() -> None:
             print(f"{name} {pdl=} {prefetch=}")
             built += 1
     for name, b in gemv_builds():
+        assert b.asm["cubin"], name
+        print(name)
+        built += 1
+    for name, b in small_gemm_builds():
         assert b.asm["cubin"], name
         print(name)
         built += 1

@@ -188,3 +188,24 @@ def test_the_gemv_knob(monkeypatch):
         monkeypatch.setenv("PRISM_TRITON_GEMV", bad)
         with pytest.raises(ValueError, match=match):
             Engine(EngineConfig(models=(spec,), device="cpu", page_bytes=64 << 10))
+
+
+def test_the_small_gemm_knob(monkeypatch):
+    """PRISM_TRITON_SMALL_GEMM: off by default, 1 the default tiling, or a tiling; an engine
+    built with it checks the kernel and its decode graphs of a few rows take it; a bad tiling is
+    refused when the engine is built."""
+    from models.layers.triton_small_gemm import SmallGemmConfig
+
+    assert DEFAULT_KERNELS.triton_small_gemm is None and envs.triton_small_gemm() is None
+    for v, want in (("0", None), ("1", ()), ("32:128", (32, 128)), ("16,64,2,3", (16, 64, 2, 3))):
+        monkeypatch.setenv("PRISM_TRITON_SMALL_GEMM", v)
+        assert envs.triton_small_gemm() == want
+    spec = ModelSpec("a", "dummy:tiny-llama", block_size=4)
+    monkeypatch.setenv("PRISM_TRITON_SMALL_GEMM", "16:64")
+    with Engine(EngineConfig(models=(spec,), device="cpu", page_bytes=64 << 10)) as e:
+        assert e.worker.resources.kernels.triton_small_gemm == SmallGemmConfig(16, 64)
+        e.check_integrity()
+    for bad, match in (("wide", "PRISM_TRITON_SMALL_GEMM must be"), ("8:64", "block_n 8")):
+        monkeypatch.setenv("PRISM_TRITON_SMALL_GEMM", bad)
+        with pytest.raises(ValueError, match=match):
+            Engine(EngineConfig(models=(spec,), device="cpu", page_bytes=64 << 10))

@@ -1,0 +1,140 @@
+"""A small batch's projections, y = x W^T for a few rows x, as one Triton GEMM each.
+
+A decode step of a few sequences multiplies a handful of rows by each weight: the GEMM is as
+weight-bound as batch 1's GEMV (each weight element read once, used a few times), but on the
+tensor cores. cuBLAS picks split-K tilings for some of these shapes, then a reduce kernel
+after them. Here each program owns BLOCK_N output columns (weight rows) over the whole of K,
+streams its rows of W once (`stages` tiles in flight, fetched asynchronously into shared
+memory) and multiplies them by the rows of x (at most BLOCK_M, padded) on the tensor cores:
+W's tile [BLOCK_N, BLOCK_K] times x's transposed [BLOCK_K, BLOCK_M], fp32 sums, one kernel a
+projection. Every program reads all of x (from the L2): a wider BLOCK_N reads it fewer times
+but leaves fewer programs to spread the weight's bytes over the SMs.
+
+Runs under Triton's interpreter too (the CPU tests), its products in fp32 there (the
+interpreter has no bf16 arithmetic), as for fp32 weights anywhere.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from models.attention.triton_ops import _pow2, interpreting
+
+MAX_ROWS = 16  # the rows of x a launch takes (tl.dot's smallest tile)
+
+
+@dataclass(frozen=True)
+class SmallGemmConfig:
+    """A small GEMM's tiling: weight rows a program, columns a loop step, warps, and the loop's
+    software pipelining depth (the tiles of W in flight a program)."""
+
+    block_n: int = 16
+    block_k: int = 256
+    warps: int = 4
+    stages: int = 4
+
+    def __post_init__(self):
+        for name in ("block_n", "block_k"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"small GEMM {name} {v}: a power of 2 from 16")
+        if self.warps not in (1, 2, 4, 8, 16) or self.stages < 1:
+            raise ValueError(
+                f"small GEMM warps {self.warps} (1..16, a power of 2), stages {self.stages}"
+            )
+
+    @classmethod
+    def parse(cls, text: str) -> SmallGemmConfig:
+        """'BN:BK:WARPS:STAGES' (or a prefix of it; the rest default)."""
+        parts = [int(p) for p in text.replace(",", ":").split(":") if p]
+        if len(parts) > 4:
+            raise ValueError(f"small GEMM config {text!r}: at most BN:BK:WARPS:STAGES")
+        return cls(*parts)
+
+    def __str__(self) -> str:
+        return f"{self.block_n}:{self.block_k}:{self.warps}:{self.stages}"
+
+
+@functools.cache
+def _build(interpret: bool):
+    # NOTE: Triton decides at decoration whether a kernel is interpreted, hence one build each
+    import triton
+    import triton.language as tl
+
+    @triton.jit(do_not_specialize=["m", "n"])
+    def small_gemm_kernel(
+        x_ptr, w_ptr, b_ptr, out_ptr, m, n, sx, so,
+        K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        EVEN_K: tl.constexpr, BIAS: tl.constexpr, DOT_F32: tl.constexpr,
+    ):  # fmt: skip
+        # program i: out[:m, cols] = x[:m] @ W[cols]^T, cols = i * BLOCK_N + [0, BLOCK_N)
+        pid = tl.program_id(0)
+        cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        cm = cols < n
+        r = tl.arange(0, BLOCK_M)
+        rmask = r < m
+        kk0 = tl.arange(0, BLOCK_K)
+        w_rows = w_ptr + cols[:, None].to(tl.int64) * K
+        x_rows = x_ptr + r[None, :] * sx
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + kk0
+            if EVEN_K:
+                wm, xm = cm[:, None], rmask[None, :]
+            else:
+                wm, xm = cm[:, None] & (kk < K)[None, :], rmask[None, :] & (kk < K)[:, None]
+            # W is read once a step: the first lines the L2 evicts (x stays), where the load
+            # is not an asynchronous copy (one stage)
+            w = tl.load(w_rows + kk[None, :], mask=wm, other=0.0, eviction_policy="evict_first")
+            xt = tl.load(x_rows + kk[:, None], mask=xm, other=0.0)  # [BLOCK_K, BLOCK_M]
+            if DOT_F32:  # the interpreter: no bf16 arithmetic, exact fp32 products
+                acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(w, xt, acc)
+        if BIAS:
+            acc += tl.load(b_ptr + cols, mask=cm, other=0.0).to(tl.float32)[:, None]
+        y = acc.to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + r[None, :] * so + cols[:, None], y, mask=cm[:, None] & rmask[None, :])
+
+    return small_gemm_kernel
+
+
+def fits(linear: torch.nn.Module, x: torch.Tensor) -> bool:
+    """Whether small_gemm takes linear(x): a plain linear with a row-major weight of x's dtype,
+    x [M, K] with 1 <= M <= MAX_ROWS and unit column stride."""
+    w = getattr(linear, "weight", None)
+    return (
+        isinstance(linear, torch.nn.Linear)
+        and isinstance(w, torch.Tensor)
+        and w.dim() == 2
+        and w.dtype == x.dtype
+        and w.stride(1) == 1
+        and w.stride(0) == w.shape[1]
+        and x.dim() == 2
+        and 1 <= x.shape[0] <= MAX_ROWS
+        and x.shape[1] == w.shape[1]
+        and x.stride(1) == 1
+    )
+
+
+def small_gemm(
+    linear: torch.nn.Linear, x: torch.Tensor, config: SmallGemmConfig = SmallGemmConfig()
+) -> torch.Tensor:
+    """linear(x) for x [M, K], M <= MAX_ROWS (`fits`) -> [M, N]."""
+    assert fits(linear, x), "small_gemm takes a row-major linear and at most 16 rows"
+    w, bias = linear.weight, linear.bias
+    n, k = w.shape
+    m = x.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    c = config
+    block_k = min(c.block_k, max(16, _pow2(k)))
+    _build(interpreting())[(-(-n // c.block_n),)](
+        x, w, bias if bias is not None else w, out, m, n, x.stride(0), out.stride(0),
+        K=k, BLOCK_M=MAX_ROWS, BLOCK_N=c.block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
+        BIAS=bias is not None, DOT_F32=interpreting() or x.dtype == torch.float32,
+        num_warps=c.warps, num_stages=c.stages,
+    )  # fmt: skip
+    return out

@@ -1,0 +1,125 @@
+"""The small GEMMs of a few-row decode step's projections, under Triton's interpreter: against
+torch's linear over ragged tiles, a bias, one to 16 rows, what they refuse, the tiling's knob,
+and a forward of three rows whose projections take them. (On a GPU, in bf16, against cuBLAS:
+tests/gpu/test_triton_small_gemm_gpu.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models.attention.base import AttentionMetadata, ForwardContext, SeqChunk
+from models.attention.torch_paged import TorchPagedAttention
+from models.layers import triton_step_ops
+from models.layers.triton_small_gemm import MAX_ROWS, SmallGemmConfig, fits, small_gemm
+from tests.models.test_triton_step_ops import BLOCK, tiny_bf16_llama
+
+pytest.importorskip("triton")
+
+
+def linear(n: int, k: int, bias: bool, g: torch.Generator) -> torch.nn.Linear:
+    lin = torch.nn.Linear(k, n, bias=bias)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(n, k, generator=g) * k**-0.5)
+        if bias:
+            lin.bias.copy_(torch.randn(n, generator=g))
+    return lin
+
+
+# (rows of x, outputs, columns, bias, tiling): whole tiles, ragged outputs and columns, a bias,
+# one row, the most rows
+SHAPES = [
+    (16, 64, 256, False, SmallGemmConfig(16, 64)),
+    (5, 40, 200, True, SmallGemmConfig(32, 64, 2, 2)),
+    (1, 33, 96, False, SmallGemmConfig(16, 32, 1, 1)),
+    (MAX_ROWS, 17, 48, True, SmallGemmConfig(16, 256)),
+]
+
+
+@pytest.mark.parametrize("m,n,k,bias,config", SHAPES)
+def test_the_small_gemm_is_torchs_linear(m, n, k, bias, config):
+    g = torch.Generator().manual_seed(m * n * k)
+    lin = linear(n, k, bias, g)
+    x = torch.randn(m, k, generator=g)
+    got = small_gemm(lin, x, config)
+    assert got.shape == (m, n) and got.is_contiguous()
+    torch.testing.assert_close(got, lin(x), rtol=1e-5, atol=1e-5)
+    # rows of a wider tensor (a strided view, unit column stride): the same
+    wide = torch.randn(m, 2 * k, generator=g)
+    torch.testing.assert_close(small_gemm(lin, wide[:, :k], config), lin(wide[:, :k]))
+
+
+def test_what_it_refuses():
+    g = torch.Generator().manual_seed(0)
+    lin = linear(32, 64, False, g)
+    assert fits(lin, torch.randn(MAX_ROWS, 64))
+    assert not fits(lin, torch.randn(MAX_ROWS + 1, 64))  # too many rows
+    assert not fits(lin, torch.randn(0, 64))
+    assert not fits(lin, torch.randn(64, 4).t())  # columns not contiguous
+    assert not fits(lin, torch.randn(4, 64, dtype=torch.float64))  # another dtype
+    assert not fits(lin, torch.randn(4, 32))  # the wrong width
+    t = linear(64, 32, False, g)
+    with torch.no_grad():
+        t.weight = torch.nn.Parameter(torch.randn(32, 64).t())  # a column-major weight
+    assert not fits(t, torch.randn(4, 32))
+    assert not fits(torch.nn.Identity(), torch.randn(4, 64))
+    with pytest.raises(AssertionError, match="at most 16 rows"):
+        small_gemm(lin, torch.randn(MAX_ROWS + 1, 64))
+
+
+def test_the_tiling_knob():
+    assert SmallGemmConfig.parse("32:128") == SmallGemmConfig(32, 128, 4, 4)
+    assert SmallGemmConfig.parse("16:64:2:3") == SmallGemmConfig(16, 64, 2, 3)
+    assert str(SmallGemmConfig(16, 64, 2, 3)) == "16:64:2:3"
+    for bad in ("8", "24:64", "16:64:3", "16:64:4:0", "16:64:4:2:1"):
+        with pytest.raises(ValueError, match="small GEMM"):
+            SmallGemmConfig.parse(bad)
+
+
+def test_load_step_ops_checks_the_small_gemm():
+    ops, why = triton_step_ops.load_step_ops(
+        torch.device("cpu"), norms=False, small=SmallGemmConfig(16, 512)
+    )
+    assert why is None and ops.small_config == SmallGemmConfig(16, 512)
+    assert ops.gemv_config is None
+    x = torch.zeros(2, 8)
+    assert not ops.fits_add_rmsnorm(x, x, False) and not ops.fits_silu_mul(x, "silu")
+
+
+@torch.no_grad()
+def test_a_three_row_forward_runs_its_projections_as_small_gemms():
+    """The tiny Llama in bf16, a decode step of three rows over a cached prompt: each layer's
+    four projections through the small GEMM, against the model's own forward."""
+    lm, caches = tiny_bf16_llama()
+    cfg, bs = lm.config, BLOCK
+    prompt = torch.tensor([5, 17, 200, 3, 99])
+    md = AttentionMetadata.build([SeqChunk(0, 5, [1, 2])], bs, torch.device("cpu"))
+    lm.model(prompt, torch.arange(5), ForwardContext(attn=TorchPagedAttention(caches, md)))
+    step = AttentionMetadata.build([SeqChunk(5, 3, [1, 2])], bs, torch.device("cpu"))
+    ids, pos = torch.tensor([42, 7, 8]), torch.tensor([5, 6, 7])
+    saved = [c.clone() for c in caches]
+    plain = lm.model(ids, pos, ForwardContext(attn=TorchPagedAttention(caches, step)))
+    shapes = []
+
+    class Counting(triton_step_ops.StepOps):
+        def linear(self, linear, x):
+            shapes.append(tuple(linear.weight.shape))
+            return super().linear(linear, x)
+
+    for c, s in zip(caches, saved):
+        c.copy_(s)
+    ops = Counting(norms=False, small=SmallGemmConfig(16, 32))
+    got = lm.model(ids, pos, ForwardContext(attn=TorchPagedAttention(caches, step), step_ops=ops))
+    layer = lm.model.model.layers[0]
+    want = [
+        tuple(m.weight.shape)
+        for m in (
+            layer.self_attn.qkv_proj,
+            layer.self_attn.o_proj,
+            layer.mlp.gate_up_proj,
+            layer.mlp.down_proj,
+        )
+    ]
+    assert shapes == want * cfg.num_layers
+    rel = (got.float() - plain.float()).norm() / plain.float().norm()
+    assert rel < 2e-2, float(rel)  # bf16 sums in another order, over the layers
