@@ -29,7 +29,9 @@
 # call's 10 minutes: PARTS picks some of "tests ab engine ttft concurrent prefetch kernels", e.g.
 #   PARTS="tests kernels" KERNELS=PRISM_DECODE_BACKEND=xqa bash scripts/gpu_check.sh --decode
 # PARTS=gemv (not in the default set) times batch-1 projections, cuBLAS against the GEMVs of
-# models.layers.triton_gemv, alone and as a layer's chain (bench_gpu_gemv.py).
+# models.layers.triton_gemv, alone and as a layer's chain (bench_gpu_gemv.py); PARTS=smallgemm
+# times projections of 16, 8 and 4 rows, cuBLAS against models.layers.triton_small_gemm
+# (bench_gpu_small_gemm.py).
 # PARTS=choices (not in the default set) measures decode under CHOICES, PRISM_* settings only,
 # beside the defaults in one process, in ROUNDS (default 2) interleaved rounds:
 #   PARTS=choices CHOICES="PRISM_TRITON_PDL=1 PRISM_L2_PREFETCH=48:12:12" bash scripts/gpu_check.sh --decode
@@ -89,6 +91,11 @@ if [ "$quick" = "--decode" ]; then
   # and residual adds (not in the default set: PARTS=gemv; GEMV_CONFIGS: the tilings tried)
   part gemv && timeout 200 python3 scripts/bench_gpu_gemv.py ${GEMV_CONFIGS:+--configs "$GEMV_CONFIGS"} \
     --json "$OUT/gemv.json" 2>&1 | tail -10
+  # few-row projections: cuBLAS beside Prism's Triton small GEMMs, alone and as a layer's
+  # chain (not in the default set: PARTS=smallgemm; SMALL_GEMM_CONFIGS: the tilings tried)
+  part smallgemm && timeout 300 python3 scripts/bench_gpu_small_gemm.py \
+    ${SMALL_GEMM_CONFIGS:+--configs "$SMALL_GEMM_CONFIGS"} --json "$OUT/small_gemm.json" 2>&1 \
+    | tee "$OUT/small_gemm.log" | grep -E "chain|best|Error|error"
   # decode under kernel choices (CHOICES: PRISM_* settings) beside the defaults, one process,
   # engines built in turn, ROUNDS rounds (ABC ABC), medians and ratios to the defaults last
   if part choices; then

@@ -10,6 +10,7 @@ import torch
 from models.attention.flashinfer_paged import DEFAULT_KERNELS, KernelChoice
 from models.attention.table_decode import TableDecodeGraphAttention
 from models.layers.triton_gemv import GemvConfig
+from models.layers.triton_small_gemm import SmallGemmConfig
 from tests.gpu.common import (
     GPU,
     assert_no_real_divergence,
@@ -38,7 +39,10 @@ def count_replays(me) -> list[int]:
     return calls
 
 
-DECODES = ["flashinfer", "xqa", "triton", "triton-pdl", "step-ops", "gemv", "gemv-pdl", "gemv-glu"]
+DECODES = [
+    "flashinfer", "xqa", "triton", "triton-pdl", "step-ops", "gemv", "gemv-pdl", "gemv-glu",
+    "small-gemm",
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("decode", DECODES)
@@ -55,6 +59,11 @@ def test_graph_replay_gives_the_eager_tokens(decode):
     step_ops = decode == "step-ops"
     gemv = GemvConfig() if decode.startswith("gemv") else None
     glu = decode == "gemv-glu"  # gate_up's GEMV makes SiLU * up
+    # small-gemm: the projections of graphs of 2 to 16 rows as Triton's small GEMMs (one row:
+    # the GEMVs)
+    small = SmallGemmConfig() if decode == "small-gemm" else None
+    if small is not None:
+        gemv = GemvConfig()
     decode = "triton" if pdl or gemv else decode
     kernels = KernelChoice(
         decode_backend=decode,
@@ -62,6 +71,7 @@ def test_graph_replay_gives_the_eager_tokens(decode):
         triton_step_ops=step_ops,
         triton_gemv=gemv,
         triton_gemv_glu=glu,
+        triton_small_gemm=small,
     )
     graphed = model_engine("graphed", cfg, model, pool, graphs=True, kernels=kernels)
     eager = model_engine("eager", cfg, model, pool, graphs=False)
@@ -72,6 +82,7 @@ def test_graph_replay_gives_the_eager_tokens(decode):
     assert not isinstance(graphs[max(graphs)].attn, TableDecodeGraphAttention)
     assert (graphed.runner.graphs.step_ops is not None) is (step_ops or gemv is not None)
     assert gemv is None or graphed.runner.graphs.step_ops.glu is glu
+    assert gemv is None or graphed.runner.graphs.step_ops.small_config == small
     replays = count_replays(graphed)
     for n in (1, 3, 16):  # one row (the GEMVs'); padded to 4; exactly 16
         ps = prompts(n, seed=n)

@@ -1,0 +1,129 @@
+"""Few-row projections: cuBLAS against Prism's Triton small GEMMs (models.layers.triton_small_gemm).
+
+Llama-3.1-8B's shapes, bf16, on one GPU, in the same run, for each batch of `--rows`:
+1. each projection alone, the weight cold (a CUDA graph of `--layers` projections, each of its
+   own copy of the weight, so that none is in the L2): cuBLAS (torch's linear) and the small
+   GEMM under each tiling of `--configs`, against the HBM floor (the bytes over a copy's rate);
+2. a layer's chain without its attention, `--layers` deep in one graph, FlashInfer's add +
+   RMSNorm and SiLU * up between the projections: cuBLAS's GEMMs (the engine's default) against
+   the small GEMMs under the one tiling that led over all four projections in 1 (the engine's
+   knob, PRISM_TRITON_SMALL_GEMM, takes one), against the chain's floor (its weights' bytes over
+   the copy rate).
+The tiling that led at the most rows is printed last ("best uniform tiling: ...").
+
+    python3 scripts/bench_gpu_small_gemm.py [--rows "16 8"] [--configs "16:256:4:4"] [--json F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from models.layers.triton_small_gemm import SmallGemmConfig, small_gemm  # noqa: E402
+from scripts.bench_gpu_gemv import HIDDEN, SHAPES, graph_ms, linears  # noqa: E402
+from scripts.bench_gpu_l2_prefetch import hbm_gbs  # noqa: E402
+
+CONFIGS = "16:256:4:4 32:256:4:4 64:128:4:4 16:128:4:6 32:128:4:6 16:512:4:3 32:256:8:4"
+
+
+def layer_chain(proj, inputs: list[torch.Tensor], layers: int):
+    """A chain of `layers` layers without attention: FlashInfer's add + RMSNorm, qkv, o (of a
+    fixed attention output), add + RMSNorm, gate_up, SiLU * up, down; proj(name, i, x) is the
+    i-th layer's projection `name` of x. inputs: the stream, the first layer's input and the
+    attention's output, [M, HIDDEN] each."""
+    import flashinfer
+
+    r0, h0, attn_out = inputs
+    residual = r0.clone()
+    ln = torch.ones(HIDDEN, device=r0.device, dtype=r0.dtype)
+
+    def run():
+        r, x = residual.copy_(r0), h0.clone()
+        for i in range(layers):
+            flashinfer.norm.fused_add_rmsnorm(x, r, ln, 1e-5)
+            proj("qkv_proj", i, x)
+            a = proj("o_proj", i, attn_out)
+            flashinfer.norm.fused_add_rmsnorm(a, r, ln, 1e-5)
+            gu = proj("gate_up_proj", i, a)
+            x = proj("down_proj", i, flashinfer.activation.silu_and_mul(gu))
+        return x, r
+
+    return run
+
+
+@torch.no_grad()
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", default="16 8 4", help="batch sizes (rows of x), at most 16")
+    ap.add_argument("--configs", default=CONFIGS, help="tilings BN:BK:WARPS:STAGES")
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--runs", type=int, default=20)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    gbs = hbm_gbs(dev)
+    print(f"HBM {gbs:.0f} GB/s (1 GiB copy); {torch.cuda.get_device_name(dev)}")
+    configs = [SmallGemmConfig.parse(c) for c in args.configs.split()]
+    rows = [int(r) for r in args.rows.split()]
+    out: dict = {"hbm_gbs": gbs, "device": torch.cuda.get_device_name(dev), "rows": {}}
+    layers = {name: linears(n, k, args.layers, dev) for name, (n, k) in SHAPES.items()}
+    L = args.layers
+    weight_bytes = sum(n * k * 2 for n, k in SHAPES.values()) * L
+    lead_at_most = None
+    for m in sorted(rows, reverse=True):
+        per: dict = {"alone": []}
+        # 1. each projection alone, cold
+        for name, (n, k) in SHAPES.items():
+            lins = layers[name]
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            floor = n * k * 2 / gbs / 1e6 * 1e3  # us
+            cublas = graph_ms(lambda lins=lins, x=x: [lin(x) for lin in lins], args.runs)
+            row = {"gemm": name, "floor_us": floor, "cublas_us": cublas / L * 1e3, "small_us": {}}
+            want = lins[0](x)
+            for c in configs:
+                got = small_gemm(lins[0], x, c)
+                torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+                fn = lambda c=c, ls=lins, x=x: [small_gemm(w, x, c) for w in ls]  # noqa: E731
+                row["small_us"][str(c)] = graph_ms(fn, args.runs) / L * 1e3
+            per["alone"].append(row)
+            print(
+                f"M={m} {name} ({n}x{k}): floor {floor:.1f} us, cuBLAS {row['cublas_us']:.1f} us,"
+                " small " + ", ".join(f"{c} {v:.1f}" for c, v in row["small_us"].items()) + " us"
+            )
+        uniform = min(configs, key=lambda c: sum(r["small_us"][str(c)] for r in per["alone"]))
+        lead_at_most = lead_at_most or uniform
+        # 2. the layer chain without attention, `--layers` deep
+        inputs = [torch.randn(m, HIDDEN, device=dev, dtype=torch.bfloat16) for _ in range(3)]
+        cublas = layer_chain(lambda name, i, x: layers[name][i](x), inputs, L)
+        small = layer_chain(
+            lambda name, i, x, c=uniform: small_gemm(layers[name][i], x, c), inputs, L
+        )
+        want = [t.clone() for t in cublas()]
+        got = [t.clone() for t in small()]
+        for a, b in zip(got, want):
+            rel = float((a.float() - b.float()).norm() / b.float().norm())
+            assert rel < 2e-2, f"the small GEMMs' chain is {rel:.3g} off cuBLAS's"
+        floor = weight_bytes / gbs / 1e6
+        c_ms, s_ms = graph_ms(cublas, args.runs), graph_ms(small, args.runs)
+        per["chain"] = {"floor_ms": floor, "cublas_ms": c_ms, "small_ms": s_ms,
+                        "uniform_config": str(uniform), "layers": L}  # fmt: skip
+        out["rows"][m] = per
+        print(
+            f"M={m} chain of {L} layers without attention ({weight_bytes / 1e9:.2f} GB): "
+            f"floor {floor:.3f} ms, cuBLAS {c_ms:.3f} ms, small GEMMs ({uniform}) {s_ms:.3f} ms "
+            f"(x{s_ms / c_ms:.3f} cuBLAS's)"
+        )
+    print(f"best uniform tiling: {lead_at_most}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
