@@ -6,9 +6,9 @@ Llama-3.1-8B's shapes, bf16, on one GPU, in the same run, for each batch of `--r
    GEMM under each tiling of `--configs`, against the HBM floor (the bytes over a copy's rate);
 2. a layer's chain without its attention, `--layers` deep in one graph, FlashInfer's add +
    RMSNorm and SiLU * up between the projections: cuBLAS's GEMMs (the engine's default) against
-   the small GEMMs under the one tiling that led over all four projections in 1 (the engine's
-   knob, PRISM_TRITON_SMALL_GEMM, takes one), against the chain's floor (its weights' bytes over
-   the copy rate).
+   the small GEMMs under the one tiling that led over all four projections in 1, and under the
+   default tiling (SmallGemmConfig(): its wide tiling for gate_up), against the chain's floor
+   (its weights' bytes over the copy rate).
 The tiling that led at the most rows is printed last ("best uniform tiling: ...").
 
     python3 scripts/bench_gpu_small_gemm.py [--rows "16 8"] [--configs "16:256:4:4"] [--json F]
@@ -112,13 +112,18 @@ def main() -> None:
             assert rel < 2e-2, f"the small GEMMs' chain is {rel:.3g} off cuBLAS's"
         floor = weight_bytes / gbs / 1e6
         c_ms, s_ms = graph_ms(cublas, args.runs), graph_ms(small, args.runs)
-        per["chain"] = {"floor_ms": floor, "cublas_ms": c_ms, "small_ms": s_ms,
+        # the default tiling: the narrow one, the wide one for gate_up (SmallGemmConfig.for_outputs)
+        auto = layer_chain(
+            lambda name, i, x: small_gemm(layers[name][i], x, SmallGemmConfig()), inputs, L
+        )
+        a_ms = graph_ms(auto, args.runs)
+        per["chain"] = {"floor_ms": floor, "cublas_ms": c_ms, "small_ms": s_ms, "default_ms": a_ms,
                         "uniform_config": str(uniform), "layers": L}  # fmt: skip
         out["rows"][m] = per
         print(
             f"M={m} chain of {L} layers without attention ({weight_bytes / 1e9:.2f} GB): "
             f"floor {floor:.3f} ms, cuBLAS {c_ms:.3f} ms, small GEMMs ({uniform}) {s_ms:.3f} ms "
-            f"(x{s_ms / c_ms:.3f} cuBLAS's)"
+            f"(x{s_ms / c_ms:.3f} cuBLAS's), the default tiling {a_ms:.3f} ms (x{a_ms / c_ms:.3f})"
         )
     print(f"best uniform tiling: {lead_at_most}")
     if args.json:

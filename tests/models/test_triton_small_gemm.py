@@ -11,7 +11,14 @@ import torch
 from models.attention.base import AttentionMetadata, ForwardContext, SeqChunk
 from models.attention.torch_paged import TorchPagedAttention
 from models.layers import triton_step_ops
-from models.layers.triton_small_gemm import MAX_ROWS, SmallGemmConfig, fits, small_gemm
+from models.layers.triton_small_gemm import (
+    MAX_ROWS,
+    WIDE,
+    WIDE_OUTPUTS,
+    SmallGemmConfig,
+    fits,
+    small_gemm,
+)
 from tests.models.test_triton_step_ops import BLOCK, tiny_bf16_llama
 
 pytest.importorskip("triton")
@@ -68,9 +75,13 @@ def test_what_it_refuses():
 
 
 def test_the_tiling_knob():
-    assert SmallGemmConfig.parse("32:128") == SmallGemmConfig(32, 128, 4, 4)
+    assert SmallGemmConfig.parse("32:128") == SmallGemmConfig(32, 128, 4, 6)
     assert SmallGemmConfig.parse("16:64:2:3") == SmallGemmConfig(16, 64, 2, 3)
     assert str(SmallGemmConfig(16, 64, 2, 3)) == "16:64:2:3"
+    # the default takes the wide tiling for wide projections; a given one applies as it is
+    assert SmallGemmConfig().for_outputs(28672) == WIDE == SmallGemmConfig(64, 128, 4, 4)
+    assert SmallGemmConfig().for_outputs(WIDE_OUTPUTS - 1) == SmallGemmConfig()
+    assert SmallGemmConfig(32, 64).for_outputs(28672) == SmallGemmConfig(32, 64)
     for bad in ("8", "24:64", "16:64:3", "16:64:4:0", "16:64:4:2:1"):
         with pytest.raises(ValueError, match="small GEMM"):
             SmallGemmConfig.parse(bad)
