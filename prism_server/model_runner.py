@@ -187,8 +187,8 @@ def _prefetcher(model, device: torch.device, resources: DeviceResources | None):
 
 def _step_ops(device: torch.device, resources: DeviceResources | None):
     """Triton's kernels for the norms and activation of small decode graphs, the GEMVs of
-    one-row ones and the small GEMMs of the others, where the kernels choose them and they run here (else None, and why in the
-    log)."""
+    one-row ones and the small GEMMs of the others, where the kernels choose them and they run
+    here (else None, and why in the log)."""
     k = resources.kernels if resources is not None else None
     if k is None or not (
         k.triton_step_ops or k.triton_gemv is not None or k.triton_small_gemm is not None
