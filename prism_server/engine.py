@@ -89,7 +89,8 @@ class Engine:
             triton_step_ops=envs.triton_step_ops(),
             triton_gemv=None if (gemv := envs.triton_gemv()) is None else GemvConfig(*gemv),
             triton_gemv_glu=envs.triton_gemv_glu(),
-            triton_small_gemm=None if (sg := envs.triton_small_gemm()) is None
+            triton_small_gemm=None
+            if (sg := envs.triton_small_gemm()) is None
             else SmallGemmConfig(*sg),
         )
         # one page pool and one engine thread per device: each GPU of devices (cuda:0 ..), or
