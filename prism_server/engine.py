@@ -70,6 +70,7 @@ class Engine:
         check_host_budget(config, self.device)
         self.policy = policy(config.policy)
         splits, stages, waves, pdl = envs.triton_decode()
+        small = envs.triton_small_gemm()
         kernels = KernelChoice(
             decode_tensor_cores=envs.decode_tensor_cores(),
             prefill_backend=envs.prefill_backend(),
@@ -89,9 +90,7 @@ class Engine:
             triton_step_ops=envs.triton_step_ops(),
             triton_gemv=None if (gemv := envs.triton_gemv()) is None else GemvConfig(*gemv),
             triton_gemv_glu=envs.triton_gemv_glu(),
-            triton_small_gemm=None
-            if (sg := envs.triton_small_gemm()) is None
-            else SmallGemmConfig(*sg),
+            triton_small_gemm=None if small is None else SmallGemmConfig(*small),
         )
         # one page pool and one engine thread per device: each GPU of devices (cuda:0 ..), or
         # several emulated CPU devices (each its own pool and thread), for the multi-device
