@@ -31,7 +31,8 @@
 # PARTS=gemv (not in the default set) times batch-1 projections, cuBLAS against the GEMVs of
 # models.layers.triton_gemv, alone and as a layer's chain (bench_gpu_gemv.py); PARTS=smallgemm
 # times projections of 16, 8 and 4 rows, cuBLAS against models.layers.triton_small_gemm
-# (bench_gpu_small_gemm.py).
+# (bench_gpu_small_gemm.py). PARTS=attn times decode attention alone at B=1 and 16, the Triton
+# kernel's settings against FlashInfer's kernel and the K/V floor (bench_gpu_decode_kernel.py).
 # PARTS=choices (not in the default set) measures decode under CHOICES, PRISM_* settings only,
 # beside the defaults in one process, in ROUNDS (default 2) interleaved rounds:
 #   PARTS=choices CHOICES="PRISM_TRITON_PDL=1 PRISM_L2_PREFETCH=48:12:12" bash scripts/gpu_check.sh --decode
@@ -91,6 +92,11 @@ if [ "$quick" = "--decode" ]; then
   # and residual adds (not in the default set: PARTS=gemv; GEMV_CONFIGS: the tilings tried)
   part gemv && timeout 200 python3 scripts/bench_gpu_gemv.py ${GEMV_CONFIGS:+--configs "$GEMV_CONFIGS"} \
     --json "$OUT/gemv.json" 2>&1 | tail -10
+  # decode attention alone: the Triton kernel under several settings beside FlashInfer's and
+  # the K/V floor (not in the default set: PARTS=attn; ATTN_CONFIGS: splits:stages:waves:block_n)
+  part attn && timeout 300 python3 scripts/bench_gpu_decode_kernel.py \
+    ${ATTN_CONFIGS:+--configs "$ATTN_CONFIGS"} --json "$OUT/decode_kernel.json" 2>&1 \
+    | tee "$OUT/decode_kernel.log" | grep -E "^B=|Error|error"
   # few-row projections: cuBLAS beside Prism's Triton small GEMMs, alone and as a layer's
   # chain (not in the default set: PARTS=smallgemm; SMALL_GEMM_CONFIGS: the tilings tried)
   part smallgemm && timeout 300 python3 scripts/bench_gpu_small_gemm.py \

@@ -412,6 +412,7 @@ class TritonDecodeKernel:
         pdl: bool = False,
         l2_keep: bool = False,
         waves: int = 2,
+        block_n: int | None = None,
     ):
         """max_splits: the most programs a (sequence, KV head) is split over; stages: Triton's
         software pipelining depth of the loop over the positions; waves: the programs a launch
@@ -419,7 +420,8 @@ class TritonDecodeKernel:
         programmatic dependent launch (Hopper): the kernel starts while the kernel before it
         finishes, reads the lengths and slots, then waits for it (the rope table, q, k and v
         may be its);
-        l2_keep: the bytes it asks of the L2 (`prefetch`) are the last the L2 evicts."""
+        l2_keep: the bytes it asks of the L2 (`prefetch`) are the last the L2 evicts;
+        block_n: positions a tile (a power of 2 from 16; None: 64 up to head_dim 128, else 32)."""
         if head_dim & (head_dim - 1) or head_dim < 32:
             raise ValueError(
                 f"head_dim {head_dim}: the Triton decode kernel takes powers of 2 from 32"
@@ -434,7 +436,9 @@ class TritonDecodeKernel:
         self.takes_prefetch = hopper  # the weights the step reads next, asked of the L2
         self.l2_keep = l2_keep
         self.block_g = max(16, _pow2(self.group))  # the dot's rows: the head group, padded
-        self.block_n = 64 if head_dim <= 128 else 32  # positions a tile
+        if block_n is not None and (block_n < 16 or block_n & (block_n - 1)):
+            raise ValueError(f"block_n {block_n}: a power of 2 from 16")
+        self.block_n = block_n or (64 if head_dim <= 128 else 32)  # positions a tile
         self.tickets = torch.zeros(
             MAX_BATCH_TICKETS * num_kv_heads, dtype=torch.int32, device=device
         )

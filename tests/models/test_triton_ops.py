@@ -120,6 +120,26 @@ def test_the_split_aims_at_the_waves_asked_for():
         assert kernel.splits(1, 1024) == 16
 
 
+@pytest.mark.parametrize("block_n", [16, 128])
+def test_the_tile_knob(block_n):
+    """Tiles of 16 and of 128 positions (the default is 64 at head_dim 64): the same attention,
+    split or not; a tile not a power of 2 from 16 is refused."""
+    lens = [1, 17, 130, 64 * 4 + 3]
+    md, cache, q = decode_case(lens, hq=8, hkv=2, head_dim=64, seed=block_n)
+    spec = LayerAttention(scale=0.125)
+    want = reference(md, cache, q, spec)
+    for sms in (1, 64):
+        kernel = triton_ops.TritonDecodeKernel(8, 2, 64, BLOCK, CPU, block_n=block_n)
+        kernel.sm_count = sms
+        assert kernel.block_n == block_n
+        got = kernel(q, cache, md.block_tables, md.seq_lens.view(-1, 1), spec)
+        torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+        assert not kernel.tickets.any()
+    for bad in (8, 48):
+        with pytest.raises(ValueError, match="block_n"):
+            triton_ops.TritonDecodeKernel(8, 2, 64, BLOCK, CPU, block_n=bad)
+
+
 def test_a_query_group_of_one_and_head_dim_256():
     md, cache, q = decode_case([5, 40], hq=4, hkv=4, head_dim=256, seed=3)
     kernel = triton_ops.TritonDecodeKernel(4, 4, 256, BLOCK, CPU)
