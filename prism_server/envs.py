@@ -152,18 +152,7 @@ def triton_gemv() -> tuple[int, ...] | None:
     rows a program, columns a loop step, warps, the loop's unrolling); unset: on, under the
     default tiling; 0: off. With PRISM_TRITON_PDL each asks the L2 for its weights before
     waiting for the kernel before it."""
-    v = os.environ.get("PRISM_TRITON_GEMV") or "1"
-    if v in ("0", "false", "no"):
-        return None
-    if v in ("1", "true", "yes"):
-        return ()
-    try:
-        parts = tuple(int(p) for p in v.replace(",", ":").split(":"))
-    except ValueError:
-        parts = ()
-    if not parts or len(parts) > 4:
-        raise ValueError(f"PRISM_TRITON_GEMV must be 0, 1 or BN[:BK[:WARPS[:UNROLL]]], got {v!r}")
-    return parts
+    return _tiling("PRISM_TRITON_GEMV", "1", "BN[:BK[:WARPS[:UNROLL]]]")
 
 
 def triton_gemv_glu() -> bool:
@@ -178,7 +167,13 @@ def triton_small_gemm() -> tuple[int, ...] | None:
     projections as Triton's small GEMMs (models.layers.triton_small_gemm), not cuBLAS's:
     PRISM_TRITON_SMALL_GEMM=1, or the tiling BN[:BK[:WARPS[:STAGES]]] (weight rows a program,
     columns a loop step, warps, the loop's pipelining depth); unset or 0: off."""
-    v = os.environ.get("PRISM_TRITON_SMALL_GEMM") or "0"
+    return _tiling("PRISM_TRITON_SMALL_GEMM", "0", "BN[:BK[:WARPS[:STAGES]]]")
+
+
+def _tiling(name: str, unset: str, form: str) -> tuple[int, ...] | None:
+    """A kernel's knob of 0 (off: None), 1 (on, its default tiling: ()) or a tiling of up to
+    four integers (`form`); `unset` when the variable is."""
+    v = os.environ.get(name) or unset
     if v in ("0", "false", "no"):
         return None
     if v in ("1", "true", "yes"):
@@ -188,9 +183,7 @@ def triton_small_gemm() -> tuple[int, ...] | None:
     except ValueError:
         parts = ()
     if not parts or len(parts) > 4:
-        raise ValueError(
-            f"PRISM_TRITON_SMALL_GEMM must be 0, 1 or BN[:BK[:WARPS[:STAGES]]], got {v!r}"
-        )
+        raise ValueError(f"{name} must be 0, 1 or {form}, got {v!r}")
     return parts
 
 
