@@ -161,18 +161,32 @@ def decode_tpot(engine: Engine) -> dict[int, dict]:
     """A warm-up, then each batch size's decode run over 1k-token prompts (TPOT among its
     figures), by batch size."""
     run_batch(engine, [prompt(64, 0), prompt(64, 1)], 4)
-    batches = ((1, 128), (16, 64), (64, 64))  # (sequences, tokens each)
-    return {b: run_batch(engine, [prompt(1024, 100 + i) for i in range(b)], n) for b, n in batches}
+    return {
+        b: run_batch(engine, [prompt(DECODE_PROMPT, 100 + i) for i in range(b)], n)
+        for b, n in DECODE_BATCHES
+    }
+
+
+DECODE_PROMPT = 1024  # tokens a decode run's prompt
+DECODE_BATCHES = ((1, 128), (16, 64), (64, 64))  # (sequences, tokens each)
+
+
+def kv_bytes_a_step(cfg, batch: int, new_tokens: int) -> int:
+    """The K/V a decode step of `batch` sequences reads, on average over a run of `new_tokens`
+    after DECODE_PROMPT-token prompts (bf16): with the weights, the step's floor."""
+    context = DECODE_PROMPT + new_tokens // 2
+    return batch * context * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
 
 
 def prism_decode_prefill(engine: Engine, ceil: dict, prefill: bool = True) -> dict:
     out: dict = {"weight_bytes": weight_bytes(engine)}
+    cfg = engine.worker.models["m"].runner.model.config
+    tokens = dict(DECODE_BATCHES)
     for b, run in decode_tpot(engine).items():
-        out[f"decode_b{b}"] = run
+        out[f"decode_b{b}"] = {**run, "kv_bytes_a_step": kv_bytes_a_step(cfg, b, tokens[b])}
         print(f"   decode B={b}: TPOT {run['tpot_ms']:.2f} ms")
     if not prefill:
         return out
-    cfg = engine.worker.models["m"].runner.model.config
     linear = out["weight_bytes"] // 2 - 2 * cfg.vocab_size * cfg.hidden_size  # no embed, lm_head
     for n in (1024, 8192):
         ttft = statistics.median(lone(engine, prompt(n, 7 + r)) for r in range(5))
