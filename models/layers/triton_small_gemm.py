@@ -117,11 +117,13 @@ def _build(interpret: bool):
 
 
 def fits(linear: torch.nn.Module, x: torch.Tensor) -> bool:
-    """Whether small_gemm takes linear(x): a plain linear with a row-major weight of x's dtype,
-    x [M, K] with 1 <= M <= MAX_ROWS and unit column stride."""
+    """Whether small_gemm takes linear(x): a linear whose forward is nn.Linear's (a subclass
+    that computes something else keeps its own), a row-major weight of x's dtype, x [M, K] with
+    1 <= M <= MAX_ROWS and unit column stride."""
     w = getattr(linear, "weight", None)
     return (
         isinstance(linear, torch.nn.Linear)
+        and type(linear).forward is torch.nn.Linear.forward
         and isinstance(w, torch.Tensor)
         and w.dim() == 2
         and w.dtype == x.dtype

@@ -70,6 +70,16 @@ def test_what_it_refuses():
         t.weight = torch.nn.Parameter(torch.randn(32, 64).t())  # a column-major weight
     assert not fits(t, torch.randn(4, 32))
     assert not fits(torch.nn.Identity(), torch.randn(4, 64))
+
+    class Scaled(torch.nn.Linear):  # a linear that computes something else
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    assert not fits(Scaled(64, 32), torch.randn(4, 64))
+    ops = triton_step_ops.StepOps(small=SmallGemmConfig(16, 32))
+    x = torch.randn(4, 64)
+    s = Scaled(64, 32)
+    torch.testing.assert_close(ops.linear(s, x), s(x))  # through its own forward
     with pytest.raises(AssertionError, match="at most 16 rows"):
         small_gemm(lin, torch.randn(MAX_ROWS + 1, 64))
 
