@@ -5,7 +5,8 @@ in the same run, for each batch of `--batches` at `--context` tokens a sequence:
 layers, each over a cache of its own (so that no layer finds its K/V in the L2), as a decode
 step runs them:
 - Triton's kernel with the step's rope and K/V write (the engine's decode kernel up to 16
-  sequences), under each setting of `--configs` (splits:stages:waves:block_n);
+  sequences), under each setting of `--configs` (splits:stages:waves:block_n; splits up to
+  64, a build of its own past 16);
 - FlashInfer's tensor-core decode kernel (and its merge, where it splits), K/V already written
   (the engine's above 16 sequences);
 against the floor: the K/V bytes read over a 1 GiB copy's rate. The figure is the kernels'
@@ -30,7 +31,9 @@ from models.attention.triton_ops import TritonDecodeKernel  # noqa: E402
 from scripts.bench_gpu_l2_prefetch import hbm_gbs  # noqa: E402
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
-CONFIGS = "16:3:2:64 16:2:2:64 16:4:2:64 16:3:1:64 16:3:4:64 16:3:2:32 16:3:2:128 8:3:2:64"
+CONFIGS = (
+    "16:3:2:64 16:2:2:64 16:4:2:64 16:3:1:64 16:3:4:64 16:3:2:32 16:3:2:128 8:3:2:64 32:3:4:32"
+)
 
 
 def device_us(fn, runs: int) -> float:

@@ -146,12 +146,12 @@ class KernelChoice:
             choices = ", ".join(DECODE_BACKENDS)
             raise ValueError(f"decode backend {self.decode_backend!r}: choose from {choices}")
         if (
-            not 1 <= self.triton_max_splits <= triton_ops.MAX_SPLITS
+            not 1 <= self.triton_max_splits <= triton_ops.SPLITS_LIMIT
             or self.triton_stages < 1
             or self.triton_waves < 1
         ):
             raise ValueError(
-                f"Triton decode: {self.triton_max_splits} splits (1 to {triton_ops.MAX_SPLITS}), "
+                f"Triton decode: {self.triton_max_splits} splits (1 to {triton_ops.SPLITS_LIMIT}), "
                 f"{self.triton_stages} stages (>= 1), {self.triton_waves} waves (>= 1)"
             )
         if len(self.l2_prefetch_mib) != 3 or min(self.l2_prefetch_mib) < 0:

@@ -357,7 +357,8 @@ def rope_write(
     return q_out
 
 
-MAX_SPLITS = 16
+MAX_SPLITS = 16  # the default most splits of a (sequence, KV head)
+SPLITS_LIMIT = 64  # the most a kernel can be built for (its merge holds that many parts)
 PF_BLOCK = 128  # a program's threads (4 warps): one L2 prefetch each, at most
 PF_CHUNK = 16 << 10  # the fewest bytes a prefetch instruction asks for
 ASKS_PER_PROGRAM = 32  # L2 prefetches a program of a kernel that sizes its grid for them
@@ -428,7 +429,11 @@ class TritonDecodeKernel:
             )
         self.num_kv_heads, self.head_dim, self.block_size = num_kv_heads, head_dim, block_size
         self.group = num_qo_heads // num_kv_heads
-        self.max_splits, self.stages = min(max_splits, MAX_SPLITS), stages
+        if not 1 <= max_splits <= SPLITS_LIMIT:
+            raise ValueError(f"max_splits {max_splits}: 1 to {SPLITS_LIMIT}")
+        self.max_splits, self.stages = max_splits, stages
+        # the parts the merge holds at once (a build each value: the default's is 16)
+        self.merge_splits = _pow2(max(max_splits, 2))
         self.waves = waves
         # (programmatic dependent launches are Hopper's on: elsewhere the kernel launches plainly)
         hopper = bulk_prefetch_runs_on(device)
@@ -494,8 +499,8 @@ class TritonDecodeKernel:
             PAGE=self.block_size, BLOCK_N=self.block_n,
             SOFTCAP=bool(spec.logit_softcap), WINDOW=bool(spec.sliding_window),
             DOT_F32=interpreting() or cache.dtype == torch.float32,
-            MAX_SPLITS=MAX_SPLITS, G_P2=_pow2(self.group),
-            MERGE_D=min(dim, max(16, 8192 // (MAX_SPLITS * _pow2(self.group)))),
+            MAX_SPLITS=self.merge_splits, G_P2=_pow2(self.group),
+            MERGE_D=min(dim, max(16, 8192 // (self.merge_splits * _pow2(self.group)))),
             ROPE=new is not None, SPLIT=nsplit > 1, PDL=self.pdl,
             PREFETCH=prefetch_mode(prefetch is not None, self.l2_keep), PF_BLOCK=PF_BLOCK,
             num_warps=PF_BLOCK // 32, num_stages=self.stages,

@@ -75,6 +75,12 @@ def decode_builds():
             assert ("cp.async.bulk.prefetch.L2.global" in ptx) is rope, name
             assert ("evict_last" in ptx) is (rope and window), name
             yield name, b
+    # Llama-3.1-8B's split build with the rope for 32 splits of 32-position tiles: its merge
+    # holds 32 parts (PRISM_TRITON_SPLITS past 16)
+    const.update(G=4, BLOCK_G=16, D=128, HKV=8, BLOCK_N=32, MAX_SPLITS=32, G_P2=4, MERGE_D=64)
+    const.update(SOFTCAP=False, WINDOW=False, ROPE=True, SPLIT=True, PDL=False, PREFETCH=1)
+    b = compile_for_hopper(decode, DECODE_TYPES, const, num_warps=4, num_stages=3)
+    yield "decode 32/8x128 rope, split 32 ways, tiles of 32", b
 
 
 GEMV_TYPES = {

@@ -140,6 +140,24 @@ def test_the_tile_knob(block_n):
             triton_ops.TritonDecodeKernel(8, 2, 64, BLOCK, CPU, block_n=bad)
 
 
+def test_more_splits_than_the_default_merge_holds():
+    """max_splits 32 (a build whose merge holds 32 parts), tiles of 16 positions: a sequence of
+    515 positions split 32 ways, against the reference; 0 and 65 splits are refused."""
+    lens = [515, 40]
+    md, cache, q = decode_case(lens, hq=8, hkv=2, head_dim=64, seed=5)
+    spec = LayerAttention(scale=0.125)
+    kernel = triton_ops.TritonDecodeKernel(8, 2, 64, BLOCK, CPU, max_splits=32, block_n=16)
+    kernel.sm_count = 64
+    assert kernel.splits(len(lens), md.block_tables.shape[1] * BLOCK) == 32
+    assert kernel.merge_splits == 32 > triton_ops.MAX_SPLITS
+    got = kernel(q, cache, md.block_tables, md.seq_lens.view(-1, 1), spec)
+    torch.testing.assert_close(got.float(), reference(md, cache, q, spec), atol=2e-2, rtol=2e-2)
+    assert not kernel.tickets.any()
+    for bad in (0, triton_ops.SPLITS_LIMIT + 1):
+        with pytest.raises(ValueError, match="max_splits"):
+            triton_ops.TritonDecodeKernel(8, 2, 64, BLOCK, CPU, max_splits=bad)
+
+
 def test_a_query_group_of_one_and_head_dim_256():
     md, cache, q = decode_case([5, 40], hq=4, hkv=4, head_dim=256, seed=3)
     kernel = triton_ops.TritonDecodeKernel(4, 4, 256, BLOCK, CPU)
