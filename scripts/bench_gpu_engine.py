@@ -156,6 +156,10 @@ def weight_bytes(engine: Engine) -> int:
     return engine.model_snapshot("m").weight_bytes
 
 
+DECODE_PROMPT = 1024  # tokens a decode run's prompt
+DECODE_BATCHES = ((1, 128), (16, 64), (64, 64))  # (sequences, tokens each)
+
+
 @section("prism decode and prefill")
 def decode_tpot(engine: Engine) -> dict[int, dict]:
     """A warm-up, then each batch size's decode run over 1k-token prompts (TPOT among its
@@ -165,10 +169,6 @@ def decode_tpot(engine: Engine) -> dict[int, dict]:
         b: run_batch(engine, [prompt(DECODE_PROMPT, 100 + i) for i in range(b)], n)
         for b, n in DECODE_BATCHES
     }
-
-
-DECODE_PROMPT = 1024  # tokens a decode run's prompt
-DECODE_BATCHES = ((1, 128), (16, 64), (64, 64))  # (sequences, tokens each)
 
 
 def kv_bytes_a_step(cfg, batch: int, new_tokens: int) -> int:
