@@ -48,6 +48,15 @@ def triton_runs_on(device: torch.device) -> bool:
     return device.type == "cuda" or (device.type == "cpu" and interpreting())
 
 
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    """The GPU's SMs, which the kernels here size their grids by (8 off a GPU: the
+    interpreter's)."""
+    if device.type != "cuda":
+        return 8
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
@@ -447,10 +456,7 @@ class TritonDecodeKernel:
         self.tickets = torch.zeros(
             MAX_BATCH_TICKETS * num_kv_heads, dtype=torch.int32, device=device
         )
-        if device.type == "cuda":
-            self.sm_count = torch.cuda.get_device_properties(device).multi_processor_count
-        else:
-            self.sm_count = 8
+        self.sm_count = sm_count(device)
 
     def splits(self, batch: int, max_len: int) -> int:
         """How many programs share each (sequence, KV head): enough for about `waves` programs

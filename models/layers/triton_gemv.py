@@ -32,7 +32,13 @@ from dataclasses import dataclass
 
 import torch
 
-from models.attention.triton_ops import PF_CHUNK, _pow2, ask_l2, interpreting  # noqa: F401
+from models.attention.triton_ops import (  # noqa: F401 (ask_l2: the kernel's)
+    PF_CHUNK,
+    _pow2,
+    ask_l2,
+    interpreting,
+    sm_count,
+)
 
 
 @dataclass(frozen=True)
@@ -67,11 +73,6 @@ class GemvConfig:
 
 
 PRO_NONE, PRO_NORM, PRO_SILU = 0, 1, 2
-
-
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @functools.cache
@@ -207,7 +208,7 @@ def gemv(
     ask = pdl and not glu and row_bytes % 16 == 0 and w.data_ptr() % 16 == 0
     lanes = _pow2(-(-c.block_n * row_bytes // PF_CHUNK)) if ask else 1
     # the first wave: a program a slot of every SM, at most 2048 threads an SM
-    ask_below = _sm_count(x.device) * (2048 // (32 * c.warps)) if ask else 0
+    ask_below = sm_count(x.device) * (2048 // (32 * c.warps)) if ask else 0
     pro = PRO_NORM if norm is not None else PRO_SILU if silu else PRO_NONE
     outputs_a_program = c.block_n // 2 if glu else c.block_n
     _build(interpreting())[(-(-n // outputs_a_program),)](
