@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from models.attention.base import LayerAttention  # noqa: E402
 from models.attention.triton_ops import TritonDecodeKernel  # noqa: E402
-from scripts.bench_gpu_l2_prefetch import hbm_gbs  # noqa: E402
+from scripts.bench_gpu_l2_prefetch import gpu_start  # noqa: E402
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 CONFIGS = (
@@ -107,10 +107,8 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     dev = torch.device("cuda")
-    torch.manual_seed(0)
-    gbs = hbm_gbs(dev)
-    print(f"HBM {gbs:.0f} GB/s (1 GiB copy); {torch.cuda.get_device_name(dev)}")
-    out: dict = {"hbm_gbs": gbs, "device": torch.cuda.get_device_name(dev), "batches": {}}
+    out: dict = {**gpu_start(dev), "batches": {}}
+    gbs = out["hbm_gbs"]
     for b in (int(x) for x in args.batches.split()):
         row = measure(b, args, gbs)
         out["batches"][b] = row

@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from models.layers.triton_gemv import GemvConfig, gemv  # noqa: E402
-from scripts.bench_gpu_l2_prefetch import hbm_gbs  # noqa: E402
+from scripts.bench_gpu_l2_prefetch import gpu_start  # noqa: E402
 
 HIDDEN, INTER, QKV = 4096, 14336, 6144
 SHAPES = {  # name -> (out, in), the prologue/epilogue the chain gives it
@@ -82,11 +82,9 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     dev = torch.device("cuda")
-    torch.manual_seed(0)
-    gbs = hbm_gbs(dev)
-    print(f"HBM {gbs:.0f} GB/s (1 GiB copy); {torch.cuda.get_device_name(dev)}")
+    out: dict = {**gpu_start(dev), "alone": []}
+    gbs = out["hbm_gbs"]
     configs = [GemvConfig.parse(c) for c in args.configs.split()]
-    out: dict = {"hbm_gbs": gbs, "device": torch.cuda.get_device_name(dev), "alone": []}
     layers = {name: linears(n, k, args.layers, dev) for name, (n, k) in SHAPES.items()}
     best: dict[str, GemvConfig] = {}
     # 1. each projection alone, cold

@@ -51,6 +51,16 @@ def hbm_gbs(dev) -> float:
     return 2 * a.numel() / best / 1e6
 
 
+def gpu_start(dev) -> dict:
+    """A GPU benchmark's start: torch seeded, the copy rate measured and printed with the
+    device's name; both, for the benchmark's JSON."""
+    torch.manual_seed(0)
+    gbs = hbm_gbs(dev)
+    name = torch.cuda.get_device_name(dev)
+    print(f"HBM {gbs:.0f} GB/s (1 GiB copy); {name}")
+    return {"hbm_gbs": gbs, "device": name}
+
+
 def spin_cycles(us: float) -> int:
     clock_khz = getattr(torch.cuda.get_device_properties(0), "clock_rate", 0) or 1_980_000
     return int(us * clock_khz / 1e3)

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from models.layers.triton_small_gemm import SmallGemmConfig, small_gemm  # noqa: E402
 from scripts.bench_gpu_gemv import HIDDEN, SHAPES, graph_ms, linears  # noqa: E402
-from scripts.bench_gpu_l2_prefetch import hbm_gbs  # noqa: E402
+from scripts.bench_gpu_l2_prefetch import gpu_start  # noqa: E402
 
 CONFIGS = "16:256:4:4 32:256:4:4 64:128:4:4 16:128:4:6 32:128:4:6 16:512:4:3 32:256:8:4"
 
@@ -67,12 +67,10 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     dev = torch.device("cuda")
-    torch.manual_seed(0)
-    gbs = hbm_gbs(dev)
-    print(f"HBM {gbs:.0f} GB/s (1 GiB copy); {torch.cuda.get_device_name(dev)}")
+    out: dict = {**gpu_start(dev), "rows": {}}
+    gbs = out["hbm_gbs"]
     configs = [SmallGemmConfig.parse(c) for c in args.configs.split()]
     rows = [int(r) for r in args.rows.split()]
-    out: dict = {"hbm_gbs": gbs, "device": torch.cuda.get_device_name(dev), "rows": {}}
     layers = {name: linears(n, k, args.layers, dev) for name, (n, k) in SHAPES.items()}
     L = args.layers
     weight_bytes = sum(n * k * 2 for n, k in SHAPES.values()) * L
