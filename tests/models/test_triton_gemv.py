@@ -12,7 +12,7 @@ from models.attention.base import AttentionMetadata, ForwardContext, SeqChunk
 from models.attention.torch_paged import TorchPagedAttention
 from models.layers import triton_step_ops
 from models.layers.triton_gemv import GemvConfig, gemv, gemv_reference
-from tests.models.test_triton_step_ops import BLOCK, tiny_bf16_llama
+from tests.models.test_triton_step_ops import BLOCK, cached_decode_step
 
 pytest.importorskip("triton")
 
@@ -120,15 +120,8 @@ def test_a_one_row_forward_runs_its_layers_as_gemvs():
     """The tiny Llama in bf16, one decode row over a cached prompt: every layer as four GEMVs
     (the first layer's stream the embeddings), against the model's own forward; a step of two
     rows keeps the model's own layers."""
-    lm, caches = tiny_bf16_llama()
+    lm, caches, saved, step, ids, pos, plain = cached_decode_step(1)
     cfg, bs = lm.config, BLOCK
-    prompt = torch.tensor([5, 17, 200, 3, 99])
-    md = AttentionMetadata.build([SeqChunk(0, 5, [1, 2])], bs, torch.device("cpu"))
-    lm.model(prompt, torch.arange(5), ForwardContext(attn=TorchPagedAttention(caches, md)))
-    step = AttentionMetadata.build([SeqChunk(5, 1, [1, 2])], bs, torch.device("cpu"))
-    ids, pos = torch.tensor([42]), torch.tensor([5])
-    saved = [c.clone() for c in caches]
-    plain = lm.model(ids, pos, ForwardContext(attn=TorchPagedAttention(caches, step)))
     calls = []
 
     class Counting(triton_step_ops.StepOps):

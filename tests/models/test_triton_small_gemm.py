@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.attention.base import AttentionMetadata, ForwardContext, SeqChunk
+from models.attention.base import ForwardContext
 from models.attention.torch_paged import TorchPagedAttention
 from models.layers import triton_step_ops
 from models.layers.triton_small_gemm import (
@@ -19,7 +19,7 @@ from models.layers.triton_small_gemm import (
     fits,
     small_gemm,
 )
-from tests.models.test_triton_step_ops import BLOCK, tiny_bf16_llama
+from tests.models.test_triton_step_ops import cached_decode_step
 
 pytest.importorskip("triton")
 
@@ -111,15 +111,8 @@ def test_load_step_ops_checks_the_small_gemm():
 def test_a_three_row_forward_runs_its_projections_as_small_gemms():
     """The tiny Llama in bf16, a decode step of three rows over a cached prompt: each layer's
     four projections through the small GEMM, against the model's own forward."""
-    lm, caches = tiny_bf16_llama()
-    cfg, bs = lm.config, BLOCK
-    prompt = torch.tensor([5, 17, 200, 3, 99])
-    md = AttentionMetadata.build([SeqChunk(0, 5, [1, 2])], bs, torch.device("cpu"))
-    lm.model(prompt, torch.arange(5), ForwardContext(attn=TorchPagedAttention(caches, md)))
-    step = AttentionMetadata.build([SeqChunk(5, 3, [1, 2])], bs, torch.device("cpu"))
-    ids, pos = torch.tensor([42, 7, 8]), torch.tensor([5, 6, 7])
-    saved = [c.clone() for c in caches]
-    plain = lm.model(ids, pos, ForwardContext(attn=TorchPagedAttention(caches, step)))
+    lm, caches, saved, step, ids, pos, plain = cached_decode_step(3)
+    cfg = lm.config
     shapes = []
 
     class Counting(triton_step_ops.StepOps):

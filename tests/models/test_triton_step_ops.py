@@ -90,6 +90,23 @@ def tiny_bf16_llama():
     return lm, caches
 
 
+def cached_decode_step(rows: int):
+    """The tiny bf16 Llama with a 5-token prompt in its cache, and a decode step of `rows` new
+    tokens after it: (lm, caches, the caches as the prompt left them, the step's metadata, ids,
+    positions, the model's own output for the step). The step wrote its K/V into caches:
+    copy `saved` back before running it again."""
+    lm, caches = tiny_bf16_llama()
+    cpu = torch.device("cpu")
+    md = AttentionMetadata.build([SeqChunk(0, 5, [1, 2])], BLOCK, cpu)
+    prompt = torch.tensor([5, 17, 200, 3, 99])
+    lm.model(prompt, torch.arange(5), ForwardContext(attn=TorchPagedAttention(caches, md)))
+    step = AttentionMetadata.build([SeqChunk(5, rows, [1, 2])], BLOCK, cpu)
+    ids, pos = torch.tensor([42, 7, 8][:rows]), torch.arange(5, 5 + rows)
+    saved = [c.clone() for c in caches]
+    plain = lm.model(ids, pos, ForwardContext(attn=TorchPagedAttention(caches, step)))
+    return lm, caches, saved, step, ids, pos, plain
+
+
 @torch.no_grad()
 def test_a_bf16_forward_through_the_step_ops():
     """The tiny Llama in bf16 on the CPU: its norms (all but the first layer's input norm, the
