@@ -33,6 +33,8 @@
 # times projections of 16, 8 and 4 rows, cuBLAS against models.layers.triton_small_gemm
 # (bench_gpu_small_gemm.py). PARTS=attn times decode attention alone at B=1 and 16, the Triton
 # kernel's settings against FlashInfer's kernel and the K/V floor (bench_gpu_decode_kernel.py).
+# PARTS=peer times a gpt-fast-style decode (torch.compile, reduce-overhead) of the same model
+# at batch 1 and 16 (bench_gpu_gptfast.py), the peer Prism's TPOT is compared to.
 # PARTS=choices (not in the default set) measures decode under CHOICES, PRISM_* settings only,
 # beside the defaults in one process, in ROUNDS (default 2) interleaved rounds:
 #   PARTS=choices CHOICES="PRISM_TRITON_PDL=1 PRISM_L2_PREFETCH=48:12:12" bash scripts/gpu_check.sh --decode
@@ -80,6 +82,10 @@ if [ "$quick" = "--decode" ]; then
       2>&1 | tee "$OUT/bench.log"
     echo "engine bench: $((SECONDS - t0)) s"
   fi
+  # the peer: a gpt-fast-style compiled decode of the same shape, right after Prism's (not in
+  # the default set: PARTS=peer; about 100 s of compiling a batch size)
+  part peer && timeout "${PEER_TIMEOUT:-400}" python3 scripts/bench_gpu_gptfast.py \
+    --json "$OUT/gptfast.json" 2>&1 | tee "$OUT/gptfast.log" | grep -E "^gpt-fast|^weights|Error"
   # where a lone prompt's TTFT goes through the engine: to its first step, steps, output
   part ttft && timeout 120 python3 scripts/bench_gpu_ttft.py --json "$OUT/ttft.json" 2>&1 | tail -3
   # two small models' decode steps at once on two streams against one after the other
