@@ -83,6 +83,7 @@ class Engine:
             triton_max_splits=splits,
             triton_stages=stages,
             triton_waves=waves,
+            triton_wide_tile=envs.triton_wide_tile(),
             triton_pdl=pdl,
             l2_prefetch_mib=envs.l2_prefetch_mib(),
             l2_prefetch_inline=envs.l2_prefetch_inline(),

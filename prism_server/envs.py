@@ -102,6 +102,12 @@ def triton_decode() -> tuple[int, int, int, bool]:
     return splits, stages, _int("PRISM_TRITON_WAVES", 2), pdl
 
 
+def triton_wide_tile() -> bool:
+    """The Triton decode kernel's launches of at most one program an SM (batch 1) take tiles
+    twice as wide (PRISM_TRITON_WIDE_TILE, default 1)."""
+    return _flag("PRISM_TRITON_WIDE_TILE", True)
+
+
 def fused_rope_write() -> bool:
     """Decode steps rotate q and k and write K/V in one Triton kernel (PRISM_ROPE_WRITE,
     default 1; 0: FlashInfer's rope, then an indexed store)."""

@@ -6,7 +6,7 @@ layers, each over a cache of its own (so that no layer finds its K/V in the L2),
 step runs them:
 - Triton's kernel with the step's rope and K/V write (the engine's decode kernel up to 16
   sequences), under each setting of `--configs` (splits:stages:waves:block_n; splits up to
-  64, a build of its own past 16);
+  64, a build of its own past 16; the tile block_n at every batch, no wide tile);
 - FlashInfer's tensor-core decode kernel (and its merge, where it splits), K/V already written
   (the engine's above 16 sequences);
 against the floor: the K/V bytes read over a 1 GiB copy's rate. The figure is the kernels'
@@ -79,7 +79,7 @@ def measure(b: int, args, gbs: float) -> dict:
     for c in args.configs.split():
         splits, stages, waves, block_n = (int(x) for x in c.split(":"))
         kern = TritonDecodeKernel(HQ, HKV, D, PAGE, dev, max_splits=splits, stages=stages,
-                                  waves=waves, block_n=block_n)  # fmt: skip
+                                  waves=waves, block_n=block_n, wide_tile=False)  # fmt: skip
         row["triton_us"][c] = (
             device_us(lambda kern=kern: [kern(q, x, tables, lens, spec, new) for x in caches],
                       args.runs) / L

@@ -111,6 +111,9 @@ class KernelChoice:
     # ... and the programs a step's split aims at, this many for each SM (a memory-bound kernel
     # needs several an SM in flight to keep the HBM busy)
     triton_waves: int = 2
+    # ... and its launches of at most one program an SM (batch 1) take tiles twice as wide
+    # (on the H100, batch 1's attention 9.9 us a layer, not 11.8: docs/BENCHMARKS.md)
+    triton_wide_tile: bool = True
     # the Triton decode kernel as a programmatic dependent launch (Hopper): it starts while the
     # qkv projection finishes and waits for it inside
     triton_pdl: bool = False
@@ -460,6 +463,7 @@ class FlashInferBackend:
             max_splits=self.kernels.triton_max_splits,
             stages=self.kernels.triton_stages,
             waves=self.kernels.triton_waves,
+            wide_tile=self.kernels.triton_wide_tile,
             pdl=self.kernels.triton_pdl,
             prefetch=self.kernels.l2_prefetch_in_kernels,
             l2_keep=self.kernels.l2_prefetch_keep,

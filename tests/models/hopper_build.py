@@ -81,6 +81,12 @@ def decode_builds():
     const.update(SOFTCAP=False, WINDOW=False, ROPE=True, SPLIT=True, PDL=False, PREFETCH=1)
     b = compile_for_hopper(decode, DECODE_TYPES, const, num_warps=4, num_stages=3)
     yield "decode 32/8x128 rope, split 32 ways, tiles of 32", b
+    # batch 1's wide tile (128 positions), split and not
+    const.update(BLOCK_N=128, MAX_SPLITS=triton_ops.MAX_SPLITS, MERGE_D=128)
+    for split in (True, False):
+        const.update(SPLIT=split)
+        b = compile_for_hopper(decode, DECODE_TYPES, const, num_warps=4, num_stages=3)
+        yield f"decode 32/8x128 rope, tiles of 128, {split=}", b
 
 
 GEMV_TYPES = {

@@ -100,6 +100,7 @@ def test_the_environment_reaches_every_devices_resources(monkeypatch):
     monkeypatch.setenv("PRISM_L2_PREFETCH_INLINE", "1")
     monkeypatch.setenv("PRISM_TRITON_STEP_OPS", "1")
     monkeypatch.setenv("PRISM_L2_PREFETCH_KEEP", "1")
+    monkeypatch.setenv("PRISM_TRITON_WIDE_TILE", "0")
     with Engine(EngineConfig(models=(spec,), device="cpu", page_bytes=64 << 10)) as e:
         kernels = e.worker.resources.kernels
         assert kernels.decode_backend == "triton" and kernels.decode_backend_max_batch == 64
@@ -109,6 +110,7 @@ def test_the_environment_reaches_every_devices_resources(monkeypatch):
         assert kernels.l2_prefetch_inline and not DEFAULT_KERNELS.l2_prefetch_inline
         assert kernels.triton_step_ops and not DEFAULT_KERNELS.triton_step_ops
         assert kernels.l2_prefetch_keep and not DEFAULT_KERNELS.l2_prefetch_keep
+        assert not kernels.triton_wide_tile and DEFAULT_KERNELS.triton_wide_tile
         assert not kernels.fused_rope_write and kernels.l2_prefetch_mib == (34, 12, 0)
         e.check_integrity()
     for v, mib in (
