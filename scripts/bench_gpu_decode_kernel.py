@@ -9,7 +9,9 @@ step runs them:
   64, a build of its own past 16; the tile block_n at every batch, no wide tile);
 - FlashInfer's tensor-core decode kernel (and its merge, where it splits), K/V already written
   (the engine's above 16 sequences);
-against the floor: the K/V bytes read over a 1 GiB copy's rate. The figure is the kernels'
+against the floor: the K/V bytes read over a 1 GiB copy's rate; and where the first setting's
+time goes: the same kernel without the rope and K/V write, and with every layer over one cache
+(L2-hot: what is left is the kernel's own latency, not HBM's). The figure is the kernels'
 device time a layer (the profiler's sum over the step's kernels, launch gaps left out).
 
     python3 scripts/bench_gpu_decode_kernel.py [--batches "1 16"] [--context 1024] [--json F]
@@ -84,6 +86,20 @@ def measure(b: int, args, gbs: float) -> dict:
             device_us(lambda kern=kern: [kern(q, x, tables, lens, spec, new) for x in caches],
                       args.runs) / L
         )  # fmt: skip
+    # where the first setting's time goes: without the rope and K/V write, and with every
+    # layer over one cache (its K/V in the L2 after the first: what is left is not HBM's)
+    first = args.configs.split()[0]
+    splits, stages, waves, block_n = (int(x) for x in first.split(":"))
+    kern = TritonDecodeKernel(HQ, HKV, D, PAGE, dev, max_splits=splits, stages=stages,
+                              waves=waves, block_n=block_n, wide_tile=False)  # fmt: skip
+    row["variants_us"] = {
+        "no rope or K/V write": device_us(
+            lambda: [kern(q, x, tables, lens, spec) for x in caches], args.runs
+        ) / L,
+        "one cache (L2-hot)": device_us(
+            lambda: [kern(q, caches[0], tables, lens, spec, new) for _ in caches], args.runs
+        ) / L,
+    }  # fmt: skip
     # FlashInfer's tensor-core decode over the same pages (the new K/V written by Triton's)
     ws = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
     w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True)
@@ -118,6 +134,10 @@ def main() -> None:
             f"{row['flashinfer_us']:.1f} us, Triton "
             + ", ".join(f"{c} {t:.1f}" for c, t in row["triton_us"].items())
             + f" us; best {best} ({row['triton_us'][best] / row['floor_us']:.2f} x the floor)"
+        )
+        print(
+            f"B={b} {args.configs.split()[0]}: "
+            + ", ".join(f"{k} {t:.1f} us" for k, t in row["variants_us"].items())
         )
         torch.cuda.empty_cache()
     if args.json:
