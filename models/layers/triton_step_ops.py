@@ -263,34 +263,43 @@ def load_step_ops(
     return ops, None
 
 
+def check_width(device: torch.device) -> int:
+    """The columns of the load-time checks: a model's width on a GPU (4096); 512 under Triton's
+    interpreter, where the checks only show that the kernels build and run (a model's width
+    took half a minute there)."""
+    return 4096 if device.type == "cuda" else 512
+
+
 def _norm_checks(ops: StepOps, g: torch.Generator, device: torch.device, dtype: torch.dtype):
     """(name, the kernel's result, the reference's) for add + RMSNorm and SiLU * up, two rows of
-    4096 columns, with an L2 prefetch riding along where the kernels ask."""
-    x, r = (torch.randn(2, 4096, generator=g, device=device).to(dtype) for _ in range(2))
-    w = torch.randn(4096, generator=g, device=device).to(dtype)
-    pair = ((w.data_ptr(), 4096), (0, 0)) if ops.takes_prefetch else None
+    `check_width` columns, with an L2 prefetch riding along where the kernels ask."""
+    k = check_width(device)
+    x, r = (torch.randn(2, k, generator=g, device=device).to(dtype) for _ in range(2))
+    w = torch.randn(k, generator=g, device=device).to(dtype)
+    pair = ((w.data_ptr(), k), (0, 0)) if ops.takes_prefetch else None
     s = x.float() + r.float()
     want = (s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-5) * w.float()).to(dtype)
     got, _ = ops.add_rmsnorm(x.clone(), r.clone(), w, 1e-5, pair)
-    gu = torch.randn(2, 2 * 4096, generator=g, device=device).to(dtype)
-    act = torch.nn.functional.silu(gu[:, :4096].float()) * gu[:, 4096:].float()
+    gu = torch.randn(2, 2 * k, generator=g, device=device).to(dtype)
+    act = torch.nn.functional.silu(gu[:, :k].float()) * gu[:, k:].float()
     return [("add_rmsnorm", got, want), ("silu_mul", ops.silu_mul(gu, pair), act)]
 
 
 def _gemv_checks(ops: StepOps, g: torch.Generator, device: torch.device, dtype: torch.dtype):
     """(name, ops.gemv's result, the reference's) for a norm's, an activation's and a residual
-    add's GEMV of 4096 columns."""
+    add's GEMV of `check_width` columns."""
+    k = check_width(device)
 
     def linear(rows: int) -> torch.nn.Linear:
-        lin = torch.nn.Linear(4096, rows, bias=False, device=device, dtype=dtype)
+        lin = torch.nn.Linear(k, rows, bias=False, device=device, dtype=dtype)
         with torch.no_grad():
-            lin.weight.copy_(torch.randn(rows, 4096, generator=g, device=device) * 4096**-0.5)
+            lin.weight.copy_(torch.randn(rows, k, generator=g, device=device) * k**-0.5)
         return lin
 
-    lin, sq = linear(256), linear(4096)
-    x, h, r = (torch.randn(1, 4096, generator=g, device=device).to(dtype) for _ in range(3))
-    nw = torch.randn(4096, generator=g, device=device).to(dtype)
-    gu = torch.randn(1, 8192, generator=g, device=device).to(dtype)
+    lin, sq = linear(256), linear(k)
+    x, h, r = (torch.randn(1, k, generator=g, device=device).to(dtype) for _ in range(3))
+    nw = torch.randn(k, generator=g, device=device).to(dtype)
+    gu = torch.randn(1, 2 * k, generator=g, device=device).to(dtype)
     norm = (nw, 1e-5)
     checks = [
         ("GEMV after a norm", ops.gemv(lin, x, norm=norm, h=h),
@@ -306,9 +315,11 @@ def _gemv_checks(ops: StepOps, g: torch.Generator, device: torch.device, dtype: 
 
 
 def _small_gemm_checks(ops: StepOps, g: torch.Generator, device: torch.device, dtype):
-    """(name, ops.linear's result, torch's) for 5 and 16 rows of 4096 columns, with a bias."""
-    lin = torch.nn.Linear(4096, 320, device=device, dtype=dtype)
+    """(name, ops.linear's result, torch's) for 5 and 16 rows of `check_width` columns, with a
+    bias."""
+    k = check_width(device)
+    lin = torch.nn.Linear(k, 320, device=device, dtype=dtype)
     with torch.no_grad():
-        lin.weight.copy_(torch.randn(320, 4096, generator=g, device=device) * 4096**-0.5)
-    xs = [torch.randn(m, 4096, generator=g, device=device).to(dtype) for m in (5, 16)]
+        lin.weight.copy_(torch.randn(320, k, generator=g, device=device) * k**-0.5)
+    xs = [torch.randn(m, k, generator=g, device=device).to(dtype) for m in (5, 16)]
     return [(f"small GEMM of {x.shape[0]} rows", ops.linear(lin, x), lin(x)) for x in xs]
