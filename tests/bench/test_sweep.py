@@ -173,12 +173,16 @@ kv_budget_bytes = 33554432
 profile_budget_s = 0.0
 
 [[models]]
-name = "smollm2-135m"
-source = "smollm2-135m"
+name = "tiny-c"
+source = "dummy:tiny-llama"
+block_size = 4
+seed = 2
 
 [[models]]
-name = "gemma3-270m"
-source = "gemma3-270m"
+name = "tiny-d"
+source = "dummy:tiny-llama"
+block_size = 4
+seed = 3
 
 [[models]]
 name = "tiny-a"
@@ -191,7 +195,7 @@ source = "dummy:tiny-llama"
 block_size = 4
 seed = 1
 """
-MODELS = ["gemma3-270m", "smollm2-135m", "tiny-a", "tiny-b"]
+MODELS = ["tiny-a", "tiny-b", "tiny-c", "tiny-d"]
 
 
 @pytest.mark.slow

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import os
 import re
+import sys
 
 import torch
 import triton
@@ -46,13 +47,13 @@ def compile_for_hopper(fn, types: dict, const: dict, **options):
     return triton.compile(ASTSource(fn, sig, const, attrs), target=HOPPER, options=options)
 
 
-def decode_builds():
-    """The decode builds a model can ask for: with and without the rope, split and not, windows
-    and soft caps, for Llama-3.1-8B's head shape; with and without the rope, split and not, for
+def decode_specs():
+    """The decode builds a model can ask for, as (name, constants, whether it is the PDL build
+    with the rope's prefetch checked): with and without the rope, split and not, windows and
+    soft caps, for Llama-3.1-8B's head shape; with and without the rope, split and not, for
     Gemma 3's (head_dim 256, windows and soft caps) and a group of one. The split builds are
     the programmatic dependent launch's (PDL), the others not; the rope builds ask the L2 for
     the next weights (PREFETCH), those with windows too to keep them (evict_last)."""
-    decode = triton_ops._build_kernels(False)[1]
     for (hq, hkv), dim, extras in (((32, 8), 128, (True, False)), ((4, 1), 256, (True,)),
                                     ((8, 8), 64, (False,))):  # fmt: skip
         k = triton_ops.TritonDecodeKernel(hq, hkv, dim, 16, torch.device("cpu"))
@@ -66,27 +67,35 @@ def decode_builds():
                 ROPE=rope, SPLIT=split, PDL=split, PREFETCH=rope + (rope and window),
                 PF_BLOCK=triton_ops.PF_BLOCK,
             )  # fmt: skip
-            name = f"decode {hq}/{hkv}x{dim} {rope=} {split=} {window=} {softcap=}"
-            warps = triton_ops.PF_BLOCK // 32
-            b = compile_for_hopper(decode, DECODE_TYPES, const, num_warps=warps, num_stages=3)
-            ptx = b.asm["ptx"]
+            yield f"decode {hq}/{hkv}x{dim} {rope=} {split=} {window=} {softcap=}", const, True
+    # Llama-3.1-8B's split build with the rope for 32 splits of 32-position tiles: its merge
+    # holds 32 parts (PRISM_TRITON_SPLITS past 16)
+    const = {**const, "G": 4, "BLOCK_G": 16, "D": 128, "HKV": 8, "BLOCK_N": 32}
+    const.update(MAX_SPLITS=32, G_P2=4, MERGE_D=64, SOFTCAP=False, WINDOW=False, ROPE=True)
+    const.update(SPLIT=True, PDL=False, PREFETCH=1)
+    yield "decode 32/8x128 rope, split 32 ways, tiles of 32", const, False
+    # batch 1's wide tile (128 positions), split and not
+    for split in (True, False):
+        wide = {**const, "BLOCK_N": 128, "MAX_SPLITS": triton_ops.MAX_SPLITS, "MERGE_D": 128}
+        yield f"decode 32/8x128 rope, tiles of 128, {split=}", {**wide, "SPLIT": split}, False
+
+
+def decode_builds(share: int = 0, shares: int = 1):
+    """The builds of `decode_specs` whose index is `share` modulo `shares`, compiled, their PTX
+    checked: (name, build)."""
+    decode = triton_ops._build_kernels(False)[1]
+    for i, (name, const, check) in enumerate(decode_specs()):
+        if i % shares != share:
+            continue
+        warps = triton_ops.PF_BLOCK // 32
+        b = compile_for_hopper(decode, DECODE_TYPES, const, num_warps=warps, num_stages=3)
+        if check:
+            ptx, split, rope, window = b.asm["ptx"], const["SPLIT"], const["ROPE"], const["WINDOW"]
             assert ("griddepcontrol.wait" in ptx) is split, name
             assert ("griddepcontrol.launch_dependents" in ptx) is split, name
             assert ("cp.async.bulk.prefetch.L2.global" in ptx) is rope, name
             assert ("evict_last" in ptx) is (rope and window), name
-            yield name, b
-    # Llama-3.1-8B's split build with the rope for 32 splits of 32-position tiles: its merge
-    # holds 32 parts (PRISM_TRITON_SPLITS past 16)
-    const.update(G=4, BLOCK_G=16, D=128, HKV=8, BLOCK_N=32, MAX_SPLITS=32, G_P2=4, MERGE_D=64)
-    const.update(SOFTCAP=False, WINDOW=False, ROPE=True, SPLIT=True, PDL=False, PREFETCH=1)
-    b = compile_for_hopper(decode, DECODE_TYPES, const, num_warps=4, num_stages=3)
-    yield "decode 32/8x128 rope, split 32 ways, tiles of 32", b
-    # batch 1's wide tile (128 positions), split and not
-    const.update(BLOCK_N=128, MAX_SPLITS=triton_ops.MAX_SPLITS, MERGE_D=128)
-    for split in (True, False):
-        const.update(SPLIT=split)
-        b = compile_for_hopper(decode, DECODE_TYPES, const, num_warps=4, num_stages=3)
-        yield f"decode 32/8x128 rope, tiles of 128, {split=}", b
+        yield name, b
 
 
 GEMV_TYPES = {
@@ -152,13 +161,20 @@ def small_gemm_builds():
         yield f"small gemm {name}", b
 
 
-def main() -> None:
-    assert os.environ.get("TRITON_INTERPRET") != "1", "a build for the GPU, not the interpreter"
+def build_decode(share: int = 0, shares: int = 1) -> int:
+    """The decode kernel's builds (those of `share` modulo `shares`); how many."""
     built = 0
-    for name, b in decode_builds():
+    for name, b in decode_builds(share, shares):
         assert b.asm["cubin"], name
         print(name)
         built += 1
+    return built
+
+
+def build_others() -> int:
+    """Every other kernel's builds: the rope and K/V write, the step ops, the GEMVs, the small
+    GEMMs, the L2 prefetch; how many."""
+    built = 0
     rope_write = triton_ops._build_kernels(False)[0]
     for half in (64, 128):
         const = dict(HQ=32, HALF=half, HALF_P2=half, PAGE=16)
@@ -194,7 +210,21 @@ def main() -> None:
     prefetches = b.asm["ptx"].count("cp.async.bulk.prefetch.L2.global")
     assert prefetches == 1 and b.asm["cubin"], prefetches
     print("l2_prefetch: one cp.async.bulk.prefetch.L2.global")
-    print(f"built {built + 1}")
+    return built + 1
+
+
+def main() -> None:
+    """python -m tests.models.hopper_build [decode[:I/N]|others]: those builds (the decode
+    kernel's I-th share of N; nothing named: every build), then `built N`."""
+    assert os.environ.get("TRITON_INTERPRET") != "1", "a build for the GPU, not the interpreter"
+    part = sys.argv[1] if len(sys.argv) > 1 else "all"
+    built = 0
+    if part == "all" or part.startswith("decode"):
+        share, shares = (int(x) for x in (part.partition(":")[2] or "0/1").split("/"))
+        built += build_decode(share, shares)
+    if part in ("all", "others"):
+        built += build_others()
+    print(f"built {built}")
 
 
 if __name__ == "__main__":
