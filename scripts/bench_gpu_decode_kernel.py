@@ -5,8 +5,9 @@ in the same run, for each batch of `--batches` at `--context` tokens a sequence:
 layers, each over a cache of its own (so that no layer finds its K/V in the L2), as a decode
 step runs them:
 - Triton's kernel with the step's rope and K/V write (the engine's decode kernel up to 16
-  sequences), under each setting of `--configs` (splits:stages:waves:block_n; splits up to
-  64, a build of its own past 16; the tile block_n at every batch, no wide tile);
+  sequences), under each setting of `--configs` (splits:stages:waves:block_n[:warps]; splits
+  up to 64, a build of its own past 16; the tile block_n at every batch, no wide tile; 4 warps
+  unless named);
 - FlashInfer's tensor-core decode kernel (and its merge, where it splits), K/V already written
   (the engine's above 16 sequences);
 against the floor: the K/V bytes read over a 1 GiB copy's rate; and where the first setting's
@@ -33,9 +34,7 @@ from models.attention.triton_ops import TritonDecodeKernel  # noqa: E402
 from scripts.bench_gpu_l2_prefetch import gpu_start  # noqa: E402
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
-CONFIGS = (
-    "16:3:2:64 16:2:2:64 16:4:2:64 16:3:1:64 16:3:4:64 16:3:2:32 16:3:2:128 8:3:2:64 32:3:4:32"
-)
+CONFIGS = "16:3:2:64 16:3:2:128 16:3:2:64:8 16:3:2:128:8 16:3:2:64:2 16:4:2:64 8:3:2:64 32:3:4:64"
 
 
 def device_us(fn, runs: int) -> float:
@@ -55,6 +54,15 @@ def device_us(fn, runs: int) -> float:
             continue
         total += getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
     return total / runs
+
+
+def kernel_for(config: str, dev) -> TritonDecodeKernel:
+    """The kernel of a setting splits:stages:waves:block_n[:warps] (the tile block_n at every
+    batch: no wide tile)."""
+    splits, stages, waves, block_n, *warps = (int(x) for x in config.split(":"))
+    return TritonDecodeKernel(HQ, HKV, D, PAGE, dev, max_splits=splits, stages=stages,
+                              waves=waves, block_n=block_n, wide_tile=False,
+                              warps=warps[0] if warps else 4)  # fmt: skip
 
 
 def measure(b: int, args, gbs: float) -> dict:
@@ -79,19 +87,14 @@ def measure(b: int, args, gbs: float) -> dict:
     kv_bytes = b * (ctx + 1) * HKV * D * 2 * 2
     row: dict = {"floor_us": kv_bytes / gbs / 1e3, "triton_us": {}}
     for c in args.configs.split():
-        splits, stages, waves, block_n = (int(x) for x in c.split(":"))
-        kern = TritonDecodeKernel(HQ, HKV, D, PAGE, dev, max_splits=splits, stages=stages,
-                                  waves=waves, block_n=block_n, wide_tile=False)  # fmt: skip
+        kern = kernel_for(c, dev)
         row["triton_us"][c] = (
             device_us(lambda kern=kern: [kern(q, x, tables, lens, spec, new) for x in caches],
                       args.runs) / L
         )  # fmt: skip
     # where the first setting's time goes: without the rope and K/V write, and with every
     # layer over one cache (its K/V in the L2 after the first: what is left is not HBM's)
-    first = args.configs.split()[0]
-    splits, stages, waves, block_n = (int(x) for x in first.split(":"))
-    kern = TritonDecodeKernel(HQ, HKV, D, PAGE, dev, max_splits=splits, stages=stages,
-                              waves=waves, block_n=block_n, wide_tile=False)  # fmt: skip
+    kern = kernel_for(args.configs.split()[0], dev)
     row["variants_us"] = {
         "no rope or K/V write": device_us(
             lambda: [kern(q, x, tables, lens, spec) for x in caches], args.runs
@@ -117,7 +120,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batches", default="1 16")
     ap.add_argument("--context", type=int, default=1024)
-    ap.add_argument("--configs", default=CONFIGS, help="splits:stages:waves:block_n")
+    ap.add_argument("--configs", default=CONFIGS, help="splits:stages:waves:block_n[:warps]")
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--runs", type=int, default=10)
     ap.add_argument("--json", default=None)

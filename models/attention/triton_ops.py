@@ -368,7 +368,7 @@ def rope_write(
 
 MAX_SPLITS = 16  # the default most splits of a (sequence, KV head)
 SPLITS_LIMIT = 64  # the most a kernel can be built for (its merge holds that many parts)
-PF_BLOCK = 128  # a program's threads (4 warps): one L2 prefetch each, at most
+PF_BLOCK = 128  # a program's L2 prefetch lanes (its threads at the default 4 warps)
 PF_CHUNK = 16 << 10  # the fewest bytes a prefetch instruction asks for
 ASKS_PER_PROGRAM = 32  # L2 prefetches a program of a kernel that sizes its grid for them
 MAX_BATCH_TICKETS = 1024  # sequences a step of the kernel below may hold, times KV heads
@@ -424,6 +424,7 @@ class TritonDecodeKernel:
         waves: int = 2,
         block_n: int | None = None,
         wide_tile: bool = True,
+        warps: int = PF_BLOCK // 32,
     ):
         """max_splits: the most programs a (sequence, KV head) is split over; stages: Triton's
         software pipelining depth of the loop over the positions; waves: the programs a launch
@@ -435,7 +436,8 @@ class TritonDecodeKernel:
         block_n: positions a tile (a power of 2 from 16; None: 64 up to head_dim 128, else 32);
         wide_tile: a launch of at most one program an SM (batch 1) takes tiles twice as wide,
         each program's loop a step or two, not four (on the H100, batch 1 over 1k positions:
-        9.9 us a layer, not 11.8; at batch 16 the narrow tile leads, 33.4 us against 35.3)."""
+        9.9 us a layer, not 11.8; at batch 16 the narrow tile leads, 33.4 us against 35.3);
+        warps: a program's warps (1, 2, 4 or 8)."""
         if head_dim & (head_dim - 1) or head_dim < 32:
             raise ValueError(
                 f"head_dim {head_dim}: the Triton decode kernel takes powers of 2 from 32"
@@ -458,6 +460,9 @@ class TritonDecodeKernel:
             raise ValueError(f"block_n {block_n}: a power of 2 from 16")
         self.block_n = block_n or (64 if head_dim <= 128 else 32)  # positions a tile
         self.wide_tile = wide_tile
+        if warps not in (1, 2, 4, 8):
+            raise ValueError(f"warps {warps}: 1, 2, 4 or 8")
+        self.warps = warps
         self.tickets = torch.zeros(
             MAX_BATCH_TICKETS * num_kv_heads, dtype=torch.int32, device=device
         )
@@ -523,7 +528,7 @@ class TritonDecodeKernel:
             MERGE_D=min(dim, max(16, 8192 // (self.merge_splits * _pow2(self.group)))),
             ROPE=new is not None, SPLIT=nsplit > 1, PDL=self.pdl,
             PREFETCH=prefetch_mode(prefetch is not None, self.l2_keep), PF_BLOCK=PF_BLOCK,
-            num_warps=PF_BLOCK // 32, num_stages=self.stages,
+            num_warps=self.warps, num_stages=self.stages,
             **({"launch_pdl": True} if self.pdl else {}),
         )  # fmt: skip
         return out

@@ -48,8 +48,8 @@ def compile_for_hopper(fn, types: dict, const: dict, **options):
 
 
 def decode_specs():
-    """The decode builds a model can ask for, as (name, constants, whether it is the PDL build
-    with the rope's prefetch checked): with and without the rope, split and not, windows and
+    """The decode builds a model can ask for, as (name, constants, whether its PTX is checked
+    for PDL and the prefetch, warps): with and without the rope, split and not, windows and
     soft caps, for Llama-3.1-8B's head shape; with and without the rope, split and not, for
     Gemma 3's (head_dim 256, windows and soft caps) and a group of one. The split builds are
     the programmatic dependent launch's (PDL), the others not; the rope builds ask the L2 for
@@ -67,27 +67,29 @@ def decode_specs():
                 ROPE=rope, SPLIT=split, PDL=split, PREFETCH=rope + (rope and window),
                 PF_BLOCK=triton_ops.PF_BLOCK,
             )  # fmt: skip
-            yield f"decode {hq}/{hkv}x{dim} {rope=} {split=} {window=} {softcap=}", const, True
+            yield f"decode {hq}/{hkv}x{dim} {rope=} {split=} {window=} {softcap=}", const, True, 4
     # Llama-3.1-8B's split build with the rope for 32 splits of 32-position tiles: its merge
     # holds 32 parts (PRISM_TRITON_SPLITS past 16)
     const = {**const, "G": 4, "BLOCK_G": 16, "D": 128, "HKV": 8, "BLOCK_N": 32}
     const.update(MAX_SPLITS=32, G_P2=4, MERGE_D=64, SOFTCAP=False, WINDOW=False, ROPE=True)
     const.update(SPLIT=True, PDL=False, PREFETCH=1)
-    yield "decode 32/8x128 rope, split 32 ways, tiles of 32", const, False
+    yield "decode 32/8x128 rope, split 32 ways, tiles of 32", const, False, 4
     # batch 1's wide tile (128 positions), split and not
     for split in (True, False):
         wide = {**const, "BLOCK_N": 128, "MAX_SPLITS": triton_ops.MAX_SPLITS, "MERGE_D": 128}
-        yield f"decode 32/8x128 rope, tiles of 128, {split=}", {**wide, "SPLIT": split}, False
+        yield f"decode 32/8x128 rope, tiles of 128, {split=}", {**wide, "SPLIT": split}, False, 4
+    # the split build of 64-position tiles in 8 warps (the decode kernel's `warps`)
+    yield "decode 32/8x128 rope, split, 8 warps", {**const, "BLOCK_N": 64, "MAX_SPLITS": 16,
+                                                   "MERGE_D": 128}, False, 8  # fmt: skip
 
 
 def decode_builds(share: int = 0, shares: int = 1):
     """The builds of `decode_specs` whose index is `share` modulo `shares`, compiled, their PTX
     checked: (name, build)."""
     decode = triton_ops._build_kernels(False)[1]
-    for i, (name, const, check) in enumerate(decode_specs()):
+    for i, (name, const, check, warps) in enumerate(decode_specs()):
         if i % shares != share:
             continue
-        warps = triton_ops.PF_BLOCK // 32
         b = compile_for_hopper(decode, DECODE_TYPES, const, num_warps=warps, num_stages=3)
         if check:
             ptx, split, rope, window = b.asm["ptx"], const["SPLIT"], const["ROPE"], const["WINDOW"]

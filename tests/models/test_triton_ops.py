@@ -166,6 +166,22 @@ def test_a_launch_of_one_program_an_sm_takes_the_wide_tile():
         assert not kernel.tickets.any()
 
 
+def test_the_warps_knob():
+    """A program of 8 (or 2) warps: the same attention; other counts are refused."""
+    md, cache, q = decode_case([130, 17], hq=8, hkv=2, head_dim=64, seed=4)
+    spec = LayerAttention(scale=0.125)
+    want = reference(md, cache, q, spec)
+    for warps in (2, 8):
+        kernel = triton_ops.TritonDecodeKernel(8, 2, 64, BLOCK, CPU, warps=warps)
+        kernel.sm_count = 64
+        got = kernel(q, cache, md.block_tables, md.seq_lens.view(-1, 1), spec)
+        torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+        assert kernel.warps == warps and not kernel.tickets.any()
+    for bad in (0, 3, 16):
+        with pytest.raises(ValueError, match="warps"):
+            triton_ops.TritonDecodeKernel(8, 2, 64, BLOCK, CPU, warps=bad)
+
+
 def test_more_splits_than_the_default_merge_holds():
     """max_splits 32 (a build whose merge holds 32 parts), tiles of 16 positions: a sequence of
     515 positions split 32 ways, against the reference; 0 and 65 splits are refused."""
