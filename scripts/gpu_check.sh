@@ -99,7 +99,8 @@ if [ "$quick" = "--decode" ]; then
   part gemv && timeout 200 python3 scripts/bench_gpu_gemv.py ${GEMV_CONFIGS:+--configs "$GEMV_CONFIGS"} \
     --json "$OUT/gemv.json" 2>&1 | tail -10
   # decode attention alone: the Triton kernel under several settings beside FlashInfer's and
-  # the K/V floor (not in the default set: PARTS=attn; ATTN_CONFIGS: splits:stages:waves:block_n)
+  # the K/V floor (not in the default set: PARTS=attn; ATTN_CONFIGS: the settings,
+  # splits:stages:waves:block_n[:warps])
   part attn && timeout 300 python3 scripts/bench_gpu_decode_kernel.py \
     ${ATTN_CONFIGS:+--configs "$ATTN_CONFIGS"} --json "$OUT/decode_kernel.json" 2>&1 \
     | tee "$OUT/decode_kernel.log" | grep -E "^B=|Error|error"
