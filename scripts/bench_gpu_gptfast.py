@@ -11,7 +11,8 @@ fp32 RMSNorm) so that its TPOT is measured right after Prism's on the same card.
 Llama-3.1-8B's shape, bf16, random weights; for each batch of `--batches`, the cache holds
 `--context` positions (filled at random: decode reads them as it would a prompt's), then
 `--tokens` steps, greedy (argmax: cheaper than gpt-fast's default top-k sampling, so the figure
-flatters the peer, not Prism); TPOT is the mean over the steps after the first two.
+flatters the peer, not Prism); TPOT is the mean over the steps after the first two, the
+lower of two runs (again in the peer's favour).
 
     python3 scripts/bench_gpu_gptfast.py [--batches "1 16"] [--context 1024] [--json F]
 """
