@@ -21,26 +21,24 @@ def test_every_kernel_builds_for_hopper(tmp_path):
     except ImportError:
         pytest.skip("this Triton has no CUDA backend")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    # (each process builds into a cache of its own, under tmp_path: nothing found from an
-    # earlier run)
     root = Path(__file__).resolve().parents[2]
-    # the decode kernel's builds in two halves and the others, three processes at once
-    runs = {
-        part: subprocess.Popen(
-            [sys.executable, "-m", "tests.models.hopper_build", part],
-            cwd=root,
-            env={**env, "TRITON_CACHE_DIR": str(tmp_path / part.replace("/", "-"))},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for part in ("decode:0/2", "decode:1/2", "others")
-    }
+    # the decode kernel's builds in two halves and the others, three processes at once, each
+    # building into a cache of its own under tmp_path (nothing found from an earlier run) and
+    # writing its output to files there (no pipe to fill while another is waited for)
+    parts = ("decode:0/2", "decode:1/2", "others")
+    runs = {}
+    for part in parts:
+        at = tmp_path / part.replace("/", "-").replace(":", "-")
+        at.mkdir()
+        with open(at / "out", "w") as out, open(at / "err", "w") as err:
+            runs[part] = (at, subprocess.Popen(
+                [sys.executable, "-m", "tests.models.hopper_build", part],
+                cwd=root, env={**env, "TRITON_CACHE_DIR": str(at)}, stdout=out, stderr=err,
+            ))  # fmt: skip
     lines = {}
-    for part, run in runs.items():
-        out, err = run.communicate(timeout=600)
-        assert run.returncode == 0, err[-3000:]
-        lines[part] = out.splitlines()
+    for part, (at, run) in runs.items():
+        assert run.wait(timeout=600) == 0, (at / "err").read_text()[-3000:]
+        lines[part] = (at / "out").read_text().splitlines()
     # 16 + 4 + 4 + 1 + 2 (the wide tile) + 1 (8 warps) decode builds; 2 rope + K/V write, 12
     # step ops, 12 GEMVs, 3 small GEMMs, 1 prefetch
     decode = [int(lines[p][-1].removeprefix("built ")) for p in ("decode:0/2", "decode:1/2")]
