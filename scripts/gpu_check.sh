@@ -192,7 +192,8 @@ fi  # not --decode
 bash scripts/fi_kernels.sh pack "$aot" "$FLASHINFER_WORKSPACE_BASE/.cache/flashinfer" "$OUT"
 
 echo
-python3 scripts/gpu_report.py "$OUT/pool.json" "$OUT/engine.json" "$OUT/pytest.log" | tee "$OUT/table.txt"
+python3 scripts/gpu_report.py "$OUT/pool.json" "$OUT/engine.json" "$OUT/pytest.log" \
+  "$OUT/gptfast.json" | tee "$OUT/table.txt"
 
 # A device call returns at most 8 files: the logs and figures travel in one archive, beside the
 # kernel parts.

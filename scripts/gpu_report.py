@@ -1,6 +1,9 @@
 """The short table gpu_check.sh prints last: each Prism figure beside its reference and target.
 
-python3 scripts/gpu_report.py POOL_JSON ENGINE_JSON PYTEST_LOG
+python3 scripts/gpu_report.py POOL_JSON ENGINE_JSON PYTEST_LOG [PEER_JSON]
+
+PEER_JSON: the gpt-fast-style decode's figures of the same run (bench_gpu_gptfast.py), set
+beside each batch it measured.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ def ratio(a, b) -> str:
 def main() -> None:
     pool, eng = load(sys.argv[1]), load(sys.argv[2])
     log = Path(sys.argv[3]).read_text() if Path(sys.argv[3]).is_file() else ""
+    peer = load(sys.argv[4]) if len(sys.argv) > 4 else {}
     summary = re.compile(r"\d+ (passed|failed|errors?|skipped)")
     tests = next((ln for ln in reversed(log.splitlines()) if summary.search(ln)), "-")
     rows = []
@@ -73,15 +77,12 @@ def main() -> None:
         hf = get(eng, "hf", f"decode_b{b}", "tpot_ms")
         kv = get(eng, "prism", f"decode_b{b}", "kv_bytes_a_step") or 0
         floor = (wb + kv) / (hbm * 1e9) * 1e3 if wb and hbm else None
-        rows.append(
-            (
-                f"TPOT 8B bf16 B={b} ctx 1k",
-                fmt(ours, " ms"),
-                f"floor {fmt(floor, ' ms')}; HF {fmt(hf, ' ms', 1)}",
-                ratio(ours, floor),
-                targets[b],
-            )
-        )
+        ref = f"floor {fmt(floor, ' ms')}; HF {fmt(hf, ' ms', 1)}"
+        fast = get(peer, f"decode_b{b}", "tpot_ms")
+        if fast is not None:
+            ref += f"; gpt-fast-style {fmt(fast, ' ms')} ({ratio(ours, fast)})"
+        rows.append((f"TPOT 8B bf16 B={b} ctx 1k", fmt(ours, " ms"), ref, ratio(ours, floor),
+                     targets[b]))  # fmt: skip
     mm = get(eng, "ceilings", "matmul_tflops")
     for n in (1024, 8192):
         p = get(eng, "prism", f"prefill_{n}") or {}

@@ -43,3 +43,24 @@ def test_the_table_sets_each_batch_beside_its_floor(tmp_path):
     assert b16[3] == f"{7.0 / floor:.3f}" and b16[4] == "<= 5.5 ms (H200)"
     b1 = [c.strip() for c in rows["TPOT 8B bf16 B=1 ctx 1k"].split("|")]
     assert b1[4] == "<= 1.2 x floor"
+
+
+def test_the_peer_stands_beside_the_batches_it_measured(tmp_path):
+    eng = {"ceilings": {"hbm_gbs": 3000.0}, "prism": {"weight_bytes": 16_000_000_000}}
+    for b, tpot in ((1, 5.7), (16, 7.1), (64, 9.7)):
+        eng["prism"][f"decode_b{b}"] = {"tpot_ms": tpot, "kv_bytes_a_step": 0}
+    peer = {"decode_b1": {"tpot_ms": 6.3}, "decode_b16": {"tpot_ms": 13.35}}
+    (tmp_path / "engine.json").write_text(json.dumps(eng))
+    (tmp_path / "peer.json").write_text(json.dumps(peer))
+    args = ["-", str(tmp_path / "engine.json"), "-", str(tmp_path / "peer.json")]
+    run = subprocess.run(
+        [sys.executable, "scripts/gpu_report.py", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    rows = {ln.split("|")[0].strip(): ln for ln in run.stdout.splitlines() if "|" in ln}
+    assert f"gpt-fast-style 6.30 ms ({5.7 / 6.3:.3f})" in rows["TPOT 8B bf16 B=1 ctx 1k"]
+    assert f"gpt-fast-style 13.35 ms ({7.1 / 13.35:.3f})" in rows["TPOT 8B bf16 B=16 ctx 1k"]
+    assert "gpt-fast" not in rows["TPOT 8B bf16 B=64 ctx 1k"]  # not measured there
