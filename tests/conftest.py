@@ -20,6 +20,5 @@ if torch is not None and not torch.cuda.is_available():
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_auto_num_workers(config) -> int:
     """`-n auto`: a worker per core, at most four. Each worker imports torch and loads its own
-    models (1-3 GB); more than four gain little, as the longest tests (the sweep, the Hopper
-    build) then set the suite's time."""
+    models, so the cap bounds the suite's memory on a machine of many cores."""
     return max(1, min(4, os.cpu_count() or 1))
