@@ -15,7 +15,10 @@ SLO, or its TTFT deadline until its first token).
   convention), then the earlier arrival.
 - Which model: when some model would miss a deadline if another model's step ran first, the one
   with the least slack runs (latest start = deadline - its step; a first token at stake before
-  a stream whose mean TPOT can absorb one gap up to its cap); otherwise the model whose prompts
+  a stream whose mean TPOT can absorb one gap up to its cap; a stream behind its mean that
+  cannot catch up, its step being no faster than its SLO, has no deadline left: it takes its
+  turn like a late request instead of holding the device for as long as it lasts); otherwise
+  the model whose prompts
   must go on soonest (least laxity over its prefills in progress, then its on-time waiting
   prompts, each after those before it), so that a long prompt with a loose SLO makes way for
   tighter ones instead of running first because it came first; with no prompt work, the model
@@ -41,7 +44,7 @@ from dataclasses import dataclass
 
 from scheduler.batch_scheduler import BatchScheduler
 from scheduler.latency_model import LatencyModel, StepShape
-from scheduler.request import MAX_GAP_SLOS, Request
+from scheduler.request import MAX_GAP_SLOS, TPOT_MARGIN, Request
 
 SAFETY = 0.1  # a chunk is sized to its slack / (1 + max(estimate error, SAFETY))
 
@@ -111,6 +114,8 @@ class Running:
     # what a prefill chunk must respect when its own first token is at stake (a stream's mean
     # TPOT absorbs one long gap; a TTFT missed is missed)
     decode_gap_deadline: float | None = None
+    # the TPOT SLO of the decoding one due first (at decode_deadline)
+    tpot_slo: float | None = None
     ready_since: float | None = None  # when the oldest of them became ready to step
     num: int = 0  # decoding (one token a step)
     context_tokens: int = 0  # KV tokens the decoding ones attend
@@ -174,8 +179,10 @@ def model_work(name: str, sched: BatchScheduler, lat: LatencyModel) -> ModelWork
     if sched.running:
         decoding = [r for r in sched.running if r.num_tokens - r.num_computed_tokens <= 1]
         prefilling = [r for r in sched.running if r.num_tokens - r.num_computed_tokens > 1]
+        first = min(decoding, key=lambda r: r.deadline, default=None)
         running = Running(
-            decode_deadline=min((r.deadline for r in decoding), default=None),
+            decode_deadline=first.deadline if first else None,
+            tpot_slo=first.tpot_slo if first else None,
             decode_gap_deadline=min(
                 (
                     r.last_token_time + MAX_GAP_SLOS * r.tpot_slo
@@ -241,7 +248,7 @@ def arbitrate(models: Sequence[ModelWork], now: float, overhead_s: float = 0.0) 
         return min(starts, default=float("inf"))
 
     def latest_start(m: ModelWork) -> float:
-        return start_by(m, m.running.decode_deadline)
+        return start_by(m, _decode_due(m, now, overhead_s))
 
     def urgent(m: ModelWork) -> bool:
         others = max(
@@ -300,6 +307,24 @@ def arbitrate(models: Sequence[ModelWork], now: float, overhead_s: float = 0.0) 
 
 def _err(m: ModelWork) -> float:
     return max(m.latency.error or 0.0, SAFETY)
+
+
+def _decode_due(m: ModelWork, now: float, overhead_s: float = 0.0) -> float | None:
+    """When m's decodes must step: by the deadline of the stream due first; None if it is
+    behind its mean (its deadline has passed) and cannot catch up, its decode step and the host
+    time beside it being no shorter than the TPOT its mean banks per token. Such a stream has
+    missed its SLO whatever runs next; holding to its deadline would put it before every
+    other model's step for as long as it lasts, starving their requests. It is served like a
+    late request instead: in its turn (the work that has waited longest first)."""
+    r = m.running
+    if (
+        r.decode_deadline is not None
+        and r.decode_deadline <= now
+        and r.tpot_slo is not None
+        and m.decode_s + overhead_s >= r.tpot_slo * (1 - TPOT_MARGIN)
+    ):
+        return None
+    return r.decode_deadline
 
 
 def _prefill_left(r: Request, lat: LatencyModel, chunk: int) -> tuple[float, int, int, float]:
@@ -381,7 +406,7 @@ def _token_budget(
     if start_by is not None:
         limit = min(limit, start_by - now - overhead_s)
     for o in active:  # their next step follows this one; its estimate may be short too
-        due = o.running.decode_gap_deadline if ttft_at_stake else o.running.decode_deadline
+        due = o.running.decode_gap_deadline if ttft_at_stake else _decode_due(o, now, overhead_s)
         if o is not m and due is not None:
             after = o.decode_s * (1 + _err(o)) + 2 * overhead_s
             limit = min(limit, due - now - after)

@@ -10,6 +10,7 @@ import pytest
 
 from scheduler.arbitrator import Job, ModelWork, Running, arbitrate, moore_hodgson
 from scheduler.latency_model import LatencyModel
+from scheduler.request import MAX_GAP_SLOS
 
 
 def _feasible(jobs: list[Job], start: float) -> bool:
@@ -204,6 +205,66 @@ def test_a_deferred_request_is_not_starved_behind_another_models_decodes():
     due = Running(decode_deadline=1.012, ready_since=0.9, num=4, context_tokens=4096)
     pick = arbitrate([_work("a", [hopeless], lat=lat), _work("b", running=due, lat=lat)], 1.0)
     assert pick.model == "b"
+
+
+def test_a_stream_that_cannot_catch_up_takes_its_turn_like_late_work():
+    lat = _lat(step_s=0.01)
+    hopeless = _job("late", "a", 0.0, 0.05, 4000, lat)
+
+    def b(slo: float, ready_since: float = 0.99) -> ModelWork:
+        # b's mean TPOT is behind: its deadline passed
+        behind = Running(
+            decode_deadline=0.9,
+            decode_gap_deadline=ready_since + MAX_GAP_SLOS * slo,
+            tpot_slo=slo,
+            ready_since=ready_since,
+            num=4,
+            context_tokens=64,
+        )
+        return _work("b", running=behind, lat=lat)
+
+    # its ~10 ms step is slower than its 8 ms SLO: it cannot catch up, and a's request has
+    # waited longer: a goes, its prefill unbounded by b's lost deadlines
+    pick = arbitrate([_work("a", [hopeless], lat=lat), b(0.008)], 1.0)
+    assert pick.model == "a" and pick.admit == ("late",) and pick.token_budget == 2048
+    # b's work waited longer: b goes
+    assert (
+        arbitrate(
+            [_work("a", [_job("x", "a", 0.5, 0.55, 100, lat)], lat=lat), b(0.008, 0.4)], 1.0
+        ).model
+        == "b"
+    )
+    # with a 50 ms SLO, stepping it catches up: its mean keeps it first
+    assert arbitrate([_work("a", [hopeless], lat=lat), b(0.05)], 1.0).model == "b"
+
+
+def test_a_stream_the_device_cannot_keep_up_with_does_not_starve_another_model():
+    """b's decode step takes longer than its TPOT SLO: its mean falls further behind with every
+    step. a's request arrives and is late at once; it must run next, not after b's whole
+    stream."""
+    slo, step = 0.02, 0.03
+    lat = _lat(step_s=step, per_token=1e-6)
+    now, first, n = 0.0, 0.0, 1
+    job = _job("late", "a", 0.5, 0.51, 100, lat)
+    for _ in range(1000):
+        cap = now + MAX_GAP_SLOS * slo
+        b = Running(
+            decode_deadline=min(first + n * slo * 0.95, cap),
+            decode_gap_deadline=cap,
+            tpot_slo=slo,
+            ready_since=now,
+            num=1,
+            context_tokens=64,
+        )
+        works = [_work("b", running=b, lat=lat)]
+        if now >= job.arrival:
+            works.append(_work("a", [job], lat=lat))
+        pick = arbitrate(works, now)
+        if pick.model == "a":
+            break
+        now, n = now + step, n + 1
+    assert pick.model == "a" and pick.admit == ("late",)
+    assert now < job.arrival + step
 
 
 def test_a_late_prefill_of_its_own_does_not_shrink_the_chunk():
