@@ -69,7 +69,7 @@ class Engine:
             gpu_setup.report(d, config.memory_backend)
         check_host_budget(config, self.device)
         self.policy = policy(config.policy)
-        splits, stages, waves, wide_tile, pdl = envs.triton_decode()
+        splits, stages, waves, wide_tile, pdl, warps = envs.triton_decode()
         small = envs.triton_small_gemm()
         kernels = KernelChoice(
             decode_tensor_cores=envs.decode_tensor_cores(),
@@ -84,6 +84,7 @@ class Engine:
             triton_stages=stages,
             triton_waves=waves,
             triton_wide_tile=wide_tile,
+            triton_warps=warps,
             triton_pdl=pdl,
             l2_prefetch_mib=envs.l2_prefetch_mib(),
             l2_prefetch_inline=envs.l2_prefetch_inline(),

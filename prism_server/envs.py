@@ -91,17 +91,20 @@ def decode_backend_max_batch() -> int | None:
     return _int("PRISM_DECODE_BACKEND_MAX_BATCH", 16)
 
 
-def triton_decode() -> tuple[int, int, int, bool, bool]:
+def triton_decode() -> tuple[int, int, int, bool, bool, int]:
     """The Triton decode kernel's most splits of a sequence's KV, its loop's pipelining depth,
     the programs a launch aims at for each SM (a small batch's sequences are split until there
     are that many), whether a launch of at most one program an SM (batch 1) takes tiles twice
-    as wide, and whether it is a programmatic dependent launch, starting while the qkv
-    projection finishes (PRISM_TRITON_SPLITS, default 16; PRISM_TRITON_STAGES, default 3;
-    PRISM_TRITON_WAVES, default 2; PRISM_TRITON_WIDE_TILE, default 1; PRISM_TRITON_PDL,
-    default 0)."""
+    as wide, whether it is a programmatic dependent launch, starting while the qkv
+    projection finishes, and a program's warps (PRISM_TRITON_SPLITS, default 16;
+    PRISM_TRITON_STAGES, default 3; PRISM_TRITON_WAVES, default 2; PRISM_TRITON_WIDE_TILE,
+    default 1; PRISM_TRITON_PDL, default 0; PRISM_TRITON_WARPS, default 4: 1, 2, 4 or 8)."""
     splits, stages = _int("PRISM_TRITON_SPLITS", 16), _int("PRISM_TRITON_STAGES", 3)
     waves, wide = _int("PRISM_TRITON_WAVES", 2), _flag("PRISM_TRITON_WIDE_TILE", True)
-    return splits, stages, waves, wide, _flag("PRISM_TRITON_PDL", False)
+    warps = _int("PRISM_TRITON_WARPS", 4)
+    if warps not in (1, 2, 4, 8):
+        raise ValueError(f"PRISM_TRITON_WARPS must be 1, 2, 4 or 8, got {warps}")
+    return splits, stages, waves, wide, _flag("PRISM_TRITON_PDL", False), warps
 
 
 def fused_rope_write() -> bool:

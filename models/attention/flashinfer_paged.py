@@ -114,6 +114,8 @@ class KernelChoice:
     # ... and its launches of at most one program an SM (batch 1) take tiles twice as wide
     # (on the H100, batch 1's attention 9.9 us a layer, not 11.8: docs/BENCHMARKS.md)
     triton_wide_tile: bool = True
+    # ... and a program's warps
+    triton_warps: int = 4
     # the Triton decode kernel as a programmatic dependent launch (Hopper): it starts while the
     # qkv projection finishes and waits for it inside
     triton_pdl: bool = False
@@ -152,10 +154,12 @@ class KernelChoice:
             not 1 <= self.triton_max_splits <= triton_ops.SPLITS_LIMIT
             or self.triton_stages < 1
             or self.triton_waves < 1
+            or self.triton_warps not in (1, 2, 4, 8)
         ):
             raise ValueError(
                 f"Triton decode: {self.triton_max_splits} splits (1 to {triton_ops.SPLITS_LIMIT}), "
-                f"{self.triton_stages} stages (>= 1), {self.triton_waves} waves (>= 1)"
+                f"{self.triton_stages} stages (>= 1), {self.triton_waves} waves (>= 1), "
+                f"{self.triton_warps} warps (1, 2, 4 or 8)"
             )
         if len(self.l2_prefetch_mib) != 3 or min(self.l2_prefetch_mib) < 0:
             raise ValueError(
@@ -464,6 +468,7 @@ class FlashInferBackend:
             stages=self.kernels.triton_stages,
             waves=self.kernels.triton_waves,
             wide_tile=self.kernels.triton_wide_tile,
+            warps=self.kernels.triton_warps,
             pdl=self.kernels.triton_pdl,
             prefetch=self.kernels.l2_prefetch_in_kernels,
             l2_keep=self.kernels.l2_prefetch_keep,

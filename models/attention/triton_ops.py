@@ -581,6 +581,7 @@ def load_decode_kernel(
     l2_keep: bool = False,
     waves: int = 2,
     wide_tile: bool = True,
+    warps: int = PF_BLOCK // 32,
 ) -> tuple[TritonDecodeKernel | None, str | None]:
     """The decode kernel for a model, built and checked on `device` (`self_check`), or None and
     why it cannot run there. heads: (query heads, KV heads); prefetch: its steps will hand it
@@ -595,7 +596,7 @@ def load_decode_kernel(
         kernel = TritonDecodeKernel(
             heads[0], heads[1], head_dim, block_size, device,
             max_splits=max_splits, stages=stages, pdl=pdl, l2_keep=l2_keep, waves=waves,
-            wide_tile=wide_tile,
+            wide_tile=wide_tile, warps=warps,
         )  # fmt: skip
         kernel.self_check(specs, dtype, rope, prefetch)
     except Exception as e:  # noqa: BLE001 (a kernel that does not build here: fall back)

@@ -43,6 +43,8 @@ def test_the_defaults_and_a_bad_backend():
         KernelChoice(triton_max_splits=65)
     with pytest.raises(ValueError, match="0 waves"):
         KernelChoice(triton_waves=0)
+    with pytest.raises(ValueError, match="3 warps"):
+        KernelChoice(triton_warps=3)
     for n in (16, 0):
         with pytest.raises(ValueError, match="tensor-core decode kernel"):
             KernelChoice(False, decode_split_pages=n, decode_backend="flashinfer")
@@ -101,6 +103,7 @@ def test_the_environment_reaches_every_devices_resources(monkeypatch):
     monkeypatch.setenv("PRISM_TRITON_STEP_OPS", "1")
     monkeypatch.setenv("PRISM_L2_PREFETCH_KEEP", "1")
     monkeypatch.setenv("PRISM_TRITON_WIDE_TILE", "0")
+    monkeypatch.setenv("PRISM_TRITON_WARPS", "2")
     with Engine(EngineConfig(models=(spec,), device="cpu", page_bytes=64 << 10)) as e:
         kernels = e.worker.resources.kernels
         assert kernels.decode_backend == "triton" and kernels.decode_backend_max_batch == 64
@@ -111,6 +114,7 @@ def test_the_environment_reaches_every_devices_resources(monkeypatch):
         assert kernels.triton_step_ops and not DEFAULT_KERNELS.triton_step_ops
         assert kernels.l2_prefetch_keep and not DEFAULT_KERNELS.l2_prefetch_keep
         assert not kernels.triton_wide_tile and DEFAULT_KERNELS.triton_wide_tile
+        assert kernels.triton_warps == 2 and DEFAULT_KERNELS.triton_warps == 4
         assert not kernels.fused_rope_write and kernels.l2_prefetch_mib == (34, 12, 0)
         e.check_integrity()
     for v, mib in (
