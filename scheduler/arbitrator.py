@@ -18,12 +18,11 @@ SLO, or its TTFT deadline until its first token).
   a stream whose mean TPOT can absorb one gap up to its cap; a stream behind its mean that
   cannot catch up, its step being no faster than its SLO, has no deadline left: it takes its
   turn like a late request instead of holding the device for as long as it lasts); otherwise
-  the model whose prompts
-  must go on soonest (least laxity over its prefills in progress, then its on-time waiting
-  prompts, each after those before it), so that a long prompt with a loose SLO makes way for
-  tighter ones instead of running first because it came first; with no prompt work, the model
-  whose work has waited longest (FCFS across models). Moore-Hodgson counts the prefills in
-  progress as committed work ahead of the prompts behind them.
+  the model whose prompts must go on soonest (least laxity over its prefills in progress, then
+  its on-time waiting prompts, each after those before it), so that a long prompt with a loose
+  SLO makes way for tighter ones instead of running first because it came first; with no
+  prompt work, the model whose work has waited longest (FCFS across models). Moore-Hodgson
+  counts the prefills in progress as committed work ahead of the prompts behind them.
 - Chunking: the chosen model's step may take no longer than the slack of every decoding request
   on the device (its own: the step must end by their next-token deadline; other models': by
   their deadline less their own next step), so another model's long prompt is prefilled in
