@@ -101,10 +101,8 @@ def triton_decode() -> tuple[int, int, int, bool, bool, int]:
     default 1; PRISM_TRITON_PDL, default 0; PRISM_TRITON_WARPS, default 4: 1, 2, 4 or 8)."""
     splits, stages = _int("PRISM_TRITON_SPLITS", 16), _int("PRISM_TRITON_STAGES", 3)
     waves, wide = _int("PRISM_TRITON_WAVES", 2), _flag("PRISM_TRITON_WIDE_TILE", True)
-    warps = _int("PRISM_TRITON_WARPS", 4)
-    if warps not in (1, 2, 4, 8):
-        raise ValueError(f"PRISM_TRITON_WARPS must be 1, 2, 4 or 8, got {warps}")
-    return splits, stages, waves, wide, _flag("PRISM_TRITON_PDL", False), warps
+    pdl, warps = _flag("PRISM_TRITON_PDL", False), _int("PRISM_TRITON_WARPS", 4)
+    return splits, stages, waves, wide, pdl, warps
 
 
 def fused_rope_write() -> bool:

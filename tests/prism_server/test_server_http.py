@@ -164,22 +164,22 @@ def test_requests_to_two_models_interleave(server):
     """One model's stream goes on while the other's runs from its first token to its last:
     the device steps both, not one to its end (the start of the second stream may lag the
     first by any time on a loaded machine, so the first stream runs until the second ends)."""
-    long_body = {"model": GEMMA, "prompt": "Once", "max_tokens": 2000, "ignore_eos": True}
-    short_body = {**CHAT, "max_tokens": 24, "ignore_eos": True, "temperature": 0}
+    common = {"ignore_eos": True, "stream": True, "temperature": 0}
+    long_body = {"model": GEMMA, "prompt": "Once", "max_tokens": 2000, **common}
+    short_body = {**CHAT, "max_tokens": 24, **common}
     long_times: list[float] = []
     short_times: list[float] = []
     short_done = threading.Event()
 
     def short() -> None:
-        body = {**short_body, "stream": True}
-        with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=120) as r:
+        url = server.url + "/v1/chat/completions"
+        with httpx.stream("POST", url, json=short_body, timeout=120) as r:
             for line in r.iter_lines():
                 if line.startswith("data: {"):
                     short_times.append(time.monotonic())
         short_done.set()
 
-    body = {**long_body, "stream": True, "temperature": 0}
-    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as r:
+    with httpx.stream("POST", server.url + "/v1/completions", json=long_body, timeout=120) as r:
         t = threading.Thread(target=short)
         for line in r.iter_lines():
             if not line.startswith("data: {"):

@@ -10,7 +10,7 @@ import pytest
 
 from scheduler.arbitrator import Job, ModelWork, Running, arbitrate, moore_hodgson
 from scheduler.latency_model import LatencyModel
-from scheduler.request import MAX_GAP_SLOS
+from scheduler.request import MAX_GAP_SLOS, TPOT_MARGIN
 
 
 def _feasible(jobs: list[Job], start: float) -> bool:
@@ -249,7 +249,7 @@ def test_a_stream_the_device_cannot_keep_up_with_does_not_starve_another_model()
     for _ in range(1000):
         cap = now + MAX_GAP_SLOS * slo
         b = Running(
-            decode_deadline=min(first + n * slo * 0.95, cap),
+            decode_deadline=min(first + n * slo * (1 - TPOT_MARGIN), cap),  # Request.deadline
             decode_gap_deadline=cap,
             tpot_slo=slo,
             ready_since=now,
