@@ -11,8 +11,9 @@
 #                                                    # nothing when none is new
 #   bash scripts/fi_kernels.sh join DIR              # here: the parts a call returned in DIR ->
 #                                                    # .fiaot/fi_aot.tar.xz (about 60% of gzip's size)
-#   bash scripts/fi_kernels.sh build [SHAPE ...]     # here, no GPU needed: prefill modules (fa3's by
-#                                                    # default) compiled with nvcc of the GPU machine's
+#   bash scripts/fi_kernels.sh build [SHAPE ...]     # here, no GPU needed: prefill, decode and fused-
+#                                                    # kernel modules (those Prism uses, by default)
+#                                                    # compiled with nvcc of the GPU machine's
 #                                                    # CUDA release, added to .fiaot/fi_aot.tar.xz
 #                                                    # (scripts/fi_prebuild.py; toolchain in .fibuild/)
 set -euo pipefail
@@ -66,6 +67,14 @@ case "${1:-}" in
       ln -sf libcudart.so.13 "$cu/lib/libcudart.so"
       mkdir -p "$cu/lib/stubs"
       echo "" | gcc -shared -fPIC -Wl,-soname,libcuda.so.1 -x c -o "$cu/lib/stubs/libcuda.so" -
+    fi
+    if [ ! -f "$site/nvidia/cu13/include/cublasLt.h" ]; then
+      # the fused kernels' modules include cuBLASLt's headers (nothing of it is linked): the
+      # headers alone, out of its wheel
+      tmp=$(mktemp -d)
+      .venv/bin/python -m pip download -q --no-deps -d "$tmp" "nvidia-cublas==$cuda.*"
+      unzip -q -o "$tmp"/nvidia_cublas-*.whl 'nvidia/cu13/include/*' -d "$site"
+      rm -rf "$tmp"
     fi
     CUDA_HOME=$site/nvidia/cu13 PATH=$site/bin:$site/nvidia/cu13/bin:$PATH PYTHONPATH=$site \
       LD_LIBRARY_PATH=$site/nvidia/cu13/lib FLASHINFER_CUDA_ARCH_LIST=9.0a \

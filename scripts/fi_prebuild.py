@@ -1,15 +1,19 @@
-"""FlashInfer's prefill modules compiled ahead, on a machine without a GPU.
+"""FlashInfer's modules compiled ahead, on a machine without a GPU.
 
-FlashInfer compiles a prefill module the first time a shape of attention meets a backend; on
-the GPU machine fa3's take about 80 s each, which a run's few minutes cannot spare. nvcc needs
-no GPU: this builds the modules here (sm_90a), checks that each one loads, and adds them to the
-carried bundle (.fiaot/fi_aot.tar.xz), beside the modules earlier GPU runs compiled. The GPU
-machine then finds them in FlashInfer's AOT directory (`scripts/fi_kernels.sh unpack`); one that
-fails to load there is compiled again by FlashInfer, as before.
+FlashInfer compiles a module the first time it is used: a prefill module when a shape of
+attention meets a backend (fa3's take about 80 s each on the GPU machine), and the modules of
+its small fused kernels (RMSNorm, SiLU * up, the K/V append, sampling: together about four
+minutes there), which a run's few minutes cannot spare. nvcc needs no GPU: this builds the
+modules here (sm_90a), checks that each one loads, and adds them to the carried bundle
+(.fiaot/fi_aot.tar.xz), beside the modules earlier GPU runs compiled. The GPU machine then
+finds them in FlashInfer's AOT directory (`scripts/fi_kernels.sh unpack`); one that fails to
+load there is compiled again by FlashInfer, as before.
 
 Run by `bash scripts/fi_kernels.sh build [SHAPE ...]`, which prepares the toolchain (nvcc of the
 GPU machine's CUDA release, from PyPI) in .fibuild/. A SHAPE is BACKEND:HEAD_DIM[:window][:softcap],
-e.g. fa3:256:window:softcap; the default list covers the shapes Prism's models and GPU tests use.
+e.g. fa3:256:window:softcap (BACKEND fa2 or fa3 for prefill, decode for FlashInfer's decode
+kernel), or the name of one of the fused kernels' modules: norm, act:silu, act:gelu_tanh, page,
+sampling, rope. The default list covers what Prism's engine and GPU tests use.
 """
 
 from __future__ import annotations
@@ -22,7 +26,11 @@ import tempfile
 import time
 from pathlib import Path
 
+OPS = ("norm", "act:silu", "act:gelu_tanh", "page", "sampling", "rope")
 DEFAULT_SHAPES = [
+    *OPS,
+    "decode:128",
+    "fa2:128",
     "fa3:64",
     "fa3:128",
     "fa3:128:window",
@@ -36,8 +44,11 @@ def parse_shape(text: str) -> tuple[str, int, bool, bool]:
     """'fa3:256:window:softcap' -> (backend, head_dim, sliding window, soft cap)."""
     backend, head_dim, *flags = text.split(":")
     unknown = set(flags) - {"window", "softcap"}
-    if backend not in ("fa2", "fa3") or not head_dim.isdigit() or unknown:
-        raise SystemExit(f"bad shape {text!r}: BACKEND(fa2|fa3):HEAD_DIM[:window][:softcap]")
+    if backend not in ("fa2", "fa3", "decode") or not head_dim.isdigit() or unknown:
+        raise SystemExit(
+            f"bad shape {text!r}: BACKEND(fa2|fa3|decode):HEAD_DIM[:window][:softcap],"
+            f" or one of {', '.join(OPS)}"
+        )
     return backend, int(head_dim), "window" in flags, "softcap" in flags
 
 
@@ -45,12 +56,34 @@ def prefill_spec(backend: str, head_dim: int, window: bool, softcap: bool):
     """The JIT spec FlashInfer's paged and ragged prefill wrappers load for this shape with a
     bf16 cache and int32 indices, as Prism plans them (no rope in the kernel, no fp16 QK)."""
     import torch
-    from flashinfer.jit.attention.modules import gen_batch_prefill_module
+    from flashinfer.jit.attention.modules import gen_batch_decode_module, gen_batch_prefill_module
 
     bf16 = torch.bfloat16
+    if backend == "decode":
+        return gen_batch_decode_module(
+            bf16, bf16, bf16, torch.int32, head_dim, head_dim, 0, window, softcap
+        )
     return gen_batch_prefill_module(
         backend, bf16, bf16, bf16, torch.int32, head_dim, head_dim, 0, window, softcap, False
     )
+
+
+def ops_spec(name: str):
+    """The JIT spec of one of FlashInfer's fused kernels' modules."""
+    from flashinfer.jit import activation, norm, page, rope, sampling
+
+    if name.startswith("act:"):
+        return activation.gen_act_and_mul_module(name.split(":", 1)[1])
+    return {
+        "norm": norm.gen_norm_module,
+        "page": page.gen_page_module,
+        "sampling": sampling.gen_sampling_module,
+        "rope": rope.gen_rope_module,
+    }[name]()
+
+
+def spec_of(text: str):
+    return ops_spec(text) if text in OPS else prefill_spec(*parse_shape(text))
 
 
 def main() -> None:
@@ -68,7 +101,7 @@ def main() -> None:
     print(f"{args.bundle}: {len(before)} modules")
     added = []
     for text in args.shapes:
-        spec = prefill_spec(*parse_shape(text))
+        spec = spec_of(text)
         if spec.name in before:
             print(f"{text}: in the bundle already")
             continue
