@@ -9,8 +9,9 @@
 #                                                    # now under JIT_DIR -> OUT/fi_aot.tgz.partNN, parts
 #                                                    # of 15 MiB (the most a call returns per file);
 #                                                    # nothing when none is new
-#   bash scripts/fi_kernels.sh join DIR              # here: the parts a call returned in DIR ->
-#                                                    # .fiaot/fi_aot.tar.xz (about 60% of gzip's size)
+#   bash scripts/fi_kernels.sh join DIR              # here: the parts a call returned in DIR, added
+#                                                    # to .fiaot/fi_aot.tar.xz (xz: about 60% of
+#                                                    # gzip's size)
 #   bash scripts/fi_kernels.sh build [SHAPE ...]     # here, no GPU needed: prefill, decode and fused-
 #                                                    # kernel modules (those Prism uses, by default)
 #                                                    # compiled with nvcc of the GPU machine's
@@ -82,11 +83,15 @@ case "${1:-}" in
       .venv/bin/python scripts/fi_prebuild.py "$@"
     ;;
   join)
+    # the bundle's modules and the parts' together (a module in both: the parts' copy)
     mkdir -p .fiaot
-    cat "$2"/fi_aot.tgz.part* | gzip -dc | xz -9e -T2 > .fiaot/fi_aot.tar.xz.new
+    stage=$(mktemp -d)
+    [ -f .fiaot/fi_aot.tar.xz ] && tar -xJf .fiaot/fi_aot.tar.xz -C "$stage"
+    cat "$2"/fi_aot.tgz.part* | tar -xzf - -C "$stage"
+    tar -cf - -C "$stage" . | xz -9e -T2 > .fiaot/fi_aot.tar.xz.new
     mv .fiaot/fi_aot.tar.xz.new .fiaot/fi_aot.tar.xz
-    rm -f .fiaot/fi_aot.tgz
-    ls -la .fiaot
+    rm -rf "$stage" .fiaot/fi_aot.tgz
+    echo ".fiaot/fi_aot.tar.xz: $(tar -tJf .fiaot/fi_aot.tar.xz | grep -c '^\./[^/]*/$') modules"
     ;;
   *)
     sed -n 2,16p "$0"; exit 2

@@ -31,6 +31,8 @@ DEFAULT_SHAPES = [
     *OPS,
     "decode:128",
     "fa2:128",
+    "fa2:128:window",
+    "fa2:256:window:softcap",
     "fa3:64",
     "fa3:128",
     "fa3:128:window",
