@@ -30,8 +30,11 @@ OPS = ("norm", "act:silu", "act:gelu_tanh", "page", "sampling", "rope")
 DEFAULT_SHAPES = [
     *OPS,
     "decode:128",
+    "decode:256:window",
+    "decode:256:window:softcap",
     "fa2:128",
     "fa2:128:window",
+    "fa2:256:window",
     "fa2:256:window:softcap",
     "fa3:64",
     "fa3:128",
