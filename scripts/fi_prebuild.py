@@ -1,9 +1,10 @@
 """FlashInfer's modules compiled ahead, on a machine without a GPU.
 
-FlashInfer compiles a module the first time it is used: a prefill module when a shape of
-attention meets a backend (fa3's take about 80 s each on the GPU machine), and the modules of
-its small fused kernels (RMSNorm, SiLU * up, the K/V append, sampling: together about four
-minutes there), which a run's few minutes cannot spare. nvcc needs no GPU: this builds the
+FlashInfer compiles a module the first time it is used: an attention module when a shape of
+attention meets a backend (fa3's prefill take about 80 s each on the GPU machine), and the
+modules of its small fused kernels (RMSNorm, SiLU * up, the K/V append, sampling, rope). A
+fresh GPU machine's first engine load took 255 s with six of them to compile, 29 s with none,
+which a run's few minutes cannot spare. nvcc needs no GPU: this builds the
 modules here (sm_90a), checks that each one loads, and adds them to the carried bundle
 (.fiaot/fi_aot.tar.xz), beside the modules earlier GPU runs compiled. The GPU machine then
 finds them in FlashInfer's AOT directory (`scripts/fi_kernels.sh unpack`); one that fails to
@@ -57,9 +58,10 @@ def parse_shape(text: str) -> tuple[str, int, bool, bool]:
     return backend, int(head_dim), "window" in flags, "softcap" in flags
 
 
-def prefill_spec(backend: str, head_dim: int, window: bool, softcap: bool):
-    """The JIT spec FlashInfer's paged and ragged prefill wrappers load for this shape with a
-    bf16 cache and int32 indices, as Prism plans them (no rope in the kernel, no fp16 QK)."""
+def attention_spec(backend: str, head_dim: int, window: bool, softcap: bool):
+    """The JIT spec FlashInfer's paged and ragged prefill wrappers (backend fa2 or fa3), or its
+    decode wrapper (backend "decode"), load for this shape with a bf16 cache and int32 indices,
+    as Prism plans them (no rope in the kernel, no fp16 QK)."""
     import torch
     from flashinfer.jit.attention.modules import gen_batch_decode_module, gen_batch_prefill_module
 
@@ -88,7 +90,7 @@ def ops_spec(name: str):
 
 
 def spec_of(text: str):
-    return ops_spec(text) if text in OPS else prefill_spec(*parse_shape(text))
+    return ops_spec(text) if text in OPS else attention_spec(*parse_shape(text))
 
 
 def main() -> None:
