@@ -39,9 +39,10 @@
 # beside the defaults in one process, in ROUNDS (default 2) interleaved rounds:
 #   PARTS=choices CHOICES="PRISM_TRITON_PDL=1 PRISM_L2_PREFETCH=48:12:12" bash scripts/gpu_check.sh --decode
 # KERNELS_ARGS adds arguments to each choice's engine benchmark (--decode-only: no prefill).
-# TESTS_K selects the tests (pytest -k; default: all of them). fa3's modules come compiled in
-# .fiaot (`bash scripts/fi_kernels.sh build`, no GPU needed); without them, each compiles for
-# about 80 s here, and TESTS_K="not fa3" leaves their tests out.
+# TESTS_K selects the tests (pytest -k; default: all of them). FlashInfer's modules come compiled
+# in .fiaot (`bash scripts/fi_kernels.sh build`, no GPU needed; a module a run still compiles
+# comes back in $OUT/fi_aot.tgz.part*, for `bash scripts/fi_kernels.sh join`); without them,
+# each of fa3's compiles for about 80 s here, and TESTS_K="not fa3" leaves their tests out.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/prism-gpu-check}
