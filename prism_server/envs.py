@@ -166,8 +166,9 @@ def triton_gemv_glu() -> bool:
 
 
 def triton_small_gemm() -> tuple[int, ...] | None:
-    """Decode graphs of 2 to 16 sequences (and of one where the GEMVs are off) run their
-    projections as Triton's small GEMMs (models.layers.triton_small_gemm), not cuBLAS's:
+    """Decode graphs of 2 to 16 sequences (and of one where the GEMVs are off) run each Llama
+    layer as four Triton small GEMMs carrying its norms, activation and residual adds
+    (models.layers.triton_small_gemm; other layers their projections), not cuBLAS's:
     PRISM_TRITON_SMALL_GEMM=1, or the tiling BN[:BK[:WARPS[:STAGES]]] (weight rows a program,
     columns a loop step, warps, the loop's pipelining depth); unset or 0: off."""
     return _tiling("PRISM_TRITON_SMALL_GEMM", "0", "BN[:BK[:WARPS[:STAGES]]]")

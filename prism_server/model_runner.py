@@ -214,8 +214,8 @@ def _step_ops(device: torch.device, resources: DeviceResources | None):
         )  # fmt: skip
     if ops is not None and ops.small_config is not None:
         log.info(
-            "%s: decode graphs of at most 16 sequences run their projections as Triton's small "
-            "GEMMs (tiling %s)", device, ops.small_config,
+            "%s: decode graphs of at most 16 sequences run their layers as Triton's small GEMMs "
+            "carrying the norms, activation and adds (tiling %s)", device, ops.small_config,
         )  # fmt: skip
     return ops
 

@@ -8,7 +8,10 @@ Llama-3.1-8B's shapes, bf16, on one GPU, in the same run, for each batch of `--r
    RMSNorm and SiLU * up between the projections: cuBLAS's GEMMs (the engine's default) against
    the small GEMMs under the one tiling that led over all four projections in 1, and under the
    default tiling (SmallGemmConfig(): its wide tiling for gate_up), against the chain's floor
-   (its weights' bytes over the copy rate).
+   (its weights' bytes over the copy rate);
+3. the same chain as the engine's fused layers run it: four small GEMMs a layer carrying the
+   add + RMSNorm, the residual's adds and SiLU * up (no kernel between them), under the default
+   tiling and the one that led in 1.
 The tiling that led at the most rows is printed last ("best uniform tiling: ...").
 
     python3 scripts/bench_gpu_small_gemm.py [--rows "16 8"] [--configs "16:256:4:4"] [--json F]
@@ -52,6 +55,25 @@ def layer_chain(proj, inputs: list[torch.Tensor], layers: int):
             flashinfer.norm.fused_add_rmsnorm(a, r, ln, 1e-5)
             gu = proj("gate_up_proj", i, a)
             x = proj("down_proj", i, flashinfer.activation.silu_and_mul(gu))
+        return x, r
+
+    return run
+
+
+def fused_chain(proj, inputs: list[torch.Tensor], layers: int):
+    """layer_chain's layers as the engine's fused small steps run them (DecoderLayer.
+    fused_layer): proj(name, i, x, **ops) is the i-th layer's projection `name` of x carrying
+    `ops` (small_gemm's). The same (output, stream) pair as layer_chain's run."""
+    r0, h0, attn_out = inputs
+    residual = r0.clone()
+    ln = (torch.ones(HIDDEN, device=r0.device, dtype=r0.dtype), 1e-5)
+
+    def run():
+        r, x = residual.copy_(r0), h0.clone()
+        for i in range(layers):
+            proj("qkv_proj", i, r, norm=ln, h=x)
+            proj("o_proj", i, attn_out, into=r, h=x)  # r (+ x) + o(attention)
+            x = proj("down_proj", i, proj("gate_up_proj", i, r, norm=ln, glu=True))
         return x, r
 
     return run
@@ -115,13 +137,30 @@ def main() -> None:
             lambda name, i, x: small_gemm(layers[name][i], x, SmallGemmConfig()), inputs, L
         )
         a_ms = graph_ms(auto, args.runs)
+        # 3. the fused layers: the norms, adds and activation inside the small GEMMs
+        fused_ms = {}
+        for c in (SmallGemmConfig(), uniform):
+            fused = fused_chain(
+                lambda name, i, x, c=c, **ops: small_gemm(layers[name][i], x, c, **ops), inputs, L
+            )
+            for a, b in zip([t.clone() for t in fused()], want):
+                rel = float((a.float() - b.float()).norm() / b.float().norm())
+                assert rel < 2e-2, f"the fused small GEMMs' chain ({c}) is {rel:.3g} off cuBLAS's"
+            fused_ms[str(c)] = graph_ms(fused, args.runs)
+        f_ms = fused_ms[str(SmallGemmConfig())]
         per["chain"] = {"floor_ms": floor, "cublas_ms": c_ms, "small_ms": s_ms, "default_ms": a_ms,
-                        "uniform_config": str(uniform), "layers": L}  # fmt: skip
+                        "fused_ms": fused_ms, "uniform_config": str(uniform),
+                        "layers": L}  # fmt: skip
         out["rows"][m] = per
         print(
             f"M={m} chain of {L} layers without attention ({weight_bytes / 1e9:.2f} GB): "
             f"floor {floor:.3f} ms, cuBLAS {c_ms:.3f} ms, small GEMMs ({uniform}) {s_ms:.3f} ms "
             f"(x{s_ms / c_ms:.3f} cuBLAS's), the default tiling {a_ms:.3f} ms (x{a_ms / c_ms:.3f})"
+        )
+        print(
+            f"M={m} fused layers (the ops inside the small GEMMs): the default tiling "
+            f"{f_ms:.3f} ms (x{f_ms / c_ms:.3f} cuBLAS's chain), {uniform} "
+            f"{fused_ms[str(uniform)]:.3f} ms (x{fused_ms[str(uniform)] / c_ms:.3f})"
         )
     print(f"best uniform tiling: {lead_at_most}")
     if args.json:

@@ -139,8 +139,9 @@ class KernelChoice:
     # outputs, every program over the whole row. On the H100 it took batch 1's step from 6.06
     # to 5.80 ms (docs/BENCHMARKS.md)
     triton_gemv_glu: bool = True
-    # decode graphs of at most 16 sequences run their projections as Triton's small GEMMs
-    # under this tiling (models.layers.triton_small_gemm), not cuBLAS's; None: cuBLAS's
+    # decode graphs of at most 16 sequences run their layers as Triton's small GEMMs carrying
+    # the norms, activation and residual adds, under this tiling (models.layers.
+    # triton_small_gemm), not cuBLAS's with kernels between them; None: cuBLAS's
     triton_small_gemm: SmallGemmConfig | None = None
 
     def __post_init__(self):

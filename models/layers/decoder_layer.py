@@ -39,7 +39,7 @@ class DecoderLayer(nn.Module):
         before it); the stream after this layer is their sum."""
         ops = ctx.step_ops
         if ops is not None and ops.takes_layer(self, x, ctx.reduce is None):
-            return self.gemv_layer(x, residual, rope, ctx, ops)
+            return self.fused_layer(x, residual, rope, ctx, ops)
         # qkv's weights asked of the L2 while the norm runs (ctx.prefetch)
         if residual is None:
             ctx.prefetch(self)
@@ -50,21 +50,22 @@ class DecoderLayer(nn.Module):
         h, residual = self.post_attention_layernorm.add(h, residual, ctx)
         return ctx.all_reduce(self.mlp(h, ctx)), residual
 
-    def gemv_layer(
+    def fused_layer(
         self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope, ctx: ForwardContext, ops
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """forward's one-row step as four GEMVs around the attention, the norms, the residual's
-        adds and the activation inside them (StepOps.gemv, models.layers.triton_gemv); the same
-        (output, stream before it) pair. The stream's adds write into its tensor (the first
-        layer's: the embeddings'), as the unfused path's norms do."""
+        """forward's small step as four kernels around the attention, the norms, the residual's
+        adds and the activation inside them (StepOps.project: GEMVs for one row,
+        models.layers.triton_gemv, small GEMMs for a few, models.layers.triton_small_gemm);
+        the same (output, stream before it) pair. The stream's adds write into its tensor (the
+        first layer's: the embeddings'), as the unfused path's norms do."""
         h, stream = (None, x) if residual is None else (x, residual)
         ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
         attn, mlp = self.self_attn, self.mlp
-        qkv = ops.gemv(attn.qkv_proj, stream, norm=(ln1.weight, ln1.eps), h=h)
+        qkv = ops.project(attn.qkv_proj, stream, norm=(ln1.weight, ln1.eps), h=h)
         out = attn.attend(qkv, rope, ctx)
-        stream = ops.gemv(attn.o_proj, out, into=stream, h=h)  # stream (+ h) + o_proj(out)
-        if ops.glu:  # the activation out of gate_up's GEMV
-            act = ops.gemv(mlp.gate_up_proj, stream, norm=(ln2.weight, ln2.eps), glu=True)
-            return ops.gemv(mlp.down_proj, act), stream
-        gate_up = ops.gemv(mlp.gate_up_proj, stream, norm=(ln2.weight, ln2.eps))
-        return ops.gemv(mlp.down_proj, gate_up, silu=True), stream
+        stream = ops.project(attn.o_proj, out, into=stream, h=h)  # stream (+ h) + o_proj(out)
+        if ops.glu_for(x):  # the activation out of gate_up's kernel
+            act = ops.project(mlp.gate_up_proj, stream, norm=(ln2.weight, ln2.eps), glu=True)
+            return ops.project(mlp.down_proj, act), stream
+        gate_up = ops.project(mlp.gate_up_proj, stream, norm=(ln2.weight, ln2.eps))
+        return ops.project(mlp.down_proj, gate_up, silu=True), stream

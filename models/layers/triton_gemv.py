@@ -233,7 +233,8 @@ def gemv_reference(
     into: torch.Tensor | None = None,
     glu: bool = False,
 ) -> torch.Tensor:
-    """gemv's result through torch ops, rounded where the unfused chain rounds (the tests')."""
+    """gemv's result through torch ops, rounded where the unfused chain rounds (the tests'); also
+    small_gemm's (models.layers.triton_small_gemm), x [M, K]."""
     dt = x.dtype
     if norm is not None:
         s = x.float() + (h.float() if h is not None else 0.0)
@@ -248,8 +249,9 @@ def gemv_reference(
         return (torch.nn.functional.silu(g) * u).to(dt)
     if into is None:
         return y
-    r = into.reshape(1, -1)
+    rows = x.shape[0]
+    r = into.reshape(rows, -1)
     if h is not None:
-        r = (r.float() + h.reshape(1, -1).float()).to(dt)
+        r = (r.float() + h.reshape(rows, -1).float()).to(dt)
     into.copy_((r.float() + y.float()).to(dt).reshape(into.shape))
     return into

@@ -10,6 +10,10 @@ W's tile [BLOCK_N, BLOCK_K] times x's transposed [BLOCK_K, BLOCK_M], fp32 sums, 
 projection. Every program reads all of x (from the L2): a wider BLOCK_N reads it fewer times
 but leaves fewer programs to spread the weight's bytes over the SMs.
 
+Like the one-row GEMVs (models.layers.triton_gemv), a projection can carry the ops between a
+layer's GEMMs: the add + RMSNorm before it, the residual add after it, SiLU * up of its outputs.
+A few-row layer is then four kernels and the attention, where eight ran.
+
 Runs under Triton's interpreter too (the CPU tests), its products in fp32 there (the
 interpreter has no bf16 arithmetic), as for fp32 weights anywhere.
 """
@@ -78,22 +82,29 @@ def _build(interpret: bool):
     import triton
     import triton.language as tl
 
-    @triton.jit(do_not_specialize=["m", "n"])
+    @triton.jit(do_not_specialize=["m", "n", "eps"])
     def small_gemm_kernel(
-        x_ptr, w_ptr, b_ptr, out_ptr, m, n, sx, so,
+        x_ptr, w_ptr, b_ptr, out_ptr, h_ptr, nw_ptr, m, n, sx, so, sh, eps,
         K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         EVEN_K: tl.constexpr, BIAS: tl.constexpr, DOT_F32: tl.constexpr,
+        NORM: tl.constexpr, HAS_H: tl.constexpr, INTO: tl.constexpr, GLU: tl.constexpr,
     ):  # fmt: skip
-        # program i: out[:m, cols] = x[:m] @ W[cols]^T, cols = i * BLOCK_N + [0, BLOCK_N)
+        # program i: out[:m, cols] = x[:m] @ W[cols]^T, cols = i * BLOCK_N + [0, BLOCK_N); with
+        # GLU, out[:m, cols] = silu(x W[cols]^T) * (x W[n + cols]^T), BLOCK_N gate rows and as
+        # many up rows a program
         pid = tl.program_id(0)
         cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         cm = cols < n
         r = tl.arange(0, BLOCK_M)
         rmask = r < m
         kk0 = tl.arange(0, BLOCK_K)
+        dt = out_ptr.dtype.element_ty
         w_rows = w_ptr + cols[:, None].to(tl.int64) * K
         x_rows = x_ptr + r[None, :] * sx
+        h_rows = h_ptr + r[None, :] * sh
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        sq = tl.zeros([BLOCK_M], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + kk0
             if EVEN_K:
@@ -104,14 +115,49 @@ def _build(interpret: bool):
             # is not an asynchronous copy (one stage)
             w = tl.load(w_rows + kk[None, :], mask=wm, other=0.0, eviction_policy="evict_first")
             xt = tl.load(x_rows + kk[:, None], mask=xm, other=0.0)  # [BLOCK_K, BLOCK_M]
+            if NORM:  # x (+ h) scaled by the norm's weight; by 1 / rms(x (+ h)) after the sums
+                s = xt.to(tl.float32)
+                if HAS_H:
+                    s += tl.load(h_rows + kk[:, None], mask=xm, other=0.0).to(tl.float32)
+                sq += tl.sum(s * s, 0)
+                nw = tl.load(nw_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+                xt = s * nw[:, None]
+                if not DOT_F32:
+                    xt = xt.to(dt)
             if DOT_F32:  # the interpreter: no bf16 arithmetic, exact fp32 products
-                acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
+                xt = xt.to(tl.float32)
+                acc = tl.dot(w.to(tl.float32), xt, acc, input_precision="ieee")
             else:
                 acc = tl.dot(w, xt, acc)
+            if GLU:
+                up = w_rows + n.to(tl.int64) * K + kk[None, :]
+                u = tl.load(up, mask=wm, other=0.0, eviction_policy="evict_first")
+                if DOT_F32:
+                    acc_up = tl.dot(u.to(tl.float32), xt, acc_up, input_precision="ieee")
+                else:
+                    acc_up = tl.dot(u, xt, acc_up)
+        if NORM:
+            inv = 1.0 / tl.sqrt(sq / K + eps)
+            acc = acc * inv[None, :]
+            acc_up = acc_up * inv[None, :]
         if BIAS:
             acc += tl.load(b_ptr + cols, mask=cm, other=0.0).to(tl.float32)[:, None]
-        y = acc.to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + r[None, :] * so + cols[:, None], y, mask=cm[:, None] & rmask[None, :])
+            if GLU:
+                acc_up += tl.load(b_ptr + n + cols, mask=cm, other=0.0).to(tl.float32)[:, None]
+        y = acc.to(dt)
+        if GLU:  # rounded as the unfused chain: gate_up's outputs, then the activation
+            g = y.to(tl.float32)
+            u = acc_up.to(dt).to(tl.float32)
+            y = (g / (1.0 + tl.exp(-g)) * u).to(dt)
+        at = out_ptr + r[None, :] * so + cols[:, None]
+        om = cm[:, None] & rmask[None, :]
+        if INTO:  # the residual stream: out (+ h) + y, each add rounded as the unfused chain's
+            s = tl.load(at, mask=om, other=0.0)
+            if HAS_H:
+                hc = tl.load(h_ptr + r[None, :] * sh + cols[:, None], mask=om, other=0.0)
+                s = (s.to(tl.float32) + hc.to(tl.float32)).to(dt)
+            y = (s.to(tl.float32) + y.to(tl.float32)).to(dt)
+        tl.store(at, y, mask=om)
 
     return small_gemm_kernel
 
@@ -137,20 +183,50 @@ def fits(linear: torch.nn.Module, x: torch.Tensor) -> bool:
 
 
 def small_gemm(
-    linear: torch.nn.Linear, x: torch.Tensor, config: SmallGemmConfig = SmallGemmConfig()
+    linear: torch.nn.Linear,
+    x: torch.Tensor,
+    config: SmallGemmConfig = SmallGemmConfig(),
+    *,
+    norm: tuple[torch.Tensor, float] | None = None,
+    h: torch.Tensor | None = None,
+    into: torch.Tensor | None = None,
+    glu: bool = False,
 ) -> torch.Tensor:
-    """linear(x) for x [M, K], M <= MAX_ROWS (`fits`) -> [M, N]."""
+    """linear(x) for x [M, K], M <= MAX_ROWS (`fits`) -> [M, N], with the ops beside it (as
+    models.layers.triton_gemv's, for a few rows):
+
+    - norm=(weight, eps): linear(rmsnorm(x + h) * weight) (h: [M, K] or None). The row's
+      1 / rms is a factor of each output: applied to the sums, so that x is read once (with
+      the weight's scale, x is rounded to the model's dtype before the products, as the
+      unfused chain rounds the normalized row);
+    - into: into (+ h) + linear(x), written into `into` [M, N] and returned;
+    - glu (linear: gate rows, then up rows): silu(gate) * up of linear(x), [M, N / 2].
+
+    h joins the norm's input, or with `into`, the residual's add (not both)."""
     assert fits(linear, x), "small_gemm takes a row-major linear and at most 16 rows"
     w, bias = linear.weight, linear.bias
     n, k = w.shape
     m = x.shape[0]
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    assert h is None or (h.stride(1) == 1 and h.shape == (m, n if into is not None else k))
+    assert into is None or (into.stride(1) == 1 and into.shape == (m, n) and glu is False)
+    assert into is None or norm is None or h is None
+    assert not glu or n % 2 == 0
     c = config.for_outputs(n)
+    if glu:  # a program's gate rows (at least tl.dot's 16) and as many up rows
+        n //= 2
+        block_n = max(16, c.block_n // 2)
+    else:
+        block_n = c.block_n
+    out = into if into is not None else torch.empty(m, n, dtype=x.dtype, device=x.device)
+    nw, eps = norm if norm is not None else (x, 0.0)
+    hh = h if h is not None else x
     block_k = min(c.block_k, max(16, _pow2(k)))
-    _build(interpreting())[(-(-n // c.block_n),)](
-        x, w, bias if bias is not None else w, out, m, n, x.stride(0), out.stride(0),
-        K=k, BLOCK_M=MAX_ROWS, BLOCK_N=c.block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
+    _build(interpreting())[(-(-n // block_n),)](
+        x, w, bias if bias is not None else w, out, hh, nw, m, n,
+        x.stride(0), out.stride(0), hh.stride(0), float(eps),
+        K=k, BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
         BIAS=bias is not None, DOT_F32=interpreting() or x.dtype == torch.float32,
+        NORM=norm is not None, HAS_H=h is not None, INTO=into is not None, GLU=glu,
         num_warps=c.warps, num_stages=c.stages,
     )  # fmt: skip
     return out

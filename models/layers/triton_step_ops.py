@@ -31,6 +31,7 @@ from models.attention.triton_ops import (  # noqa: F401 (ask_l2: the kernels')
     triton_runs_on,
 )
 from models.layers.triton_gemv import GemvConfig, gemv, gemv_reference
+from models.layers.triton_small_gemm import MAX_ROWS as SMALL_MAX_ROWS
 from models.layers.triton_small_gemm import SmallGemmConfig, small_gemm
 from models.layers.triton_small_gemm import fits as small_gemm_fits
 
@@ -193,13 +194,17 @@ class StepOps:
         return self.norms and act == "silu" and gate_up.dtype != torch.float32
 
     def takes_layer(self, layer: torch.nn.Module, x: torch.Tensor, whole: bool) -> bool:
-        """Whether a decoder layer's step runs as GEMVs (`gemv_layer`): one contiguous row of a
-        GPU's dtype, a whole model (whole: no shards' sums between the projections), SiLU, and
-        the projections' weights row-major."""
+        """Whether a decoder layer's step runs as a chain of kernels that carry its norms,
+        activation and residual adds (`DecoderLayer.fused_layer`): GEMVs for one row (`gemv`),
+        small GEMMs for at most MAX_ROWS (`small`; one row too where the GEMVs are off). The
+        rows contiguous, of a GPU's dtype, a whole model (whole: no shards' sums between the
+        projections), SiLU, and the projections' weights row-major, of x's dtype."""
+        rows = x.shape[0]
+        one = rows == 1 and self.gemv_config is not None
+        few = 1 <= rows <= SMALL_MAX_ROWS and self.small_config is not None
         if not (
-            self.gemv_config is not None
+            (one or few)
             and whole
-            and x.shape[0] == 1
             and x.is_contiguous()
             and x.dtype in (torch.bfloat16, torch.float16)
             and layer.mlp.act == "silu"
@@ -207,10 +212,19 @@ class StepOps:
             return False
         attn, mlp = layer.self_attn, layer.mlp
         projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        return all(p.weight.is_contiguous() for p in projections)
+        return all(p.weight.is_contiguous() and p.weight.dtype == x.dtype for p in projections)
 
-    def gemv(self, linear: torch.nn.Linear, x: torch.Tensor, **ops) -> torch.Tensor:
-        return gemv(linear, x, config=self.gemv_config, pdl=self.pdl, **ops)
+    def project(self, linear: torch.nn.Linear, x: torch.Tensor, **ops) -> torch.Tensor:
+        """A fused layer's projection with the ops beside it (triton_gemv.gemv's): a GEMV for
+        one row where the GEMVs are on, else a small GEMM."""
+        if x.shape[0] == 1 and self.gemv_config is not None:
+            return gemv(linear, x, config=self.gemv_config, pdl=self.pdl, **ops)
+        return small_gemm(linear, x, self.small_config, **ops)
+
+    def glu_for(self, x: torch.Tensor) -> bool:
+        """Whether gate_up's kernel makes SiLU * up for a fused layer of x's rows (the small
+        GEMMs always do; the GEMVs with `glu`), else the down GEMV computes it."""
+        return self.glu or not (x.shape[0] == 1 and self.gemv_config is not None)
 
     def linear(self, linear: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         """linear(x): a small GEMM where one takes it (`small`: at most 16 rows, a row-major
@@ -285,41 +299,57 @@ def _norm_checks(ops: StepOps, g: torch.Generator, device: torch.device, dtype: 
     return [("add_rmsnorm", got, want), ("silu_mul", ops.silu_mul(gu, pair), act)]
 
 
+def _check_linear(k: int, rows: int, g, device, dtype, bias: bool = False) -> torch.nn.Linear:
+    """A linear of k inputs and `rows` outputs for the load-time checks, its outputs of unit
+    scale (a bias of torch's initialization)."""
+    lin = torch.nn.Linear(k, rows, bias=bias, device=device, dtype=dtype)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(rows, k, generator=g, device=device) * k**-0.5)
+    return lin
+
+
 def _gemv_checks(ops: StepOps, g: torch.Generator, device: torch.device, dtype: torch.dtype):
-    """(name, ops.gemv's result, the reference's) for a norm's, an activation's and a residual
-    add's GEMV of `check_width` columns."""
+    """(name, the GEMV's result through ops.project, the reference's) for a norm's, an
+    activation's and a residual add's GEMV of `check_width` columns."""
     k = check_width(device)
-
-    def linear(rows: int) -> torch.nn.Linear:
-        lin = torch.nn.Linear(k, rows, bias=False, device=device, dtype=dtype)
-        with torch.no_grad():
-            lin.weight.copy_(torch.randn(rows, k, generator=g, device=device) * k**-0.5)
-        return lin
-
-    lin, sq = linear(256), linear(k)
+    lin, sq = (_check_linear(k, rows, g, device, dtype) for rows in (256, k))
     x, h, r = (torch.randn(1, k, generator=g, device=device).to(dtype) for _ in range(3))
     nw = torch.randn(k, generator=g, device=device).to(dtype)
     gu = torch.randn(1, 2 * k, generator=g, device=device).to(dtype)
     norm = (nw, 1e-5)
     checks = [
-        ("GEMV after a norm", ops.gemv(lin, x, norm=norm, h=h),
+        ("GEMV after a norm", ops.project(lin, x, norm=norm, h=h),
          gemv_reference(lin, x, norm=norm, h=h)),
-        ("GEMV after SiLU * up", ops.gemv(lin, gu, silu=True), gemv_reference(lin, gu, silu=True)),
-        ("GEMV into the residual", ops.gemv(sq, x, into=r.clone(), h=h),
+        ("GEMV after SiLU * up", ops.project(lin, gu, silu=True),
+         gemv_reference(lin, gu, silu=True)),
+        ("GEMV into the residual", ops.project(sq, x, into=r.clone(), h=h),
          gemv_reference(sq, x, into=r.clone(), h=h)),
     ]  # fmt: skip
     if ops.glu:
-        got = ops.gemv(lin, x, norm=norm, glu=True)
+        got = ops.project(lin, x, norm=norm, glu=True)
         checks.append(("GEMV making SiLU * up", got, gemv_reference(lin, x, norm=norm, glu=True)))
     return checks
 
 
 def _small_gemm_checks(ops: StepOps, g: torch.Generator, device: torch.device, dtype):
-    """(name, ops.linear's result, torch's) for 5 and 16 rows of `check_width` columns, with a
-    bias."""
+    """(name, the small GEMM's result, the reference's) for 5 and 16 rows of `check_width`
+    columns: a plain one with a bias (ops.linear), and a fused layer's three kinds (after an
+    add + norm, into the residual, making SiLU * up)."""
     k = check_width(device)
-    lin = torch.nn.Linear(k, 320, device=device, dtype=dtype)
-    with torch.no_grad():
-        lin.weight.copy_(torch.randn(320, k, generator=g, device=device) * k**-0.5)
-    xs = [torch.randn(m, k, generator=g, device=device).to(dtype) for m in (5, 16)]
-    return [(f"small GEMM of {x.shape[0]} rows", ops.linear(lin, x), lin(x)) for x in xs]
+    lin, sq = (_check_linear(k, rows, g, device, dtype) for rows in (320, k))
+    biased = _check_linear(k, 320, g, device, dtype, bias=True)
+    norm = (torch.randn(k, generator=g, device=device).to(dtype), 1e-5)
+    checks = []
+    for m in (5, 16):
+        x, h, r = (torch.randn(m, k, generator=g, device=device).to(dtype) for _ in range(3))
+        c = ops.small_config
+        checks += [
+            (f"small GEMM of {m} rows", ops.linear(biased, x), biased(x)),
+            (f"small GEMM of {m} rows after a norm", small_gemm(lin, x, c, norm=norm, h=h),
+             gemv_reference(lin, x, norm=norm, h=h)),
+            (f"small GEMM of {m} rows into the residual", small_gemm(sq, x, c, into=r.clone(), h=h),
+             gemv_reference(sq, x, into=r.clone(), h=h)),
+            (f"small GEMM of {m} rows making SiLU * up", small_gemm(lin, x, c, norm=norm, glu=True),
+             gemv_reference(lin, x, norm=norm, glu=True)),
+        ]  # fmt: skip
+    return checks

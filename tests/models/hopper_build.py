@@ -143,19 +143,35 @@ def gemv_builds():
         yield f"gemv {name} {pdl=}", b
 
 
-SMALL_GEMM_TYPES = {**dict.fromkeys(("x_ptr", "w_ptr", "b_ptr", "out_ptr"), "*bf16")}
+SMALL_GEMM_TYPES = {
+    **dict.fromkeys(("x_ptr", "w_ptr", "b_ptr", "out_ptr", "h_ptr", "nw_ptr"), "*bf16"),
+    "eps": "fp32",
+}
 
 
 def small_gemm_builds():
     """A few-row step's projections (triton_small_gemm) for Llama-3.1-8B's shapes, and Qwen2's
-    qkv with its bias, under the default tiling: products on the tensor cores, W's tiles
-    fetched asynchronously into shared memory (the loop pipelined)."""
+    qkv with its bias, under the default tiling, plain and as a fused layer's (after an add +
+    norm, into the residual stream, gate_up making SiLU * up under the wide tiling): products
+    on the tensor cores, W's tiles fetched asynchronously into shared memory (the loop
+    pipelined)."""
     fn = triton_small_gemm._build(False)
-    c = triton_small_gemm.SmallGemmConfig()
-    for name, k, bias in (("qkv", 4096, False), ("down", 14336, False), ("qkv+bias", 3584, True)):
-        even = k % c.block_k == 0
-        const = dict(K=k, BLOCK_M=triton_small_gemm.MAX_ROWS, BLOCK_N=c.block_n,
-                     BLOCK_K=c.block_k, EVEN_K=even, BIAS=bias, DOT_F32=False)  # fmt: skip
+    default = triton_small_gemm.SmallGemmConfig()
+    builds = (  # name, K, outputs, BIAS, NORM, HAS_H, INTO, GLU
+        ("qkv", 4096, 6144, False, False, False, False, False),
+        ("down", 14336, 4096, False, False, False, False, False),
+        ("qkv+bias", 3584, 4608, True, False, False, False, False),
+        ("qkv after add + norm", 4096, 6144, False, True, True, False, False),
+        ("o into the stream", 4096, 4096, False, False, True, True, False),
+        ("gate_up making SiLU * up", 4096, 28672, False, True, False, False, True),
+        ("qkv+bias after the norm", 3584, 4608, True, True, False, False, False),
+    )
+    for name, k, n, bias, norm, has_h, into, glu in builds:
+        c = default.for_outputs(n)
+        block_n = max(16, c.block_n // 2) if glu else c.block_n
+        const = dict(K=k, BLOCK_M=triton_small_gemm.MAX_ROWS, BLOCK_N=block_n,
+                     BLOCK_K=c.block_k, EVEN_K=k % c.block_k == 0, BIAS=bias, DOT_F32=False,
+                     NORM=norm, HAS_H=has_h, INTO=into, GLU=glu)  # fmt: skip
         b = compile_for_hopper(fn, SMALL_GEMM_TYPES, const, num_warps=c.warps, num_stages=c.stages)
         ptx = b.asm["ptx"]
         assert re.search(r"\bw?mma\b|mma\.sync", ptx), name

@@ -125,9 +125,9 @@ def test_a_one_row_forward_runs_its_layers_as_gemvs():
     calls = []
 
     class Counting(triton_step_ops.StepOps):
-        def gemv(self, linear, x, **ops):
+        def project(self, linear, x, **ops):
             calls.append(sorted(k for k, v in ops.items() if v is not None and v is not False))
-            return super().gemv(linear, x, **ops)
+            return super().project(linear, x, **ops)
 
     for c, s in zip(caches, saved):
         c.copy_(s)

@@ -1,6 +1,7 @@
 """The small GEMMs of a few-row decode step's projections, under Triton's interpreter: against
-torch's linear over ragged tiles, a bias, one to 16 rows, what they refuse, the tiling's knob,
-and a forward of three rows whose projections take them. (On a GPU, in bf16, against cuBLAS:
+torch's linear over ragged tiles, a bias, one to 16 rows; the ops a fused layer's GEMMs carry
+against the unfused chain's torch ops; what they refuse, the tiling's knob, and a forward of
+three rows whose layers take them. (On a GPU, in bf16, against cuBLAS:
 tests/gpu/test_triton_small_gemm_gpu.py.)"""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import torch
 from models.attention.base import ForwardContext
 from models.attention.torch_paged import TorchPagedAttention
 from models.layers import triton_step_ops
+from models.layers.triton_gemv import gemv_reference
 from models.layers.triton_small_gemm import (
     MAX_ROWS,
     WIDE,
@@ -56,6 +58,54 @@ def test_the_small_gemm_is_torchs_linear(m, n, k, bias, config):
     torch.testing.assert_close(small_gemm(lin, wide[:, :k], config), lin(wide[:, :k]))
 
 
+KINDS = ["norm", "norm+h", "into", "into+h", "norm+glu", "plain+glu"]
+
+
+@pytest.mark.parametrize("m,n,k,bias,config", SHAPES)
+@pytest.mark.parametrize("kind", KINDS)
+def test_each_fused_kind_is_the_unfused_chain(m, n, k, bias, config, kind):
+    """After an add + RMSNorm, into the residual stream (+ h), making SiLU * up (gate rows,
+    then up rows): the chain's torch ops (triton_gemv.gemv_reference) in fp32."""
+    g = torch.Generator().manual_seed(m * n * k + len(kind))
+    into, glu = kind.startswith("into"), kind.endswith("glu")
+    lin = linear(k if into else 2 * n if glu else n, k, bias, g)
+    x = torch.randn(m, k, generator=g)
+    ops: dict = {"h": torch.randn(m, k, generator=g) if kind.endswith("+h") else None}
+    if kind.startswith("norm"):
+        ops["norm"] = (1 + 0.1 * torch.randn(k, generator=g), 1e-5)
+    if glu:
+        ops["glu"] = True
+    r = torch.randn(m, k, generator=g)
+    got = small_gemm(lin, x, config, **ops, **({"into": r.clone()} if into else {}))
+    want = gemv_reference(lin, x, **ops, **({"into": r.clone()} if into else {}))
+    assert got.shape == want.shape == (m, k if into else n)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    if into:  # in place: the stream's tensor holds the sum
+        stream = r.clone()
+        assert small_gemm(lin, x, config, into=stream, h=ops["h"]) is stream
+
+
+def test_bf16_rounds_about_where_the_chain_rounds():
+    """In bf16: the norm's 1 / rms applies to the sums (x scaled by the norm's weight is
+    rounded before the products, where the chain rounds the normalized row: a bf16 step apart
+    at most), the output rounded before the residual's add and each add after it, gate_up's
+    outputs before the activation."""
+    g = torch.Generator().manual_seed(1)
+    lin = linear(128, 512, False, g).bfloat16()
+    sq = linear(512, 512, False, g).bfloat16()
+    x, h, r = (torch.randn(5, 512, generator=g).bfloat16() for _ in range(3))
+    nw = (1 + 0.1 * torch.randn(512, generator=g)).bfloat16()
+    c = SmallGemmConfig(32, 128)
+    stream = x * 30  # a residual stream far from unit scale
+    for ops in ({"norm": (nw, 1e-5), "h": h}, {"norm": (nw, 1e-5), "glu": True}):
+        got, want = small_gemm(lin, stream, c, **ops), gemv_reference(lin, stream, **ops)
+        assert got.dtype == torch.bfloat16 and got.shape == want.shape
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    got = small_gemm(sq, x, c, into=r.clone(), h=h)
+    want = gemv_reference(sq, x, into=r.clone(), h=h)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2**-6, atol=2e-2)
+
+
 def test_what_it_refuses():
     g = torch.Generator().manual_seed(0)
     lin = linear(32, 64, False, g)
@@ -82,6 +132,8 @@ def test_what_it_refuses():
     torch.testing.assert_close(ops.linear(s, x), s(x))  # through its own forward
     with pytest.raises(AssertionError, match="at most 16 rows"):
         small_gemm(lin, torch.randn(MAX_ROWS + 1, 64))
+    with pytest.raises(AssertionError):  # h of the wrong shape
+        small_gemm(lin, x, norm=(torch.ones(64), 1e-5), h=torch.randn(3, 64))
 
 
 def test_the_tiling_knob():
@@ -108,32 +160,35 @@ def test_load_step_ops_checks_the_small_gemm():
 
 
 @torch.no_grad()
-def test_a_three_row_forward_runs_its_projections_as_small_gemms():
-    """The tiny Llama in bf16, a decode step of three rows over a cached prompt: each layer's
-    four projections through the small GEMM, against the model's own forward."""
+def test_a_three_row_forward_runs_its_layers_as_fused_small_gemms():
+    """The tiny Llama in bf16, a decode step of three rows over a cached prompt: every layer as
+    four small GEMMs carrying its norms, residual adds and SiLU * up (the first layer's stream
+    the embeddings), against the model's own forward."""
     lm, caches, saved, step, ids, pos, plain = cached_decode_step(3)
     cfg = lm.config
-    shapes = []
+    calls, plain_calls = [], []
 
     class Counting(triton_step_ops.StepOps):
+        def project(self, linear, x, **ops):
+            assert x.shape[0] == 3
+            calls.append(sorted(k for k, v in ops.items() if v is not None and v is not False))
+            return super().project(linear, x, **ops)
+
         def linear(self, linear, x):
-            shapes.append(tuple(linear.weight.shape))
+            plain_calls.append(tuple(linear.weight.shape))
             return super().linear(linear, x)
 
     for c, s in zip(caches, saved):
         c.copy_(s)
     ops = Counting(norms=False, small=SmallGemmConfig(16, 32))
-    got = lm.model(ids, pos, ForwardContext(attn=TorchPagedAttention(caches, step), step_ops=ops))
-    layer = lm.model.model.layers[0]
-    want = [
-        tuple(m.weight.shape)
-        for m in (
-            layer.self_attn.qkv_proj,
-            layer.self_attn.o_proj,
-            layer.mlp.gate_up_proj,
-            layer.mlp.down_proj,
-        )
-    ]
-    assert shapes == want * cfg.num_layers
+    ctx = ForwardContext(attn=TorchPagedAttention(caches, step), step_ops=ops)
+    got = lm.model(ids, pos, ctx)
+    first = [["norm"], ["into"], ["glu", "norm"], []]  # the stream: the embeddings, no h yet
+    later = [["h", "norm"], ["h", "into"], ["glu", "norm"], []]
+    assert calls == first + later * (cfg.num_layers - 1) and plain_calls == []
     rel = (got.float() - plain.float()).norm() / plain.float().norm()
     assert rel < 2e-2, float(rel)  # bf16 sums in another order, over the layers
+    # one row with the GEMVs off: the small GEMMs too; a tensor-parallel shard's layers
+    # (sums between the projections) keep the model's own, their projections small GEMMs
+    assert ops.takes_layer(lm.model.model.layers[0], got[:1].contiguous(), True)
+    assert not ops.takes_layer(lm.model.model.layers[0], got, False)
