@@ -67,7 +67,8 @@ if [ "$quick" = "--decode" ]; then
       tests/gpu/test_sampling_gpu.py tests/gpu/test_launch_ahead_gpu.py tests/gpu/test_piecewise_graphs.py \
       tests/gpu/test_gpu_vs_cpu.py tests/gpu/test_cuda_graphs.py tests/gpu/test_flashinfer_attention.py \
       tests/gpu/test_upload_gpu.py tests/gpu/test_lanes_gpu.py tests/gpu/test_triton_ops_gpu.py \
-      tests/gpu/test_l2_prefetch_gpu.py -k "${TESTS_K:-}" 2>&1 | tee "$OUT/pytest.log"
+      tests/gpu/test_l2_prefetch_gpu.py tests/gpu/test_triton_gemv_gpu.py \
+      tests/gpu/test_triton_small_gemm_gpu.py -k "${TESTS_K:-}" 2>&1 | tee "$OUT/pytest.log"
     echo "tests: $((SECONDS - t0)) s"
   fi
   if part ab && [ -d .baseline ]; then
@@ -109,7 +110,7 @@ if [ "$quick" = "--decode" ]; then
   # chain (not in the default set: PARTS=smallgemm; SMALL_GEMM_CONFIGS: the tilings tried)
   part smallgemm && timeout 300 python3 scripts/bench_gpu_small_gemm.py \
     ${SMALL_GEMM_CONFIGS:+--configs "$SMALL_GEMM_CONFIGS"} --json "$OUT/small_gemm.json" 2>&1 \
-    | tee "$OUT/small_gemm.log" | grep -E "chain|best|Error|error"
+    | tee "$OUT/small_gemm.log" | grep -E "chain|fused|best|Error|error"
   # decode under kernel choices (CHOICES: PRISM_* settings) beside the defaults, one process,
   # engines built in turn, ROUNDS rounds (ABC ABC), medians and ratios to the defaults last
   if part choices; then
