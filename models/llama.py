@@ -33,8 +33,10 @@ class LlamaModel(nn.Module):
         # input_ids, positions: [T] -> [T, hidden]
         x, residual = self.embed_tokens(input_ids), None
         rope = self.rotary_emb(positions)  # this step's rotary table, shared by every layer
-        for layer in self.layers:
-            x, residual = layer(x, residual, rope, ctx)
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            nxt = self.layers[i + 1].input_layernorm if i < last else None
+            x, residual = layer(x, residual, rope, ctx, next_norm=nxt)
         if residual is None:
             return self.norm(x)
         # the lm_head's weights asked of the L2 while the final norm runs (ctx.prefetch)

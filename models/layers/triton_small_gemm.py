@@ -10,9 +10,21 @@ W's tile [BLOCK_N, BLOCK_K] times x's transposed [BLOCK_K, BLOCK_M], fp32 sums, 
 projection. Every program reads all of x (from the L2): a wider BLOCK_N reads it fewer times
 but leaves fewer programs to spread the weight's bytes over the SMs.
 
-Like the one-row GEMVs (models.layers.triton_gemv), a projection can carry the ops between a
-layer's GEMMs: the add + RMSNorm before it, the residual add after it, SiLU * up of its outputs.
-A few-row layer is then four kernels and the attention, where eight ran.
+A projection can also carry the ops between a layer's GEMMs, so that a few-row layer is four
+kernels and the attention, where eight ran (as the one-row GEMVs, models.layers.triton_gemv):
+
+- the residual add after it (`into`): each program adds its outputs into the stream's columns
+  it owns; with the next norm's weight it also writes those columns scaled by that weight and
+  the sums of their squares, a row's sum in parts (`Normed`);
+- the RMSNorm before it: given a `Normed`, the loop is the plain one over the scaled rows, and
+  1 / rms of each row, from the parts, scales the sums after it. So no program normalizes x
+  in its loop: work on x there (a norm's every program, at every step of K) cost more than the
+  norm's own kernel (docs/BENCHMARKS.md);
+- SiLU * up of its outputs (`glu`): a program's gate rows and as many up rows, two sums.
+
+Numerics: x times the norm's weight is rounded to the model's dtype before the products, where
+the unfused chain rounds the normalized row (a rounding at another scale: the same error
+bound); everything else is rounded where the chain rounds it.
 
 Runs under Triton's interpreter too (the CPU tests), its products in fp32 there (the
 interpreter has no bf16 arithmetic), as for fp32 weights anywhere.
@@ -82,12 +94,13 @@ def _build(interpret: bool):
     import triton
     import triton.language as tl
 
-    @triton.jit(do_not_specialize=["m", "n", "eps"])
+    @triton.jit(do_not_specialize=["m", "n", "parts", "eps"])
     def small_gemm_kernel(
-        x_ptr, w_ptr, b_ptr, out_ptr, h_ptr, nw_ptr, m, n, sx, so, sh, eps,
+        x_ptr, w_ptr, b_ptr, out_ptr, sq_ptr, nw_ptr, xs_ptr, sq_out_ptr,
+        m, n, sx, so, sxs, parts, eps,
         K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        EVEN_K: tl.constexpr, BIAS: tl.constexpr, DOT_F32: tl.constexpr,
-        NORM: tl.constexpr, HAS_H: tl.constexpr, INTO: tl.constexpr, GLU: tl.constexpr,
+        EVEN_K: tl.constexpr, BIAS: tl.constexpr, DOT_F32: tl.constexpr, PRE: tl.constexpr,
+        INTO: tl.constexpr, NEXT: tl.constexpr, GLU: tl.constexpr, PARTS_BLOCK: tl.constexpr,
     ):  # fmt: skip
         # program i: out[:m, cols] = x[:m] @ W[cols]^T, cols = i * BLOCK_N + [0, BLOCK_N); with
         # GLU, out[:m, cols] = silu(x W[cols]^T) * (x W[n + cols]^T), BLOCK_N gate rows and as
@@ -100,11 +113,10 @@ def _build(interpret: bool):
         kk0 = tl.arange(0, BLOCK_K)
         dt = out_ptr.dtype.element_ty
         w_rows = w_ptr + cols[:, None].to(tl.int64) * K
+        up_rows = w_ptr + (cols + n)[:, None].to(tl.int64) * K
         x_rows = x_ptr + r[None, :] * sx
-        h_rows = h_ptr + r[None, :] * sh
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        sq = tl.zeros([BLOCK_M], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + kk0
             if EVEN_K:
@@ -115,29 +127,28 @@ def _build(interpret: bool):
             # is not an asynchronous copy (one stage)
             w = tl.load(w_rows + kk[None, :], mask=wm, other=0.0, eviction_policy="evict_first")
             xt = tl.load(x_rows + kk[:, None], mask=xm, other=0.0)  # [BLOCK_K, BLOCK_M]
-            if NORM:  # x (+ h) scaled by the norm's weight; by 1 / rms(x (+ h)) after the sums
-                s = xt.to(tl.float32)
-                if HAS_H:
-                    s += tl.load(h_rows + kk[:, None], mask=xm, other=0.0).to(tl.float32)
-                sq += tl.sum(s * s, 0)
-                nw = tl.load(nw_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
-                xt = s * nw[:, None]
-                if not DOT_F32:
-                    xt = xt.to(dt)
+            if GLU:
+                u = tl.load(
+                    up_rows + kk[None, :], mask=wm, other=0.0, eviction_policy="evict_first"
+                )
             if DOT_F32:  # the interpreter: no bf16 arithmetic, exact fp32 products
                 xt = xt.to(tl.float32)
                 acc = tl.dot(w.to(tl.float32), xt, acc, input_precision="ieee")
+                if GLU:
+                    acc_up = tl.dot(u.to(tl.float32), xt, acc_up, input_precision="ieee")
             else:
                 acc = tl.dot(w, xt, acc)
-            if GLU:
-                up = w_rows + n.to(tl.int64) * K + kk[None, :]
-                u = tl.load(up, mask=wm, other=0.0, eviction_policy="evict_first")
-                if DOT_F32:
-                    acc_up = tl.dot(u.to(tl.float32), xt, acc_up, input_precision="ieee")
-                else:
+                if GLU:
                     acc_up = tl.dot(u, xt, acc_up)
-        if NORM:
-            inv = 1.0 / tl.sqrt(sq / K + eps)
+        if PRE:  # x: rows scaled by the norm's weight; 1 / rms of each from its parts' squares
+            pp0 = tl.arange(0, PARTS_BLOCK)
+            total = tl.zeros([BLOCK_M], dtype=tl.float32)
+            for p0 in range(0, parts, PARTS_BLOCK):
+                pp = p0 + pp0
+                part = tl.load(sq_ptr + pp[:, None] * BLOCK_M + r[None, :],
+                               mask=(pp < parts)[:, None], other=0.0)  # fmt: skip
+                total += tl.sum(part, 0)
+            inv = 1.0 / tl.sqrt(total / K + eps)
             acc = acc * inv[None, :]
             acc_up = acc_up * inv[None, :]
         if BIAS:
@@ -151,15 +162,64 @@ def _build(interpret: bool):
             y = (g / (1.0 + tl.exp(-g)) * u).to(dt)
         at = out_ptr + r[None, :] * so + cols[:, None]
         om = cm[:, None] & rmask[None, :]
-        if INTO:  # the residual stream: out (+ h) + y, each add rounded as the unfused chain's
-            s = tl.load(at, mask=om, other=0.0)
-            if HAS_H:
-                hc = tl.load(h_ptr + r[None, :] * sh + cols[:, None], mask=om, other=0.0)
-                s = (s.to(tl.float32) + hc.to(tl.float32)).to(dt)
-            y = (s.to(tl.float32) + y.to(tl.float32)).to(dt)
+        if INTO:  # the residual stream: out + y, rounded as the unfused chain's add
+            y = (tl.load(at, mask=om, other=0.0).to(tl.float32) + y.to(tl.float32)).to(dt)
+            if NEXT:  # the next norm's input: these columns scaled, their squares summed
+                yf = tl.where(om, y.to(tl.float32), 0.0)
+                nw = tl.load(nw_ptr + cols, mask=cm, other=0.0).to(tl.float32)
+                tl.store(xs_ptr + r[None, :] * sxs + cols[:, None], (yf * nw[:, None]).to(dt),
+                         mask=om)  # fmt: skip
+                tl.store(sq_out_ptr + pid * BLOCK_M + r, tl.sum(yf * yf, 0))
         tl.store(at, y, mask=om)
 
-    return small_gemm_kernel
+    @triton.jit(do_not_specialize=["m", "n"])
+    def prenorm_kernel(
+        x_ptr, nw_ptr, xs_ptr, sq_ptr, m, n, sx, sxs,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):  # fmt: skip
+        # program i: x[:m, cols] scaled by the norm's weight, and the sums of their squares
+        pid = tl.program_id(0)
+        cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        r = tl.arange(0, BLOCK_M)
+        om = (cols < n)[:, None] & (r < m)[None, :]
+        x = tl.load(x_ptr + r[None, :] * sx + cols[:, None], mask=om, other=0.0).to(tl.float32)
+        nw = tl.load(nw_ptr + cols, mask=cols < n, other=0.0).to(tl.float32)
+        dt = xs_ptr.dtype.element_ty
+        tl.store(xs_ptr + r[None, :] * sxs + cols[:, None], (x * nw[:, None]).to(dt), mask=om)
+        tl.store(sq_ptr + pid * BLOCK_M + r, tl.sum(x * x, 0))
+
+    return small_gemm_kernel, prenorm_kernel
+
+
+@dataclass(frozen=True)
+class Normed:
+    """An RMSNorm's input for a small GEMM: the rows of x scaled by the norm's weight (rounded
+    to x's dtype), and the sums of squares of x's rows in parts, [parts, MAX_ROWS] fp32 (a
+    row's sum: the sum of its column). The GEMM applies 1 / rms to its sums."""
+
+    rows: torch.Tensor
+    squares: torch.Tensor
+    eps: float
+
+
+PRENORM_BLOCK = 256  # columns a program of prenorm
+PARTS_BLOCK = 64  # parts a step of the GEMM's sum over them
+
+
+def prenorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> Normed:
+    """x [M, K] (M <= MAX_ROWS, unit column stride) as a norm's input for small_gemm: one
+    kernel (the first layer's; later ones come out of the residual's add, small_gemm's
+    `into`)."""
+    m, k = x.shape
+    assert 1 <= m <= MAX_ROWS and x.stride(1) == 1 and weight.shape == (k,)
+    parts = -(-k // PRENORM_BLOCK)
+    rows = torch.empty(m, k, dtype=x.dtype, device=x.device)
+    squares = torch.empty(parts, MAX_ROWS, dtype=torch.float32, device=x.device)
+    _build(interpreting())[1][(parts,)](
+        x, weight, rows, squares, m, k, x.stride(0), rows.stride(0),
+        BLOCK_M=MAX_ROWS, BLOCK_N=PRENORM_BLOCK,
+    )  # fmt: skip
+    return Normed(rows, squares, eps)
 
 
 def fits(linear: torch.nn.Module, x: torch.Tensor) -> bool:
@@ -184,32 +244,27 @@ def fits(linear: torch.nn.Module, x: torch.Tensor) -> bool:
 
 def small_gemm(
     linear: torch.nn.Linear,
-    x: torch.Tensor,
+    x: torch.Tensor | Normed,
     config: SmallGemmConfig = SmallGemmConfig(),
     *,
-    norm: tuple[torch.Tensor, float] | None = None,
-    h: torch.Tensor | None = None,
     into: torch.Tensor | None = None,
+    norm: tuple[torch.Tensor, float] | None = None,
     glu: bool = False,
-) -> torch.Tensor:
-    """linear(x) for x [M, K], M <= MAX_ROWS (`fits`) -> [M, N], with the ops beside it (as
-    models.layers.triton_gemv's, for a few rows):
+) -> torch.Tensor | Normed:
+    """linear(x) for x [M, K], M <= MAX_ROWS (`fits`) -> [M, N], with the ops beside it:
 
-    - norm=(weight, eps): linear(rmsnorm(x + h) * weight) (h: [M, K] or None). The row's
-      1 / rms is a factor of each output: applied to the sums, so that x is read once (with
-      the weight's scale, x is rounded to the model's dtype before the products, as the
-      unfused chain rounds the normalized row);
-    - into: into (+ h) + linear(x), written into `into` [M, N] and returned;
-    - glu (linear: gate rows, then up rows): silu(gate) * up of linear(x), [M, N / 2].
-
-    h joins the norm's input, or with `into`, the residual's add (not both)."""
+    - x a Normed (`prenorm`, or a residual add's with `norm`): linear(rmsnorm(x) * weight);
+    - into: into + linear(x), written into `into` [M, N] and returned; with norm=(weight, eps),
+      the Normed of the new `into` for the next norm is returned instead;
+    - glu (linear: gate rows, then up rows): silu(gate) * up of linear(x), [M, N / 2]."""
+    normed = x if isinstance(x, Normed) else None
+    x = normed.rows if normed is not None else x
     assert fits(linear, x), "small_gemm takes a row-major linear and at most 16 rows"
     w, bias = linear.weight, linear.bias
     n, k = w.shape
     m = x.shape[0]
-    assert h is None or (h.stride(1) == 1 and h.shape == (m, n if into is not None else k))
-    assert into is None or (into.stride(1) == 1 and into.shape == (m, n) and glu is False)
-    assert into is None or norm is None or h is None
+    assert into is None or (into.stride(1) == 1 and into.shape == (m, n) and not glu)
+    assert norm is None or into is not None, "a norm's input comes out of a residual add"
     assert not glu or n % 2 == 0
     c = config.for_outputs(n)
     if glu:  # a program's gate rows (at least tl.dot's 16) and as many up rows
@@ -217,16 +272,59 @@ def small_gemm(
         block_n = max(16, c.block_n // 2)
     else:
         block_n = c.block_n
+    grid = -(-n // block_n)
     out = into if into is not None else torch.empty(m, n, dtype=x.dtype, device=x.device)
-    nw, eps = norm if norm is not None else (x, 0.0)
-    hh = h if h is not None else x
+    sq = normed.squares if normed is not None else x
+    nxt = None
+    if norm is not None:  # the next norm's input: scaled rows, squares a program
+        nxt = Normed(
+            torch.empty(m, n, dtype=x.dtype, device=x.device),
+            torch.empty(grid, MAX_ROWS, dtype=torch.float32, device=x.device),
+            norm[1],
+        )
+    nw = norm[0] if norm is not None else x
     block_k = min(c.block_k, max(16, _pow2(k)))
-    _build(interpreting())[(-(-n // block_n),)](
-        x, w, bias if bias is not None else w, out, hh, nw, m, n,
-        x.stride(0), out.stride(0), hh.stride(0), float(eps),
+    _build(interpreting())[0][(grid,)](
+        x, w, bias if bias is not None else w, out, sq, nw,
+        nxt.rows if nxt is not None else x, nxt.squares if nxt is not None else sq,
+        m, n, x.stride(0), out.stride(0), nxt.rows.stride(0) if nxt is not None else 0,
+        sq.shape[0] if normed is not None else 0, normed.eps if normed is not None else 0.0,
         K=k, BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
         BIAS=bias is not None, DOT_F32=interpreting() or x.dtype == torch.float32,
-        NORM=norm is not None, HAS_H=h is not None, INTO=into is not None, GLU=glu,
-        num_warps=c.warps, num_stages=c.stages,
+        PRE=normed is not None, INTO=into is not None, NEXT=nxt is not None, GLU=glu,
+        PARTS_BLOCK=PARTS_BLOCK, num_warps=c.warps, num_stages=c.stages,
     )  # fmt: skip
-    return out
+    return nxt if nxt is not None else out
+
+
+def small_gemm_reference(
+    linear: torch.nn.Linear,
+    x: torch.Tensor,
+    *,
+    pre: tuple[torch.Tensor, float] | None = None,
+    into: torch.Tensor | None = None,
+    norm: tuple[torch.Tensor, float] | None = None,
+    glu: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """small_gemm's result through torch ops, rounded where the kernel rounds (the tests'):
+    pre=(weight, eps) for small_gemm(prenorm(x, weight, eps)); with `into` and `norm`, (the
+    new `into`, the next norm's scaled rows) (the squares' sums: of the new `into`'s rows)."""
+    dt = x.dtype
+    inv = 1.0
+    if pre is not None:
+        weight, eps = pre
+        inv = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+        x = (x.float() * weight.float()).to(dt)
+    y = torch.nn.functional.linear(x.float(), linear.weight.float()) * inv
+    if linear.bias is not None:
+        y = y + linear.bias.float()
+    y = y.to(dt)
+    if glu:
+        g, u = y.float().chunk(2, dim=-1)
+        return (torch.nn.functional.silu(g) * u).to(dt)
+    if into is None:
+        return y
+    into.copy_((into.float() + y.float()).to(dt))
+    if norm is None:
+        return into
+    return into, (into.float() * norm[0].float()).to(dt)

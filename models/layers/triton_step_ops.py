@@ -32,7 +32,13 @@ from models.attention.triton_ops import (  # noqa: F401 (ask_l2: the kernels')
 )
 from models.layers.triton_gemv import GemvConfig, gemv, gemv_reference
 from models.layers.triton_small_gemm import MAX_ROWS as SMALL_MAX_ROWS
-from models.layers.triton_small_gemm import SmallGemmConfig, small_gemm
+from models.layers.triton_small_gemm import (
+    Normed,
+    SmallGemmConfig,
+    prenorm,
+    small_gemm,
+    small_gemm_reference,
+)
 from models.layers.triton_small_gemm import fits as small_gemm_fits
 
 
@@ -195,8 +201,9 @@ class StepOps:
 
     def takes_layer(self, layer: torch.nn.Module, x: torch.Tensor, whole: bool) -> bool:
         """Whether a decoder layer's step runs as a chain of kernels that carry its norms,
-        activation and residual adds (`DecoderLayer.fused_layer`): GEMVs for one row (`gemv`),
-        small GEMMs for at most MAX_ROWS (`small`; one row too where the GEMVs are off). The
+        activation and residual adds: GEMVs for one row (`gemv`, DecoderLayer.gemv_layer),
+        small GEMMs for at most MAX_ROWS (`small`, DecoderLayer.small_layer; one row too where
+        the GEMVs are off). The
         rows contiguous, of a GPU's dtype, a whole model (whole: no shards' sums between the
         projections), SiLU, and the projections' weights row-major, of x's dtype."""
         rows = x.shape[0]
@@ -214,17 +221,20 @@ class StepOps:
         projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         return all(p.weight.is_contiguous() and p.weight.dtype == x.dtype for p in projections)
 
-    def project(self, linear: torch.nn.Linear, x: torch.Tensor, **ops) -> torch.Tensor:
-        """A fused layer's projection with the ops beside it (triton_gemv.gemv's): a GEMV for
-        one row where the GEMVs are on, else a small GEMM."""
-        if x.shape[0] == 1 and self.gemv_config is not None:
+    def gemv_takes(self, x: torch.Tensor) -> bool:
+        """Whether a fused layer of x's rows runs as GEMVs (else as small GEMMs)."""
+        return x.shape[0] == 1 and self.gemv_config is not None
+
+    def project(self, linear: torch.nn.Linear, x: torch.Tensor | Normed, **ops):
+        """A fused layer's projection with the ops beside it: a GEMV for one row where the
+        GEMVs are on (triton_gemv.gemv's ops), else a small GEMM (triton_small_gemm's)."""
+        if isinstance(x, torch.Tensor) and self.gemv_takes(x):
             return gemv(linear, x, config=self.gemv_config, pdl=self.pdl, **ops)
         return small_gemm(linear, x, self.small_config, **ops)
 
-    def glu_for(self, x: torch.Tensor) -> bool:
-        """Whether gate_up's kernel makes SiLU * up for a fused layer of x's rows (the small
-        GEMMs always do; the GEMVs with `glu`), else the down GEMV computes it."""
-        return self.glu or not (x.shape[0] == 1 and self.gemv_config is not None)
+    def prenorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> Normed:
+        """The first layer's norm input for its small GEMMs (triton_small_gemm.prenorm)."""
+        return prenorm(x, weight, eps)
 
     def linear(self, linear: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         """linear(x): a small GEMM where one takes it (`small`: at most 16 rows, a row-major
@@ -333,23 +343,25 @@ def _gemv_checks(ops: StepOps, g: torch.Generator, device: torch.device, dtype: 
 
 def _small_gemm_checks(ops: StepOps, g: torch.Generator, device: torch.device, dtype):
     """(name, the small GEMM's result, the reference's) for 5 and 16 rows of `check_width`
-    columns: a plain one with a bias (ops.linear), and a fused layer's three kinds (after an
-    add + norm, into the residual, making SiLU * up)."""
+    columns: a plain one with a bias (ops.linear), and a small layer's three kinds (after a
+    norm, into the residual handing the next norm its input, making SiLU * up)."""
     k = check_width(device)
     lin, sq = (_check_linear(k, rows, g, device, dtype) for rows in (320, k))
     biased = _check_linear(k, 320, g, device, dtype, bias=True)
     norm = (torch.randn(k, generator=g, device=device).to(dtype), 1e-5)
     checks = []
     for m in (5, 16):
-        x, h, r = (torch.randn(m, k, generator=g, device=device).to(dtype) for _ in range(3))
-        c = ops.small_config
+        x, r = (torch.randn(m, k, generator=g, device=device).to(dtype) for _ in range(2))
+        c, normed = ops.small_config, prenorm(x, *norm)
+        stream, nxt = small_gemm_reference(sq, x, into=r.clone(), norm=norm)
+        got = small_gemm(sq, x, c, into=(into := r.clone()), norm=norm)
         checks += [
             (f"small GEMM of {m} rows", ops.linear(biased, x), biased(x)),
-            (f"small GEMM of {m} rows after a norm", small_gemm(lin, x, c, norm=norm, h=h),
-             gemv_reference(lin, x, norm=norm, h=h)),
-            (f"small GEMM of {m} rows into the residual", small_gemm(sq, x, c, into=r.clone(), h=h),
-             gemv_reference(sq, x, into=r.clone(), h=h)),
-            (f"small GEMM of {m} rows making SiLU * up", small_gemm(lin, x, c, norm=norm, glu=True),
-             gemv_reference(lin, x, norm=norm, glu=True)),
+            (f"small GEMM of {m} rows after a norm", small_gemm(lin, normed, c),
+             small_gemm_reference(lin, x, pre=norm)),
+            (f"small GEMM of {m} rows into the residual", into, stream),
+            (f"the next norm's rows out of {m} rows' residual add", got.rows, nxt),
+            (f"small GEMM of {m} rows making SiLU * up", small_gemm(lin, normed, c, glu=True),
+             small_gemm_reference(lin, x, pre=norm, glu=True)),
         ]  # fmt: skip
     return checks

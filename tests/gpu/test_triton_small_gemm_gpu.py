@@ -10,7 +10,12 @@ import pytest
 import torch
 
 from models.layers.triton_gemv import gemv_reference
-from models.layers.triton_small_gemm import SmallGemmConfig, small_gemm
+from models.layers.triton_small_gemm import (
+    SmallGemmConfig,
+    prenorm,
+    small_gemm,
+    small_gemm_reference,
+)
 from tests.gpu.common import GPU
 from tests.gpu.test_triton_gemv_gpu import HIDDEN, INTER
 
@@ -46,16 +51,21 @@ def test_the_small_gemm_is_cublas_linear(name):
 
 
 FUSED = {  # name -> (out, in, the ops)
-    "qkv after add + norm": (6144, HIDDEN, "norm+h"),
-    "o into the stream (+ h)": (HIDDEN, HIDDEN, "into+h"),
-    "gate_up making SiLU * up": (2 * INTER, HIDDEN, "norm+glu"),
-    "qkv with a bias after the norm (Qwen2)": (4608, 3584, "norm+bias"),
-    "ragged gate_up making SiLU * up (Gemma 3 1B's)": (2 * 6912, 1152, "norm+glu"),
+    "qkv after the norm": (6144, HIDDEN, "pre"),
+    "o into the stream, the next norm's input out": (HIDDEN, HIDDEN, "into+norm"),
+    "gate_up making SiLU * up after the norm": (2 * INTER, HIDDEN, "pre+glu"),
+    "down into the stream": (HIDDEN, INTER, "into"),
+    "qkv with a bias after the norm (Qwen2)": (4608, 3584, "pre+bias"),
+    "ragged gate_up making SiLU * up (Gemma 3 1B's)": (2 * 6912, 1152, "pre+glu"),
 }
 
 
 @pytest.mark.parametrize("name", list(FUSED))
 def test_each_fused_kind_is_the_unfused_chain(name):
+    """Against the kernel's own roundings (small_gemm_reference: a bf16 step apart at most,
+    the sums' order), and after a norm against the unfused chain's too (triton_gemv.
+    gemv_reference: the normalized row rounded before the products, where the kernel rounds x
+    times the norm's weight)."""
     n, k, kind = FUSED[name]
     g = torch.Generator("cuda").manual_seed(n + k)
     lin = torch.nn.Linear(k, n, bias="bias" in kind, device="cuda", dtype=torch.bfloat16)
@@ -63,25 +73,38 @@ def test_each_fused_kind_is_the_unfused_chain(name):
         lin.weight.copy_(torch.randn(n, k, device="cuda", generator=g) * k**-0.5)
         if lin.bias is not None:
             lin.bias.copy_(torch.randn(n, device="cuda", generator=g))
-    nw = (1 + 0.1 * torch.randn(k, device="cuda", generator=g)).bfloat16()
+    norm = ((1 + 0.1 * torch.randn(max(n, k), device="cuda", generator=g)).bfloat16(), 1e-5)
+    glu = kind.endswith("glu")
     for m in (1, 3, 8, 16):
-        x, h = (torch.randn(m, k, device="cuda", generator=g).bfloat16() for _ in range(2))
-        ops: dict = {"h": h} if "+h" in kind else {}
-        if kind.startswith("norm"):
-            ops["norm"] = (nw, 1e-5)
-            x = x * 20  # a residual stream far from unit scale
-        if kind.endswith("glu"):
-            ops["glu"] = True
-        stream = torch.randn(m, n, device="cuda", generator=g).bfloat16()
+        x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+        stream = torch.randn(m, n, device="cuda", generator=g).bfloat16() * 20
         for tiling in ("16:128:4:6", "64:128:4:4", "32:256:4:4"):
-            into = {"into": stream.clone()} if "into" in kind else {}
-            got = small_gemm(lin, x, SmallGemmConfig.parse(tiling), **ops, **into)
-            into = {"into": stream.clone()} if "into" in kind else {}
-            want = gemv_reference(lin, x, **ops, **into)
-            # fp32 sums in another order than cuBLAS's and, after a norm, x rounded before
-            # its 1 / rms applies: the output a bf16 step or two apart (2**-6 of it); into the
-            # stream, a step of the output (|y| < 4: 2**-5) added to the stream's value; GLU:
-            # a step of gate or up, then the activation's own rounding
-            atol = 2**-5 if into else 4e-3
-            rtol = 2**-5 if ops.get("glu") else 2**-6
-            torch.testing.assert_close(got, want, rtol=rtol, atol=atol, msg=f"{tiling} {m}")
+            c = SmallGemmConfig.parse(tiling)
+
+            def msg(text, tiling=tiling, m=m):
+                return f"{tiling}, {m} rows: {text}"
+
+            if kind.startswith("pre"):
+                x20, nw = x * 20, (norm[0][:k], norm[1])  # a residual stream far from unit scale
+                got = small_gemm(lin, prenorm(x20, *nw), c, glu=glu)
+                own = small_gemm_reference(lin, x20, pre=nw, glu=glu)
+                # a bf16 step of the output (2**-7 of it); GLU: a step of gate or up, then the
+                # activation's own rounding
+                rtol = 2**-6 if glu else 2**-7
+                torch.testing.assert_close(got, own, rtol=rtol, atol=2e-3, msg=msg)
+                # x rounded at another scale than the chain's normalized row: its products'
+                # rounding errors, summed over K (|y| about 1), apart
+                chain = gemv_reference(lin, x20, norm=nw, glu=glu)
+                torch.testing.assert_close(got, chain, rtol=2**-5, atol=3e-2, msg=msg)
+                continue
+            into = stream.clone()
+            ops = {"norm": (norm[0][:n], norm[1])} if kind == "into+norm" else {}
+            got = small_gemm(lin, x, c, into=into, **ops)
+            want = small_gemm_reference(lin, x, into=stream.clone(), **ops)
+            if ops:  # the stream in place, and the next norm's input out
+                want, rows = want
+                torch.testing.assert_close(got.rows, rows, rtol=2**-7, atol=2e-3, msg=msg)
+                squares = got.squares.sum(0)[:m]
+                torch.testing.assert_close(squares, want.float().pow(2).sum(-1), msg=msg)
+            # a step of the output (|y| < 4: 2**-5) added to the stream's value
+            torch.testing.assert_close(into, want, rtol=2**-7, atol=2**-5, msg=msg)

@@ -144,39 +144,47 @@ def gemv_builds():
 
 
 SMALL_GEMM_TYPES = {
-    **dict.fromkeys(("x_ptr", "w_ptr", "b_ptr", "out_ptr", "h_ptr", "nw_ptr"), "*bf16"),
+    **dict.fromkeys(("x_ptr", "w_ptr", "b_ptr", "out_ptr", "nw_ptr", "xs_ptr"), "*bf16"),
+    **dict.fromkeys(("sq_ptr", "sq_out_ptr"), "*fp32"),
     "eps": "fp32",
 }
 
 
 def small_gemm_builds():
     """A few-row step's projections (triton_small_gemm) for Llama-3.1-8B's shapes, and Qwen2's
-    qkv with its bias, under the default tiling, plain and as a fused layer's (after an add +
-    norm, into the residual stream, gate_up making SiLU * up under the wide tiling): products
-    on the tensor cores, W's tiles fetched asynchronously into shared memory (the loop
-    pipelined)."""
-    fn = triton_small_gemm._build(False)
+    qkv with its bias, under the default tiling, plain and as a small layer's (after a norm,
+    into the residual stream with the next norm's input out, gate_up making SiLU * up under
+    the wide tiling); the first layer's prenorm: products on the tensor cores, W's tiles
+    fetched asynchronously into shared memory (the loop pipelined)."""
+    fn, prenorm = triton_small_gemm._build(False)
     default = triton_small_gemm.SmallGemmConfig()
-    builds = (  # name, K, outputs, BIAS, NORM, HAS_H, INTO, GLU
+    builds = (  # name, K, outputs, BIAS, PRE, INTO, NEXT, GLU
         ("qkv", 4096, 6144, False, False, False, False, False),
         ("down", 14336, 4096, False, False, False, False, False),
         ("qkv+bias", 3584, 4608, True, False, False, False, False),
-        ("qkv after add + norm", 4096, 6144, False, True, True, False, False),
-        ("o into the stream", 4096, 4096, False, False, True, True, False),
-        ("gate_up making SiLU * up", 4096, 28672, False, True, False, False, True),
+        ("qkv after the norm", 4096, 6144, False, True, False, False, False),
+        ("o into the stream, the next norm's input out", 4096, 4096, False, False, True, True,
+         False),
+        ("gate_up making SiLU * up after the norm", 4096, 28672, False, True, False, False, True),
+        ("down into the stream", 14336, 4096, False, False, True, False, False),
         ("qkv+bias after the norm", 3584, 4608, True, True, False, False, False),
-    )
-    for name, k, n, bias, norm, has_h, into, glu in builds:
+    )  # fmt: skip
+    for name, k, n, bias, pre, into, nxt, glu in builds:
         c = default.for_outputs(n)
         block_n = max(16, c.block_n // 2) if glu else c.block_n
         const = dict(K=k, BLOCK_M=triton_small_gemm.MAX_ROWS, BLOCK_N=block_n,
                      BLOCK_K=c.block_k, EVEN_K=k % c.block_k == 0, BIAS=bias, DOT_F32=False,
-                     NORM=norm, HAS_H=has_h, INTO=into, GLU=glu)  # fmt: skip
+                     PRE=pre, INTO=into, NEXT=nxt, GLU=glu,
+                     PARTS_BLOCK=triton_small_gemm.PARTS_BLOCK)  # fmt: skip
         b = compile_for_hopper(fn, SMALL_GEMM_TYPES, const, num_warps=c.warps, num_stages=c.stages)
         ptx = b.asm["ptx"]
         assert re.search(r"\bw?mma\b|mma\.sync", ptx), name
-        assert "cp.async.cg" in ptx, name
+        # W's tiles (gate's and up's) asynchronous copies, in the loop as before it
+        copies = b.asm["ttgir"].count("async_copy_global_to_local")
+        assert copies == c.stages * (2 if glu else 1), (name, copies)
         yield f"small gemm {name}", b
+    const = dict(BLOCK_M=triton_small_gemm.MAX_ROWS, BLOCK_N=triton_small_gemm.PRENORM_BLOCK)
+    yield "prenorm", compile_for_hopper(prenorm, SMALL_GEMM_TYPES, const, num_warps=4)
 
 
 def build_decode(share: int = 0, shares: int = 1) -> int:

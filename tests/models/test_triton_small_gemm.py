@@ -17,9 +17,12 @@ from models.layers.triton_small_gemm import (
     MAX_ROWS,
     WIDE,
     WIDE_OUTPUTS,
+    Normed,
     SmallGemmConfig,
     fits,
+    prenorm,
     small_gemm,
+    small_gemm_reference,
 )
 from tests.models.test_triton_step_ops import cached_decode_step
 
@@ -58,51 +61,75 @@ def test_the_small_gemm_is_torchs_linear(m, n, k, bias, config):
     torch.testing.assert_close(small_gemm(lin, wide[:, :k], config), lin(wide[:, :k]))
 
 
-KINDS = ["norm", "norm+h", "into", "into+h", "norm+glu", "plain+glu"]
+KINDS = ["pre", "into", "into+norm", "pre+glu", "glu"]
 
 
 @pytest.mark.parametrize("m,n,k,bias,config", SHAPES)
 @pytest.mark.parametrize("kind", KINDS)
 def test_each_fused_kind_is_the_unfused_chain(m, n, k, bias, config, kind):
-    """After an add + RMSNorm, into the residual stream (+ h), making SiLU * up (gate rows,
-    then up rows): the chain's torch ops (triton_gemv.gemv_reference) in fp32."""
+    """After an RMSNorm (x a Normed: 1 / rms applied to the sums), into the residual stream
+    (handing the next norm its input), making SiLU * up (gate rows, then up rows): the
+    kernel's roundings (small_gemm_reference), and in fp32 the unfused chain's torch ops
+    (triton_gemv.gemv_reference)."""
     g = torch.Generator().manual_seed(m * n * k + len(kind))
     into, glu = kind.startswith("into"), kind.endswith("glu")
     lin = linear(k if into else 2 * n if glu else n, k, bias, g)
-    x = torch.randn(m, k, generator=g)
-    ops: dict = {"h": torch.randn(m, k, generator=g) if kind.endswith("+h") else None}
-    if kind.startswith("norm"):
-        ops["norm"] = (1 + 0.1 * torch.randn(k, generator=g), 1e-5)
-    if glu:
-        ops["glu"] = True
-    r = torch.randn(m, k, generator=g)
-    got = small_gemm(lin, x, config, **ops, **({"into": r.clone()} if into else {}))
-    want = gemv_reference(lin, x, **ops, **({"into": r.clone()} if into else {}))
+    x, r = torch.randn(m, k, generator=g), torch.randn(m, k, generator=g)
+    norm = (1 + 0.1 * torch.randn(k, generator=g), 1e-5)
+    if kind.startswith("pre"):
+        got = small_gemm(lin, prenorm(x, *norm), config, glu=glu)
+        want = small_gemm_reference(lin, x, pre=norm, glu=glu)
+        chain = gemv_reference(lin, x, norm=norm, glu=glu)
+        torch.testing.assert_close(want, chain, rtol=1e-5, atol=1e-5)
+    elif kind == "glu":
+        got, want = small_gemm(lin, x, config, glu=True), small_gemm_reference(lin, x, glu=True)
+    else:
+        stream = r.clone()
+        ops = {"norm": norm} if kind == "into+norm" else {}
+        got = small_gemm(lin, x, config, into=stream, **ops)
+        want = small_gemm_reference(lin, x, into=r.clone(), **ops)
+        if kind == "into+norm":  # the stream in place, and the next norm's input out
+            want, rows = want
+            assert isinstance(got, Normed) and got.eps == norm[1]
+            torch.testing.assert_close(got.rows, rows, rtol=1e-5, atol=1e-5)
+            squares = got.squares.sum(0)
+            torch.testing.assert_close(squares[:m], want.pow(2).sum(-1), rtol=1e-5, atol=1e-5)
+            assert (squares[m:] == 0).all()
+            got = stream
+        assert got is stream
     assert got.shape == want.shape == (m, k if into else n)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    if into:  # in place: the stream's tensor holds the sum
-        stream = r.clone()
-        assert small_gemm(lin, x, config, into=stream, h=ops["h"]) is stream
+
+
+def test_prenorm_scales_the_rows_and_sums_their_squares():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 600, generator=g)  # two whole parts and a ragged one
+    w = torch.randn(600, generator=g)
+    normed = prenorm(x, w, 1e-6)
+    assert normed.squares.shape == (3, MAX_ROWS) and normed.eps == 1e-6
+    torch.testing.assert_close(normed.rows, x * w)
+    torch.testing.assert_close(normed.squares.sum(0)[:5], x.pow(2).sum(-1))
+    assert (normed.squares[:, 5:] == 0).all()
 
 
 def test_bf16_rounds_about_where_the_chain_rounds():
-    """In bf16: the norm's 1 / rms applies to the sums (x scaled by the norm's weight is
-    rounded before the products, where the chain rounds the normalized row: a bf16 step apart
-    at most), the output rounded before the residual's add and each add after it, gate_up's
-    outputs before the activation."""
+    """In bf16: x times the norm's weight rounded before the products (the chain rounds the
+    normalized row: a bf16 step apart at most), the output rounded before the residual's add
+    and the add after it, gate_up's outputs before the activation."""
     g = torch.Generator().manual_seed(1)
     lin = linear(128, 512, False, g).bfloat16()
     sq = linear(512, 512, False, g).bfloat16()
-    x, h, r = (torch.randn(5, 512, generator=g).bfloat16() for _ in range(3))
-    nw = (1 + 0.1 * torch.randn(512, generator=g)).bfloat16()
+    x, r = (torch.randn(5, 512, generator=g).bfloat16() for _ in range(2))
+    norm = ((1 + 0.1 * torch.randn(512, generator=g)).bfloat16(), 1e-5)
     c = SmallGemmConfig(32, 128)
     stream = x * 30  # a residual stream far from unit scale
-    for ops in ({"norm": (nw, 1e-5), "h": h}, {"norm": (nw, 1e-5), "glu": True}):
-        got, want = small_gemm(lin, stream, c, **ops), gemv_reference(lin, stream, **ops)
+    for glu in (False, True):
+        got = small_gemm(lin, prenorm(stream, *norm), c, glu=glu)
+        want = gemv_reference(lin, stream, norm=norm, glu=glu)
         assert got.dtype == torch.bfloat16 and got.shape == want.shape
         torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
-    got = small_gemm(sq, x, c, into=r.clone(), h=h)
-    want = gemv_reference(sq, x, into=r.clone(), h=h)
+    got = small_gemm(sq, x, c, into=r.clone())
+    want = gemv_reference(sq, x, into=r.clone())
     torch.testing.assert_close(got.float(), want.float(), rtol=2**-6, atol=2e-2)
 
 
@@ -132,8 +159,8 @@ def test_what_it_refuses():
     torch.testing.assert_close(ops.linear(s, x), s(x))  # through its own forward
     with pytest.raises(AssertionError, match="at most 16 rows"):
         small_gemm(lin, torch.randn(MAX_ROWS + 1, 64))
-    with pytest.raises(AssertionError):  # h of the wrong shape
-        small_gemm(lin, x, norm=(torch.ones(64), 1e-5), h=torch.randn(3, 64))
+    with pytest.raises(AssertionError, match="residual add"):  # a norm's input out of nothing
+        small_gemm(lin, x, norm=(torch.ones(64), 1e-5))
 
 
 def test_the_tiling_knob():
@@ -162,17 +189,24 @@ def test_load_step_ops_checks_the_small_gemm():
 @torch.no_grad()
 def test_a_three_row_forward_runs_its_layers_as_fused_small_gemms():
     """The tiny Llama in bf16, a decode step of three rows over a cached prompt: every layer as
-    four small GEMMs carrying its norms, residual adds and SiLU * up (the first layer's stream
-    the embeddings), against the model's own forward."""
+    four small GEMMs carrying its norms, residual adds and SiLU * up (the first layer's norm
+    input made by prenorm from the embeddings, each later one's by the add before it),
+    against the model's own forward."""
     lm, caches, saved, step, ids, pos, plain = cached_decode_step(3)
     cfg = lm.config
     calls, plain_calls = [], []
 
     class Counting(triton_step_ops.StepOps):
         def project(self, linear, x, **ops):
-            assert x.shape[0] == 3
-            calls.append(sorted(k for k, v in ops.items() if v is not None and v is not False))
+            kinds = ["normed"] if isinstance(x, Normed) else []
+            calls.append(
+                kinds + sorted(k for k, v in ops.items() if v is not None and v is not False)
+            )
             return super().project(linear, x, **ops)
+
+        def prenorm(self, x, weight, eps):
+            calls.append(["prenorm"])
+            return super().prenorm(x, weight, eps)
 
         def linear(self, linear, x):
             plain_calls.append(tuple(linear.weight.shape))
@@ -183,9 +217,10 @@ def test_a_three_row_forward_runs_its_layers_as_fused_small_gemms():
     ops = Counting(norms=False, small=SmallGemmConfig(16, 32))
     ctx = ForwardContext(attn=TorchPagedAttention(caches, step), step_ops=ops)
     got = lm.model(ids, pos, ctx)
-    first = [["norm"], ["into"], ["glu", "norm"], []]  # the stream: the embeddings, no h yet
-    later = [["h", "norm"], ["h", "into"], ["glu", "norm"], []]
-    assert calls == first + later * (cfg.num_layers - 1) and plain_calls == []
+    layer = [["normed"], ["into", "norm"], ["normed", "glu"], ["into", "norm"]]
+    last = [["normed"], ["into", "norm"], ["normed", "glu"], ["into"]]  # the final norm: its own
+    assert calls == [["prenorm"]] + layer * (cfg.num_layers - 1) + last
+    assert plain_calls == []
     rel = (got.float() - plain.float()).norm() / plain.float().norm()
     assert rel < 2e-2, float(rel)  # bf16 sums in another order, over the layers
     # one row with the GEMVs off: the small GEMMs too; a tensor-parallel shard's layers
