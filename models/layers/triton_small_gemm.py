@@ -20,7 +20,8 @@ kernels and the attention, where eight ran (as the one-row GEMVs, models.layers.
   1 / rms of each row, from the parts, scales the sums after it. So no program normalizes x
   in its loop: work on x there (a norm's every program, at every step of K) cost more than the
   norm's own kernel (docs/BENCHMARKS.md);
-- SiLU * up of its outputs (`glu`): a program's gate rows and as many up rows, two sums.
+- SiLU * up of its outputs (`glu`): a program's rows of W gate and up rows by turns, the pairs
+  split after the loop.
 
 Numerics: x times the norm's weight is rounded to the model's dtype before the products, where
 the unfused chain rounds the normalized row (a rounding at another scale: the same error
@@ -103,20 +104,24 @@ def _build(interpret: bool):
         INTO: tl.constexpr, NEXT: tl.constexpr, GLU: tl.constexpr, PARTS_BLOCK: tl.constexpr,
     ):  # fmt: skip
         # program i: out[:m, cols] = x[:m] @ W[cols]^T, cols = i * BLOCK_N + [0, BLOCK_N); with
-        # GLU, out[:m, cols] = silu(x W[cols]^T) * (x W[n + cols]^T), BLOCK_N gate rows and as
-        # many up rows a program
+        # GLU, out[:m, cols] = silu(x W[cols]^T) * (x W[n + cols]^T), cols = i * BLOCK_N / 2 +
+        # [0, BLOCK_N / 2), the program's rows of W interleaved gate, up, gate, up ..
         pid = tl.program_id(0)
-        cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        cm = cols < n
+        jj = tl.arange(0, BLOCK_N)
+        if GLU:
+            rows = pid * (BLOCK_N // 2) + jj // 2
+            cm = rows < n
+            rows += (jj % 2) * n
+        else:
+            rows = pid * BLOCK_N + jj
+            cm = rows < n
         r = tl.arange(0, BLOCK_M)
         rmask = r < m
         kk0 = tl.arange(0, BLOCK_K)
         dt = out_ptr.dtype.element_ty
-        w_rows = w_ptr + cols[:, None].to(tl.int64) * K
-        up_rows = w_ptr + (cols + n)[:, None].to(tl.int64) * K
+        w_rows = w_ptr + rows[:, None].to(tl.int64) * K
         x_rows = x_ptr + r[None, :] * sx
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + kk0
             if EVEN_K:
@@ -127,19 +132,10 @@ def _build(interpret: bool):
             # is not an asynchronous copy (one stage)
             w = tl.load(w_rows + kk[None, :], mask=wm, other=0.0, eviction_policy="evict_first")
             xt = tl.load(x_rows + kk[:, None], mask=xm, other=0.0)  # [BLOCK_K, BLOCK_M]
-            if GLU:
-                u = tl.load(
-                    up_rows + kk[None, :], mask=wm, other=0.0, eviction_policy="evict_first"
-                )
             if DOT_F32:  # the interpreter: no bf16 arithmetic, exact fp32 products
-                xt = xt.to(tl.float32)
-                acc = tl.dot(w.to(tl.float32), xt, acc, input_precision="ieee")
-                if GLU:
-                    acc_up = tl.dot(u.to(tl.float32), xt, acc_up, input_precision="ieee")
+                acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
             else:
                 acc = tl.dot(w, xt, acc)
-                if GLU:
-                    acc_up = tl.dot(u, xt, acc_up)
         if PRE:  # x: rows scaled by the norm's weight; 1 / rms of each from its parts' squares
             pp0 = tl.arange(0, PARTS_BLOCK)
             total = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -150,16 +146,17 @@ def _build(interpret: bool):
                 total += tl.sum(part, 0)
             inv = 1.0 / tl.sqrt(total / K + eps)
             acc = acc * inv[None, :]
-            acc_up = acc_up * inv[None, :]
         if BIAS:
-            acc += tl.load(b_ptr + cols, mask=cm, other=0.0).to(tl.float32)[:, None]
-            if GLU:
-                acc_up += tl.load(b_ptr + n + cols, mask=cm, other=0.0).to(tl.float32)[:, None]
+            acc += tl.load(b_ptr + rows, mask=cm, other=0.0).to(tl.float32)[:, None]
         y = acc.to(dt)
         if GLU:  # rounded as the unfused chain: gate_up's outputs, then the activation
-            g = y.to(tl.float32)
-            u = acc_up.to(dt).to(tl.float32)
+            pair = tl.permute(tl.reshape(y.to(tl.float32), (BLOCK_N // 2, 2, BLOCK_M)), (0, 2, 1))
+            g, u = tl.split(pair)  # [BLOCK_N / 2, BLOCK_M] each
             y = (g / (1.0 + tl.exp(-g)) * u).to(dt)
+            cols = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+            cm = cols < n
+        else:
+            cols = rows
         at = out_ptr + r[None, :] * so + cols[:, None]
         om = cm[:, None] & rmask[None, :]
         if INTO:  # the residual stream: out + y, rounded as the unfused chain's add
@@ -267,12 +264,10 @@ def small_gemm(
     assert norm is None or into is not None, "a norm's input comes out of a residual add"
     assert not glu or n % 2 == 0
     c = config.for_outputs(n)
-    if glu:  # a program's gate rows (at least tl.dot's 16) and as many up rows
+    block_n = c.block_n  # rows of W a program; with glu, half of them gate rows
+    if glu:
         n //= 2
-        block_n = max(16, c.block_n // 2)
-    else:
-        block_n = c.block_n
-    grid = -(-n // block_n)
+    grid = -(-n // (block_n // 2 if glu else block_n))
     out = into if into is not None else torch.empty(m, n, dtype=x.dtype, device=x.device)
     sq = normed.squares if normed is not None else x
     nxt = None

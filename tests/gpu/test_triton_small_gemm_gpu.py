@@ -103,7 +103,8 @@ def test_each_fused_kind_is_the_unfused_chain(name):
             want = small_gemm_reference(lin, x, into=stream.clone(), **ops)
             if ops:  # the stream in place, and the next norm's input out
                 want, rows = want
-                torch.testing.assert_close(got.rows, rows, rtol=2**-7, atol=2e-3, msg=msg)
+                # (the stream's values a step apart, as below, then scaled)
+                torch.testing.assert_close(got.rows, rows, rtol=2**-7, atol=2**-5, msg=msg)
                 squares = got.squares.sum(0)[:m]
                 torch.testing.assert_close(squares, want.float().pow(2).sum(-1), msg=msg)
             # a step of the output (|y| < 4: 2**-5) added to the stream's value
