@@ -170,8 +170,9 @@ def triton_small_gemm() -> tuple[int, ...] | None:
     layer as four Triton small GEMMs carrying its norms, activation and residual adds
     (models.layers.triton_small_gemm; other layers their projections), not cuBLAS's:
     PRISM_TRITON_SMALL_GEMM=1, or the tiling BN[:BK[:WARPS[:STAGES]]] (weight rows a program,
-    columns a loop step, warps, the loop's pipelining depth); unset or 0: off."""
-    return _tiling("PRISM_TRITON_SMALL_GEMM", "0", "BN[:BK[:WARPS[:STAGES]]]")
+    columns a loop step, warps, the loop's pipelining depth); unset: on, under the default
+    tiling; 0: off."""
+    return _tiling("PRISM_TRITON_SMALL_GEMM", "1", "BN[:BK[:WARPS[:STAGES]]]")
 
 
 def _tiling(name: str, unset: str, form: str) -> tuple[int, ...] | None:

@@ -142,7 +142,7 @@ class KernelChoice:
     # decode graphs of at most 16 sequences run their layers as Triton's small GEMMs carrying
     # the norms, activation and residual adds, under this tiling (models.layers.
     # triton_small_gemm), not cuBLAS's with kernels between them; None: cuBLAS's
-    triton_small_gemm: SmallGemmConfig | None = None
+    triton_small_gemm: SmallGemmConfig | None = SmallGemmConfig()
 
     def __post_init__(self):
         if self.prefill_backend not in PREFILL_BACKENDS:

@@ -198,12 +198,13 @@ def test_the_gemv_knob(monkeypatch):
 
 
 def test_the_small_gemm_knob(monkeypatch):
-    """PRISM_TRITON_SMALL_GEMM: off by default, 1 the default tiling, or a tiling; an engine
+    """PRISM_TRITON_SMALL_GEMM: on by default (1: the default tiling), 0 off, or a tiling; an engine
     built with it checks the kernel and its decode graphs of a few rows take it; a bad tiling is
     refused when the engine is built."""
     from models.layers.triton_small_gemm import SmallGemmConfig
 
-    assert DEFAULT_KERNELS.triton_small_gemm is None and envs.triton_small_gemm() is None
+    assert DEFAULT_KERNELS.triton_small_gemm == SmallGemmConfig()
+    assert envs.triton_small_gemm() == ()
     for v, want in (("0", None), ("1", ()), ("32:128", (32, 128)), ("16,64,2,3", (16, 64, 2, 3))):
         monkeypatch.setenv("PRISM_TRITON_SMALL_GEMM", v)
         assert envs.triton_small_gemm() == want
