@@ -70,7 +70,8 @@ class Engine:
         check_host_budget(config, self.device)
         self.policy = policy(config.policy)
         splits, stages, waves, wide_tile, pdl, warps = envs.triton_decode()
-        small = envs.triton_small_gemm()
+        cuda = self.device.type == "cuda"
+        small = envs.triton_small_gemm(torch.cuda.get_device_name(self.device) if cuda else "")
         kernels = KernelChoice(
             decode_tensor_cores=envs.decode_tensor_cores(),
             prefill_backend=envs.prefill_backend(),

@@ -165,14 +165,20 @@ def triton_gemv_glu() -> bool:
     return _flag("PRISM_TRITON_GEMV_GLU", True)
 
 
-def triton_small_gemm() -> tuple[int, ...] | None:
+# GPUs whose decode took longer with the small GEMMs under the default tiling than with
+# cuBLAS's (docs/BENCHMARKS.md: batch 16 on the H200 x1.028; on the H100 x0.959)
+SMALL_GEMM_SLOWER_ON = ("H200",)
+
+
+def triton_small_gemm(device_name: str = "") -> tuple[int, ...] | None:
     """Decode graphs of 2 to 16 sequences (and of one where the GEMVs are off) run each Llama
     layer as four Triton small GEMMs carrying its norms, activation and residual adds
     (models.layers.triton_small_gemm; other layers their projections), not cuBLAS's:
     PRISM_TRITON_SMALL_GEMM=1, or the tiling BN[:BK[:WARPS[:STAGES]]] (weight rows a program,
-    columns a loop step, warps, the loop's pipelining depth); unset: on, under the default
-    tiling; 0: off."""
-    return _tiling("PRISM_TRITON_SMALL_GEMM", "1", "BN[:BK[:WARPS[:STAGES]]]")
+    columns a loop step, warps, the loop's pipelining depth); 0: off; unset: on, under the
+    default tiling, but off on the GPUs of SMALL_GEMM_SLOWER_ON (device_name: the GPU's name)."""
+    slower = any(name in device_name for name in SMALL_GEMM_SLOWER_ON)
+    return _tiling("PRISM_TRITON_SMALL_GEMM", "0" if slower else "1", "BN[:BK[:WARPS[:STAGES]]]")
 
 
 def _tiling(name: str, unset: str, form: str) -> tuple[int, ...] | None:

@@ -141,7 +141,8 @@ class KernelChoice:
     triton_gemv_glu: bool = True
     # decode graphs of at most 16 sequences run their layers as Triton's small GEMMs carrying
     # the norms, activation and residual adds, under this tiling (models.layers.
-    # triton_small_gemm), not cuBLAS's with kernels between them; None: cuBLAS's
+    # triton_small_gemm), not cuBLAS's with kernels between them; None: cuBLAS's (the engine's
+    # choice on an H200, where they measured slower: prism_server.envs.triton_small_gemm)
     triton_small_gemm: SmallGemmConfig | None = SmallGemmConfig()
 
     def __post_init__(self):
