@@ -93,7 +93,7 @@ class Engine:
             triton_step_ops=envs.triton_step_ops(),
             triton_gemv=None if (gemv := envs.triton_gemv()) is None else GemvConfig(*gemv),
             triton_gemv_glu=envs.triton_gemv_glu(),
-            triton_small_gemm=None if small is None else SmallGemmConfig(*small),
+            triton_small_gemm=None if small is None else SmallGemmConfig.parse(small),
         )
         # one page pool and one engine thread per device: each GPU of devices (cuda:0 ..), or
         # several emulated CPU devices (each its own pool and thread), for the multi-device

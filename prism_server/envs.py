@@ -4,6 +4,7 @@ engine is built, and passed down as values: nothing below prism_server reads the
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 
@@ -170,15 +171,25 @@ def triton_gemv_glu() -> bool:
 SMALL_GEMM_SLOWER_ON = ("H200",)
 
 
-def triton_small_gemm(device_name: str = "") -> tuple[int, ...] | None:
+def triton_small_gemm(device_name: str = "") -> str | None:
     """Decode graphs of 2 to 16 sequences (and of one where the GEMVs are off) run each Llama
     layer as four Triton small GEMMs carrying its norms, activation and residual adds
     (models.layers.triton_small_gemm; other layers their projections), not cuBLAS's:
     PRISM_TRITON_SMALL_GEMM=1, or the tiling BN[:BK[:WARPS[:STAGES]]] (weight rows a program,
-    columns a loop step, warps, the loop's pipelining depth); 0: off; unset: on, under the
-    default tiling, but off on the GPUs of SMALL_GEMM_SLOWER_ON (device_name: the GPU's name)."""
+    columns a loop step, warps, the loop's pipelining depth), optionally /BN:BK:WARPS:STAGES
+    for the projections of 16384 outputs and more (gate_up); 0: off; unset: on, under the
+    default tiling, but off on the GPUs of SMALL_GEMM_SLOWER_ON (device_name: the GPU's name).
+    Returns the tiling's text ("" for the default: SmallGemmConfig.parse's), or None."""
     slower = any(name in device_name for name in SMALL_GEMM_SLOWER_ON)
-    return _tiling("PRISM_TRITON_SMALL_GEMM", "0" if slower else "1", "BN[:BK[:WARPS[:STAGES]]]")
+    v = os.environ.get("PRISM_TRITON_SMALL_GEMM") or ("0" if slower else "1")
+    if v in ("0", "false", "no"):
+        return None
+    if v in ("1", "true", "yes"):
+        return ""
+    form = "BN[:BK[:WARPS[:STAGES]]][/BN:BK:WARPS:STAGES]"
+    if not re.fullmatch(r"\d+([:,]\d+){0,3}(/\d+([:,]\d+){0,3})?", v):
+        raise ValueError(f"PRISM_TRITON_SMALL_GEMM must be 0, 1 or {form}, got {v!r}")
+    return v
 
 
 def _tiling(name: str, unset: str, form: str) -> tuple[int, ...] | None:

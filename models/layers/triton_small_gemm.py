@@ -46,7 +46,8 @@ MAX_ROWS = 16  # the rows of x a launch takes (tl.dot's smallest tile)
 @dataclass(frozen=True)
 class SmallGemmConfig:
     """A small GEMM's tiling: weight rows a program, columns a loop step, warps, and the loop's
-    software pipelining depth (the tiles of W in flight a program)."""
+    software pipelining depth (the tiles of W in flight a program); `wide`: the tiling of the
+    projections of WIDE_OUTPUTS outputs and more (None: this one's, or WIDE for the default)."""
 
     # the tiling that led for Llama-3.1-8B's narrow projections at 16 rows on the H100
     # (docs/BENCHMARKS.md); as the default, it gives way to WIDE for wide ones (`for_outputs`)
@@ -54,6 +55,7 @@ class SmallGemmConfig:
     block_k: int = 128
     warps: int = 4
     stages: int = 6
+    wide: SmallGemmConfig | None = None
 
     def __post_init__(self):
         for name in ("block_n", "block_k"):
@@ -64,23 +66,42 @@ class SmallGemmConfig:
             raise ValueError(
                 f"small GEMM warps {self.warps} (1..16, a power of 2), stages {self.stages}"
             )
+        if self.wide is not None and self.wide.wide is not None:
+            raise ValueError("small GEMM: a wide tiling has no wide tiling of its own")
 
     @classmethod
     def parse(cls, text: str) -> SmallGemmConfig:
-        """'BN:BK:WARPS:STAGES' (or a prefix of it; the rest default)."""
-        parts = [int(p) for p in text.replace(",", ":").split(":") if p]
-        if len(parts) > 4:
-            raise ValueError(f"small GEMM config {text!r}: at most BN:BK:WARPS:STAGES")
-        return cls(*parts)
+        """'BN:BK:WARPS:STAGES' (or a prefix of it; the rest default), optionally followed by
+        '/BN:BK:WARPS:STAGES', the wide projections' tiling; '' the default."""
+        if not text:
+            return cls()
+        narrow, sep, wide = text.partition("/")
+        tilings = []
+        for part in (narrow, wide) if sep else (narrow,):
+            try:
+                ints = [int(p) for p in part.replace(",", ":").split(":") if p]
+            except ValueError:
+                ints = []
+            if not ints or len(ints) > 4:
+                raise ValueError(
+                    f"small GEMM config {text!r}: BN:BK:WARPS:STAGES[/BN:BK:WARPS:STAGES]"
+                )
+            tilings.append(ints)
+        return cls(*tilings[0], wide=cls(*tilings[1]) if sep else None)
 
     def __str__(self) -> str:
-        return f"{self.block_n}:{self.block_k}:{self.warps}:{self.stages}"
+        wide = f"/{self.wide}" if self.wide is not None else ""
+        return f"{self.block_n}:{self.block_k}:{self.warps}:{self.stages}{wide}"
 
     def for_outputs(self, n: int) -> SmallGemmConfig:
         """The tiling for a projection of n outputs: the default one takes WIDE from
         WIDE_OUTPUTS outputs (enough programs of 64 rows to fill the GPU, each reading x
-        fewer times); any other applies as it is."""
-        return WIDE if n >= WIDE_OUTPUTS and self == SmallGemmConfig() else self
+        fewer times); any other applies as it is, but for a `wide` one's."""
+        if n < WIDE_OUTPUTS:
+            return self
+        if self.wide is not None:
+            return self.wide
+        return WIDE if self == SmallGemmConfig() else self
 
 
 # gate_up's tiling (28672 outputs) under the default: at 16 rows on the H100, 81.9 us against

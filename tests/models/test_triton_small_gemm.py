@@ -171,9 +171,17 @@ def test_the_tiling_knob():
     assert SmallGemmConfig().for_outputs(28672) == WIDE == SmallGemmConfig(64, 128, 4, 4)
     assert SmallGemmConfig().for_outputs(WIDE_OUTPUTS - 1) == SmallGemmConfig()
     assert SmallGemmConfig(32, 64).for_outputs(28672) == SmallGemmConfig(32, 64)
-    for bad in ("8", "24:64", "16:64:3", "16:64:4:0", "16:64:4:2:1"):
+    for bad in ("8", "24:64", "16:64:3", "16:64:4:0", "16:64:4:2:1", "16:64/", "16/x", "/16"):
         with pytest.raises(ValueError, match="small GEMM"):
             SmallGemmConfig.parse(bad)
+    # a wide projections' tiling after a '/': theirs, the narrow ones' the first
+    both = SmallGemmConfig.parse("32:256:4:4/64:128:4:4")
+    assert both == SmallGemmConfig(32, 256, 4, 4, wide=WIDE)
+    assert str(both) == "32:256:4:4/64:128:4:4"
+    assert both.for_outputs(28672) == WIDE and both.for_outputs(6144) is both
+    assert SmallGemmConfig.parse("") == SmallGemmConfig()
+    with pytest.raises(ValueError, match="wide tiling"):
+        SmallGemmConfig(wide=both)
 
 
 def test_load_step_ops_checks_the_small_gemm():

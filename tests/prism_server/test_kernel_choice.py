@@ -198,27 +198,35 @@ def test_the_gemv_knob(monkeypatch):
 
 
 def test_the_small_gemm_knob(monkeypatch):
-    """PRISM_TRITON_SMALL_GEMM: on by default (1: the default tiling), 0 off, or a tiling; an engine
-    built with it checks the kernel and its decode graphs of a few rows take it; a bad tiling is
-    refused when the engine is built."""
+    """PRISM_TRITON_SMALL_GEMM: on by default (1: the default tiling; off on an H200), 0 off, or
+    a tiling, with the wide projections' after a '/'; an engine built with it checks the kernel
+    and its decode graphs of a few rows take it; a bad tiling is refused when the engine is
+    built."""
     from models.layers.triton_small_gemm import SmallGemmConfig
 
     assert DEFAULT_KERNELS.triton_small_gemm == SmallGemmConfig()
-    assert envs.triton_small_gemm() == ()
+    assert envs.triton_small_gemm() == ""
     # unset: off on the GPUs where the default tiling measured slower than cuBLAS (the H200)
     assert envs.triton_small_gemm("NVIDIA H200") is None
-    assert envs.triton_small_gemm("NVIDIA H100 80GB HBM3") == ()
-    monkeypatch.setenv("PRISM_TRITON_SMALL_GEMM", "1")
-    assert envs.triton_small_gemm("NVIDIA H200") == ()
-    for v, want in (("0", None), ("1", ()), ("32:128", (32, 128)), ("16,64,2,3", (16, 64, 2, 3))):
+    assert envs.triton_small_gemm("NVIDIA H100 80GB HBM3") == ""
+    cases = (("0", None), ("1", ""), ("32:128", "32:128"), ("16,64,2,3", "16,64,2,3"),
+             ("32:256:4:4/64:128:4:4", "32:256:4:4/64:128:4:4"))  # fmt: skip
+    for v, want in cases:
         monkeypatch.setenv("PRISM_TRITON_SMALL_GEMM", v)
         assert envs.triton_small_gemm() == want
+        assert envs.triton_small_gemm("NVIDIA H200") == want  # asked: on the H200 too
     spec = ModelSpec("a", "dummy:tiny-llama", block_size=4)
-    monkeypatch.setenv("PRISM_TRITON_SMALL_GEMM", "16:64")
+    monkeypatch.setenv("PRISM_TRITON_SMALL_GEMM", "16:64/32:128")
     with Engine(EngineConfig(models=(spec,), device="cpu", page_bytes=64 << 10)) as e:
-        assert e.worker.resources.kernels.triton_small_gemm == SmallGemmConfig(16, 64)
+        want = SmallGemmConfig(16, 64, wide=SmallGemmConfig(32, 128))
+        assert e.worker.resources.kernels.triton_small_gemm == want
         e.check_integrity()
-    for bad, match in (("wide", "PRISM_TRITON_SMALL_GEMM must be"), ("8:64", "block_n 8")):
+    for bad, match in (
+        ("wide", "PRISM_TRITON_SMALL_GEMM must be"),
+        ("16:64/", "PRISM_TRITON_SMALL_GEMM must be"),
+        ("8:64", "block_n 8"),
+        ("16:64/8:64", "block_n 8"),
+    ):
         monkeypatch.setenv("PRISM_TRITON_SMALL_GEMM", bad)
         with pytest.raises(ValueError, match=match):
             Engine(EngineConfig(models=(spec,), device="cpu", page_bytes=64 << 10))
