@@ -181,25 +181,28 @@ def triton_small_gemm(device_name: str = "") -> str | None:
     default tiling, but off on the GPUs of SMALL_GEMM_SLOWER_ON (device_name: the GPU's name).
     Returns the tiling's text ("" for the default: SmallGemmConfig.parse's), or None."""
     slower = any(name in device_name for name in SMALL_GEMM_SLOWER_ON)
-    v = os.environ.get("PRISM_TRITON_SMALL_GEMM") or ("0" if slower else "1")
-    if v in ("0", "false", "no"):
-        return None
-    if v in ("1", "true", "yes"):
-        return ""
+    v = _switched("PRISM_TRITON_SMALL_GEMM", "0" if slower else "1")
     form = "BN[:BK[:WARPS[:STAGES]]][/BN:BK:WARPS:STAGES]"
-    if not re.fullmatch(r"\d+([:,]\d+){0,3}(/\d+([:,]\d+){0,3})?", v):
+    if v and not re.fullmatch(r"\d+([:,]\d+){0,3}(/\d+([:,]\d+){0,3})?", v):
         raise ValueError(f"PRISM_TRITON_SMALL_GEMM must be 0, 1 or {form}, got {v!r}")
     return v
+
+
+def _switched(name: str, unset: str) -> str | None:
+    """A kernel's knob of 0 (off: None), 1 (on: "") or anything else (its text); `unset` when
+    the variable is."""
+    v = os.environ.get(name) or unset
+    if v in ("0", "false", "no"):
+        return None
+    return "" if v in ("1", "true", "yes") else v
 
 
 def _tiling(name: str, unset: str, form: str) -> tuple[int, ...] | None:
     """A kernel's knob of 0 (off: None), 1 (on, its default tiling: ()) or a tiling of up to
     four integers (`form`); `unset` when the variable is."""
-    v = os.environ.get(name) or unset
-    if v in ("0", "false", "no"):
-        return None
-    if v in ("1", "true", "yes"):
-        return ()
+    v = _switched(name, unset)
+    if not v:
+        return None if v is None else ()
     try:
         parts = tuple(int(p) for p in v.replace(",", ":").split(":"))
     except ValueError:
