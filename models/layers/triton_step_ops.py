@@ -203,14 +203,12 @@ class StepOps:
         """Whether a decoder layer's step runs as a chain of kernels that carry its norms,
         activation and residual adds: GEMVs for one row (`gemv`, DecoderLayer.gemv_layer),
         small GEMMs for at most MAX_ROWS (`small`, DecoderLayer.small_layer; one row too where
-        the GEMVs are off). The
-        rows contiguous, of a GPU's dtype, a whole model (whole: no shards' sums between the
-        projections), SiLU, and the projections' weights row-major, of x's dtype."""
-        rows = x.shape[0]
-        one = rows == 1 and self.gemv_config is not None
-        few = 1 <= rows <= SMALL_MAX_ROWS and self.small_config is not None
+        the GEMVs are off). The rows contiguous, of a GPU's dtype, a whole model (whole: no
+        shards' sums between the projections), SiLU, and the projections' weights row-major,
+        of x's dtype."""
+        few = 1 <= x.shape[0] <= SMALL_MAX_ROWS and self.small_config is not None
         if not (
-            (one or few)
+            (self.gemv_takes(x) or few)
             and whole
             and x.is_contiguous()
             and x.dtype in (torch.bfloat16, torch.float16)
