@@ -12,9 +12,9 @@ Llama-3.1-8B's shapes, bf16, on one GPU, in the same run, for each batch of `--r
    the small GEMMs under the one tiling that led over all four projections in 1, and under the
    default tiling (SmallGemmConfig(): its wide tiling for gate_up), against the chain's floor
    (its weights' bytes over the copy rate);
-4. the same chain as the engine's fused layers run it: four small GEMMs a layer carrying the
-   add + RMSNorm, the residual's adds and SiLU * up (no kernel between them), under the default
-   tiling and the one that led in 1.
+4. the same chain as the engine's small layers run it (DecoderLayer.small_layer): four small
+   GEMMs a layer carrying the norms, the residual's adds and SiLU * up (no kernel between
+   them), under the default tiling and the one that led in 1.
 The tiling that led at the most rows is printed last ("best uniform tiling: ...").
 
     python3 scripts/bench_gpu_small_gemm.py [--rows "16 8"] [--configs "16:256:4:4"] [--json F]
