@@ -107,8 +107,9 @@ def triton_decode() -> tuple[int, int, int, bool, bool, int]:
 
 
 def fused_rope_write() -> bool:
-    """Decode steps rotate q and k and write K/V in one Triton kernel (PRISM_ROPE_WRITE,
-    default 1; 0: FlashInfer's rope, then an indexed store)."""
+    """Decode steps and steps of fresh prompts rotate q and k and write K/V in one Triton
+    kernel (PRISM_ROPE_WRITE, default 1; 0: FlashInfer's rope, then an indexed store or, for
+    prompts, FlashInfer's append)."""
     return _flag("PRISM_ROPE_WRITE", True)
 
 

@@ -10,6 +10,8 @@ window, logit soft cap: a Gemma 3 model has two) and run() once per layer.
 - Steps of fresh prompts only (every chunk starts at position 0: nothing cached before it): the
   BatchPrefillWithRaggedKVCacheWrapper over the step's own K/V tensors, causal. The K/V are
   still written to the cache, for the decodes that follow; attention does not read them back.
+  Their plan needs only the query rows, so the step builds no block index before its first
+  kernel (the host's time there is the device's idle time for a lone prompt).
 - Anything else (prefill chunks over a cached prefix, mixed with decodes): the
   BatchPrefillWithPagedKVCacheWrapper, causal (FlashInfer aligns each query chunk to the end of
   its sequence). Ragged, paged and tensor-core decode share one JIT module per (dtype, head_dim,
@@ -19,8 +21,9 @@ window, logit soft cap: a Gemma 3 model has two) and run() once per layer.
 - Decode through the Triton kernel ("triton", the default, see triton_ops) or the XQA kernel
   ("xqa", see xqa_decode): one kernel per layer, reading the block table itself (table_decode);
   a model it cannot run keeps FlashInfer's.
-- Decode steps rotate q and k and write K/V in one Triton kernel (`KernelChoice.fused_rope_write`,
-  see kv_write), where Triton runs; prefill steps keep FlashInfer's rope and append.
+- Decode steps and steps of fresh prompts rotate q and k and write K/V in one Triton kernel over
+  the step's slots (`KernelChoice.fused_rope_write`, see kv_write), where Triton runs; prefill
+  chunks over a cached prefix (and every step with it off) take FlashInfer's rope and append.
 
 NOTE: `LayerAttention.sliding_window` counts the positions attended including the query's own;
 FlashInfer's window_left excludes it, so window_left = sliding_window - 1.
@@ -29,6 +32,7 @@ FlashInfer's window_left excludes it, so window_left = sliding_window - 1.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -39,7 +43,7 @@ from models.attention import triton_ops
 from models.attention.base import AttentionMetadata, LayerAttention
 from models.attention.kv_write import RowsWriter, rope_then_write
 from models.attention.table_decode import TableDecodeAttention, TableDecodeGraphAttention
-from models.attention.upload import pinned, upload
+from models.attention.upload import host_ints, pinned, upload
 from models.attention.xqa_decode import (
     XQA_WORKSPACE_BYTES,
     XqaKernel,
@@ -98,7 +102,8 @@ class KernelChoice:
     # decode-only steps through Prism's Triton kernel (triton_ops: where Triton runs and the
     # model's head_dim is a power of 2; else FlashInfer's), FlashInfer's decode wrapper, or XQA
     decode_backend: str = "triton"
-    # decode steps' rope and K/V write in one Triton kernel (else FlashInfer's rope, then a store)
+    # the rope and K/V write of decode steps and of steps of fresh prompts in one Triton kernel
+    # (else FlashInfer's rope, then a store or, for prompts, FlashInfer's append)
     fused_rope_write: bool = True
     # decode_backend for steps (and graphs) of at most this many sequences, FlashInfer's decode
     # above it (None: every batch). 16: on the H200 the Triton kernel led at batches 1 and 16,
@@ -256,6 +261,11 @@ class PagedKVIndex:
         )
 
 
+def query_indptr(query_lens: Sequence[int]) -> torch.Tensor:
+    """[B + 1] host int32: where each sequence's query rows start, then their total."""
+    return host_ints([0, *itertools.accumulate(query_lens)], torch.int32)
+
+
 def plan_kwargs(spec: LayerAttention, shape: AttentionShape) -> dict:
     """The plan() keywords of one kind of layer (everything after page_size is keyword-only)."""
     return {
@@ -400,6 +410,14 @@ class FlashInferBackend:
         if decode and self._table_decodes(md.num_seqs):  # reads md's block tables as they are
             write = RowsWriter(md.slot_mapping, sh.block_size, fused) if write_kv else None
             return TableDecodeAttention(self.table_kernel, kv_caches, md, write)
+        fresh = self.kernels.ragged_prefill and md.seq_lens_cpu == md.query_lens_cpu
+        if not decode and fresh and fused and triton_ops.triton_runs_on(self.device):
+            # fresh prompts whose rope and K/V write are one Triton kernel over the slots: the
+            # plan needs the query rows alone (no block index, no append inputs: host time
+            # before the step's first kernel)
+            write = RowsWriter(md.slot_mapping, sh.block_size) if write_kv else None
+            rows = pinned([query_indptr(md.query_lens_cpu)], self.device)[0]
+            return self._ragged(kv_caches, md, rows, write, prefill_backend)
         index = PagedKVIndex.from_metadata(md).pinned(self.device)
         if decode:
             write = RowsWriter(md.slot_mapping, sh.block_size, fused) if write_kv else None
@@ -420,22 +438,9 @@ class FlashInferBackend:
             write = (
                 AppendWriter(self._fi, append_inputs(index, md, self.device)) if write_kv else None
             )
-            backend = prefill_backend or self.kernels.prefill_backend_for(md.num_tokens)
-            backend = self._large_prefill if backend == self.kernels.prefill_backend else backend
-            if self.kernels.ragged_prefill and md.seq_lens_cpu == md.query_lens_cpu:
-                ragged = self.ragged[backend]
-                for spec, w in ragged.items():
-                    w.plan(
-                        index.qo_indptr,
-                        index.qo_indptr,
-                        sh.num_qo_heads,
-                        sh.num_kv_heads,
-                        sh.head_dim,
-                        causal=True,
-                        **{**plan_kwargs(spec, sh), "kv_data_type": sh.q_dtype},  # k, v as q
-                    )
-                return RaggedAttention(kv_caches, ragged, write)
-            wrappers = self.prefill[backend]
+            if fresh:
+                return self._ragged(kv_caches, md, index.qo_indptr, write, prefill_backend)
+            wrappers = self.prefill[self._prefill_backend(md, prefill_backend)]
             for spec, w in wrappers.items():
                 w.plan(
                     index.qo_indptr,
@@ -450,6 +455,30 @@ class FlashInferBackend:
                     **plan_kwargs(spec, sh),
                 )
         return FlashInferAttention(kv_caches, wrappers, write)
+
+    def _prefill_backend(self, md: AttentionMetadata, asked: str | None) -> str:
+        """The prefill backend of md's step: `asked`, else the kernel choice's for its size."""
+        backend = asked or self.kernels.prefill_backend_for(md.num_tokens)
+        return self._large_prefill if backend == self.kernels.prefill_backend else backend
+
+    def _ragged(
+        self, kv_caches, md: AttentionMetadata, rows: torch.Tensor, write, asked: str | None
+    ) -> RaggedAttention:
+        """A step of fresh prompts: the ragged wrappers planned over their query rows `rows`
+        (qo_indptr, host int32; each prompt attends to its own rows alone)."""
+        sh = self.shape
+        ragged = self.ragged[self._prefill_backend(md, asked)]
+        for spec, w in ragged.items():
+            w.plan(
+                rows,
+                rows,
+                sh.num_qo_heads,
+                sh.num_kv_heads,
+                sh.head_dim,
+                causal=True,
+                **{**plan_kwargs(spec, sh), "kv_data_type": sh.q_dtype},  # k, v as q
+            )
+        return RaggedAttention(kv_caches, ragged, write)
 
     def _table_decodes(self, batch: int) -> bool:
         """Whether a decode step of `batch` sequences runs the table-reading kernel."""
@@ -514,13 +543,11 @@ class FlashInferAttention:
 
 
 class RaggedAttention(FlashInferAttention):
-    """A step of fresh prompts: writes K/V for later steps, attends over the step's own K/V."""
+    """A step of fresh prompts: writes K/V for later steps (with the rope, in one kernel, where
+    the writer takes it), attends over the step's own K/V."""
 
-    takes_rope = False
-
-    def forward(self, layer_idx: int, q, k, v, spec: LayerAttention) -> torch.Tensor:
-        if self.write is not None:
-            self.write(self.kv_caches[layer_idx], k, v)
+    def forward(self, layer_idx: int, q, k, v, spec: LayerAttention, rope=None) -> torch.Tensor:
+        q = rope_then_write(self.write, self.kv_caches[layer_idx], q, k, v, rope)
         return self.wrappers[spec].run(q, k, v)
 
 

@@ -19,6 +19,7 @@ Cache view per layer: [num_blocks, 2, block_size, H, D], K then V, any strides.
 from __future__ import annotations
 
 import functools
+import math
 import os
 
 import torch
@@ -131,38 +132,41 @@ def _build_kernels(interpret: bool):
         sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h, st_t,
         sc_blk, sc_kv, sc_tok, sc_h,
         HQ: tl.constexpr, HALF: tl.constexpr, HALF_P2: tl.constexpr, PAGE: tl.constexpr,
+        HB: tl.constexpr,
     ):  # fmt: skip
-        # one program per (token, head): heads [0, HQ) of q, then the KV heads
+        # one program per (token, HB heads): heads [0, HQ) of q, then the KV heads; HB divides
+        # both head counts, so that a program's heads are all q's or all k's
         t = tl.program_id(0)
-        h = tl.program_id(1)
-        d = tl.arange(0, HALF_P2)
-        dm = d < HALF
-        cos = tl.load(table_ptr + t * st_t + d, mask=dm, other=0.0)
-        sin = tl.load(table_ptr + t * st_t + HALF + d, mask=dm, other=0.0)
-        if h < HQ:
-            src = q_ptr + t * sq_t + h * sq_h
-            dst = qo_ptr + t * so_t + h * so_h
+        h0 = tl.program_id(1) * HB
+        hh = h0 + tl.arange(0, HB)[:, None]  # [HB, 1]
+        d = tl.arange(0, HALF_P2)[None, :]  # [1, HALF_P2]
+        dm = (hh >= 0) & (d < HALF)  # [HB, HALF_P2]
+        cos = tl.load(table_ptr + t * st_t + d, mask=d < HALF, other=0.0)
+        sin = tl.load(table_ptr + t * st_t + HALF + d, mask=d < HALF, other=0.0)
+        if h0 < HQ:
+            src = q_ptr + t * sq_t + hh * sq_h + d
+            dst = qo_ptr + t * so_t + hh * so_h + d
         else:
-            src = k_ptr + t * sk_t + (h - HQ) * sk_h
+            src = k_ptr + t * sk_t + (hh - HQ) * sk_h + d
             dst = src
-        x1 = tl.load(src + d, mask=dm, other=0.0).to(tl.float32)
-        x2 = tl.load(src + HALF + d, mask=dm, other=0.0).to(tl.float32)
+        x1 = tl.load(src, mask=dm, other=0.0).to(tl.float32)
+        x2 = tl.load(src + HALF, mask=dm, other=0.0).to(tl.float32)
         y1 = (x1 * cos - x2 * sin).to(dst.dtype.element_ty)
         y2 = (x2 * cos + x1 * sin).to(dst.dtype.element_ty)
-        tl.store(dst + d, y1, mask=dm)
-        tl.store(dst + HALF + d, y2, mask=dm)
-        if h >= HQ:
-            hk = h - HQ
+        tl.store(dst, y1, mask=dm)
+        tl.store(dst + HALF, y2, mask=dm)
+        if h0 >= HQ:
+            hk = hh - HQ
             slot = tl.load(slots_ptr + t)
-            at = cache_ptr + (slot // PAGE) * sc_blk + (slot % PAGE) * sc_tok + hk * sc_h
+            at = cache_ptr + (slot // PAGE) * sc_blk + (slot % PAGE) * sc_tok + hk * sc_h + d
             ty = cache_ptr.dtype.element_ty
-            tl.store(at + d, y1.to(ty), mask=dm)
-            tl.store(at + HALF + d, y2.to(ty), mask=dm)
-            vsrc = v_ptr + t * sv_t + hk * sv_h
-            v1 = tl.load(vsrc + d, mask=dm, other=0.0)
-            v2 = tl.load(vsrc + HALF + d, mask=dm, other=0.0)
-            tl.store(at + sc_kv + d, v1.to(ty), mask=dm)
-            tl.store(at + sc_kv + HALF + d, v2.to(ty), mask=dm)
+            tl.store(at, y1.to(ty), mask=dm)
+            tl.store(at + HALF, y2.to(ty), mask=dm)
+            vsrc = v_ptr + t * sv_t + hk * sv_h + d
+            v1 = tl.load(vsrc, mask=dm, other=0.0)
+            v2 = tl.load(vsrc + HALF, mask=dm, other=0.0)
+            tl.store(at + sc_kv, v1.to(ty), mask=dm)
+            tl.store(at + sc_kv + HALF, v2.to(ty), mask=dm)
 
     # nsplit is a run-time value, SPLIT only whether it is above 1: two builds serve every
     # batch size (a build per value made a model's first load 7 s longer; one build for both
@@ -356,14 +360,32 @@ def rope_write(
     if t == 0:
         return q_out
     kernel = _kernels()[0]
-    kernel[(t, hq + hkv)](
+    hb = heads_a_program(t, hq, hkv)
+    kernel[(t, (hq + hkv) // hb)](
         q, k, v, q_out, table, slots, cache,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         q_out.stride(0), q_out.stride(1), table.stride(0),
         cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
-        HQ=hq, HALF=dim // 2, HALF_P2=_pow2(dim // 2), PAGE=cache.shape[2],
+        HQ=hq, HALF=dim // 2, HALF_P2=_pow2(dim // 2), PAGE=cache.shape[2], HB=hb,
     )  # fmt: skip
     return q_out
+
+
+ROPE_WIDE_TOKENS = 128  # from this many tokens a rope_write program takes several heads
+ROPE_MAX_HEADS = 8  # the most heads a program takes
+
+
+def heads_a_program(tokens: int, hq: int, hkv: int) -> int:
+    """The heads a rope_write program takes: one below ROPE_WIDE_TOKENS tokens (a decode step:
+    as many programs as there are (token, head) pairs), else the largest power of two up to
+    ROPE_MAX_HEADS that divides both head counts (a prefill: fewer, fuller programs)."""
+    if tokens < ROPE_WIDE_TOKENS:
+        return 1
+    both = math.gcd(hq, hkv)
+    hb = 1
+    while hb < ROPE_MAX_HEADS and both % (2 * hb) == 0:
+        hb *= 2
+    return hb
 
 
 MAX_SPLITS = 16  # the default most splits of a (sequence, KV head)

@@ -1,7 +1,8 @@
 """FlashInfer attention vs the torch reference on random inputs, over kvpool's VMM layout.
 
 Mixed steps (prefill chunks over a cached prefix, fresh prompts, decodes) go through the paged
-prefill wrapper; steps of fresh prompts only through the ragged one (or the paged one);
+prefill wrapper; steps of fresh prompts only through the ragged one (their rope and K/V write
+one Triton kernel over the slots, or FlashInfer's rope and append when unfused), or the paged one;
 decode-only steps through the decode wrapper and through the CUDA-graph decode attention (padded
 batch), or through the XQA kernel. Reference: TorchPagedAttention in float32 over the same bf16
 cache. Cases: the Llama-3.1-8B head shape, and Gemma-like head_dim 256 with a sliding window,
@@ -23,6 +24,7 @@ from models.attention.flashinfer_paged import (
     KernelChoice,
     RaggedAttention,
 )
+from models.attention.kv_write import RowsWriter
 from models.attention.table_decode import TableDecodeAttention
 from models.attention.torch_paged import TorchPagedAttention
 from models.layers.rotary_embedding import RotaryEmbedding
@@ -161,10 +163,10 @@ TOUCHES = {  # the kinds of step each choice changes
     "xqa-decode": {"decode", "graph-decode"},
     "triton-splits-4-stages-1": {"decode", "graph-decode"},
     "triton-decode-upto-4": {"decode", "graph-decode"},
-    "unfused-rope": {"decode", "graph-decode"},
-    "unfused-rope-triton": {"decode", "graph-decode"},
+    "unfused-rope": {"decode", "graph-decode", "fresh"},  # fresh: the ragged write
+    "unfused-rope-triton": {"decode", "graph-decode", "fresh"},  # fresh: the ragged write
     "triton-pdl": {"decode", "graph-decode"},
-    "triton-pdl-unfused-rope": {"decode", "graph-decode"},
+    "triton-pdl-unfused-rope": {"decode", "graph-decode", "fresh"},  # fresh: the ragged write
 }
 
 
@@ -205,6 +207,9 @@ def test_flashinfer_matches_reference(name, kind, kernels):
         attn = backend(kv.layer_views, md)
         ragged = kind == "fresh" and KERNELS[kernels].ragged_prefill
         assert isinstance(attn, RaggedAttention) is ragged
+        if ragged:  # the rope and K/V write one Triton kernel over the slots, unless unfused
+            assert isinstance(attn.write, RowsWriter) is KERNELS[kernels].fused_rope_write
+            assert attn.takes_rope is KERNELS[kernels].fused_rope_write
         assert isinstance(attn, TableDecodeAttention) is (xqa and kind == "decode")
     run_and_compare(kv, md, attn, spec, case, gen, pad)
     kv.allocator.free(blocks)

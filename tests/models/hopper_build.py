@@ -201,10 +201,10 @@ def build_others() -> int:
     GEMMs, the L2 prefetch; how many."""
     built = 0
     rope_write = triton_ops._build_kernels(False)[0]
-    for half in (64, 128):
-        const = dict(HQ=32, HALF=half, HALF_P2=half, PAGE=16)
+    for half, heads in itertools.product((64, 128), (1, 8)):  # a decode's, a prefill's
+        const = dict(HQ=32, HALF=half, HALF_P2=half, PAGE=16, HB=heads)
         assert compile_for_hopper(rope_write, ROPE_TYPES, const).asm["cubin"]
-        print(f"rope_write half={half}")
+        print(f"rope_write half={half} heads={heads}")
         built += 1
     add_rmsnorm, silu_mul = triton_step_ops._build(False)
     step_types = {**dict.fromkeys(("x_ptr", "r_ptr", "w_ptr", "gu_ptr", "o_ptr"), "*bf16"),

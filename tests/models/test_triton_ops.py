@@ -35,19 +35,26 @@ def rotated(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
-@pytest.mark.parametrize("head_dim", [64, 96])
+# (tokens, q heads, KV heads, head_dim): a decode step's one head a program; a prefill's
+# several (2: as many as both head counts share; 8: the most)
+ROPE_CASES = [(5, 8, 2, 64), (5, 8, 2, 96), (130, 8, 2, 64), (128, 16, 8, 96)]
+
+
+@pytest.mark.parametrize("case", ROPE_CASES, ids=lambda c: "t{}-hq{}-hkv{}-d{}".format(*c))
 @pytest.mark.parametrize("contiguous_q", [False, True])
-def test_rope_write_rotates_q_and_k_and_stores_k_and_v_at_their_slots(head_dim, contiguous_q):
-    torch.manual_seed(head_dim)
-    t, hq, hkv = 5, 8, 2
+def test_rope_write_rotates_q_and_k_and_stores_k_and_v_at_their_slots(case, contiguous_q):
+    t, hq, hkv, head_dim = case
+    torch.manual_seed(head_dim + t)
+    assert triton_ops.heads_a_program(t, hq, hkv) == {5: 1, 130: 2, 128: 8}[t]
     qkv = torch.randn(t, (hq + 2 * hkv) * head_dim, dtype=torch.bfloat16)
     q, k, v = qkv.split([hq * head_dim, hkv * head_dim, hkv * head_dim], dim=-1)
     q, k, v = (x.view(t, -1, head_dim) for x in (q, k, v))  # strided views of one projection
-    positions = torch.tensor([0, 3, 17, 40, 41])
+    positions = torch.randperm(4 * t)[:t]
     table = RotaryEmbedding(head_dim, 10000.0)(positions).table()
     want_q, want_k, want_v = rotated(q, table), rotated(k, table), v.clone()
-    cache = torch.zeros(8, 2, BLOCK, hkv, head_dim, dtype=torch.bfloat16)
-    slots = torch.tensor([3 * BLOCK + 2, 5 * BLOCK, 1, 7 * BLOCK + 15, 2 * BLOCK + 9])
+    blocks_n = -(-2 * t // BLOCK) + 1
+    cache = torch.zeros(blocks_n, 2, BLOCK, hkv, head_dim, dtype=torch.bfloat16)
+    slots = torch.randperm(blocks_n * BLOCK)[:t]  # distinct slots, anywhere in the cache
     q_out = torch.empty(t, hq, head_dim, dtype=q.dtype) if contiguous_q else None
     got = triton_ops.rope_write(q, k, v, table, slots, cache, q_out)
     assert got.is_contiguous() is contiguous_q
@@ -58,7 +65,7 @@ def test_rope_write_rotates_q_and_k_and_stores_k_and_v_at_their_slots(head_dim, 
     blocks, offsets = slots // BLOCK, slots % BLOCK
     assert torch.equal(cache[blocks, 0, offsets], k)
     assert torch.equal(cache[blocks, 1, offsets], want_v)
-    written = torch.zeros(8, BLOCK, dtype=torch.bool)
+    written = torch.zeros(blocks_n, BLOCK, dtype=torch.bool)
     written[blocks, offsets] = True
     assert not cache.transpose(1, 2)[~written].any()  # nothing else touched
 
