@@ -96,6 +96,14 @@ def per_call(tokens: int) -> dict:
         lambda: triton_step_ops.add_rmsnorm(x, res, nw, 1e-5)
     )
     out["Triton silu_mul (step ops)"] = launch_us(lambda: triton_step_ops.silu_mul(gu))
+    from models.attention import upload as up
+
+    ints = [torch.arange(t, dtype=torch.int64) for _ in range(3)]
+    out["pinned host buffer, 24 KiB"] = launch_us(
+        lambda: torch.empty(24 << 10, dtype=torch.uint8, pin_memory=True)
+    )
+    out["upload: 3 x [T] int64"] = launch_us(lambda: up.upload(ints, torch.device(dev)))
+    out["host_ints: [T]"] = launch_us(lambda: up.host_ints(list(range(t)), torch.int64))
     for name, us in out.items():
         print(f"   {name}: {us:.1f} us")
     return out
@@ -152,6 +160,11 @@ def step_timeline(engine, sizes: tuple[int, ...], runs: int = 5) -> dict:
     tl.wrap(fp.PagedKVIndex, "from_metadata", "index", static=True)
     tl.wrap(fp.PagedKVIndex, "pinned", "index pinned")
     tl.wrap(fp, "append_inputs", "append inputs")
+    import prism_server.model_runner as mr
+
+    saved += [(base, "upload", base.upload), (mr, "upload", mr.upload)]
+    tl.wrap(base, "upload", "upload (metadata)")
+    tl.wrap(mr, "upload", "upload (tokens)")
     tl.wrap(me.scheduler, "schedule", "schedule")
     tl.wrap(runner, "execute", "execute")
     for wrappers in getattr(runner.attention, "ragged", {}).values():
