@@ -23,7 +23,7 @@ from kvpool import (
     WeightBuffer,
     WeightLayout,
 )
-from models.attention.flashinfer_paged import KernelChoice
+from models.attention.flashinfer_paged import DEFAULT_KERNELS, KernelChoice
 from models.embedded import resolve_source
 from models.layers.triton_gemv import GemvConfig
 from models.layers.triton_small_gemm import SmallGemmConfig
@@ -86,6 +86,7 @@ class Engine:
             triton_waves=waves,
             triton_wide_tile=wide_tile,
             triton_warps=warps,
+            triton_dense=envs.triton_dense(DEFAULT_KERNELS.triton_dense),
             triton_pdl=pdl,
             l2_prefetch_mib=envs.l2_prefetch_mib(),
             l2_prefetch_inline=envs.l2_prefetch_inline(),

@@ -106,6 +106,18 @@ def triton_decode() -> tuple[int, int, int, bool, bool, int]:
     return splits, stages, waves, wide, pdl, warps
 
 
+def triton_dense(default: tuple[int, int] | None) -> tuple[int, int] | None:
+    """The Triton decode kernel's warps and stages in a launch of more programs than SMs
+    (batches past one): PRISM_TRITON_DENSE=WARPS:STAGES; unset or 1: `default` (2:2); 0:
+    PRISM_TRITON_WARPS and PRISM_TRITON_STAGES, as in every other launch (None)."""
+    parts = _tiling("PRISM_TRITON_DENSE", "1", "WARPS:STAGES")
+    if parts is None or not parts:
+        return None if parts is None else default
+    if len(parts) != 2:
+        raise ValueError(f"PRISM_TRITON_DENSE must be 0, 1 or WARPS:STAGES, got {parts}")
+    return parts[0], parts[1]
+
+
 def fused_rope_write() -> bool:
     """Decode steps and steps of fresh prompts rotate q and k and write K/V in one Triton
     kernel (PRISM_ROPE_WRITE, default 1; 0: FlashInfer's rope, then an indexed store or, for

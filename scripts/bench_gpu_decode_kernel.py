@@ -57,12 +57,12 @@ def device_us(fn, runs: int) -> float:
 
 
 def kernel_for(config: str, dev) -> TritonDecodeKernel:
-    """The kernel of a setting splits:stages:waves:block_n[:warps] (the tile block_n at every
-    batch: no wide tile)."""
+    """The kernel of a setting splits:stages:waves:block_n[:warps] (the tile block_n and the
+    setting's warps and stages at every batch: no wide tile, no dense launch's own)."""
     splits, stages, waves, block_n, *warps = (int(x) for x in config.split(":"))
     return TritonDecodeKernel(HQ, HKV, D, PAGE, dev, max_splits=splits, stages=stages,
                               waves=waves, block_n=block_n, wide_tile=False,
-                              warps=warps[0] if warps else 4)  # fmt: skip
+                              warps=warps[0] if warps else 4, dense=None)  # fmt: skip
 
 
 def measure(b: int, args, gbs: float) -> dict:

@@ -119,8 +119,10 @@ class KernelChoice:
     # ... and its launches of at most one program an SM (batch 1) take tiles twice as wide
     # (on the H100, batch 1's attention 9.9 us a layer, not 11.8: docs/BENCHMARKS.md)
     triton_wide_tile: bool = True
-    # ... and a program's warps
+    # ... and a program's warps (with triton_stages: a launch of at most one program an SM's)
     triton_warps: int = 4
+    # ... and the (warps, stages) of its launches of more programs than SMs (None: the same)
+    triton_dense: tuple[int, int] | None = triton_ops.DENSE_LAUNCH
     # the Triton decode kernel as a programmatic dependent launch (Hopper): it starts while the
     # qkv projection finishes and waits for it inside
     triton_pdl: bool = False
@@ -162,11 +164,16 @@ class KernelChoice:
             or self.triton_stages < 1
             or self.triton_waves < 1
             or self.triton_warps not in (1, 2, 4, 8)
+            or (
+                self.triton_dense is not None
+                and (self.triton_dense[0] not in (1, 2, 4, 8) or self.triton_dense[1] < 1)
+            )
         ):
             raise ValueError(
                 f"Triton decode: {self.triton_max_splits} splits (1 to {triton_ops.SPLITS_LIMIT}), "
                 f"{self.triton_stages} stages (>= 1), {self.triton_waves} waves (>= 1), "
-                f"{self.triton_warps} warps (1, 2, 4 or 8)"
+                f"{self.triton_warps} warps (1, 2, 4 or 8), dense launches' (warps, stages) "
+                f"{self.triton_dense}"
             )
         if len(self.l2_prefetch_mib) != 3 or min(self.l2_prefetch_mib) < 0:
             raise ValueError(
@@ -500,6 +507,7 @@ class FlashInferBackend:
             waves=self.kernels.triton_waves,
             wide_tile=self.kernels.triton_wide_tile,
             warps=self.kernels.triton_warps,
+            dense=self.kernels.triton_dense,
             pdl=self.kernels.triton_pdl,
             prefetch=self.kernels.l2_prefetch_in_kernels,
             l2_keep=self.kernels.l2_prefetch_keep,

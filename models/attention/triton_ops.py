@@ -394,6 +394,10 @@ PF_BLOCK = 128  # a program's L2 prefetch lanes (its threads at the default 4 wa
 PF_CHUNK = 16 << 10  # the fewest bytes a prefetch instruction asks for
 ASKS_PER_PROGRAM = 32  # L2 prefetches a program of a kernel that sizes its grid for them
 MAX_BATCH_TICKETS = 1024  # sequences a step of the kernel below may hold, times KV heads
+# (warps, stages) of a decode launch of more programs than SMs (batches past one): on the H100,
+# batch 16's attention took 30.8 us a layer under them against 33.5 under a batch-1 launch's
+# 4 warps and 3 stages (docs/BENCHMARKS.md)
+DENSE_LAUNCH = (2, 2)
 
 
 def bulk_prefetch_runs_on(device: torch.device) -> bool:
@@ -447,6 +451,7 @@ class TritonDecodeKernel:
         block_n: int | None = None,
         wide_tile: bool = True,
         warps: int = PF_BLOCK // 32,
+        dense: tuple[int, int] | None = DENSE_LAUNCH,
     ):
         """max_splits: the most programs a (sequence, KV head) is split over; stages: Triton's
         software pipelining depth of the loop over the positions; waves: the programs a launch
@@ -459,7 +464,8 @@ class TritonDecodeKernel:
         wide_tile: a launch of at most one program an SM (batch 1) takes tiles twice as wide,
         each program's loop a step or two, not four (on the H100, batch 1 over 1k positions:
         9.9 us a layer, not 11.8; at batch 16 the narrow tile leads, 33.4 us against 35.3);
-        warps: a program's warps (1, 2, 4 or 8)."""
+        warps: a program's warps (1, 2, 4 or 8); with stages, those of a launch of at most one
+        program an SM; dense: (warps, stages) of a launch of more (None: the same)."""
         if head_dim & (head_dim - 1) or head_dim < 32:
             raise ValueError(
                 f"head_dim {head_dim}: the Triton decode kernel takes powers of 2 from 32"
@@ -485,6 +491,9 @@ class TritonDecodeKernel:
         if warps not in (1, 2, 4, 8):
             raise ValueError(f"warps {warps}: 1, 2, 4 or 8")
         self.warps = warps
+        if dense is not None and (dense[0] not in (1, 2, 4, 8) or dense[1] < 1):
+            raise ValueError(f"dense launch {dense}: (warps 1, 2, 4 or 8; stages >= 1)")
+        self.dense = dense
         self.tickets = torch.zeros(
             MAX_BATCH_TICKETS * num_kv_heads, dtype=torch.int32, device=device
         )
@@ -504,6 +513,13 @@ class TritonDecodeKernel:
             # (up to 128 x 128 elements a tile of K: at head_dim 128, 256 positions were slower)
             return max(self.block_n, min(2 * self.block_n, 16384 // self.head_dim))
         return self.block_n
+
+    def settings(self, batch: int, nsplit: int) -> tuple[int, int]:
+        """(warps, stages) of a launch of `batch` sequences split `nsplit` ways: `dense`'s when
+        it holds more programs than the GPU has SMs, else the kernel's warps and stages."""
+        if self.dense is not None and batch * self.num_kv_heads * nsplit > self.sm_count:
+            return self.dense
+        return self.warps, self.stages
 
     def __call__(
         self,
@@ -535,6 +551,7 @@ class TritonDecodeKernel:
             assert self.takes_prefetch, "the bulk L2 prefetch needs Hopper"
         pchunk = prefetch_chunk(pn0 + pn1, b * self.num_kv_heads * nsplit * PF_BLOCK)
         kernel = _kernels()[1]
+        warps, stages = self.settings(b, nsplit)
         kernel[(b, self.num_kv_heads, nsplit)](
             q, cache, tables, seq_lens, out, part_o, part_ml, self.tickets, k, v, table, slots,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), tables.stride(0),
@@ -550,7 +567,7 @@ class TritonDecodeKernel:
             MERGE_D=min(dim, max(16, 8192 // (self.merge_splits * _pow2(self.group)))),
             ROPE=new is not None, SPLIT=nsplit > 1, PDL=self.pdl,
             PREFETCH=prefetch_mode(prefetch is not None, self.l2_keep), PF_BLOCK=PF_BLOCK,
-            num_warps=self.warps, num_stages=self.stages,
+            num_warps=warps, num_stages=stages,
             **({"launch_pdl": True} if self.pdl else {}),
         )  # fmt: skip
         return out
@@ -565,8 +582,8 @@ class TritonDecodeKernel:
         cache = torch.zeros(2, 2, self.block_size, hkv, dim, dtype=dtype, device=dev)
         # block 1 (block 0 is the null block); with a table one column wide, then wide enough
         # to split: the build without the merge and the one with it; for one sequence, and
-        # (with the wide tile) for enough sequences to take the narrow tile too
-        batches = (1, self.sm_count // hkv + 1) if self.wide_tile else (1,)
+        # for enough sequences to take the narrow tile and the dense launch's settings too
+        batches = (1, self.sm_count // hkv + 1)
         extra = {}
         if prefetch and self.takes_prefetch:
             extra["prefetch"] = ((cache.data_ptr(), cache.numel() // 16 * 16), (0, 0))
@@ -604,6 +621,7 @@ def load_decode_kernel(
     waves: int = 2,
     wide_tile: bool = True,
     warps: int = PF_BLOCK // 32,
+    dense: tuple[int, int] | None = DENSE_LAUNCH,
 ) -> tuple[TritonDecodeKernel | None, str | None]:
     """The decode kernel for a model, built and checked on `device` (`self_check`), or None and
     why it cannot run there. heads: (query heads, KV heads); prefetch: its steps will hand it
@@ -618,7 +636,7 @@ def load_decode_kernel(
         kernel = TritonDecodeKernel(
             heads[0], heads[1], head_dim, block_size, device,
             max_splits=max_splits, stages=stages, pdl=pdl, l2_keep=l2_keep, waves=waves,
-            wide_tile=wide_tile, warps=warps,
+            wide_tile=wide_tile, warps=warps, dense=dense,
         )  # fmt: skip
         kernel.self_check(specs, dtype, rope, prefetch)
     except Exception as e:  # noqa: BLE001 (a kernel that does not build here: fall back)

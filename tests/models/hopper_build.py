@@ -49,11 +49,11 @@ def compile_for_hopper(fn, types: dict, const: dict, **options):
 
 def decode_specs():
     """The decode builds a model can ask for, as (name, constants, whether its PTX is checked
-    for PDL and the prefetch, warps): with and without the rope, split and not, windows and
-    soft caps, for Llama-3.1-8B's head shape; with and without the rope, split and not, for
-    Gemma 3's (head_dim 256, windows and soft caps) and a group of one. The split builds are
-    the programmatic dependent launch's (PDL), the others not; the rope builds ask the L2 for
-    the next weights (PREFETCH), those with windows too to keep them (evict_last)."""
+    for PDL and the prefetch, (warps, stages)): with and without the rope, split and not,
+    windows and soft caps, for Llama-3.1-8B's head shape; with and without the rope, split and
+    not, for Gemma 3's (head_dim 256, windows and soft caps) and a group of one. The split
+    builds are the programmatic dependent launch's (PDL), the others not; the rope builds ask
+    the L2 for the next weights (PREFETCH), those with windows too to keep them (evict_last)."""
     for (hq, hkv), dim, extras in (((32, 8), 128, (True, False)), ((4, 1), 256, (True,)),
                                     ((8, 8), 64, (False,))):  # fmt: skip
         k = triton_ops.TritonDecodeKernel(hq, hkv, dim, 16, torch.device("cpu"))
@@ -67,30 +67,34 @@ def decode_specs():
                 ROPE=rope, SPLIT=split, PDL=split, PREFETCH=rope + (rope and window),
                 PF_BLOCK=triton_ops.PF_BLOCK,
             )  # fmt: skip
-            yield f"decode {hq}/{hkv}x{dim} {rope=} {split=} {window=} {softcap=}", const, True, 4
+            name = f"decode {hq}/{hkv}x{dim} {rope=} {split=} {window=} {softcap=}"
+            yield name, const, True, (4, 3)
     # Llama-3.1-8B's split build with the rope for 32 splits of 32-position tiles: its merge
     # holds 32 parts (PRISM_TRITON_SPLITS past 16)
     const = {**const, "G": 4, "BLOCK_G": 16, "D": 128, "HKV": 8, "BLOCK_N": 32}
     const.update(MAX_SPLITS=32, G_P2=4, MERGE_D=64, SOFTCAP=False, WINDOW=False, ROPE=True)
     const.update(SPLIT=True, PDL=False, PREFETCH=1)
-    yield "decode 32/8x128 rope, split 32 ways, tiles of 32", const, False, 4
+    yield "decode 32/8x128 rope, split 32 ways, tiles of 32", const, False, (4, 3)
     # batch 1's wide tile (128 positions), split and not
     for split in (True, False):
         wide = {**const, "BLOCK_N": 128, "MAX_SPLITS": triton_ops.MAX_SPLITS, "MERGE_D": 128}
-        yield f"decode 32/8x128 rope, tiles of 128, {split=}", {**wide, "SPLIT": split}, False, 4
-    # the split build of 64-position tiles in 8 warps (the decode kernel's `warps`)
-    yield "decode 32/8x128 rope, split, 8 warps", {**const, "BLOCK_N": 64, "MAX_SPLITS": 16,
-                                                   "MERGE_D": 128}, False, 8  # fmt: skip
+        name = f"decode 32/8x128 rope, tiles of 128, {split=}"
+        yield name, {**wide, "SPLIT": split}, False, (4, 3)
+    # the split build of 64-position tiles in 8 warps (the decode kernel's `warps`), and in a
+    # dense launch's warps and stages (batches past one)
+    narrow = {**const, "BLOCK_N": 64, "MAX_SPLITS": 16, "MERGE_D": 128}
+    yield "decode 32/8x128 rope, split, 8 warps", narrow, False, (8, 3)
+    yield "decode 32/8x128 rope, split, a dense launch", narrow, False, triton_ops.DENSE_LAUNCH
 
 
 def decode_builds(share: int = 0, shares: int = 1):
     """The builds of `decode_specs` whose index is `share` modulo `shares`, compiled, their PTX
     checked: (name, build)."""
     decode = triton_ops._build_kernels(False)[1]
-    for i, (name, const, check, warps) in enumerate(decode_specs()):
+    for i, (name, const, check, (warps, stages)) in enumerate(decode_specs()):
         if i % shares != share:
             continue
-        b = compile_for_hopper(decode, DECODE_TYPES, const, num_warps=warps, num_stages=3)
+        b = compile_for_hopper(decode, DECODE_TYPES, const, num_warps=warps, num_stages=stages)
         if check:
             ptx, split, rope, window = b.asm["ptx"], const["SPLIT"], const["ROPE"], const["WINDOW"]
             assert ("griddepcontrol.wait" in ptx) is split, name

@@ -189,6 +189,30 @@ def test_the_warps_knob():
             triton_ops.TritonDecodeKernel(8, 2, 64, BLOCK, CPU, warps=bad)
 
 
+def test_a_dense_launch_takes_its_own_warps_and_stages():
+    """A launch of more programs than SMs (batches past one) runs under `dense`'s warps and
+    stages, one of at most one program an SM under the kernel's; the same attention either
+    way; a bad pair is refused."""
+    md, cache, q = decode_case([130, 17], hq=8, hkv=2, head_dim=64, seed=5)
+    spec = LayerAttention(scale=0.125)
+    want = reference(md, cache, q, spec)
+    kernel = triton_ops.TritonDecodeKernel(8, 2, 64, BLOCK, CPU)
+    kernel.sm_count = 4
+    assert kernel.dense == triton_ops.DENSE_LAUNCH == (2, 2)
+    assert kernel.settings(1, 2) == (kernel.warps, kernel.stages) == (4, 3)  # 2 programs
+    assert kernel.settings(2, 2) == (2, 2)  # 8 programs on 4 SMs
+    plain = triton_ops.TritonDecodeKernel(8, 2, 64, BLOCK, CPU, dense=None)
+    plain.sm_count = 4
+    assert plain.settings(2, 2) == (4, 3)
+    for k in (kernel, plain):
+        got = k(q, cache, md.block_tables, md.seq_lens.view(-1, 1), spec)
+        torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+        assert not k.tickets.any()
+    for bad in ((3, 2), (2, 0)):
+        with pytest.raises(ValueError, match="dense launch"):
+            triton_ops.TritonDecodeKernel(8, 2, 64, BLOCK, CPU, dense=bad)
+
+
 def test_more_splits_than_the_default_merge_holds():
     """max_splits 32 (a build whose merge holds 32 parts), tiles of 16 positions: a sequence of
     515 positions split 32 ways, against the reference; 0 and 65 splits are refused."""

@@ -45,6 +45,8 @@ def test_the_defaults_and_a_bad_backend():
         KernelChoice(triton_waves=0)
     with pytest.raises(ValueError, match="3 warps"):
         KernelChoice(triton_warps=3)
+    with pytest.raises(ValueError, match=r"\(3, 2\)"):
+        KernelChoice(triton_dense=(3, 2))
     for n in (16, 0):
         with pytest.raises(ValueError, match="tensor-core decode kernel"):
             KernelChoice(False, decode_split_pages=n, decode_backend="flashinfer")
@@ -104,6 +106,7 @@ def test_the_environment_reaches_every_devices_resources(monkeypatch):
     monkeypatch.setenv("PRISM_L2_PREFETCH_KEEP", "1")
     monkeypatch.setenv("PRISM_TRITON_WIDE_TILE", "0")
     monkeypatch.setenv("PRISM_TRITON_WARPS", "2")
+    monkeypatch.setenv("PRISM_TRITON_DENSE", "8:4")
     with Engine(EngineConfig(models=(spec,), device="cpu", page_bytes=64 << 10)) as e:
         kernels = e.worker.resources.kernels
         assert kernels.decode_backend == "triton" and kernels.decode_backend_max_batch == 64
@@ -115,6 +118,7 @@ def test_the_environment_reaches_every_devices_resources(monkeypatch):
         assert kernels.l2_prefetch_keep and not DEFAULT_KERNELS.l2_prefetch_keep
         assert not kernels.triton_wide_tile and DEFAULT_KERNELS.triton_wide_tile
         assert kernels.triton_warps == 2 and DEFAULT_KERNELS.triton_warps == 4
+        assert kernels.triton_dense == (8, 4) and DEFAULT_KERNELS.triton_dense == (2, 2)
         assert not kernels.fused_rope_write and kernels.l2_prefetch_mib == (34, 12, 0)
         e.check_integrity()
     for v, mib in (
@@ -129,6 +133,14 @@ def test_the_environment_reaches_every_devices_resources(monkeypatch):
         monkeypatch.setenv("PRISM_L2_PREFETCH", bad)
         with pytest.raises(ValueError, match=r"PRISM_L2_PREFETCH must be A\[,M\[,N\]\]"):
             Engine(EngineConfig(models=(spec,), device="cpu", page_bytes=64 << 10))
+    for v, dense in (("0", None), ("1", (2, 2)), ("", (2, 2)), ("4:3", (4, 3))):
+        monkeypatch.setenv("PRISM_TRITON_DENSE", v)
+        assert envs.triton_dense(DEFAULT_KERNELS.triton_dense) == dense
+    for bad in ("2", "2:2:2", "x"):
+        monkeypatch.setenv("PRISM_TRITON_DENSE", bad)
+        with pytest.raises(ValueError, match="PRISM_TRITON_DENSE must be 0, 1 or WARPS:STAGES"):
+            envs.triton_dense(DEFAULT_KERNELS.triton_dense)
+    monkeypatch.delenv("PRISM_TRITON_DENSE")
     monkeypatch.delenv("PRISM_L2_PREFETCH")
     monkeypatch.delenv("PRISM_TRITON_PDL")
     monkeypatch.delenv("PRISM_L2_PREFETCH_INLINE")
