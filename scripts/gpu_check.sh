@@ -33,6 +33,7 @@
 # times projections of 16, 8 and 4 rows, cuBLAS against models.layers.triton_small_gemm
 # (bench_gpu_small_gemm.py). PARTS=attn times decode attention alone at B=1 and 16, the Triton
 # kernel's settings against FlashInfer's kernel and the K/V floor (bench_gpu_decode_kernel.py).
+# PARTS=host stamps a lone prompt's eager step, host against device (bench_gpu_prefill_host.py).
 # PARTS=peer times a gpt-fast-style decode (torch.compile, reduce-overhead) of the same model
 # at batch 1 and 16 (bench_gpu_gptfast.py), the peer Prism's TPOT is compared to.
 # PARTS=choices (not in the default set) measures decode under CHOICES, PRISM_* settings only,
@@ -90,6 +91,10 @@ if [ "$quick" = "--decode" ]; then
     --json "$OUT/gptfast.json" 2>&1 | tee "$OUT/gptfast.log" | grep -E "^gpt-fast|^weights|Error"
   # where a lone prompt's TTFT goes through the engine: to its first step, steps, output
   part ttft && timeout 120 python3 scripts/bench_gpu_ttft.py --json "$OUT/ttft.json" 2>&1 | tail -3
+  # where a lone prompt's eager step spends its host time, and each kind of call's launch cost
+  # (not in the default set: PARTS=host)
+  part host && timeout 150 python3 scripts/bench_gpu_prefill_host.py --json "$OUT/host.json" \
+    2>&1 | grep -v "^prism_server" | tail -60
   # two small models' decode steps at once on two streams against one after the other
   part concurrent && timeout 200 python3 scripts/bench_gpu_concurrent.py --json "$OUT/concurrent.json" \
     2>&1 | tail -3
