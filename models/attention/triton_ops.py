@@ -2,6 +2,8 @@
 
 - `rope_write`: rotates q and k (rope, GPT-NeoX layout, in fp32) and writes k and v to their
   cache slots: one kernel where FlashInfer's rope, then the indexed K/V store, took two or three.
+  Steps of fresh prompts take it too (several heads a program for long steps), in place of
+  FlashInfer's rope and append, whose inputs cost host time before the step's first kernel.
 - `TritonDecodeKernel`: decode attention over the paged cache in one kernel a layer. Each
   (sequence, KV head) is split over several programs when the batch is too small to fill the
   GPU; the last program of a sequence and head to finish merges the parts (an atomic ticket
