@@ -4,11 +4,12 @@ beside the device time it must stay ahead of. Two parts:
 - the launch cost of each kind of call an eager step makes (us of host time a call, the device
   kept busy so that no launch waits on it): cuBLAS's GEMM through torch, each FlashInfer kernel
   through its Python API and through its compiled module directly, a Triton kernel, a torch
-  elementwise op;
-- one step of a lone 1k-token prompt on a side worker, its host timeline (each stage's start
-  and end: the step's metadata, the attention's plan, the forward's launches, the logits,
-  the sampling) beside the device's (CUDA events at the same points): how long the device
-  waits for the host before its first kernel, and whether the launches keep ahead after.
+  elementwise op, a pinned host buffer, an upload of a step's small tensors;
+- one step of a lone prompt (1k tokens, then 8k) on a side worker, its host timeline (each
+  stage's start and end: the scheduling, the uploads, the step's metadata, the attention's plan
+  and its parts, the forward's launches, the logits, the sampling) beside the device's (a CUDA
+  event recorded at each point: when the stream reached it): how long the device waits for the
+  host before its first kernel, and whether the launches keep ahead after.
 
     python3 scripts/bench_gpu_prefill_host.py [--json out.json] [--tokens 1024]
 """
@@ -54,6 +55,7 @@ def per_call(tokens: int) -> dict:
     from flashinfer.norm import get_norm_module
     from flashinfer.rope import get_rope_module
 
+    from models.attention import upload as up
     from models.layers import triton_step_ops
 
     dev, bf = "cuda", torch.bfloat16
@@ -71,6 +73,8 @@ def per_call(tokens: int) -> dict:
     norm_mod = get_norm_module()
     silu_mod = get_act_and_mul_module("silu").silu_and_mul
     rope_mod = get_rope_module()
+    ints = [torch.arange(t, dtype=torch.int64) for _ in range(3)]
+    ids = list(range(t))
     out: dict = {
         "F.linear [T,4096] x [6144,4096]": launch_us(lambda: torch.nn.functional.linear(x, w)),
         "torch add_": launch_us(lambda: res.add_(x)),
@@ -91,19 +95,16 @@ def per_call(tokens: int) -> dict:
         "rope in place, module": launch_us(
             lambda: rope_mod.apply_rope_pos_ids_cos_sin_cache(q, k, q, k, table, pos, False)
         ),
+        "Triton add_rmsnorm (step ops)": launch_us(
+            lambda: triton_step_ops.add_rmsnorm(x, res, nw, 1e-5)
+        ),
+        "Triton silu_mul (step ops)": launch_us(lambda: triton_step_ops.silu_mul(gu)),
+        "pinned host buffer, 24 KiB": launch_us(
+            lambda: torch.empty(24 << 10, dtype=torch.uint8, pin_memory=True)
+        ),
+        "upload: 3 x [T] int64": launch_us(lambda: up.upload(ints, torch.device(dev))),
+        "host_ints: a list of T ints": launch_us(lambda: up.host_ints(ids, torch.int64)),
     }
-    out["Triton add_rmsnorm (step ops)"] = launch_us(
-        lambda: triton_step_ops.add_rmsnorm(x, res, nw, 1e-5)
-    )
-    out["Triton silu_mul (step ops)"] = launch_us(lambda: triton_step_ops.silu_mul(gu))
-    from models.attention import upload as up
-
-    ints = [torch.arange(t, dtype=torch.int64) for _ in range(3)]
-    out["pinned host buffer, 24 KiB"] = launch_us(
-        lambda: torch.empty(24 << 10, dtype=torch.uint8, pin_memory=True)
-    )
-    out["upload: 3 x [T] int64"] = launch_us(lambda: up.upload(ints, torch.device(dev)))
-    out["host_ints: [T]"] = launch_us(lambda: up.host_ints(list(range(t)), torch.int64))
     for name, us in out.items():
         print(f"   {name}: {us:.1f} us")
     return out
