@@ -311,13 +311,15 @@ class ModelRunner:
         host = [host_ints(positions, torch.long), host_ints(last, torch.long)]
         if input_ids is None:
             host.append(host_ints(ids, torch.long))
-        pos, rows, *tokens = upload(host, self.device)  # one copy from pinned memory
-        if input_ids is None:
-            input_ids = tokens[0]
         if self._planned is not None:
             self._planned.synchronize()  # the last plan's staged copies have run
         chunks = [SeqChunk(c.start, c.num_new, c.request.block_table) for c in batch]
-        md = AttentionMetadata.build(chunks, self.block_size, self.device)
+        # the step's metadata, tokens and positions: one copy from pinned memory
+        md, (pos, rows, *tokens) = AttentionMetadata.build_with(
+            chunks, self.block_size, self.device, host
+        )
+        if input_ids is None:
+            input_ids = tokens[0]
         spans = _prompt_spans(batch) if scores is not None else []
         if not spans and self.graphs is not None and self.graphs.can_run(md):
             logits = self.graphs.run(input_ids, pos, md, self._planned)[rows]

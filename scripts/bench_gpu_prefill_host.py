@@ -6,7 +6,7 @@ beside the device time it must stay ahead of. Two parts:
   through its Python API and through its compiled module directly, a Triton kernel, a torch
   elementwise op, a pinned host buffer, an upload of a step's small tensors;
 - one step of a lone prompt (1k tokens, then 8k) on a side worker, its host timeline (each
-  stage's start and end: the scheduling, the uploads, the step's metadata, the attention's plan
+  stage's start and end: the scheduling, the upload, the step's metadata, the attention's plan
   and its parts, the forward's launches, the logits, the sampling) beside the device's (a CUDA
   event recorded at each point: when the stream reached it): how long the device waits for the
   host before its first kernel, and whether the launches keep ahead after.
@@ -161,11 +161,8 @@ def step_timeline(engine, sizes: tuple[int, ...], runs: int = 5) -> dict:
     tl.wrap(fp.PagedKVIndex, "from_metadata", "index", static=True)
     tl.wrap(fp.PagedKVIndex, "pinned", "index pinned")
     tl.wrap(fp, "append_inputs", "append inputs")
-    import prism_server.model_runner as mr
-
-    saved += [(base, "upload", base.upload), (mr, "upload", mr.upload)]
-    tl.wrap(base, "upload", "upload (metadata)")
-    tl.wrap(mr, "upload", "upload (tokens)")
+    saved.append((base, "upload", base.upload))
+    tl.wrap(base, "upload", "upload")
     tl.wrap(me.scheduler, "schedule", "schedule")
     tl.wrap(runner, "execute", "execute")
     for wrappers in getattr(runner.attention, "ragged", {}).values():

@@ -77,6 +77,19 @@ class AttentionMetadata:
     def build(
         chunks: Sequence[SeqChunk], block_size: int, device: torch.device
     ) -> AttentionMetadata:
+        """The metadata of a step of `chunks` (on `device`, in one transfer)."""
+        return AttentionMetadata.build_with(chunks, block_size, device)[0]
+
+    @staticmethod
+    def build_with(
+        chunks: Sequence[SeqChunk],
+        block_size: int,
+        device: torch.device,
+        riders: Sequence[torch.Tensor] = (),
+    ) -> tuple[AttentionMetadata, list[torch.Tensor]]:
+        """The metadata, and `riders` (host tensors: a step's tokens and positions) on the
+        device, all in one transfer (each transfer costs the host a pinned buffer and a copy
+        before the step's first kernel)."""
         query_lens = [c.num_new for c in chunks]
         seq_lens = [c.num_computed + c.num_new for c in chunks]
         max_blocks = max((-(-s // block_size) for s in seq_lens), default=1)
@@ -110,8 +123,9 @@ class AttentionMetadata:
             host_ints(seq_lens, torch.int32),
             tables,
         )
-        slot_dev, qsl_dev, seq_dev, tables_dev = upload(host, device)  # one copy, never waits
-        return AttentionMetadata(
+        # one copy, never waiting for the device
+        slot_dev, qsl_dev, seq_dev, tables_dev, *rode = upload((*host, *riders), device)
+        md = AttentionMetadata(
             block_size=block_size,
             slot_mapping=slot_dev,
             query_start_loc=qsl_dev,
@@ -121,6 +135,7 @@ class AttentionMetadata:
             seq_lens_cpu=seq_lens,
             block_tables_cpu=tables,
         )
+        return md, rode
 
 
 def _chunk_slots(table: Sequence[int], start: int, count: int, block_size: int) -> torch.Tensor:

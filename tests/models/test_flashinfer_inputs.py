@@ -95,6 +95,22 @@ def test_a_mixed_batch_gets_every_tokens_slot_and_every_table_in_order():
         assert md.query_start_loc.tolist()[-1] == len(want)
 
 
+def test_a_steps_tokens_and_positions_ride_with_its_metadata():
+    """build_with hands back the riders (a step's positions, sampled rows and tokens) beside the
+    metadata that build makes, values and dtypes unchanged."""
+    chunks = [SeqChunk(0, 40, [3, 9, 4]), SeqChunk(17, 1, [5, 6])]
+    riders = [torch.arange(41), torch.tensor([39, 40]), torch.arange(100, 141, dtype=torch.int32)]
+    md, got = AttentionMetadata.build_with(chunks, 16, CPU, riders)
+    want = AttentionMetadata.build(chunks, 16, CPU)
+    assert torch.equal(md.slot_mapping, want.slot_mapping)
+    assert torch.equal(md.block_tables, want.block_tables)
+    assert md.query_lens_cpu == want.query_lens_cpu == [40, 1]
+    assert len(got) == 3
+    for r, g in zip(riders, got):
+        assert torch.equal(r, g) and r.dtype == g.dtype
+    assert AttentionMetadata.build_with(chunks, 16, CPU)[1] == []
+
+
 def test_kv_writes_land_where_the_reference_backend_puts_them():
     """From separate k and v, and from k and v side by side in a qkv projection's rows (read
     where they lie, through one view)."""
