@@ -111,8 +111,10 @@ def triton_dense(default: tuple[int, int] | None) -> tuple[int, int] | None:
     (batches past one): PRISM_TRITON_DENSE=WARPS:STAGES; unset or 1: `default` (2:2); 0:
     PRISM_TRITON_WARPS and PRISM_TRITON_STAGES, as in every other launch (None)."""
     parts = _tiling("PRISM_TRITON_DENSE", "1", "WARPS:STAGES")
-    if parts is None or not parts:
-        return None if parts is None else default
+    if parts is None:
+        return None
+    if not parts:
+        return default
     if len(parts) != 2:
         raise ValueError(f"PRISM_TRITON_DENSE must be 0, 1 or WARPS:STAGES, got {parts}")
     return parts[0], parts[1]

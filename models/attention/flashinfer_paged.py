@@ -417,14 +417,8 @@ class FlashInferBackend:
         if decode and self._table_decodes(md.num_seqs):  # reads md's block tables as they are
             write = RowsWriter(md.slot_mapping, sh.block_size, fused) if write_kv else None
             return TableDecodeAttention(self.table_kernel, kv_caches, md, write)
-        fresh = self.kernels.ragged_prefill and md.seq_lens_cpu == md.query_lens_cpu
-        if not decode and fresh and fused and triton_ops.triton_runs_on(self.device):
-            # fresh prompts whose rope and K/V write are one Triton kernel over the slots: the
-            # plan needs the query rows alone (no block index, no append inputs: host time
-            # before the step's first kernel)
-            write = RowsWriter(md.slot_mapping, sh.block_size) if write_kv else None
-            rows = pinned([query_indptr(md.query_lens_cpu)], self.device)[0]
-            return self._ragged(kv_caches, md, rows, write, prefill_backend)
+        if not decode and self.kernels.ragged_prefill and md.seq_lens_cpu == md.query_lens_cpu:
+            return self._ragged(kv_caches, md, write_kv, prefill_backend)
         index = PagedKVIndex.from_metadata(md).pinned(self.device)
         if decode:
             write = RowsWriter(md.slot_mapping, sh.block_size, fused) if write_kv else None
@@ -445,8 +439,6 @@ class FlashInferBackend:
             write = (
                 AppendWriter(self._fi, append_inputs(index, md, self.device)) if write_kv else None
             )
-            if fresh:
-                return self._ragged(kv_caches, md, index.qo_indptr, write, prefill_backend)
             wrappers = self.prefill[self._prefill_backend(md, prefill_backend)]
             for spec, w in wrappers.items():
                 w.plan(
@@ -469,11 +461,20 @@ class FlashInferBackend:
         return self._large_prefill if backend == self.kernels.prefill_backend else backend
 
     def _ragged(
-        self, kv_caches, md: AttentionMetadata, rows: torch.Tensor, write, asked: str | None
+        self, kv_caches, md: AttentionMetadata, write_kv: bool, asked: str | None
     ) -> RaggedAttention:
-        """A step of fresh prompts: the ragged wrappers planned over their query rows `rows`
-        (qo_indptr, host int32; each prompt attends to its own rows alone)."""
+        """A step of fresh prompts: the ragged wrappers planned over their query rows alone
+        (each prompt attends to its own rows). Its K/V write: one Triton kernel over the slots
+        with the rope where it runs (no block index, no append inputs: host time before the
+        step's first kernel), else FlashInfer's append."""
         sh = self.shape
+        write = None
+        if write_kv:
+            write = RowsWriter(md.slot_mapping, sh.block_size, self.kernels.fused_rope_write)
+            if not write.fuses_rope(kv_caches[0]):
+                index = PagedKVIndex.from_metadata(md).pinned(self.device)
+                write = AppendWriter(self._fi, append_inputs(index, md, self.device))
+        rows = pinned([query_indptr(md.query_lens_cpu)], self.device)[0]
         ragged = self.ragged[self._prefill_backend(md, asked)]
         for spec, w in ragged.items():
             w.plan(

@@ -142,7 +142,7 @@ def _build_kernels(interpret: bool):
         h0 = tl.program_id(1) * HB
         hh = h0 + tl.arange(0, HB)[:, None]  # [HB, 1]
         d = tl.arange(0, HALF_P2)[None, :]  # [1, HALF_P2]
-        dm = (hh >= 0) & (d < HALF)  # [HB, HALF_P2]
+        dm = (hh >= 0) & (d < HALF)  # [HB, HALF_P2] (hh >= 0: the column mask over every row)
         cos = tl.load(table_ptr + t * st_t + d, mask=d < HALF, other=0.0)
         sin = tl.load(table_ptr + t * st_t + HALF + d, mask=d < HALF, other=0.0)
         if h0 < HQ:
