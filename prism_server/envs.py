@@ -240,8 +240,9 @@ def piecewise_graphs() -> bool:
 
 
 def piecewise_max_tokens() -> int | None:
-    """The largest step replayed through piecewise graphs (PRISM_PIECEWISE_MAX_TOKENS; unset: 512).
-    Larger steps run eagerly; each bucket past 512 tokens costs capture time and graph memory."""
+    """The largest step replayed through piecewise graphs (PRISM_PIECEWISE_MAX_TOKENS; unset:
+    1024). Larger steps run eagerly; each bucket past 512 tokens (one every 256) costs capture
+    time and graph memory."""
     n = _int("PRISM_PIECEWISE_MAX_TOKENS", None)
     if n is not None and n < 8:
         raise ValueError(f"PRISM_PIECEWISE_MAX_TOKENS must be at least 8, got {n}")

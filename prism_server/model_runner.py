@@ -272,8 +272,9 @@ class ModelRunner:
             buckets = DEFAULT_TOKEN_BUCKETS if resources is None else resources.piecewise_buckets
         if self.graphs is not None and buckets:
             views = kv_cache.layer_views if piecewise_kv else None
+            fused_rope = resources.kernels.fused_rope_write if resources is not None else True
             self.pieces = PiecewiseGraphs(
-                model, buckets, device, self.graphs.pool, views, self.graphs.stream
+                model, buckets, device, self.graphs.pool, views, self.graphs.stream, fused_rope
             )
             self.pieces.capture()
         # FlashInfer's plan stages its tables in pinned host buffers that a queued copy reads:

@@ -7,14 +7,15 @@ prefill step costs three times its device time. Here everything between two atte
 (embedding, norms, projections, rope, MLPs, the final norm) is captured once per token bucket,
 one graph per segment: num_layers + 1 graphs per bucket. A step of T tokens replays the smallest
 bucket >= T. Between the graphs, attention runs eagerly, planned for the step's own batch. It
-reads q/k/v from static buffers (the segment before it copies them there) and its output is
-copied into a static buffer that the next segment reads. Padded rows (T..bucket) compute rows
-that nothing reads: every op between attention calls works row by row.
+reads q/k/v from static buffers (the segment before it puts them there) and writes its output
+into a static buffer that the next segment reads. Padded rows (T..bucket) compute rows that
+nothing reads: every op between attention calls works row by row.
 
-With kv_views, each segment also writes its layer's K/V (one indexed store at blocks and offsets
-made from a static slot buffer, refilled each step; padded rows write the null block, as in
-decode graphs),
-so the eager part of a step is the attention kernels alone.
+With kv_views, each segment also writes its layer's K/V at the slots of a static buffer,
+refilled each step (padded rows write the null block, as in decode graphs), so the eager part
+of a step is the attention kernels alone. Where Triton runs, one kernel per layer rotates q
+into the static q buffer and k in place and stores K/V (triton_ops.rope_write); else the
+model's rope, a copy of q and an indexed store.
 
 All buckets share one memory pool (the device's graph pool) and never replay concurrently; each
 bucket's replays are self-contained (nothing of one step's replay is read by another's).
@@ -28,13 +29,16 @@ from dataclasses import dataclass
 
 import torch
 
+from models.attention import triton_ops
 from models.attention.base import ForwardContext, LayerAttention
 from models.attention.kv_write import KVSlots, write_kv
 from prism_server import cuda_graph_runner
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_TOKENS = 512
+# a 1k-token prompt through the graphs took 2.4-2.9% less TTFT than eagerly on an H100
+# (docs/BENCHMARKS.md); past that the device time dwarfs the launches
+DEFAULT_MAX_TOKENS = 1024
 
 
 def token_buckets(max_tokens: int) -> tuple[int, ...]:
@@ -80,17 +84,30 @@ class _SegmentHook:
     def end(self) -> None:
         self.graphs[-1].capture_end()
 
-    def forward(self, layer_idx: int, q, k, v, spec: LayerAttention) -> torch.Tensor:
+    @property
+    def takes_rope(self) -> bool:
+        """Whether forward() takes the layer's rope (ForwardContext): with K/V written here,
+        where Triton runs, one kernel rotates q into the static q buffer and k in place, and
+        stores K/V (in place of FlashInfer's rope, a copy of q and an indexed store)."""
+        return self.owner.fuses_rope
+
+    def forward(self, layer_idx: int, q, k, v, spec: LayerAttention, rope=None) -> torch.Tensor:
         o = self.owner
         t = q.shape[0]
         o.ensure_buffers(q, k)
-        o.q[:t].copy_(q)
+        if rope is not None:  # takes_rope
+            slots, cache = o.slots[:t], o.kv_views[layer_idx]
+            triton_ops.rope_write(q, k, v, rope.table(), slots, cache, q_out=o.q[:t])
+        else:
+            o.q[:t].copy_(q)
+            if o.kv_views is not None:
+                if self.at is None:
+                    self.at = KVSlots.of(o.slots[:t], o.block_size)
+                write_kv(o.kv_views[layer_idx], self.at, k, v)
+        # a step of fresh prompts attends over its own k and v (ragged), the others over the
+        # cache: the graphs serve both
         o.k[:t].copy_(k)
         o.v[:t].copy_(v)
-        if o.kv_views is not None:
-            if self.at is None:
-                self.at = KVSlots.of(o.slots[:t], o.block_size)
-            write_kv(o.kv_views[layer_idx], self.at, k, v)
         if self.capturing:
             self.end()
             self.layers.append((layer_idx, spec))
@@ -107,13 +124,19 @@ class PiecewiseGraphs:
         pool=None,
         kv_views: list[torch.Tensor] | None = None,
         stream: torch.cuda.Stream | None = None,
+        fused_rope: bool = True,
     ):
         """buckets: the step sizes (tokens) to capture; pool: a graph memory pool shared with
         graphs that never replay concurrently (None: its own); kv_views: the model's KV cache
         views ([num_blocks, 2, block_size, H, D] per layer) when the segments write K/V (the
         step's attention then must not); stream: the stream to capture on, shared likewise
-        (see CudaGraphRunner; None: the device's capture stream)."""
+        (see CudaGraphRunner; None: the device's capture stream); fused_rope: with kv_views,
+        the segments take each layer's rope with its K/V write where Triton runs
+        (triton_ops.rope_write)."""
         self.model, self.device, self.pool, self.stream = model, device, pool, stream
+        self.fuses_rope = (
+            fused_rope and kv_views is not None and triton_ops.triton_runs_on(kv_views[0].device)
+        )
         self.buckets = sorted(set(buckets))
         n = self.buckets[-1]
         self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
@@ -187,6 +210,6 @@ class PiecewiseGraphs:
         q, k, v, out = self.q[:t], self.k[:t], self.v[:t], self.out[:t]
         for g, (layer_idx, spec) in zip(b.graphs, b.layers):
             g.replay()
-            out.copy_(attention.forward(layer_idx, q, k, v, spec))
+            attention.forward(layer_idx, q, k, v, spec, out=out)  # straight into the buffer
         b.graphs[-1].replay()
         return b.hidden[:t]

@@ -75,7 +75,11 @@ def main() -> None:
     )
     sizes = [int(s) for s in args.sizes.split(",")]
     runs: list[tuple[int, float, float]] = []
+    t = time.perf_counter()
     with Engine(cfg) as engine:
+        load_s = time.perf_counter() - t
+        overhead = engine.worker.models["m"].overhead_bytes
+        print(f"load {load_s:.2f} s; device memory outside the pool {overhead / 2**20:.0f} MiB")
         vocab = engine.served["m"].vocab_size
         g = torch.Generator().manual_seed(0)
         for n in sizes:
@@ -89,6 +93,7 @@ def main() -> None:
     for f in trace.parent.glob("steps.*"):
         steps += [json.loads(line) for line in f.read_text().splitlines()]
     out: dict = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu"}
+    out |= {"load_s": load_s, "overhead_bytes": overhead}
     for n in sizes:
         rows = []
         for size, t0, t1 in runs:

@@ -160,7 +160,8 @@ class LayerAttention:
 class AttentionBackend(Protocol):
     """Writes this step's K/V into the paged cache and computes attention over cache + new tokens.
 
-    q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] -> [T, num_heads, head_dim].
+    q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] -> [T, num_heads, head_dim]
+    (into `out` when given: a piecewise graph's static buffer).
     """
 
     def forward(
@@ -170,6 +171,7 @@ class AttentionBackend(Protocol):
         k: torch.Tensor,
         v: torch.Tensor,
         spec: LayerAttention,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
 

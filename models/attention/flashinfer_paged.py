@@ -544,20 +544,25 @@ class FlashInferAttention:
         """Whether forward() can take the layer's rope with its K/V write (ForwardContext)."""
         return isinstance(self.write, RowsWriter) and self.write.fuses_rope(self.kv_caches[0])
 
-    def forward(self, layer_idx: int, q, k, v, spec: LayerAttention, rope=None) -> torch.Tensor:
-        # q: [T, Hq, D]; k, v: [T, Hkv, D] -> [T, Hq, D]; rope: q and k not yet rotated
+    def forward(
+        self, layer_idx: int, q, k, v, spec: LayerAttention, rope=None, out=None
+    ) -> torch.Tensor:
+        # q: [T, Hq, D]; k, v: [T, Hkv, D] -> [T, Hq, D]; rope: q and k not yet rotated; out:
+        # where to put the output (a piecewise graph's static buffer; None: a new tensor)
         cache = self.kv_caches[layer_idx]
         q = rope_then_write(self.write, cache, q, k, v, rope)
-        return self.wrappers[spec].run(q, cache)
+        return self.wrappers[spec].run(q, cache, out=out)
 
 
 class RaggedAttention(FlashInferAttention):
     """A step of fresh prompts: writes K/V for later steps (with the rope, in one kernel, where
     the writer takes it), attends over the step's own K/V."""
 
-    def forward(self, layer_idx: int, q, k, v, spec: LayerAttention, rope=None) -> torch.Tensor:
+    def forward(
+        self, layer_idx: int, q, k, v, spec: LayerAttention, rope=None, out=None
+    ) -> torch.Tensor:
         q = rope_then_write(self.write, self.kv_caches[layer_idx], q, k, v, rope)
-        return self.wrappers[spec].run(q, k, v)
+        return self.wrappers[spec].run(q, k, v, out=out)
 
 
 class DecodeGraphAttention(FlashInferAttention):

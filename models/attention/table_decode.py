@@ -52,19 +52,22 @@ class TableDecodeAttention:
         return getattr(self.kernel, "takes_prefetch", False)
 
     def forward(
-        self, layer_idx: int, q, k, v, spec: LayerAttention, rope=None, prefetch=None
+        self, layer_idx: int, q, k, v, spec: LayerAttention, rope=None, prefetch=None, out=None
     ) -> torch.Tensor:
         # q: [B, Hq, D]; k, v: [B, Hkv, D] -> [B, Hq, D]; rope: q and k not yet rotated;
-        # prefetch: ranges to ask of the L2 (takes_prefetch)
+        # prefetch: ranges to ask of the L2 (takes_prefetch); out: where the output goes (a
+        # piecewise graph's static buffer; None: the kernel's own)
         cache = self.kv_caches[layer_idx]
         write = self.write
         extra = {} if prefetch is None else {"prefetch": prefetch}
         if rope is not None and getattr(self.kernel, "takes_rope", False):
             # the kernel rotates q and k and stores k, v itself (write.fuses_rope: takes_rope)
             new = (k, v, rope.table(), write.slots)
-            return self.kernel(q, cache, self.tables, self.seq_lens, spec, new, **extra)
-        q = rope_then_write(write, cache, q, k, v, rope, contiguous_q=True)
-        return self.kernel(q, cache, self.tables, self.seq_lens, spec, **extra)
+            o = self.kernel(q, cache, self.tables, self.seq_lens, spec, new, **extra)
+        else:
+            q = rope_then_write(write, cache, q, k, v, rope, contiguous_q=True)
+            o = self.kernel(q, cache, self.tables, self.seq_lens, spec, **extra)
+        return o if out is None else out.copy_(o)
 
 
 class TableDecodeGraphAttention(TableDecodeAttention):

@@ -74,7 +74,12 @@ class TorchPagedAttention:
         kv = kv.permute(2, 0, 4, 1, 3, 5).reshape(2, b, h, nb * bs, d)[:, :, :, :max_len]
         return kv[0], kv[1]
 
-    def forward(self, layer_idx: int, q, k, v, spec: LayerAttention) -> torch.Tensor:
+    def forward(self, layer_idx: int, q, k, v, spec: LayerAttention, out=None) -> torch.Tensor:
+        """out: where the output goes (None: a new tensor)."""
+        o = self._attend(layer_idx, q, k, v, spec)
+        return o if out is None else out.copy_(o)
+
+    def _attend(self, layer_idx: int, q, k, v, spec: LayerAttention) -> torch.Tensor:
         cache = self.kv_caches[layer_idx]
         self._write(cache, k, v)
         md = self.md

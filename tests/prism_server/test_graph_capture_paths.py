@@ -58,16 +58,34 @@ def no_cuda_graphs(monkeypatch):
     monkeypatch.setattr(cgr, "capture_stream", lambda device: _NoStream())
 
 
-def test_piecewise_capture_builds_a_segment_per_attention_call(no_cuda_graphs):
+@pytest.mark.parametrize("fused_rope", [True, False], ids=["rope-write", "rope-then-store"])
+def test_piecewise_capture_builds_a_segment_per_attention_call(no_cuda_graphs, fused_rope):
+    """fused_rope: the segments rotate q into the static buffer and store K/V in one Triton
+    kernel (here under its interpreter), no slot index made; else FlashInfer's or torch's rope,
+    then a copy of q and an indexed store at the index."""
     cfg, model = tiny_model()
     kv = cpu_kv(cfg)
-    pieces = pg.PiecewiseGraphs(model, (8, 16), CPU, kv_views=kv.layer_views)
-    with torch.inference_mode():
+    pieces = pg.PiecewiseGraphs(model, (8, 16), CPU, kv_views=kv.layer_views, fused_rope=fused_rope)
+    assert pieces.fuses_rope is fused_rope
+    ropes = []
+    rope_write = pg.triton_ops.rope_write
+
+    def recording(q, k, v, table, slots, cache, q_out=None):
+        ropes.append(q_out.data_ptr() == pieces.q.data_ptr())
+        return rope_write(q, k, v, table, slots, cache, q_out)
+
+    with torch.inference_mode(), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(pg.triton_ops, "rope_write", recording)
         pieces.capture()
+    # each bucket's warm-up and capture, every layer, straight into the static q
+    assert ropes == ([True] * 2 * 2 * cfg.num_layers if fused_rope else [])
     for n, b in pieces._buckets.items():
         assert len(b.graphs) == cfg.num_layers + 1  # one segment before each attention call
         assert [layer for layer, _ in b.layers] == list(range(cfg.num_layers))
-        assert isinstance(b.at, KVSlots) and b.at.blocks.shape == (n,)
+        if fused_rope:
+            assert b.at is None
+        else:
+            assert isinstance(b.at, KVSlots) and b.at.blocks.shape == (n,)
         assert b.hidden.shape == (n, cfg.hidden_size)
     assert pieces.q.shape == (16, cfg.num_heads, cfg.head_dim)
     assert pieces.k.shape == pieces.v.shape == (16, cfg.num_kv_heads, cfg.head_dim)

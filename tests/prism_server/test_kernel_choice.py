@@ -164,14 +164,14 @@ def test_piecewise_buckets_and_their_knob(monkeypatch):
     knob reaches every device's resources, and a bad value is refused."""
     from prism_server.piecewise_graphs import DEFAULT_TOKEN_BUCKETS, token_buckets
 
-    assert DEFAULT_TOKEN_BUCKETS == (8, 16, 32, 64, 128, 256, 512)
+    assert DEFAULT_TOKEN_BUCKETS == (8, 16, 32, 64, 128, 256, 512, 768, 1024)
     assert token_buckets(2048) == (8, 16, 32, 64, 128, 256, 512, 768, 1024, 1280, 1536, 1792, 2048)
     assert token_buckets(1000) == (8, 16, 32, 64, 128, 256, 512, 768, 1000)
     assert token_buckets(100) == (8, 16, 32, 64, 100) and token_buckets(4) == ()
-    monkeypatch.setenv("PRISM_PIECEWISE_MAX_TOKENS", "1024")
+    monkeypatch.setenv("PRISM_PIECEWISE_MAX_TOKENS", "2048")
     spec = ModelSpec("a", "dummy:tiny-llama", block_size=4)
     with Engine(EngineConfig(models=(spec,), device="cpu", page_bytes=64 << 10)) as e:
-        assert e.worker.resources.piecewise_buckets == token_buckets(1024)
+        assert e.worker.resources.piecewise_buckets == token_buckets(2048)
         e.check_integrity()
     monkeypatch.setenv("PRISM_PIECEWISE_GRAPHS", "0")
     with Engine(EngineConfig(models=(spec,), device="cpu", page_bytes=64 << 10)) as e:
