@@ -14,8 +14,8 @@ nothing reads: every op between attention calls works row by row.
 With kv_views, each segment also writes its layer's K/V at the slots of a static buffer,
 refilled each step (padded rows write the null block, as in decode graphs), so the eager part
 of a step is the attention kernels alone. Where Triton runs, one kernel per layer rotates q
-into the static q buffer and k in place and stores K/V (triton_ops.rope_write); else the
-model's rope, a copy of q and an indexed store.
+and k into the static buffers, puts v beside them and stores K/V (triton_ops.rope_write); else
+the model's rope, copies of q, k and v and an indexed store.
 
 All buckets share one memory pool (the device's graph pool) and never replay concurrently; each
 bucket's replays are self-contained (nothing of one step's replay is read by another's).
@@ -87,27 +87,28 @@ class _SegmentHook:
     @property
     def takes_rope(self) -> bool:
         """Whether forward() takes the layer's rope (ForwardContext): with K/V written here,
-        where Triton runs, one kernel rotates q into the static q buffer and k in place, and
-        stores K/V (in place of FlashInfer's rope, a copy of q and an indexed store)."""
+        where Triton runs, one kernel rotates q and k into the static buffers, puts v there and
+        stores K/V (in place of FlashInfer's rope, three copies and an indexed store)."""
         return self.owner.fuses_rope
 
     def forward(self, layer_idx: int, q, k, v, spec: LayerAttention, rope=None) -> torch.Tensor:
         o = self.owner
         t = q.shape[0]
         o.ensure_buffers(q, k)
+        # q, k and v to the static buffers (a step of fresh prompts attends over its own k and
+        # v, the others over the cache: the graphs serve both), K/V to the cache
         if rope is not None:  # takes_rope
             slots, cache = o.slots[:t], o.kv_views[layer_idx]
-            triton_ops.rope_write(q, k, v, rope.table(), slots, cache, q_out=o.q[:t])
+            kv_out = (o.k[:t], o.v[:t])
+            triton_ops.rope_write(q, k, v, rope.table(), slots, cache, o.q[:t], kv_out)
         else:
             o.q[:t].copy_(q)
+            o.k[:t].copy_(k)
+            o.v[:t].copy_(v)
             if o.kv_views is not None:
                 if self.at is None:
                     self.at = KVSlots.of(o.slots[:t], o.block_size)
                 write_kv(o.kv_views[layer_idx], self.at, k, v)
-        # a step of fresh prompts attends over its own k and v (ragged), the others over the
-        # cache: the graphs serve both
-        o.k[:t].copy_(k)
-        o.v[:t].copy_(v)
         if self.capturing:
             self.end()
             self.layers.append((layer_idx, spec))

@@ -130,14 +130,15 @@ def _build_kernels(interpret: bool):
 
     @triton.jit
     def rope_write_kernel(
-        q_ptr, k_ptr, v_ptr, qo_ptr, table_ptr, slots_ptr, cache_ptr,
-        sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h, st_t,
+        q_ptr, k_ptr, v_ptr, qo_ptr, ko_ptr, vo_ptr, table_ptr, slots_ptr, cache_ptr,
+        sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h, sko_t, sko_h, svo_t, svo_h, st_t,
         sc_blk, sc_kv, sc_tok, sc_h,
         HQ: tl.constexpr, HALF: tl.constexpr, HALF_P2: tl.constexpr, PAGE: tl.constexpr,
-        HB: tl.constexpr,
+        HB: tl.constexpr, KV_OUT: tl.constexpr,
     ):  # fmt: skip
         # one program per (token, HB heads): heads [0, HQ) of q, then the KV heads; HB divides
-        # both head counts, so that a program's heads are all q's or all k's
+        # both head counts, so that a program's heads are all q's or all k's. KV_OUT: the
+        # rotated k and v also go to ko and vo (k is left as it was), else k turns in place
         t = tl.program_id(0)
         h0 = tl.program_id(1) * HB
         hh = h0 + tl.arange(0, HB)[:, None]  # [HB, 1]
@@ -150,7 +151,10 @@ def _build_kernels(interpret: bool):
             dst = qo_ptr + t * so_t + hh * so_h + d
         else:
             src = k_ptr + t * sk_t + (hh - HQ) * sk_h + d
-            dst = src
+            if KV_OUT:  # noqa: SIM108 (a constexpr branch, compiled out)
+                dst = ko_ptr + t * sko_t + (hh - HQ) * sko_h + d
+            else:
+                dst = src
         x1 = tl.load(src, mask=dm, other=0.0).to(tl.float32)
         x2 = tl.load(src + HALF, mask=dm, other=0.0).to(tl.float32)
         y1 = (x1 * cos - x2 * sin).to(dst.dtype.element_ty)
@@ -169,6 +173,10 @@ def _build_kernels(interpret: bool):
             v2 = tl.load(vsrc + HALF, mask=dm, other=0.0)
             tl.store(at + sc_kv, v1.to(ty), mask=dm)
             tl.store(at + sc_kv + HALF, v2.to(ty), mask=dm)
+            if KV_OUT:
+                vdst = vo_ptr + t * svo_t + hk * svo_h + d
+                tl.store(vdst, v1, mask=dm)
+                tl.store(vdst + HALF, v2, mask=dm)
 
     # nsplit is a run-time value, SPLIT only whether it is above 1: two builds serve every
     # batch size (a build per value made a model's first load 7 s longer; one build for both
@@ -348,27 +356,33 @@ def rope_write(
     slots: torch.Tensor,
     cache: torch.Tensor,
     q_out: torch.Tensor | None = None,
+    kv_out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """q: [T, Hq, D], k, v: [T, Hkv, D] (last dim contiguous, any other strides); table: this
     step's [T, D] fp32 rope table (cos of each angle, then sin); slots: [T] int64, block *
-    block_size + offset -> the rotated q (in place, or into q_out), with k rotated in place and
-    the rotated k and v at their slots of cache ([num_blocks, 2, block_size, Hkv, D])."""
+    block_size + offset -> the rotated q (in place, or into q_out), with the rotated k and v at
+    their slots of cache ([num_blocks, 2, block_size, Hkv, D]) and k rotated in place, or with
+    kv_out (k_out, v_out: [T, Hkv, D]) the rotated k and v there too, k left as it was."""
     t, hq, dim = q.shape
     hkv = k.shape[1]
     if q_out is None:
         q_out = q
+    k_out, v_out = (k, v) if kv_out is None else kv_out
     assert dim % 2 == 0 and q.stride(2) == k.stride(2) == v.stride(2) == q_out.stride(2) == 1
+    assert k_out.stride(2) == v_out.stride(2) == 1
     assert table.dtype == torch.float32 and table.stride(1) == 1 and cache.stride(4) == 1
     if t == 0:
         return q_out
     kernel = _kernels()[0]
     hb = heads_a_program(t, hq, hkv)
     kernel[(t, (hq + hkv) // hb)](
-        q, k, v, q_out, table, slots, cache,
+        q, k, v, q_out, k_out, v_out, table, slots, cache,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        q_out.stride(0), q_out.stride(1), table.stride(0),
+        q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
+        v_out.stride(0), v_out.stride(1), table.stride(0),
         cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
         HQ=hq, HALF=dim // 2, HALF_P2=_pow2(dim // 2), PAGE=cache.shape[2], HB=hb,
+        KV_OUT=kv_out is not None,
     )  # fmt: skip
     return q_out
 

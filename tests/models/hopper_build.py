@@ -31,7 +31,9 @@ DECODE_TYPES = {
     **dict.fromkeys(("pa0", "pa1"), "i64"),
 }
 ROPE_TYPES = {
-    **dict.fromkeys(("q_ptr", "k_ptr", "v_ptr", "qo_ptr", "cache_ptr"), "*bf16"),
+    **dict.fromkeys(
+        ("q_ptr", "k_ptr", "v_ptr", "qo_ptr", "ko_ptr", "vo_ptr", "cache_ptr"), "*bf16"
+    ),
     "table_ptr": "*fp32",
     "slots_ptr": "*i64",
 }
@@ -205,10 +207,11 @@ def build_others() -> int:
     GEMMs, the L2 prefetch; how many."""
     built = 0
     rope_write = triton_ops._build_kernels(False)[0]
-    for half, heads in itertools.product((64, 128), (1, 8)):  # a decode's, a prefill's
-        const = dict(HQ=32, HALF=half, HALF_P2=half, PAGE=16, HB=heads)
+    # a decode's, a prefill's; k and v also out (a piecewise graph's static buffers) or not
+    for half, heads, kv_out in itertools.product((64, 128), (1, 8), (False, True)):
+        const = dict(HQ=32, HALF=half, HALF_P2=half, PAGE=16, HB=heads, KV_OUT=kv_out)
         assert compile_for_hopper(rope_write, ROPE_TYPES, const).asm["cubin"]
-        print(f"rope_write half={half} heads={heads}")
+        print(f"rope_write half={half} heads={heads} kv_out={kv_out}")
         built += 1
     add_rmsnorm, silu_mul = triton_step_ops._build(False)
     step_types = {**dict.fromkeys(("x_ptr", "r_ptr", "w_ptr", "gu_ptr", "o_ptr"), "*bf16"),

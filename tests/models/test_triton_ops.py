@@ -41,9 +41,12 @@ ROPE_CASES = [(5, 8, 2, 64), (5, 8, 2, 96), (130, 8, 2, 64), (128, 16, 8, 96)]
 
 
 @pytest.mark.parametrize("case", ROPE_CASES, ids=lambda c: "t{}-hq{}-hkv{}-d{}".format(*c))
-@pytest.mark.parametrize("contiguous_q", [False, True])
-def test_rope_write_rotates_q_and_k_and_stores_k_and_v_at_their_slots(case, contiguous_q):
+@pytest.mark.parametrize("out", ["in-place", "q-out", "qkv-out"])
+def test_rope_write_rotates_q_and_k_and_stores_k_and_v_at_their_slots(case, out):
+    """in-place: q and k turn where they lie; q-out: q into a contiguous tensor, k in place;
+    qkv-out: q, k and v into contiguous tensors (a piecewise graph's buffers), k left as it was."""
     t, hq, hkv, head_dim = case
+    contiguous_q = out != "in-place"
     torch.manual_seed(head_dim + t)
     assert triton_ops.heads_a_program(t, hq, hkv) == {5: 1, 130: 2, 128: 8}[t]
     qkv = torch.randn(t, (hq + 2 * hkv) * head_dim, dtype=torch.bfloat16)
@@ -56,14 +59,25 @@ def test_rope_write_rotates_q_and_k_and_stores_k_and_v_at_their_slots(case, cont
     cache = torch.zeros(blocks_n, 2, BLOCK, hkv, head_dim, dtype=torch.bfloat16)
     slots = torch.randperm(blocks_n * BLOCK)[:t]  # distinct slots, anywhere in the cache
     q_out = torch.empty(t, hq, head_dim, dtype=q.dtype) if contiguous_q else None
-    got = triton_ops.rope_write(q, k, v, table, slots, cache, q_out)
+    kv_out = None
+    if out == "qkv-out":
+        kv_out = tuple(torch.empty(t, hkv, head_dim, dtype=k.dtype) for _ in "kv")
+    k_in = k.clone()
+    got = triton_ops.rope_write(q, k, v, table, slots, cache, q_out, kv_out)
     assert got.is_contiguous() is contiguous_q
     # within one bf16 rounding (the interpreter's casts truncate; the GPU's round to nearest)
     ulp = {"atol": 1e-6, "rtol": 2**-7}
     torch.testing.assert_close(got, want_q, **ulp)
-    torch.testing.assert_close(k, want_k, **ulp)  # in place
+    if kv_out is None:
+        torch.testing.assert_close(k, want_k, **ulp)  # in place
+        k_got = k
+    else:
+        assert torch.equal(k, k_in)  # left as it was
+        k_got = kv_out[0]
+        torch.testing.assert_close(k_got, want_k, **ulp)
+        assert torch.equal(kv_out[1], want_v)
     blocks, offsets = slots // BLOCK, slots % BLOCK
-    assert torch.equal(cache[blocks, 0, offsets], k)
+    assert torch.equal(cache[blocks, 0, offsets], k_got)
     assert torch.equal(cache[blocks, 1, offsets], want_v)
     written = torch.zeros(blocks_n, BLOCK, dtype=torch.bool)
     written[blocks, offsets] = True

@@ -60,9 +60,9 @@ def no_cuda_graphs(monkeypatch):
 
 @pytest.mark.parametrize("fused_rope", [True, False], ids=["rope-write", "rope-then-store"])
 def test_piecewise_capture_builds_a_segment_per_attention_call(no_cuda_graphs, fused_rope):
-    """fused_rope: the segments rotate q into the static buffer and store K/V in one Triton
-    kernel (here under its interpreter), no slot index made; else FlashInfer's or torch's rope,
-    then a copy of q and an indexed store at the index."""
+    """fused_rope: the segments rotate q and k into the static buffers, put v there and store
+    K/V in one Triton kernel (here under its interpreter), no slot index made; else FlashInfer's
+    or torch's rope, then copies and an indexed store at the index."""
     cfg, model = tiny_model()
     kv = cpu_kv(cfg)
     pieces = pg.PiecewiseGraphs(model, (8, 16), CPU, kv_views=kv.layer_views, fused_rope=fused_rope)
@@ -70,14 +70,15 @@ def test_piecewise_capture_builds_a_segment_per_attention_call(no_cuda_graphs, f
     ropes = []
     rope_write = pg.triton_ops.rope_write
 
-    def recording(q, k, v, table, slots, cache, q_out=None):
-        ropes.append(q_out.data_ptr() == pieces.q.data_ptr())
-        return rope_write(q, k, v, table, slots, cache, q_out)
+    def recording(q, k, v, table, slots, cache, q_out=None, kv_out=None):
+        mine = (pieces.q, pieces.k, pieces.v)
+        ropes.append([x.data_ptr() for x in (q_out, *kv_out)] == [x.data_ptr() for x in mine])
+        return rope_write(q, k, v, table, slots, cache, q_out, kv_out)
 
     with torch.inference_mode(), pytest.MonkeyPatch.context() as mp:
         mp.setattr(pg.triton_ops, "rope_write", recording)
         pieces.capture()
-    # each bucket's warm-up and capture, every layer, straight into the static q
+    # each bucket's warm-up and capture, every layer, straight into the static q, k and v
     assert ropes == ([True] * 2 * 2 * cfg.num_layers if fused_rope else [])
     for n, b in pieces._buckets.items():
         assert len(b.graphs) == cfg.num_layers + 1  # one segment before each attention call
