@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from models.attention.flashinfer_paged import KernelChoice
 from prism_server.model_runner import ModelRunner
 from tests.gpu.common import (
     GPU,
@@ -77,6 +78,33 @@ def test_prefill_and_mixed_steps_replayed_piecewise_give_the_eager_tokens(hf, kv
         rel = (lg[:k] - rl[:k]).norm() / rl[:k].norm()
         assert rel < 1e-2, float(rel)
     assert sizes[:2] == [256, sum(map(len, ps)) - 256 + 5], sizes
+    for me in (pieces, eager):
+        me.check_integrity()
+        me.close()
+    torch.cuda.synchronize()
+
+
+def test_fa3_steps_through_the_piecewise_graphs_give_the_eager_tokens():
+    """Every prefill and mixed step through fa3 (the default's kernel from 1024 tokens): its
+    output straight into the graphs' static buffer (out=), q, k and v put there by the
+    segments' rope_write; the eager engine (fa2, graphs off) gives the reference."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("fa3 runs on Hopper")
+    cfg, cpu_model = tiny_model(seed=7)
+    model = on_gpu(cpu_model)
+    pool = cuda_pool(pages=8)
+    fa3 = KernelChoice(prefill_backend="fa3", prefill_backend_min_tokens=0)
+    pieces = model_engine("pieces", cfg, model, pool, kernels=fa3)
+    eager = model_engine("eager", cfg, model, pool, graphs=False)
+    assert pieces.runner.pieces is not None and pieces.runner.pieces.fuses_rope
+    assert pieces.runner.attention.prefill_backends == ("fa3",)
+    sizes = count_runs(pieces)
+    ps = prompts(6, seed=8)
+    ref_tokens, ref_logits = greedy(eager, ps, 12)
+    tokens, _ = greedy(pieces, ps, 12)
+    same = assert_no_real_divergence(ref_tokens, ref_logits, tokens, tie=0.02)
+    assert same >= 3, same
+    assert sizes[:2] == [256, sum(map(len, ps)) - 256 + 5], sizes  # a prefill, a mixed step
     for me in (pieces, eager):
         me.check_integrity()
         me.close()
