@@ -121,9 +121,9 @@ def triton_dense(default: tuple[int, int] | None) -> tuple[int, int] | None:
 
 
 def fused_rope_write() -> bool:
-    """Decode steps and steps of fresh prompts rotate q and k and write K/V in one Triton
-    kernel (PRISM_ROPE_WRITE, default 1; 0: FlashInfer's rope, then an indexed store or, for
-    prompts, FlashInfer's append)."""
+    """Decode steps, steps of fresh prompts and the piecewise graphs' segments rotate q and k
+    and write K/V in one Triton kernel (PRISM_ROPE_WRITE, default 1; 0: FlashInfer's rope, then
+    an indexed store or, for prompts, FlashInfer's append; the segments copy q, k and v too)."""
     return _flag("PRISM_ROPE_WRITE", True)
 
 
