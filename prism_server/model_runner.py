@@ -272,9 +272,15 @@ class ModelRunner:
             buckets = DEFAULT_TOKEN_BUCKETS if resources is None else resources.piecewise_buckets
         if self.graphs is not None and buckets:
             views = kv_cache.layer_views if piecewise_kv else None
-            fused_rope = resources.kernels.fused_rope_write if resources is not None else True
+            kernels = resources.kernels if resources is not None else DEFAULT_KERNELS
             self.pieces = PiecewiseGraphs(
-                model, buckets, device, self.graphs.pool, views, self.graphs.stream, fused_rope
+                model,
+                buckets,
+                device,
+                self.graphs.pool,
+                views,
+                self.graphs.stream,
+                fused_rope=kernels.fused_rope_write,
             )
             self.pieces.capture()
         # FlashInfer's plan stages its tables in pinned host buffers that a queued copy reads:

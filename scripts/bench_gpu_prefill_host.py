@@ -115,6 +115,7 @@ class Timeline:
 
     def __init__(self):
         self.points: list[tuple[str, float, torch.cuda.Event]] = []
+        self._wrapped: list[tuple[object, str, object]] = []  # (obj, attr, its own value or None)
 
     def mark(self, name: str) -> None:
         ev = torch.cuda.Event(enable_timing=True)
@@ -122,8 +123,10 @@ class Timeline:
         self.points.append((name, time.perf_counter(), ev))
 
     def wrap(self, obj, attr: str, name: str, static: bool = False) -> None:
-        """obj.attr, stamped at its call and its return (static: a class's staticmethod)."""
+        """obj.attr, stamped at its call and its return (static: a class's staticmethod), until
+        restore()."""
         fn = getattr(obj, attr)
+        self._wrapped.append((obj, attr, vars(obj).get(attr)))
 
         def stamped(*a, **k):
             self.mark(f"{name} >")
@@ -132,6 +135,15 @@ class Timeline:
             return r
 
         setattr(obj, attr, staticmethod(stamped) if static else stamped)
+
+    def restore(self) -> None:
+        """Every wrapped attribute as it was (an instance's own override removed)."""
+        for obj, attr, own in reversed(self._wrapped):
+            if own is None:
+                delattr(obj, attr)
+            else:
+                setattr(obj, attr, own)
+        self._wrapped.clear()
 
     def report(self) -> list[dict]:
         torch.cuda.synchronize()
@@ -151,17 +163,11 @@ def step_timeline(engine, sizes: tuple[int, ...], runs: int = 5) -> dict:
     me = side_worker(engine, "host-timeline")
     runner = me.runner
     tl = Timeline()
-    saved = [
-        (base.AttentionMetadata, "build", base.AttentionMetadata.__dict__["build"]),
-        (fp.PagedKVIndex, "from_metadata", fp.PagedKVIndex.__dict__["from_metadata"]),
-        (fp.PagedKVIndex, "pinned", fp.PagedKVIndex.pinned),
-        (fp, "append_inputs", fp.append_inputs),
-    ]
-    tl.wrap(base.AttentionMetadata, "build", "metadata", static=True)
+    # the step's metadata (tokens and positions riding in its upload: ModelRunner.execute)
+    tl.wrap(base.AttentionMetadata, "build_with", "metadata", static=True)
     tl.wrap(fp.PagedKVIndex, "from_metadata", "index", static=True)
     tl.wrap(fp.PagedKVIndex, "pinned", "index pinned")
     tl.wrap(fp, "append_inputs", "append inputs")
-    saved.append((base, "upload", base.upload))
     tl.wrap(base, "upload", "upload")
     tl.wrap(me.scheduler, "schedule", "schedule")
     tl.wrap(runner, "execute", "execute")
@@ -212,8 +218,7 @@ def step_timeline(engine, sizes: tuple[int, ...], runs: int = 5) -> dict:
                 )
             out[tokens] = {"wall_ms": statistics.median(walls), "points": med}
     finally:
-        for obj, attr, fn in saved:
-            setattr(obj, attr, fn)
+        tl.restore()
         me.close()
     return out
 
