@@ -46,7 +46,7 @@ class GraphAttention(Protocol):
 
 @functools.cache
 def capture_stream(device: torch.device) -> torch.cuda.Stream:
-    """The device's shared capture stream, for graphs captured without a lane's own (see
+    """The device's shared capture stream, for graphs captured without the device's own (see
     CudaGraphRunner). A capture and its warm-up run on a stream of the model's device:
     torch's default capture stream is made once per process, on the device current then, and
     a capture on another device's stream records nothing of the model's kernels."""

@@ -5,7 +5,6 @@ so the event loop never blocks on model work and never reads the thread's live o
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import queue
@@ -85,10 +84,7 @@ class DeviceWorker:
         launch_ahead: bool | None = None,
         piecewise: bool = True,
         piecewise_tokens: int | None = None,
-        lanes: int = 1,
     ):
-        """lanes: streams the device's models step on; models in different lanes step at once
-        (the arbitrator's pick and, in each other lane, a model whose requests are decoding)."""
         self.pool = pool
         self.policy = policy
         self.device = pool.backend.device
@@ -108,19 +104,14 @@ class DeviceWorker:
         # back-to-back ones (the device's utilisation and the engine's overhead, for the status)
         self.steps = 0
         self.step_seconds = self.host_seconds = 0.0
-        # shared by the runners of each lane's models; lane 0's are the device's
+        # shared by the runners of the device's models
         self.resources = DeviceResources(
             self.device, kernels, launch_ahead, piecewise, piecewise_tokens
         )
-        self.lanes = [self.resources] + [
-            self.resources.lane_of_same_device(i) for i in range(1, max(1, lanes))
-        ]
-        self._lanes_given = 0
         # the other devices of the engine, by name (a model split over devices asks them for
         # room for its shards); set by the engine once every device exists
         self.peers: dict[str, DeviceWorker] = {}
         self._asked: dict[str, Future] = {}  # the last ask for room sent to each peer
-        self.companion_steps = 0  # steps run at once with the pick, in another lane
         self._launched: set[str] = set()  # the models whose step this engine step launched
         self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -389,8 +380,6 @@ class DeviceWorker:
                         now, order, pick.token_budget, while_running=self._hook(chosen)
                     ),
                 )
-                if ran and len(self.lanes) > 1:
-                    self._companions(chosen, serving, now)
             self._pick = None
         if not ran:  # round-robin (or the pick could not run: blocked on memory)
             for m in serving:
@@ -422,27 +411,6 @@ class DeviceWorker:
         """What the host does while m's step runs: every model's text so far."""
         self._launched.add(m.name)
         return lambda: self.flush_outputs(self._launched)
-
-    def lane_for_new_model(self) -> DeviceResources:
-        """The lane a model loaded now steps in: each in turn."""
-        lane = self.lanes[self._lanes_given % len(self.lanes)]
-        self._lanes_given += 1
-        return lane
-
-    def _companions(self, chosen: ModelWorker, serving: list[ModelWorker], now: float) -> None:
-        """With several lanes: in each lane but chosen's, the model with requests running that
-        stepped least recently steps too, at once with chosen on its lane's stream. It admits
-        no one (who starts stays the arbitrator's call), and its step is decode-sized: a token
-        per running request (a prefill chunk waits for the arbitrator's pick), so it does not
-        slow chosen's step by much."""
-        busy = {chosen.lane}
-        for m in sorted(serving, key=lambda m: m.last_used):
-            n = len(m.scheduler.running)
-            if m.lane in busy or not n:
-                continue
-            busy.add(m.lane)
-            if self._timed(m, lambda m=m, n=n: m.step(now, (), n, while_running=self._hook(m))):
-                self.companion_steps += 1
 
     def _next_taker(self, starved: list[ModelWorker]) -> str | None:
         """The starved model that takes memory first. The current one keeps its turn while it
@@ -613,8 +581,7 @@ class DeviceWorker:
         """Runs one step of m (guarded) and accounts for it: the time in model steps, and the
         host time since the previous step ended when they run back to back."""
         start = time.perf_counter()
-        with m.resources.stepping() if m.resources is not None else contextlib.nullcontext():
-            ran = self._guard(m, fn)
+        ran = self._guard(m, fn)
         end = time.perf_counter()
         last, self._last_step_end = self._last_step_end, end if ran else None
         if not ran:

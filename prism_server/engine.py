@@ -121,7 +121,6 @@ class Engine:
                 launch_ahead=envs.launch_ahead(),
                 piecewise=envs.piecewise_graphs(),
                 piecewise_tokens=envs.piecewise_max_tokens(),
-                lanes=envs.decode_lanes(),
             )
             w.start()
             self._workers.append(w)
@@ -416,7 +415,7 @@ class Engine:
             host=host,
             pinned=spec.pinned or self.policy.all_resident,
             keep_alive_s=spec.keep_alive_s,
-            resources=dev.lane_for_new_model(),
+            resources=dev.resources,
             ttft_slo_s=spec.ttft_slo_ms / 1e3 if spec.ttft_slo_ms else None,
             tpot_slo_s=spec.tpot_slo_ms / 1e3 if spec.tpot_slo_ms else None,
             profile_budget_s=self._profile_budget() if profile else 0.0,
@@ -593,7 +592,7 @@ class Engine:
                 host.retarget(device)
                 host.load(box["weights"].bytes())
                 # built on dev's engine thread, between its steps: the runner's graph warm-ups
-                # and kernels' warm-up use the lane's workspaces, which its models' steps use
+                # and kernels' warm-up use the device's workspaces, which its models' steps use
                 worker = dev.call(
                     lambda: self._worker(
                         served.spec,

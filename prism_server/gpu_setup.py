@@ -95,8 +95,7 @@ def check(device: torch.device, memory_backend: str) -> list[str]:
             f"{device}: attention FlashInfer {fi} ({envs.prefill_backend()} prefill, fresh "
             f"prompts {fresh}, prefixes paged; "
             f"paged decode, {cores}), CUDA graphs for decode batches {sizes}, {pieces}, "
-            f"fused norm/activation/rope kernels {fused}, decode steps launched ahead {ahead}, "
-            f"{envs.decode_lanes()} lane(s) of models stepping at once"
+            f"fused norm/activation/rope kernels {fused}, decode steps launched ahead {ahead}"
         )
     return lines
 

@@ -8,7 +8,6 @@ supports them; everything else runs eagerly.
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 from collections.abc import Callable, Sequence
 
@@ -54,15 +53,12 @@ AttentionFactory = Callable[[list[torch.Tensor], AttentionMetadata], AttentionBa
 
 
 class DeviceResources:
-    """What the models of one lane of a device share, because their steps run one at a time on
-    the lane's stream: FlashInfer's float workspace, the XQA kernel's, and the CUDA-graph memory
-    pool (created on first use, never on CPU); and what every model of the device runs: which
-    attention kernels, whether a model's next decode step is launched before its last one's
-    tokens are read (launch_ahead; None: on a GPU, where the host's work then hides behind the
-    device's), and which piecewise graphs.
-
-    A device has one lane, or several (models in different lanes step at once, each lane on a
-    stream of its own): lane 0 steps on the engine thread's current stream."""
+    """What the models of one device share, because their steps run one at a time on the engine
+    thread's stream: FlashInfer's float workspace, the XQA kernel's, the CUDA-graph memory pool
+    and the capture stream (created on first use, never on CPU); and what every model of the
+    device runs: which attention kernels, whether a model's next decode step is launched before
+    its last one's tokens are read (launch_ahead; None: on a GPU, where the host's work then
+    hides behind the device's), and which piecewise graphs."""
 
     def __init__(
         self,
@@ -71,10 +67,8 @@ class DeviceResources:
         launch_ahead: bool | None = None,
         piecewise: bool = True,
         piecewise_tokens: int | None = None,
-        lane: int = 0,
     ):
         self.device = device
-        self.lane = lane
         self.kernels = kernels
         self.launch_ahead = device.type == "cuda" if launch_ahead is None else launch_ahead
         # piecewise graphs for the steps decode graphs cannot run, of up to piecewise_tokens
@@ -84,26 +78,7 @@ class DeviceResources:
         self._workspace: torch.Tensor | None = None
         self._xqa_workspace: torch.Tensor | None = None
         self._graph_pool = None
-        self._stream: torch.cuda.Stream | None = None
         self._capture_stream: torch.cuda.Stream | None = None
-
-    def lane_of_same_device(self, lane: int) -> DeviceResources:
-        """Another lane of this device: the same kernels and graphs, its own workspace, graph
-        pool, stream and capture stream."""
-        other = copy.copy(self)
-        other.lane = lane
-        other._workspace = other._xqa_workspace = other._graph_pool = None
-        other._stream = other._capture_stream = None
-        return other
-
-    def stepping(self):
-        """The context a step of one of this lane's models runs in: on the lane's stream (lane
-        0, or a host device: the current one)."""
-        if self.lane == 0 or self.device.type != "cuda":
-            return contextlib.nullcontext()
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(self.device)
-        return torch.cuda.stream(self._stream)
 
     def workspace(self) -> torch.Tensor:
         if self._workspace is None:
@@ -121,9 +96,8 @@ class DeviceResources:
         return self._xqa_workspace
 
     def capture_stream(self) -> torch.cuda.Stream:
-        """The stream this lane's graphs are captured on: one per lane, since torch gives
-        cuBLAS a workspace per (thread, stream), baked into every graph captured there, and
-        two lanes' graphs replay at once."""
+        """The stream the device's graphs are captured on (torch gives cuBLAS a workspace per
+        (thread, stream), baked into every graph captured there)."""
         if self._capture_stream is None:
             self._capture_stream = torch.cuda.Stream(self.device)
         return self._capture_stream

@@ -126,16 +126,12 @@ class ModelWorker:
             )
         self.scheduler = BatchScheduler(sched, self.kv.allocator, self.kv.allocator.prefix)
         allocated = _allocated(self.device)
-        # on the lane's stream: the graph warm-ups, the kernels' warm-up and the profile use the
-        # lane's workspaces and graph pool, while its other models may be stepping
-        lane = resources.stepping if resources is not None else contextlib.nullcontext
-        with lane():
-            if shard_pools:
-                self.runner = TensorParallelRunner(model, self.kv)
-            else:
-                self.runner = ModelRunner(model, self.kv.cache, self.device, resources=resources)
-            if self.device.type == "cuda":
-                self.runner.warm_up()  # every kernel compiled before the first request
+        if shard_pools:
+            self.runner = TensorParallelRunner(model, self.kv)
+        else:
+            self.runner = ModelRunner(model, self.kv.cache, self.device, resources=resources)
+        if self.device.type == "cuda":
+            self.runner.warm_up()  # every kernel compiled before the first request
         # device memory it holds outside the pool: attention state, graphs, buffers
         self.overhead_bytes = _allocated(self.device) - allocated
         self.sampler = Sampler(self.device)
@@ -162,7 +158,7 @@ class ModelWorker:
         # model is launched (or something needs them); its requests' next decode step is
         # launched first, from those tokens, so that the host's work hides behind the device's
         self.launch_ahead = resources is not None and resources.launch_ahead
-        self.resources = resources  # its lane of the device (None: resources of its own)
+        self.resources = resources  # its device's (None: resources of its own)
         self._ahead: _InFlight | None = None
         self.latency = LatencyModel()  # kept across evictions: a reactivation does not profile
         # the last step done: its shape, the latency model's estimate before it, and its seconds
@@ -172,8 +168,7 @@ class ModelWorker:
         self.on_step: Callable[[ModelWorker, float, StepShape, float, float], None] | None = None
         if profile_budget_s > 0:
             t = time.perf_counter()
-            with lane():
-                profile = profile_steps(self.runner, self.scheduler, profile_budget_s)
+            profile = profile_steps(self.runner, self.scheduler, profile_budget_s)
             self.latency.fit_profile(profile)
             a = self.kv.allocator
             a.reclaim_pages(a.num_cached_pages)  # what the profile mapped goes back to the pool
@@ -589,11 +584,6 @@ class ModelWorker:
             self.sampler.forget(req.request_id)
         self.requests.pop(req.request_id, None)
         self._emit(req, out)
-
-    @property
-    def lane(self) -> int:
-        """The lane of the device its steps run in."""
-        return self.resources.lane if self.resources is not None else 0
 
     @property
     def _on_device(self) -> bool:

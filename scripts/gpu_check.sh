@@ -18,15 +18,14 @@
 # --decode is for a change to the model's step: the tests of the kernels and of the tokens (GPU
 # vs CPU, graphs), then decode TPOT of this tree beside a baseline tree in .baseline (when there
 # is one: `git archive REV prism_server models kvpool scheduler scripts | tar -x -C .baseline`),
-# then the engine benchmark without its HF and KV-write sections, two small models' decode at
-# once against one after the other (bench_gpu_concurrent.py), a GEMM after an idle window with
+# then the engine benchmark without its HF and KV-write sections, a GEMM after an idle window with
 # its weight asked of the L2 or not (bench_gpu_l2_prefetch.py), then the decode and prefill
 # figures under each other kernel choice (KERNELS, default: FlashInfer's and XQA's decode
 # kernels, the rope and K/V write unfused, cuBLASLt without a workspace (no split-K GEMMs, so no
 # reduce kernel after o_proj and down_proj at small batches), fa3 prefill; a choice of several
 # settings joins them with commas, e.g. PRISM_DECODE_BACKEND=flashinfer,PRISM_DECODE_SPLIT_PAGES=0).
 # All of it takes more than a
-# call's 10 minutes: PARTS picks some of "tests ab engine ttft concurrent prefetch kernels", e.g.
+# call's 10 minutes: PARTS picks some of "tests ab engine ttft prefetch kernels", e.g.
 #   PARTS="tests kernels" KERNELS=PRISM_DECODE_BACKEND=xqa bash scripts/gpu_check.sh --decode
 # PARTS=gemv (not in the default set) times batch-1 projections, cuBLAS against the GEMVs of
 # models.layers.triton_gemv, alone and as a layer's chain (bench_gpu_gemv.py); PARTS=smallgemm
@@ -60,14 +59,14 @@ bash scripts/fi_kernels.sh unpack "$aot"
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.mem --format=csv,noheader
 
 if [ "$quick" = "--decode" ]; then
-  part() { [[ " ${PARTS:-tests ab engine ttft concurrent prefetch kernels} " == *" $1 "* ]]; }
+  part() { [[ " ${PARTS:-tests ab engine ttft prefetch kernels} " == *" $1 "* ]]; }
   if part tests; then
     t0=$SECONDS
     timeout "${TESTS_TIMEOUT:-420}" python3 -m pytest -m gpu -q -rs -p no:cacheprovider --durations=8 \
       tests/gpu/test_fused_ops_gpu.py \
       tests/gpu/test_sampling_gpu.py tests/gpu/test_launch_ahead_gpu.py tests/gpu/test_piecewise_graphs.py \
       tests/gpu/test_gpu_vs_cpu.py tests/gpu/test_cuda_graphs.py tests/gpu/test_flashinfer_attention.py \
-      tests/gpu/test_upload_gpu.py tests/gpu/test_lanes_gpu.py tests/gpu/test_triton_ops_gpu.py \
+      tests/gpu/test_upload_gpu.py tests/gpu/test_triton_ops_gpu.py \
       tests/gpu/test_l2_prefetch_gpu.py tests/gpu/test_triton_gemv_gpu.py \
       tests/gpu/test_triton_small_gemm_gpu.py -k "${TESTS_K:-}" 2>&1 | tee "$OUT/pytest.log"
     echo "tests: $((SECONDS - t0)) s"
@@ -95,9 +94,6 @@ if [ "$quick" = "--decode" ]; then
   # (not in the default set: PARTS=host)
   part host && timeout 150 python3 scripts/bench_gpu_prefill_host.py --json "$OUT/host.json" \
     2>&1 | grep -v "^prism_server" | tail -60
-  # two small models' decode steps at once on two streams against one after the other
-  part concurrent && timeout 200 python3 scripts/bench_gpu_concurrent.py --json "$OUT/concurrent.json" \
-    2>&1 | tail -3
   # a GEMM after an idle window, its weight asked of the L2 in the window or not
   part prefetch && timeout 120 python3 scripts/bench_gpu_l2_prefetch.py --json "$OUT/l2.json" 2>&1 \
     | tail -24
