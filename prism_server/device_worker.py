@@ -5,12 +5,10 @@ so the event loop never blocks on model work and never reads the thread's live o
 
 from __future__ import annotations
 
-import json
 import logging
 import queue
 import threading
 import time
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +27,11 @@ from prism_server.commands import (
     Submit,
     TransitionRefused,
 )
+from prism_server.device_memory import DeviceMemory
 from prism_server.model_runner import DeviceResources
 from prism_server.model_worker import ModelWorker
-from scheduler.arbitrator import arbitrate
-from scheduler.balloon import reclaim_order
+from prism_server.step_trace import StepTrace
+from scheduler.balloon import admitting, may_activate
 from scheduler.latency_model import StepShape
 from scheduler.policy import POLICIES, Policy
 from scheduler.snapshot import (
@@ -48,29 +47,8 @@ log = logging.getLogger(__name__)
 # How long to sleep when some model has work it cannot schedule yet (blocked on memory), and
 # between polls of an activation's copy when nothing else runs.
 _BLOCKED_POLL_S = 0.005
-_NOBODY = object()  # a swap turn for no model
 _TRANSFER_POLL_S = 0.0005
 _PUBLISH_S = 0.005  # the most a busy device's snapshot lags its state
-
-
-def _preempt_one(models: list[ModelWorker], why: str) -> tuple[ModelWorker, int] | None:
-    """Preempt one running request of `models` for another model's new work: the one with the
-    fewest computed tokens (the least to recompute) of those never preempted (a request goes
-    once at most: takers in turn preempting each other's requests would finish none). Returns
-    its model and the pages its KV unmapped (None: no such request)."""
-    victims = [(r, o) for o in models for r in o.scheduler.running if r.num_preemptions == 0]
-    for o in {id(o): o for _, o in victims}.values():
-        o.sync()  # its step launched ahead may still write the victim's blocks
-    victims = [(r, o) for r, o in victims if r.finish_reason is None and not r.is_finished]
-    if not victims:
-        return None
-    req, owner = min(
-        victims, key=lambda v: (v[0].num_computed_tokens, -v[0].arrival_time, v[0].request_id)
-    )
-    before = owner.kv.allocator.num_mapped_pages
-    owner.scheduler.preempt(req)
-    log.info("preempted %s of %s for %s", req.request_id, owner.name, why)
-    return owner, before - owner.kv.allocator.num_mapped_pages
 
 
 class DeviceWorker:
@@ -90,12 +68,7 @@ class DeviceWorker:
         self.device = pool.backend.device
         self.name = name or str(self.device)  # the device's name in snapshots and plans
         self.models: dict[str, ModelWorker] = {}  # engine thread only
-        # the balloon: idle models' reserves go first; static partitions reclaim nothing
-        pool.reclaim_order = self._reclaim_order if policy.balloon else None
-        self._starved: frozenset[str] = frozenset()  # models whose new work waits for memory
-        # the one starved model that may take memory from others (evict, preempt, activate) until
-        # its new work runs: two starved models taking from each other would thrash
-        self._taker: str | None = None
+        self.memory = DeviceMemory(self)  # carries out the balloon's decisions
         # host time between the end of one model step and the end of the next, less that step
         # (EWMA over busy stretches): what the arbitrator adds to every step it plans
         self.step_overhead_s = 0.0
@@ -111,7 +84,6 @@ class DeviceWorker:
         # the other devices of the engine, by name (a model split over devices asks them for
         # room for its shards); set by the engine once every device exists
         self.peers: dict[str, DeviceWorker] = {}
-        self._asked: dict[str, Future] = {}  # the last ask for room sent to each peer
         self._launched: set[str] = set()  # the models whose step this engine step launched
         self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -121,12 +93,8 @@ class DeviceWorker:
             target=self._loop, name=f"prism-engine-{self.name}", daemon=True
         )
         self.snapshot = self._take_snapshot()  # replaced (never mutated) as the steps run
-        # the step trace (envs.step_trace): JSON lines, written in batches by the engine thread
-        self._trace_path = None
-        if trace is not None:
-            self._trace_path = trace.with_name(f"{trace.name}.{self.name.replace(':', '')}")
-            self._trace_path.write_text("")
-        self._trace: list[str] = []
+        self._trace = StepTrace(trace, self.name) if trace is not None else None
+        self._trace_path = self._trace.path if self._trace is not None else None
         self._pick: tuple[Any, float] | None = None  # the pick being run and its arbitration's s
 
     def start(self) -> None:
@@ -137,13 +105,8 @@ class DeviceWorker:
         self._wake.set()
         if self._thread.is_alive():
             self._thread.join()
-        self._flush_trace()
-
-    def _flush_trace(self) -> None:
-        if self._trace_path is not None and self._trace:
-            with self._trace_path.open("a") as f:
-                f.write("".join(self._trace))
-            self._trace.clear()
+        if self._trace is not None:
+            self._trace.flush()
 
     # ---- thread-safe entry points ---------------------------------------------------------------
     def send(self, cmd: Command) -> None:
@@ -229,54 +192,24 @@ class DeviceWorker:
             except Exception:
                 log.exception("engine command %s failed", type(cmd).__name__)
 
-    def _reclaim_order(self, usage, requester: str) -> list[str]:
-        busy = frozenset(m.name for m in self.models.values() if m.requests)
-        return reclaim_order(usage, requester, busy)
-
-    # ---- residency ------------------------------------------------------------------------------
-    def make_room(
-        self,
-        fits,
-        now: float,
-        keep: frozenset[str] = frozenset(),
-        taker: str | None = None,
-        limit: int | None = None,
-        stalled: bool = False,
-    ) -> list[str]:
-        """Evict idle models, least recently used first, until `fits()` (at most `limit`);
-        never one with requests (stalled: with running requests; one whose requests all wait
-        for memory may go, they wait for its next activation), a pinned one, or one in `keep`.
-        Returns the evicted names (fits() may still be false when nothing else could go)."""
-        evicted: list[str] = []
-        idle = sorted(
-            (
-                m
-                for m in self.models.values()
-                if m.resident
-                and m.evictable
-                and m.name not in keep
-                and not (m.scheduler.running if stalled else m.requests)
-            ),
-            key=lambda m: m.last_used,
-        )
-        for m in idle:
-            if fits() or (limit is not None and len(evicted) >= limit):
-                break
-            self._evict(m, "evict", taker)
-            evicted.append(m.name)
-            log.info("evicted %s for room", m.name)
-        return evicted
+    # ---- memory: the balloon's actuator (DeviceMemory) -----------------------------------------
+    @property
+    def _taker(self) -> str | None:
+        """The starved model that takes memory from the others first (None: no one)."""
+        return self.memory.taker
 
     def _evict(
         self, m: ModelWorker, reason: str, taker: str | None = None, drain_s: float = 0.0
     ) -> None:
-        """Evict m and log the pages it gives up (all it holds) as one move, with the reason."""
-        on = m.residency.on_device
-        pages = m.kv.allocator.num_mapped_pages + (m.weights.num_pages if on else 0)
-        m.evict(drain_s)
-        m.evicted_for = reason
-        if on:
-            self.pool.record_move(m.name, taker, pages, reason)
+        self.memory.evict(m, reason, taker, drain_s)
+
+    def make_room(self, fits, now: float, **kw) -> list[str]:
+        """Evict idle models, least recently used first, until `fits()` (DeviceMemory)."""
+        return self.memory.make_room(fits, now, **kw)
+
+    def make_resident(self, m: ModelWorker, now: float, wait: bool = False) -> bool:
+        """Start m's activation, evicting idle models for room (DeviceMemory)."""
+        return self.memory.make_resident(m, now, wait)
 
     # ---- the control loop's moves (sent as Call commands) ---------------------------------------
     def plan_evict(self, name: str) -> bool:
@@ -317,24 +250,6 @@ class DeviceWorker:
         log.info("prefetching %s: the plan places it and its pages are free", name)
         return m.activate(wait=False)
 
-    def make_resident(self, m: ModelWorker, now: float, wait: bool = False) -> bool:
-        """Start m's activation, evicting idle models if the pool needs their pages; False if
-        it cannot have them now. wait: return once it serves. A model split over devices has
-        room made for each shard by the shard's own device (asked, not waited for: it is
-        activated once every shard fits)."""
-        if not m.can_activate():
-            parts = getattr(m.weights, "parts", None)
-            own = parts[0].can_map if parts else m.can_activate
-            if not own():
-                self.make_room(own, now, keep=frozenset({m.name}), taker=m.name)
-            for device, part in zip(m.shard_devices, parts[1:] if parts else ()):
-                if not part.can_map():
-                    self._ask_for_room(device, part.num_pages, m.name, now)
-            if not m.can_activate():
-                self._ask_for_shards(now)
-                return False
-        return m.activate(wait=wait)
-
     def step(self) -> bool:
         """Moves every model's transition on, starts the activation of offloaded models that
         have work, and runs batches: the one the arbitrator picks (prism), or one of each
@@ -344,9 +259,9 @@ class DeviceWorker:
         self._launched = set()
         serving: list[ModelWorker] = []
         starved: list[ModelWorker] = []  # new work that waits for memory
-        turn = self._swap_turn()
+        turn = self.policy.turn(self.memory.states)  # the offloaded models that may activate
         for m in list(self.models.values()):
-            if turn is not None and m.residency is Residency.OFFLOADED and m is not turn:
+            if turn is not None and m.residency is Residency.OFFLOADED and m.name not in turn:
                 continue  # time sharing: not its turn
             if self._guard(m, lambda m=m: self._prepare(m, now)):
                 serving.append(m)
@@ -355,16 +270,17 @@ class DeviceWorker:
         ran = False
         # while a model waits for memory for new work, the others admit nothing new, so the
         # pages the balloon frees go to it (to the taker, when one takes in turn)
-        frozen = self._starved if self._taker is None else frozenset({self._taker})
+        frozen = admitting(self.memory.starved, self.memory.taker)
 
         def admit(m: ModelWorker, order):
             return () if frozen and m.name not in frozen else order
 
-        if serving and self.policy.arbitrate and (len(serving) > 1 or serving[0].scheduler.waiting):
+        if serving and (len(serving) > 1 or serving[0].scheduler.waiting):
             pick = None
             try:
                 t = time.perf_counter()
-                pick = arbitrate([m.work() for m in serving], now, self.step_overhead_s)
+                work = lambda: [m.work() for m in serving]  # noqa: E731
+                pick = self.policy.pick(work, now, self.step_overhead_s)
                 self._pick = (pick, time.perf_counter() - t)
             except Exception:
                 log.exception("the arbitrator failed: round-robin this step")
@@ -386,16 +302,7 @@ class DeviceWorker:
                 ran |= self._timed(
                     m, lambda m=m: m.step(now, admit(m, None), while_running=self._hook(m))
                 )
-        blocked = [m for m in serving if m.scheduler.blocked]
-        starved += [m for m in blocked if m.scheduler.has_new_work]
-        # only models the balloon can help: their pages exist once others' KV is freed
-        starved = [m for m in starved if self._within_reach(m)]
-        self._starved = frozenset(m.name for m in starved)
-        self._taker = self._next_taker(starved) if self.policy.evict_for_kv else None
-        self.pool.release_hold(keep=self._taker)  # pages held for a taker that took them or left
-        if self.policy.evict_for_kv:
-            for m in dict.fromkeys(starved + blocked):
-                self._balloon(m, serving, starved, now)
+        self.memory.relieve(serving, starved, now)  # models blocked on memory: the balloon
         if not ran:  # no step to hide it behind: the last tokens' text now
             self.flush_outputs()
         return ran
@@ -411,171 +318,6 @@ class DeviceWorker:
         """What the host does while m's step runs: every model's text so far."""
         self._launched.add(m.name)
         return lambda: self.flush_outputs(self._launched)
-
-    def _next_taker(self, starved: list[ModelWorker]) -> str | None:
-        """The starved model that takes memory first. The current one keeps its turn while it
-        has work and nothing of it runs (it activates, or the arbitrator has not stepped it
-        since), or while it is starved; else a resident one (its activation is paid) before an
-        offloaded one, then the one whose new request came first."""
-        held = self.models.get(self._taker) if self._taker is not None else None
-        if (
-            held is not None
-            and held.has_work
-            and (held.name in self._starved or not held.scheduler.running)
-        ):
-            return held.name
-        if not starved:
-            return None
-
-        def key(m: ModelWorker):
-            new = [r.arrival_time for r in m.scheduler.waiting if r.first_scheduled_time is None]
-            first = min(new or [r.arrival_time for r in m.requests.values()] or [float("inf")])
-            return (not m.residency.on_device, first, m.name)
-
-        return min(starved, key=key).name
-
-    def _within_reach(self, m: ModelWorker) -> bool:
-        """Whether m's next need (its weights if offloaded, and the KV of its first new request)
-        is at most what the pool could give if every other model's KV pages and every idle
-        model's weights came back."""
-        a = m.kv.allocator
-        waiting = m.scheduler.waiting
-        first = next((r for r in waiting if r.first_scheduled_time is None), None)
-        if first is None and waiting:  # a preempted request's recompute
-            first = waiting[0]
-        blocks = m.scheduler.blocks_needed(first.num_tokens + 1) if first is not None else 1
-        need = -(-max(blocks - a.num_free_blocks, 0) // a.bpp)
-        if m.residency is Residency.OFFLOADED:
-            need += m.weights.num_pages
-        reach = self.pool.available_to(m.name)
-        for o in self.models.values():
-            if o is m or not o.residency.on_device:
-                continue
-            reach += o.kv.allocator.num_mapped_pages
-            if not o.requests and o.evictable and o.weights is not None:
-                reach += o.weights.num_pages
-        if self.peers:  # the KV of other devices' models split over this one (they preempt)
-            owned = self.pool.stats().owned
-            reach += sum(n for o, n in owned.items() if "/" not in o and o not in self.models)
-        return need <= reach
-
-    def _balloon(
-        self, m: ModelWorker, serving: list[ModelWorker], starved: list[ModelWorker], now: float
-    ) -> None:
-        """The last resorts for m, which waits for pages the pool has not got (free pages and
-        other models' reserves are gone): evict an idle or stalled model (least recently used;
-        two stalled models must not wait for each other forever); else, for
-        new work only, preempt one running request of a model that is not itself waiting for
-        memory, the one with the fewest computed tokens (the least work to recompute). One move
-        per step."""
-        if m in starved and m.name != self._taker:
-            return  # its turn comes when the taker's new work runs
-        short = [  # a split model: its shards' devices whose pools have no page free
-            d
-            for d, c in zip(m.shard_devices, m.kv.caches[1:])
-            if not c.pages.pool.available_to(m.name)
-        ]
-        for device in short:
-            self._ask_for_room(device, 1, m.name, now)
-        if short and self.pool.available_to(m.name):
-            return  # the page it waits for is on those devices, not here
-        keep = frozenset({m.name, self._taker} - {None})
-        # a stalled model (all its requests wait for memory) goes for the taker, or for another
-        # stalled model when no one takes (two must not wait for each other forever); not for a
-        # running request's growth: the evicted model took the memory back as the next taker
-        stalled = m.name == self._taker or (self._taker is None and not m.scheduler.running)
-        if self.make_room(lambda: False, now, keep, m.name, limit=1, stalled=stalled):
-            if self._taker is None:  # the pages it freed are its own until it runs: the model
-                self._taker = m.name  # evicted (stalled too) must not take them straight back
-            return
-        new_work = m in starved and m.scheduler.has_new_work  # else a recompute or growth
-        others = [o for o in serving if o is not m and o not in starved] if new_work else []
-        got = _preempt_one(others, f"{m.name}'s new work")
-        if got is not None:
-            owner, freed = got
-            self.pool.record_move(owner.name, m.name, freed, "preempt")
-        # the other devices evict their idle models split over this one; for new work with no
-        # request here to preempt, a busy one of them gives up a request instead
-        self._ask_for_shards(now, taker=m.name if new_work and got is None else None)
-
-    def _ask_for_room(self, device: str, pages: int, taker: str, now: float) -> None:
-        """Ask another device to make `pages` pages of its pool free for `taker`, a model this
-        device steps with a shard there (its shards map free pages only): that device's thread
-        takes reserves back, then evicts idle models."""
-        self._ask(device, lambda peer: peer.make_free(pages, taker, now))
-
-    def _ask(self, device: str, fn) -> None:
-        """Run fn(that device's worker) on another device's thread. Not waited for; one ask in
-        flight a device."""
-        peer, asked = self.peers.get(device), self._asked.get(device)
-        if peer is None or (asked is not None and not asked.done()):
-            return
-        ask = Call(lambda: fn(peer))
-        self._asked[device] = ask.result
-        peer.send(ask)
-
-    def _ask_for_shards(self, now: float, taker: str | None = None) -> None:
-        """Short of pages with nothing of its own to evict: ask every other device to evict its
-        idle models split over this one (their shards here hold pages this device's models
-        cannot take otherwise); taker: a model of this device whose new work waits, for which
-        a busy one gives up a request when none is idle."""
-        stats = self.pool.stats()
-        if any(n and o.split("/")[0] not in self.models for o, n in stats.owned.items()):
-            for device in self.peers:
-                self._ask(device, lambda peer: peer.release_shards(self.name, now, taker))
-
-    def release_shards(self, device: str, now: float, taker: str | None = None) -> list[str]:
-        """Evict this device's idle models split over `device` (asked by it: short of pages).
-        None idle and a taker named: preempt one running request of a busy one (not itself
-        waiting for memory; a request once at most, as for a model of the same device), its
-        model's unused pages given back, and the pages that frees on `device` held there for
-        the taker."""
-        gone = []
-        for m in list(self.models.values()):
-            if device in m.shard_devices and m.resident and m.evictable and not m.requests:
-                self._evict(m, "evict", f"{device} models")
-                gone.append(m.name)
-                log.info("evicted %s: %s needs the pages its shard holds there", m.name, device)
-        if gone or taker is None:
-            return gone
-        busy = [
-            m
-            for m in self.models.values()
-            if device in m.shard_devices and m.resident and m.name not in self._starved
-        ]
-        pools = {m.name: m.kv.caches[1 + m.shard_devices.index(device)].pages.pool for m in busy}
-        before = {n: p.pages_of(n) for n, p in pools.items()}  # its reserve goes back too
-        got = _preempt_one(busy, f"{taker} on {device}")
-        if got is not None:
-            owner = got[0]
-            a = owner.kv.allocator
-            a.reclaim_pages(a.reclaimable_pages())  # unmapped in every shard's pool
-            pool = pools[owner.name]
-            freed = before[owner.name] - pool.pages_of(owner.name)
-            pool.hold_for(taker, freed)
-            pool.record_move(owner.name, taker, freed, "preempt")
-        return gone
-
-    def make_free(self, pages: int, taker: str, now: float) -> None:
-        """`pages` pages of this device's pool free for a shard of `taker`, a model another
-        device steps (asked by it): other models' reserves first, then idle models, least
-        recently used first."""
-        if self.pool.free_up(pages, taker) < pages:
-            self.make_room(lambda: self.pool.available_to(taker) >= pages, now, taker=taker)
-
-    def _swap_turn(self) -> ModelWorker | None:
-        """Under a cap on resident models: the offloaded model that may activate now (the one
-        whose request has waited longest, once a place is free); None without a cap."""
-        cap = self.policy.max_resident
-        if cap is None:
-            return None
-        on = sum(m.residency.on_device for m in self.models.values())
-        waiting = [
-            m for m in self.models.values() if m.residency is Residency.OFFLOADED and m.has_work
-        ]
-        if on >= cap or not waiting:
-            return _NOBODY
-        return min(waiting, key=lambda m: min(r.arrival_time for r in m.requests.values()))
 
     def _timed(self, m: ModelWorker, fn) -> bool:
         """Runs one step of m (guarded) and accounts for it: the time in model steps, and the
@@ -598,17 +340,7 @@ class DeviceWorker:
     def _trace_step(
         self, m: ModelWorker, start: float, shape: StepShape, estimate: float, took: float
     ) -> None:
-        """One line of the step trace for a step done (a step launched ahead is done once its
-        tokens are read, in a later engine step): from when the device could start it."""
-        rec: dict[str, Any] = {"t": start, "s": took, "model": m.name, "run_s": took}
-        rec |= {"tokens": shape.tokens, "seqs": shape.seqs, "kv": shape.kv, "attn": shape.attn}
-        rec["est_s"] = estimate
-        if self._pick is not None and self._pick[0] is not None and self._pick[0].model == m.name:
-            pick, arb_s = self._pick  # the arbitration of the engine step that reads it
-            rec |= {"arb_s": arb_s, "budget": pick.token_budget, "admit": len(pick.admit)}
-        self._trace.append(json.dumps(rec) + "\n")
-        if len(self._trace) >= 1000:
-            self._flush_trace()
+        self._trace.record(m.name, start, shape, estimate, took, self._pick)
 
     def _prepare(self, m: ModelWorker, now: float) -> bool:
         """Moves m's transition on; True if it can step now."""
@@ -616,7 +348,7 @@ class DeviceWorker:
         if not m.has_work:
             return False
         if m.residency is Residency.OFFLOADED:
-            if self._taker not in (None, m.name):
+            if not may_activate(m.name, self._taker):
                 return False  # another starved model has the memory first
             if not self.make_resident(m, now):
                 return False  # no room yet: its requests wait
@@ -654,23 +386,6 @@ class DeviceWorker:
         self.snapshot = snap = self._take_snapshot()
         return snap
 
-    def _expire(self, now: float) -> float | None:
-        """Evict models idle past their keep-alive; returns the next such deadline."""
-        nxt = None
-        for m in self.models.values():
-            until = m.idle_until(0.0 if self.policy.evict_idle else None)
-            if until is None:
-                continue
-            if until <= now:
-                try:
-                    self._evict(m, "keep-alive")
-                    log.info("evicted %s: idle past its keep-alive", m.name)
-                except Exception:
-                    log.exception("keep-alive eviction of %s failed", m.name)
-            else:
-                nxt = until if nxt is None else min(nxt, until)
-        return nxt
-
     def _loop(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # once, for this thread
@@ -679,7 +394,7 @@ class DeviceWorker:
             self._drain()
             ran = self.step()
             now = time.monotonic()
-            expiry = self._expire(now)
+            expiry = self.memory.expire(now)
             # back-to-back steps publish at most every _PUBLISH_S (a snapshot of every model
             # costs host time each step would pay); before it waits, always
             if not ran or now - self.snapshot.time >= _PUBLISH_S:

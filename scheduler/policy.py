@@ -1,13 +1,13 @@
 """The serving policies a device can run, chosen by name (`--policy`): Prism's and the two
 baselines it is measured against, in the same server so that a bench compares policies and
-nothing else.
+nothing else. Each is a small strategy behind one protocol; the device worker asks it, never
+tests what it is.
 
 - `prism`: the arbitrator (Moore-Hodgson admission, slack-aware model choice, chunked prefill),
   the balloon (KV pages move between models; idle owners give first; a model blocked on KV may
   evict idle models, or preempt other models' requests for new work; one starved model takes at
-  a time, so two never take from each other), admission that reserves
-  KV for the output it admits (so a burst is not preempted and recomputed), and planner-driven
-  residency.
+  a time, so two never take from each other), admission that reserves KV for the output it
+  admits (so a burst is not preempted and recomputed), and planner-driven residency.
 - `static`: the static-partition baseline (MuxServe style): every model resident for good, the
   KV room split into fixed equal quotas, FCFS per model, models stepped round-robin.
 - `swap`: the time-sharing baseline (QLM / ServerlessLLM / llama-swap style): one model on the
@@ -17,28 +17,118 @@ nothing else.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from typing import ClassVar, Protocol
+
+from scheduler import balloon
+from scheduler.arbitrator import ModelWork, Pick, arbitrate
+from scheduler.balloon import LastResort, ModelState, ReclaimCandidate
+
+States = Callable[[], Sequence[ModelState]]  # builds the device's models' states when called
 
 
-@dataclass(frozen=True)
-class Policy:
+class Policy(Protocol):
     name: str
-    arbitrate: bool  # the arbitrator picks each step (else every model with work, round-robin)
-    balloon: bool  # KV pages move between models (else fixed equal quotas, never reclaimed)
-    evict_for_kv: bool  # a model that waits for KV pages may evict idle models
-    evict_idle: bool  # an idle model leaves at once (time sharing)
-    plan: bool  # the planner decides residency and placement ahead of requests
-    all_resident: bool  # every model stays resident (static)
-    max_resident: int | None = None  # models on the device at once (swap: 1, time sharing)
     # admission reserves KV for this much of each request's output (0: greedy, vLLM style)
-    reserve_output_tokens: int = 0
+    reserve_output_tokens: int
+    max_resident: int | None  # models on the device at once (None: no cap)
+    all_resident: bool  # every model stays resident, its KV a fixed quota (the engine pins)
+    plan: bool  # the planner decides residency and placement ahead of requests
+    keep_alive_s: float | None  # every model's keep-alive (None: each model's own)
+
+    def pick(
+        self, work: Callable[[], list[ModelWork]], now: float, overhead_s: float
+    ) -> Pick | None:
+        """The model to step and whom it admits; None: every serving model steps (round-robin).
+        work: builds each serving model's work, called only by a policy that arbitrates."""
+        ...
+
+    def reclaims(self) -> bool:
+        """Whether KV reserves move between models (else fixed quotas, never reclaimed)."""
+        ...
+
+    def reclaim_order(
+        self, candidates: Sequence[ReclaimCandidate], requester: str, busy: frozenset[str]
+    ) -> list[str]:
+        """Owners to reclaim reserves from for `requester`, first to last."""
+        ...
+
+    def turn(self, states: States) -> frozenset[str] | None:
+        """The offloaded models that may activate now; None: any that has work."""
+        ...
+
+    def next_taker(self, held: ModelState | None, starved: Sequence[ModelState]) -> str | None:
+        """The starved model that may take memory from others (None: no one)."""
+        ...
+
+    def last_resort(
+        self, m: ModelState, starved: frozenset[str], taker: str | None
+    ) -> LastResort | None:
+        """What m, short of pages the pool has not got, may take (None: it waits)."""
+        ...
 
 
-POLICIES = {
-    "prism": Policy("prism", True, True, True, False, True, False, reserve_output_tokens=1024),
-    "static": Policy("static", False, False, False, False, False, True),
-    "swap": Policy("swap", False, True, False, True, False, False, max_resident=1),
-}
+class _Baseline:
+    """What the baselines share: round-robin steps, nothing taken from another model for KV."""
+
+    reserve_output_tokens: ClassVar[int] = 0
+    max_resident: ClassVar[int | None] = None
+    all_resident: ClassVar[bool] = False
+    plan: ClassVar[bool] = False
+    keep_alive_s: ClassVar[float | None] = None
+
+    def pick(self, work, now: float, overhead_s: float) -> Pick | None:
+        return None
+
+    def reclaims(self) -> bool:
+        return True
+
+    def reclaim_order(self, candidates, requester: str, busy: frozenset[str]) -> list[str]:
+        return balloon.reclaim_order(candidates, requester, busy)
+
+    def turn(self, states: States) -> frozenset[str] | None:
+        return None
+
+    def next_taker(self, held, starved) -> str | None:
+        return None
+
+    def last_resort(self, m, starved, taker) -> LastResort | None:
+        return None
+
+
+class PrismPolicy(_Baseline):
+    name: ClassVar[str] = "prism"
+    reserve_output_tokens: ClassVar[int] = 1024
+    plan: ClassVar[bool] = True
+
+    def pick(self, work, now: float, overhead_s: float) -> Pick | None:
+        return arbitrate(work(), now, overhead_s)
+
+    def next_taker(self, held, starved) -> str | None:
+        return balloon.next_taker(held, starved)
+
+    def last_resort(self, m, starved, taker) -> LastResort | None:
+        return balloon.last_resort(m, starved, taker)
+
+
+class StaticPolicy(_Baseline):
+    name: ClassVar[str] = "static"
+    all_resident: ClassVar[bool] = True
+
+    def reclaims(self) -> bool:
+        return False
+
+
+class SwapPolicy(_Baseline):
+    name: ClassVar[str] = "swap"
+    max_resident: ClassVar[int | None] = 1
+    keep_alive_s: ClassVar[float | None] = 0.0  # an idle model leaves at once
+
+    def turn(self, states: States) -> frozenset[str] | None:
+        return balloon.swap_turn(self.max_resident, states())
+
+
+POLICIES: dict[str, Policy] = {p.name: p for p in (PrismPolicy(), StaticPolicy(), SwapPolicy())}
 
 
 def policy(name: str) -> Policy:
