@@ -5,6 +5,7 @@ nothing itself: it builds the balloon's plain data from the models and does what
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
@@ -21,10 +22,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def model_state(m: ModelWorker) -> ModelState:
-    """m as the balloon sees it."""
-    every = [r.arrival_time for r in m.requests.values()]
-    new = [r.arrival_time for r in m.scheduler.waiting if r.first_scheduled_time is None]
+def holding(m: ModelWorker) -> ModelState:
+    """m as eviction and reach read it: what it holds and whether it is busy (cheap: no scan of
+    its requests; their arrivals and new work are left out)."""
     return ModelState(
         name=m.name,
         residency=m.residency,
@@ -32,13 +32,22 @@ def model_state(m: ModelWorker) -> ModelState:
         last_used=m.last_used,
         requests=len(m.requests),
         running=len(m.scheduler.running),
-        has_work=m.has_work,
-        has_new_work=m.scheduler.has_new_work,
         kv_pages=m.kv.allocator.num_mapped_pages,
         weight_pages=m.weights.num_pages if m.weights is not None else 0,
+        shard_devices=tuple(m.shard_devices),
+    )
+
+
+def model_state(m: ModelWorker) -> ModelState:
+    """m as the balloon sees it, whole."""
+    every = [r.arrival_time for r in m.requests.values()]
+    new = [r.arrival_time for r in m.scheduler.waiting if r.first_scheduled_time is None]
+    return dataclasses.replace(
+        holding(m),
+        has_work=m.has_work,
+        has_new_work=m.scheduler.has_new_work,
         first_arrival=min(new or every or [float("inf")]),
         oldest_arrival=min(every, default=float("inf")),
-        shard_devices=tuple(m.shard_devices),
     )
 
 
@@ -119,7 +128,8 @@ class DeviceMemory:
         """Evict idle models in the balloon's order until `fits()` (at most `limit`); returns
         the evicted names (fits() may still be false when nothing else could go)."""
         evicted: list[str] = []
-        for name in balloon.eviction_order(self.states(), keep, stalled):
+        held = [holding(m) for m in self.models.values()]
+        for name in balloon.eviction_order(held, keep, stalled):
             if fits() or (limit is not None and len(evicted) >= limit):
                 break
             self.evict(self.models[name], "evict", taker)
@@ -194,7 +204,7 @@ class DeviceMemory:
         if self.worker.peers:  # the KV of other devices' models split over this one
             owned = self.pool.stats().owned
             foreign = sum(n for o, n in owned.items() if "/" not in o and o not in self.models)
-        others = [model_state(o) for o in self.models.values() if o is not m]
+        others = [holding(o) for o in self.models.values() if o is not m and o.residency.on_device]
         return balloon.within_reach(need, m.name, self.pool.available_to(m.name), others, foreign)
 
     def _last_resort(
@@ -260,7 +270,8 @@ class DeviceMemory:
         None idle and a taker named: preempt one running request of a busy one, its model's
         unused pages given back, and the pages that frees on `device` held there for the
         taker."""
-        idle, busy = balloon.shards_to_release(self.states(), device, self.starved)
+        held = [holding(m) for m in self.models.values()]
+        idle, busy = balloon.shards_to_release(held, device, self.starved)
         for name in idle:
             self.evict(self.models[name], "evict", f"{device} models")
             log.info("evicted %s: %s needs the pages its shard holds there", name, device)
