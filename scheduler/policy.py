@@ -18,7 +18,7 @@ tests what it is.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import ClassVar, Protocol
+from typing import Protocol
 
 from scheduler import balloon
 from scheduler.arbitrator import ModelWork, Pick, arbitrate
@@ -68,14 +68,16 @@ class Policy(Protocol):
         ...
 
 
-class _Baseline:
-    """What the baselines share: round-robin steps, nothing taken from another model for KV."""
+class _Default:
+    """What a policy does unless it says otherwise (the baselines' shared part): every serving
+    model steps round-robin, reserves move in the balloon's order, no cap on resident models,
+    and nothing is taken from another model for KV."""
 
-    reserve_output_tokens: ClassVar[int] = 0
-    max_resident: ClassVar[int | None] = None
-    all_resident: ClassVar[bool] = False
-    plan: ClassVar[bool] = False
-    keep_alive_s: ClassVar[float | None] = None
+    reserve_output_tokens = 0
+    max_resident: int | None = None
+    all_resident = False
+    plan = False
+    keep_alive_s: float | None = None
 
     def pick(self, work, now: float, overhead_s: float) -> Pick | None:
         return None
@@ -96,10 +98,10 @@ class _Baseline:
         return None
 
 
-class PrismPolicy(_Baseline):
-    name: ClassVar[str] = "prism"
-    reserve_output_tokens: ClassVar[int] = 1024
-    plan: ClassVar[bool] = True
+class PrismPolicy(_Default):
+    name = "prism"
+    reserve_output_tokens = 1024
+    plan = True
 
     def pick(self, work, now: float, overhead_s: float) -> Pick | None:
         return arbitrate(work(), now, overhead_s)
@@ -111,18 +113,18 @@ class PrismPolicy(_Baseline):
         return balloon.last_resort(m, starved, taker)
 
 
-class StaticPolicy(_Baseline):
-    name: ClassVar[str] = "static"
-    all_resident: ClassVar[bool] = True
+class StaticPolicy(_Default):
+    name = "static"
+    all_resident = True
 
     def reclaims(self) -> bool:
         return False
 
 
-class SwapPolicy(_Baseline):
-    name: ClassVar[str] = "swap"
-    max_resident: ClassVar[int | None] = 1
-    keep_alive_s: ClassVar[float | None] = 0.0  # an idle model leaves at once
+class SwapPolicy(_Default):
+    name = "swap"
+    max_resident = 1
+    keep_alive_s = 0.0  # an idle model leaves at once
 
     def turn(self, states: States) -> frozenset[str] | None:
         return balloon.swap_turn(self.max_resident, states())
