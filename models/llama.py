@@ -39,8 +39,7 @@ class LlamaModel(nn.Module):
             x, residual = layer(x, residual, rope, ctx, next_norm=nxt)
         if residual is None:
             return self.norm(x)
-        # the lm_head's weights asked of the L2 while the final norm runs (ctx.prefetch)
-        return self.norm.add(x, residual, ctx, warm=self.norm)[0]
+        return self.norm.add(x, residual)[0]
 
 
 class LlamaForCausalLM(CausalLM):

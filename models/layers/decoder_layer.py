@@ -7,11 +7,11 @@ from torch import nn
 
 from models.attention.base import ForwardContext
 from models.config import ModelConfig
+from models.kernels.triton_small_gemm import Normed
 from models.layers.gated_mlp import GatedMLP
 from models.layers.rms_norm import RMSNorm
 from models.layers.rotary_embedding import Rope
 from models.layers.self_attention import SelfAttention
-from models.layers.triton_small_gemm import Normed
 
 
 class DecoderLayer(nn.Module):
@@ -53,21 +53,19 @@ class DecoderLayer(nn.Module):
             return self.small_layer(x, residual, rope, ctx, ops, next_norm)
         if isinstance(residual, Normed):  # (a layer of small GEMMs before: x is the stream)
             residual = None
-        # qkv's weights asked of the L2 while the norm runs (ctx.prefetch)
         if residual is None:
-            ctx.prefetch(self)
             h, residual = self.input_layernorm(x), x
         else:
-            h, residual = self.input_layernorm.add(x, residual, ctx, warm=self)
+            h, residual = self.input_layernorm.add(x, residual)
         h = ctx.all_reduce(self.self_attn(h, rope, ctx))
-        h, residual = self.post_attention_layernorm.add(h, residual, ctx)
+        h, residual = self.post_attention_layernorm.add(h, residual)
         return ctx.all_reduce(self.mlp(h, ctx)), residual
 
     def gemv_layer(
         self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope, ctx: ForwardContext, ops
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """forward's one-row step as four GEMVs around the attention, the norms, the residual's
-        adds and the activation inside them (StepOps.project, models.layers.triton_gemv); the
+        adds and the activation inside them (StepOps.project, models.kernels.triton_gemv); the
         same (output, stream before it) pair. The stream's adds write into its tensor (the
         first layer's: the embeddings'), as the unfused path's norms do."""
         h, stream = (None, x) if residual is None else (x, residual)
@@ -92,7 +90,7 @@ class DecoderLayer(nn.Module):
         next_norm: RMSNorm | None,
     ) -> tuple[torch.Tensor, Normed | None]:
         """forward's step of a few rows as four small GEMMs around the attention
-        (models.layers.triton_small_gemm): o_proj and down_proj add into the stream and hand
+        (models.kernels.triton_small_gemm): o_proj and down_proj add into the stream and hand
         the next norm its input (the stream's rows scaled by its weight, their squares), qkv
         and gate_up apply the norm to their sums, gate_up makes SiLU * up. The stream is x
         after a layer of small GEMMs (residual: its Normed) or the first layer (residual None:

@@ -1,4 +1,4 @@
-"""The one-row layer's GEMVs on the GPU (models.layers.triton_gemv): each kind at
+"""The one-row layer's GEMVs on the GPU (models.kernels.triton_gemv): each kind at
 Llama-3.1-8B's shapes against the unfused chain's torch ops (cuBLAS's GEMM, rounded where the
 chain rounds), plain and as programmatic dependent launches, and a dependent launch reads what
 the kernel before it wrote. (The tokens of graphs that run them: test_cuda_graphs.py.)"""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.layers.triton_gemv import GemvConfig, gemv, gemv_reference
+from models.kernels.triton_gemv import GemvConfig, gemv, gemv_reference
 from tests.gpu.common import GPU
 from tests.gpu.test_l2_prefetch_gpu import slow_write
 

@@ -11,9 +11,9 @@ import torch
 
 from models.attention.base import ForwardContext
 from models.attention.torch_paged import TorchPagedAttention
-from models.layers import triton_step_ops
-from models.layers.triton_gemv import gemv_reference
-from models.layers.triton_small_gemm import (
+from models.kernels import fused_decode
+from models.kernels.triton_gemv import gemv_reference
+from models.kernels.triton_small_gemm import (
     MAX_ROWS,
     WIDE,
     WIDE_OUTPUTS,
@@ -24,7 +24,7 @@ from models.layers.triton_small_gemm import (
     small_gemm,
     small_gemm_reference,
 )
-from tests.models.test_triton_step_ops import cached_decode_step
+from tests.models.decode_step import cached_decode_step
 
 pytest.importorskip("triton")
 
@@ -153,7 +153,7 @@ def test_what_it_refuses():
             return 2 * super().forward(x)
 
     assert not fits(Scaled(64, 32), torch.randn(4, 64))
-    ops = triton_step_ops.StepOps(small=SmallGemmConfig(16, 32))
+    ops = fused_decode.StepOps(small=SmallGemmConfig(16, 32))
     x = torch.randn(4, 64)
     s = Scaled(64, 32)
     torch.testing.assert_close(ops.linear(s, x), s(x))  # through its own forward
@@ -185,13 +185,9 @@ def test_the_tiling_knob():
 
 
 def test_load_step_ops_checks_the_small_gemm():
-    ops, why = triton_step_ops.load_step_ops(
-        torch.device("cpu"), norms=False, small=SmallGemmConfig(16, 512)
-    )
+    ops, why = fused_decode.load_step_ops(torch.device("cpu"), small=SmallGemmConfig(16, 512))
     assert why is None and ops.small_config == SmallGemmConfig(16, 512)
     assert ops.gemv_config is None
-    x = torch.zeros(2, 8)
-    assert not ops.fits_add_rmsnorm(x, x, False) and not ops.fits_silu_mul(x, "silu")
 
 
 @torch.no_grad()
@@ -204,7 +200,7 @@ def test_a_three_row_forward_runs_its_layers_as_fused_small_gemms():
     cfg = lm.config
     calls, plain_calls = [], []
 
-    class Counting(triton_step_ops.StepOps):
+    class Counting(fused_decode.StepOps):
         def project(self, linear, x, **ops):
             kinds = ["normed"] if isinstance(x, Normed) else []
             calls.append(
@@ -222,7 +218,7 @@ def test_a_three_row_forward_runs_its_layers_as_fused_small_gemms():
 
     for c, s in zip(caches, saved):
         c.copy_(s)
-    ops = Counting(norms=False, small=SmallGemmConfig(16, 32))
+    ops = Counting(small=SmallGemmConfig(16, 32))
     ctx = ForwardContext(attn=TorchPagedAttention(caches, step), step_ops=ops)
     got = lm.model(ids, pos, ctx)
     layer = [["normed"], ["into", "norm"], ["normed", "glu"], ["into", "norm"]]

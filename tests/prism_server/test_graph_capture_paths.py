@@ -59,13 +59,17 @@ def no_cuda_graphs(monkeypatch):
 
 
 @pytest.mark.parametrize("fused_rope", [True, False], ids=["rope-write", "rope-then-store"])
-def test_piecewise_capture_builds_a_segment_per_attention_call(no_cuda_graphs, fused_rope):
-    """fused_rope: the segments rotate q and k into the static buffers, put v there and store
-    K/V in one Triton kernel (here under its interpreter), no slot index made; else FlashInfer's
-    or torch's rope, then copies and an indexed store at the index."""
+def test_piecewise_capture_builds_a_segment_per_attention_call(
+    no_cuda_graphs, fused_rope, monkeypatch
+):
+    """Where Triton runs (here under its interpreter) the segments rotate q and k into the
+    static buffers, put v there and store K/V in one Triton kernel, no slot index made; where
+    it does not, FlashInfer's or torch's rope, then copies and an indexed store at the index."""
+    if not fused_rope:
+        monkeypatch.setattr(pg.triton_ops, "triton_runs_on", lambda device: False)
     cfg, model = tiny_model()
     kv = cpu_kv(cfg)
-    pieces = pg.PiecewiseGraphs(model, (8, 16), CPU, kv_views=kv.layer_views, fused_rope=fused_rope)
+    pieces = pg.PiecewiseGraphs(model, (8, 16), CPU, kv_views=kv.layer_views)
     assert pieces.fuses_rope is fused_rope
     ropes = []
     rope_write = pg.triton_ops.rope_write
@@ -107,9 +111,9 @@ def test_piecewise_capture_builds_a_segment_per_attention_call(no_cuda_graphs, f
     kv.close()
 
 
-def test_decode_graphs_hand_xqa_a_contiguous_query_and_their_tables(no_cuda_graphs):
-    """The XQA kernel itself is a stand-in here (it runs on a GPU only): it records what each
-    captured layer gives it."""
+def test_decode_graphs_hand_the_table_kernel_a_contiguous_query_and_their_tables(no_cuda_graphs):
+    """The table-reading decode kernel is a stand-in here that takes no rope (the Triton
+    kernel's own tests run it): it records what each captured layer gives it."""
     cfg, model = tiny_model(num_attention_heads=8)
     kv = cpu_kv(cfg)
     calls = []
