@@ -40,11 +40,11 @@ from dataclasses import dataclass
 
 import torch
 
-from models.attention import triton_ops
 from models.attention.base import AttentionMetadata, LayerAttention
 from models.attention.kv_write import RowsWriter, rope_then_write
 from models.attention.table_decode import TableDecodeAttention, TableDecodeGraphAttention
 from models.attention.upload import host_ints, pinned, upload
+from models.kernels import triton_ops
 from models.kernels.tuning import KernelConfig
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from models.attention import triton_ops
+from models.kernels import triton_ops
 from models.layers.rotary_embedding import Rope
 
 

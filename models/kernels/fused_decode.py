@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from models.attention.triton_ops import triton_runs_on
 from models.kernels.triton_gemv import GemvConfig, gemv, gemv_reference
+from models.kernels.triton_ops import triton_runs_on
 from models.kernels.triton_small_gemm import MAX_ROWS as SMALL_MAX_ROWS
 from models.kernels.triton_small_gemm import (
     Normed,

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from models.attention.triton_ops import _pow2, interpreting
+from models.kernels.triton_ops import _pow2, interpreting
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from models.attention.triton_ops import _pow2, interpreting
+from models.kernels.triton_ops import _pow2, interpreting
 
 MAX_ROWS = 16  # the rows of x a launch takes (tl.dot's smallest tile)
 

@@ -16,8 +16,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from models.attention.triton_ops import DENSE_LAUNCH, SPLITS_LIMIT
 from models.kernels.triton_gemv import GemvConfig
+from models.kernels.triton_ops import DENSE_LAUNCH, SPLITS_LIMIT
 from models.kernels.triton_small_gemm import SmallGemmConfig
 
 CONFIGS = Path(__file__).parent / "configs"

@@ -17,8 +17,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from models.attention import triton_ops
-from models.kernels import triton_gemv, triton_small_gemm
+from models.kernels import triton_gemv, triton_ops, triton_small_gemm
 
 HOPPER = GPUTarget("cuda", 90, 32)
 DECODE_TYPES = {

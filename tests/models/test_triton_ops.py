@@ -9,11 +9,11 @@ import functools
 import pytest
 import torch
 
-from models.attention import triton_ops
 from models.attention.base import AttentionMetadata, ForwardContext, LayerAttention, SeqChunk
 from models.attention.kv_write import RowsWriter
 from models.attention.table_decode import TableDecodeAttention, TableDecodeGraphAttention
 from models.attention.torch_paged import TorchPagedAttention
+from models.kernels import triton_ops
 from models.layers.rotary_embedding import RotaryEmbedding
 
 pytest.importorskip("triton")

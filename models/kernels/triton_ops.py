@@ -23,10 +23,19 @@ from __future__ import annotations
 import functools
 import math
 import os
+from typing import Protocol
 
 import torch
 
-from models.attention.base import LayerAttention
+
+class LayerSpec(Protocol):
+    """What the decode kernel reads of a layer's attention (models.attention.base's
+    LayerAttention): its softmax scale, window (positions attended, the query's own included)
+    and logit soft cap."""
+
+    scale: float
+    sliding_window: int | None
+    logit_softcap: float | None
 
 
 @functools.cache
@@ -435,7 +444,7 @@ class TritonDecodeKernel:
         cache: torch.Tensor,
         tables: torch.Tensor,
         seq_lens: torch.Tensor,
-        spec: LayerAttention,
+        spec: LayerSpec,
         new: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """q: [B, Hq, D]; cache: one layer's view; tables: [B, W] int32; seq_lens: [B, 1] int32
