@@ -21,6 +21,7 @@ from typing import Protocol
 import torch
 
 from models.attention.base import AttentionMetadata, ForwardContext, SeqChunk
+from models.kernels import fused_decode
 from models.kernels.fused_decode import STEP_OPS_MAX_BATCH, StepOps
 
 log = logging.getLogger(__name__)
@@ -160,7 +161,11 @@ class CudaGraphRunner:
         attn.prepare()
         ops = self.step_ops if bs <= STEP_OPS_MAX_BATCH else None
         ctx = ForwardContext(attn=attn, step_ops=ops)
-        hidden = self.model(self.buffers.input_ids[:bs], self.buffers.positions[:bs], ctx)
+        ids, positions = self.buffers.input_ids[:bs], self.buffers.positions[:bs]
+        if ops is not None and fused_decode.runs(self.model):  # its layers as GEMV/GEMM chains
+            hidden = fused_decode.forward(self.model, ids, positions, ctx, ops)
+        else:
+            hidden = self.model(ids, positions, ctx)
         return self.model.compute_logits(hidden)  # [bs, vocab] fp32
 
     def can_run(self, md: AttentionMetadata) -> bool:

@@ -1,7 +1,12 @@
 """A small decode step's layers as chains of Triton kernels that carry the norms, activation
 and residual adds: one-row steps as GEMVs (models.kernels.triton_gemv), steps of a few rows as
-small GEMMs (models.kernels.triton_small_gemm). A decode graph takes them (ForwardContext's
-step_ops) where they are built and checked on its device (`load_step_ops`)."""
+small GEMMs (models.kernels.triton_small_gemm). A decode graph of at most STEP_OPS_MAX_BATCH
+sequences runs its model through `forward` where the kernels are built and checked on its
+device (`load_step_ops`) and the model is a stack of pre-norm layers (`runs`): the choice is
+made once, when the graph is captured; the model files keep their one plain forward.
+
+The stack's layers are read by their names (HF's: input_layernorm, self_attn.qkv_proj, o_proj,
+post_attention_layernorm, mlp.gate_up_proj, down_proj); this module imports no model."""
 
 from __future__ import annotations
 
@@ -35,11 +40,10 @@ class StepOps:
 
     def takes_layer(self, layer: torch.nn.Module, x: torch.Tensor, whole: bool) -> bool:
         """Whether a decoder layer's step runs as a chain of kernels that carry its norms,
-        activation and residual adds: GEMVs for one row (`gemv`, DecoderLayer.gemv_layer),
-        small GEMMs for at most MAX_ROWS (`small`, DecoderLayer.small_layer; one row too where
-        the GEMVs are off). The rows contiguous, of a GPU's dtype, a whole model (whole: no
-        shards' sums between the projections), SiLU, and the projections' weights row-major,
-        of x's dtype."""
+        activation and residual adds: GEMVs for one row (`gemv`, gemv_layer), small GEMMs for
+        at most MAX_ROWS (`small`, small_layer; one row too where the GEMVs are off). The rows
+        contiguous, of a GPU's dtype, a whole model (whole: no shards' sums between the
+        projections), SiLU, and the projections' weights row-major, of x's dtype."""
         few = 1 <= x.shape[0] <= SMALL_MAX_ROWS and self.small_config is not None
         if not (
             (self.gemv_takes(x) or few)
@@ -74,6 +78,85 @@ class StepOps:
         if self.small_config is not None and small_gemm_fits(linear, x):
             return small_gemm(linear, x, self.small_config)
         return linear(x)
+
+
+def runs(model: torch.nn.Module) -> bool:
+    """Whether `forward` can run this causal LM's decoder stack: pre-norm layers of the
+    names it reads (Llama, Mistral, Qwen2, Qwen3; the stack says so: `pre_norm_stack`)."""
+    return getattr(getattr(model, "model", None), "pre_norm_stack", False)
+
+
+def forward(model: torch.nn.Module, input_ids, positions, ctx, ops: StepOps) -> torch.Tensor:
+    """The decoder stack's forward (the stack's own, as its model file writes it) with each
+    layer that `ops` takes as a chain of GEMVs (one row) or small GEMMs (a few rows), the
+    others as they are: input_ids, positions [T] -> hidden [T, hidden]. model: the causal LM
+    (`runs`); ctx: the step's ForwardContext."""
+    stack = model.model
+    x, residual = stack.embed_tokens(input_ids), None
+    rope = stack.rotary_emb(positions)  # this step's rotary table, shared by every layer
+    layers = stack.layers
+    for i, layer in enumerate(layers):
+        if ops.takes_layer(layer, x, ctx.reduce is None):
+            if ops.gemv_takes(x):
+                x, residual = gemv_layer(layer, x, residual, rope, ctx, ops)
+            else:
+                nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else None
+                x, residual = small_layer(layer, x, residual, rope, ctx, ops, nxt)
+        else:
+            if isinstance(residual, Normed):  # (a layer of small GEMMs before: x is the stream)
+                residual = None
+            x, residual = layer(x, residual, rope, ctx)
+    if residual is None or isinstance(residual, Normed):  # (no Normed after the last layer)
+        return stack.norm(x)
+    return stack.norm.add(x, residual)[0]
+
+
+def gemv_layer(layer, x: torch.Tensor, residual: torch.Tensor | None, rope, ctx, ops: StepOps):
+    """A layer's one-row step as four GEMVs around the attention, the norms, the residual's
+    adds and the activation inside them (StepOps.project); the layer's forward's (output,
+    stream before it) pair. The stream's adds write into its tensor (the first layer's: the
+    embeddings'), as the layer's own norms do."""
+    h, stream = (None, x) if residual is None else (x, residual)
+    ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv = ops.project(attn.qkv_proj, stream, norm=(ln1.weight, ln1.eps), h=h)
+    out = attn.attend(qkv, rope, ctx)
+    stream = ops.project(attn.o_proj, out, into=stream, h=h)  # stream (+ h) + o_proj(out)
+    if ops.glu:  # the activation out of gate_up's GEMV
+        act = ops.project(mlp.gate_up_proj, stream, norm=(ln2.weight, ln2.eps), glu=True)
+        return ops.project(mlp.down_proj, act), stream
+    gate_up = ops.project(mlp.gate_up_proj, stream, norm=(ln2.weight, ln2.eps))
+    return ops.project(mlp.down_proj, gate_up, silu=True), stream
+
+
+def small_layer(
+    layer,
+    x: torch.Tensor,
+    residual: torch.Tensor | Normed | None,
+    rope,
+    ctx,
+    ops: StepOps,
+    next_norm,
+) -> tuple[torch.Tensor, Normed | None]:
+    """A layer's step of a few rows as four small GEMMs around the attention: o_proj and
+    down_proj add into the stream and hand the next norm (next_norm: the next layer's input
+    norm, None for the last) its input (the stream's rows scaled by its weight, their
+    squares), qkv and gate_up apply the norm to their sums, gate_up makes SiLU * up. The
+    stream is x after a layer of small GEMMs (residual: its Normed) or the first layer
+    (residual None: the embeddings, written into, as the layer's own norms do) -> (the stream
+    after the layer, the next norm's input: a Normed, or None for the last)."""
+    ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
+    attn, mlp = layer.self_attn, layer.mlp
+    if isinstance(residual, torch.Tensor):  # (a layer of the plain forward before)
+        residual = residual.add_(x)
+        x, residual = residual, None
+    stream = x
+    normed = residual if residual is not None else ops.prenorm(stream, ln1.weight, ln1.eps)
+    out = attn.attend(ops.project(attn.qkv_proj, normed), rope, ctx)
+    normed = ops.project(attn.o_proj, out, into=stream, norm=(ln2.weight, ln2.eps))
+    act = ops.project(mlp.gate_up_proj, normed, glu=True)
+    nxt = (next_norm.weight, next_norm.eps) if next_norm is not None else None
+    return stream, ops.project(mlp.down_proj, act, into=stream, norm=nxt)
 
 
 STEP_OPS_MAX_BATCH = 16  # decode graphs of at most this many sequences take them

@@ -126,7 +126,9 @@ def test_a_one_row_forward_runs_its_layers_as_gemvs():
     # one row a program: the down GEMV makes SiLU * up from gate_up's outputs
     ops = Counting(gemv=GemvConfig(1, 32))
     assert not ops.glu
-    got = lm.model(ids, pos, ForwardContext(attn=TorchPagedAttention(caches, step), step_ops=ops))
+    assert fused_decode.runs(lm.model)
+    ctx = ForwardContext(attn=TorchPagedAttention(caches, step), step_ops=ops)
+    got = fused_decode.forward(lm.model, ids, pos, ctx, ops)
     first = [["norm"], ["into"], ["norm"], ["silu"]]  # the stream: the embeddings, no h yet
     later = [["h", "norm"], ["h", "into"], ["norm"], ["silu"]]
     assert calls == first + later * (cfg.num_layers - 1)
@@ -137,7 +139,8 @@ def test_a_one_row_forward_runs_its_layers_as_gemvs():
     for c, s in zip(caches, saved):
         c.copy_(s)
     ops = Counting(gemv=GemvConfig(8, 32))
-    glu = lm.model(ids, pos, ForwardContext(attn=TorchPagedAttention(caches, step), step_ops=ops))
+    ctx = ForwardContext(attn=TorchPagedAttention(caches, step), step_ops=ops)
+    glu = fused_decode.forward(lm.model, ids, pos, ctx, ops)
     first = [["norm"], ["into"], ["glu", "norm"], []]
     later = [["h", "norm"], ["h", "into"], ["glu", "norm"], []]
     assert calls == first + later * (cfg.num_layers - 1)
@@ -146,5 +149,5 @@ def test_a_one_row_forward_runs_its_layers_as_gemvs():
     calls.clear()
     two = AttentionMetadata.build([SeqChunk(5, 2, [1, 2])], bs, torch.device("cpu"))
     ctx = ForwardContext(attn=TorchPagedAttention(caches, two), step_ops=ops)
-    lm.model(torch.tensor([42, 7]), torch.tensor([5, 6]), ctx)
+    fused_decode.forward(lm.model, torch.tensor([42, 7]), torch.tensor([5, 6]), ctx, ops)
     assert calls == []
