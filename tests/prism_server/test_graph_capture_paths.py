@@ -20,6 +20,8 @@ from models.attention.base import AttentionMetadata, SeqChunk
 from models.attention.kv_write import KVSlots, RowsWriter
 from models.attention.table_decode import TableDecodeGraphAttention
 from models.attention.torch_paged import TorchPagedAttention
+from models.kernels.fused_decode import StepOps
+from models.kernels.triton_gemv import GemvConfig
 from prism_server.cuda_graph_runner import CudaGraphRunner
 from tests.gpu.common import cpu_kv, tiny_model
 
@@ -163,3 +165,41 @@ def test_the_garbage_collector_is_held_off_during_captures_and_restored():
         assert not gc.isenabled()  # as it was
     finally:
         gc.enable()
+
+
+def test_small_decode_graphs_run_the_fused_decode_forward(no_cuda_graphs, monkeypatch):
+    """With the step ops, the graphs of at most STEP_OPS_MAX_BATCH sequences run the model
+    through models.kernels.fused_decode (chosen when they are captured), the larger ones the
+    model's own forward."""
+    cfg, model = tiny_model(num_attention_heads=8)
+    kv = cpu_kv(cfg)
+    fused = []
+    forward = cgr.fused_decode.forward
+
+    def recording(model, ids, positions, ctx, ops):
+        fused.append(len(ids))
+        assert ctx.step_ops is ops
+        return forward(model, ids, positions, ctx, ops)
+
+    monkeypatch.setattr(cgr.fused_decode, "forward", recording)
+
+    def kernel(q, cache, tables, seq_lens, spec):
+        return torch.zeros_like(q)
+
+    writer = functools.partial(RowsWriter.from_slots, block_size=16)
+    runner = CudaGraphRunner(
+        model,
+        kv.layer_views,
+        lambda views, bs, max_blocks: TableDecodeGraphAttention(
+            kernel, views, bs, max_blocks, writer
+        ),
+        (1, 16, 32),
+        8,
+        CPU,
+        step_ops=StepOps(gemv=GemvConfig()),
+    )
+    with torch.inference_mode():
+        runner.capture()
+    assert sorted(fused) == [1, 1, 16, 16]  # a warm-up and a capture each; 32 its own forward
+    kv.check_integrity()
+    kv.close()
