@@ -36,7 +36,6 @@ class Gemma3DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: Rope, ctx: ForwardContext) -> torch.Tensor:
         # x: [T, hidden] -> [T, hidden]
-        ctx.prefetch(self)  # qkv's weights into the L2 while the norm runs
         h = ctx.all_reduce(self.self_attn(self.input_layernorm(x), rope, ctx))
         x = x + self.post_attention_layernorm(h)
         h = ctx.all_reduce(self.mlp(self.pre_feedforward_layernorm(x), ctx))
@@ -64,7 +63,6 @@ class Gemma3Model(nn.Module):
         rope_local = self.rotary_emb_local(positions)
         for layer in self.layers:
             x = layer(x, rope_local if layer.is_sliding else rope_full, ctx)
-        ctx.prefetch(self.norm)  # the lm_head's weights into the L2 while the final norm runs
         return self.norm(x)
 
 

@@ -20,6 +20,10 @@ class LlamaModel(nn.Module):
     """Embedding, pre-norm decoder layers, final norm (HF `model.*`). Qwen2/3 reuse it: their
     differences (qkv bias, q/k norm) are config fields read by SelfAttention."""
 
+    # a stack of DecoderLayers under HF's names: small decode graphs may run it through
+    # models.kernels.fused_decode
+    pre_norm_stack = True
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
@@ -33,14 +37,11 @@ class LlamaModel(nn.Module):
         # input_ids, positions: [T] -> [T, hidden]
         x, residual = self.embed_tokens(input_ids), None
         rope = self.rotary_emb(positions)  # this step's rotary table, shared by every layer
-        last = len(self.layers) - 1
-        for i, layer in enumerate(self.layers):
-            nxt = self.layers[i + 1].input_layernorm if i < last else None
-            x, residual = layer(x, residual, rope, ctx, next_norm=nxt)
+        for layer in self.layers:
+            x, residual = layer(x, residual, rope, ctx)
         if residual is None:
             return self.norm(x)
-        # the lm_head's weights asked of the L2 while the final norm runs (ctx.prefetch)
-        return self.norm.add(x, residual, ctx, warm=self.norm)[0]
+        return self.norm.add(x, residual)[0]
 
 
 class LlamaForCausalLM(CausalLM):

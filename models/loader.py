@@ -27,7 +27,6 @@ from transformers import PreTrainedTokenizerBase
 from models.config import ModelConfig
 from models.embedded import EMBEDDED_MODELS, resolve_source
 from models.layers.causal_lm import CausalLM
-from models.layers.fused_ops import set_fused_kernels
 from models.layers.rms_norm import RMSNorm
 from models.layers.rotary_embedding import RotaryEmbedding
 from models.presets import get_preset, list_presets
@@ -94,7 +93,6 @@ def load_model(
     device: str | torch.device = "cpu",
     seed: int = 0,
     cache_root: str | Path | None = None,
-    fused_kernels: bool = True,
     place: Placement | None = None,
 ) -> LoadedModel:
     """Build the model of `source` with its weights and tokenizer. `seed` only affects dummy;
@@ -105,15 +103,12 @@ def load_model(
         source = ModelSource.parse(source)
     device = torch.device(device)
     if source.kind == "dummy":
-        loaded = _load_dummy(source.path, dtype, device, seed, place)
-        set_fused_kernels(loaded.model, fused_kernels)
-        return loaded
+        return _load_dummy(source.path, dtype, device, seed, place)
     path = model_dir(source, cache_root)
     config = _read_config(path)
     model = _empty_model(config, dtype, device, place)
     files = safetensors_files(path)
     model.load_weights(iter_safetensors(files, desc=f"loading {source.name}"))
-    set_fused_kernels(model, fused_kernels)
     return LoadedModel(_finish(model), load_tokenizer(path), config, source.name)
 
 
@@ -122,13 +117,10 @@ def empty_model(
     dtype: torch.dtype,
     device: str | torch.device,
     place: Placement,
-    fused_kernels: bool = True,
 ) -> CausalLM:
     """A model of `config` whose parameters are the tensors `place` gives, left as they are (a
     model moving to another device, its weights copied in from elsewhere)."""
-    model = _empty_model(config, dtype, torch.device(device), place)
-    set_fused_kernels(model, fused_kernels)
-    return _finish(model)
+    return _finish(_empty_model(config, dtype, torch.device(device), place))
 
 
 @dataclass(frozen=True)
@@ -146,7 +138,6 @@ def load_shards(
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
     cache_root: str | Path | None = None,
-    fused_kernels: bool = True,
 ) -> LoadedShards:
     """The model of `source` split over `devices` (tensor parallelism), each shard's parameters
     in the storage its `places` entry gives. A checkpoint is read whole on the host, then each
@@ -171,7 +162,6 @@ def load_shards(
             init_dummy_weights(shard, seed * degree + rank)
         else:
             copy_shard(whole, shard, rank)
-        set_fused_kernels(shard, fused_kernels)
         shards.append(_finish(shard))
     return LoadedShards(shards, tokenizer, config, source.name)
 

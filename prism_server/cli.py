@@ -54,6 +54,17 @@ def _serve_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--log-format", choices=["text", "json"], help="log lines as text or JSON")
     p.add_argument(
+        "--enforce-eager",
+        action="store_const",
+        const=True,
+        help="every step eager: no CUDA graphs, no decode step launched ahead",
+    )
+    p.add_argument(
+        "--step-trace",
+        metavar="PATH",
+        help="write one JSON line per step to PATH.<device> (a scheduling diagnostic)",
+    )
+    p.add_argument(
         "--slo-file",
         help="per-model TTFT / TPOT SLOs, JSON {model: {ttft_s, tpot_s}} (as `bench standalone` "
         "writes them), over the config's",
@@ -168,7 +179,7 @@ def serve(args: argparse.Namespace) -> int:
 
         if args.slo_file:
             sargs = apply_slo_file(sargs, args.slo_file)
-        for field in ("device", "policy"):
+        for field in ("device", "policy", "enforce_eager", "step_trace"):
             if getattr(args, field):
                 eng = replace(sargs.engine, **{field: getattr(args, field)})
                 sargs = replace(sargs, engine=eng)

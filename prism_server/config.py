@@ -119,6 +119,16 @@ class EngineConfig:
     # full KV blocks are kept by content: a request reuses the longest cached prefix of its
     # prompt; cached blocks no request uses are reclaimed first when memory runs short
     enable_prefix_caching: bool = True
+    # every step eager: no CUDA graphs (decode or piecewise) and no decode step launched before
+    # the last one's tokens are read (a debugging and measuring switch)
+    enforce_eager: bool = False
+    # where each device's engine thread writes one JSON line per step it runs (the device's
+    # name is added to the file name): its start and length, the model, its shape, the latency
+    # model's estimate and the arbitrator's pick; a diagnostic of scheduling, for a run
+    # replayed against the simulator. None: no trace
+    step_trace: str | None = None
+    # torch's intra-op threads on a CPU device (None: torch's default)
+    cpu_threads: int | None = None
 
     def __post_init__(self):
         names = [m.name for m in self.models]
@@ -139,6 +149,10 @@ class EngineConfig:
             raise ValueError("plan_interval_s must be positive")
         if self.memory_backend not in ("vmm", "tensor"):
             raise ValueError(f"memory_backend must be vmm or tensor, got {self.memory_backend!r}")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ValueError("cpu_threads must be at least 1")
+        if self.step_trace is not None and not self.step_trace:
+            raise ValueError("step_trace must be a file path")
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

@@ -20,8 +20,9 @@ from typing import Protocol
 
 import torch
 
-from models.attention.base import AttentionMetadata, ForwardContext, Prefetcher, SeqChunk
-from models.layers.triton_step_ops import STEP_OPS_MAX_BATCH, StepOps
+from models.attention.base import AttentionMetadata, ForwardContext, SeqChunk
+from models.kernels import fused_decode
+from models.kernels.fused_decode import STEP_OPS_MAX_BATCH, StepOps
 
 log = logging.getLogger(__name__)
 
@@ -98,18 +99,16 @@ class CudaGraphRunner:
         device: torch.device,
         pool=None,
         stream: torch.cuda.Stream | None = None,
-        prefetcher: Prefetcher | None = None,
         step_ops: StepOps | None = None,
     ):
         """pool: a graph memory pool (torch.cuda.graph_pool_handle()) to capture into, shared
         with other runners whose graphs never replay concurrently; None = a pool of its own.
         stream: the stream of the device to capture on, shared likewise (graphs captured on one
         stream by one thread share one cuBLAS workspace); None = the device's capture_stream.
-        prefetcher: the model's L2 prefetches, captured into every graph (None: none).
-        step_ops: Triton's kernels for the norms and activation of the graphs of at most
-        STEP_OPS_MAX_BATCH sequences (None: the model's own)."""
+        step_ops: the GEMVs and small GEMMs that run the layers of the graphs of at most
+        STEP_OPS_MAX_BATCH sequences (None: the model's own forward)."""
         self.model, self.kv_views, self.attention = model, kv_views, attention
-        self.pool, self.stream, self.prefetcher = pool, stream, prefetcher
+        self.pool, self.stream = pool, stream
         self.step_ops = step_ops
         self.batch_sizes = sorted(set(batch_sizes))
         self.max_blocks, self.device = max_blocks, device
@@ -161,8 +160,12 @@ class CudaGraphRunner:
     def _forward(self, bs: int, attn: GraphAttention) -> torch.Tensor:
         attn.prepare()
         ops = self.step_ops if bs <= STEP_OPS_MAX_BATCH else None
-        ctx = ForwardContext(attn=attn, prefetcher=self.prefetcher, step_ops=ops)
-        hidden = self.model(self.buffers.input_ids[:bs], self.buffers.positions[:bs], ctx)
+        ctx = ForwardContext(attn=attn, step_ops=ops)
+        ids, positions = self.buffers.input_ids[:bs], self.buffers.positions[:bs]
+        if ops is not None and fused_decode.runs(self.model):  # its layers as GEMV/GEMM chains
+            hidden = fused_decode.forward(self.model, ids, positions, ctx, ops)
+        else:
+            hidden = self.model(ids, positions, ctx)
         return self.model.compute_logits(hidden)  # [bs, vocab] fp32
 
     def can_run(self, md: AttentionMetadata) -> bool:

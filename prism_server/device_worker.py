@@ -15,7 +15,8 @@ from typing import Any
 import torch
 
 from kvpool import PagePool
-from models.attention.flashinfer_paged import DEFAULT_KERNELS, KernelChoice
+from models.attention.flashinfer_paged import DEFAULT_KERNELS
+from models.kernels.tuning import KernelConfig
 from prism_server.commands import (
     Abort,
     Activate,
@@ -58,7 +59,7 @@ class DeviceWorker:
         policy: Policy = POLICIES["prism"],
         name: str | None = None,
         trace: Path | None = None,
-        kernels: KernelChoice = DEFAULT_KERNELS,
+        kernels: KernelConfig = DEFAULT_KERNELS,
         launch_ahead: bool | None = None,
         piecewise: bool = True,
         piecewise_tokens: int | None = None,

@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
@@ -23,10 +24,7 @@ from kvpool import (
     WeightBuffer,
     WeightLayout,
 )
-from models.attention.flashinfer_paged import DEFAULT_KERNELS, KernelChoice
 from models.embedded import resolve_source
-from models.layers.triton_gemv import GemvConfig
-from models.layers.triton_small_gemm import SmallGemmConfig
 from models.loader import ModelSource, empty_model, load_model, load_shards
 from models.tensor_parallel import TensorParallel
 from prism_server import envs, gpu_setup
@@ -62,40 +60,14 @@ class Engine:
         requests get ModelFailed) and the other models are served."""
         self.config = config = config or EngineConfig()
         self.device = config.torch_device()
-        if self.device.type == "cpu" and envs.cpu_threads():
-            torch.set_num_threads(envs.cpu_threads())
+        if self.device.type == "cpu" and config.cpu_threads:
+            torch.set_num_threads(config.cpu_threads)
         devices = _devices(self.device, config.devices)
+        kernels = envs.kernel_config(self.device)  # the GPU's table, then PRISM_KERNEL_CONFIG
         for d in devices:  # MissingPackage: cannot run here
-            gpu_setup.report(d, config.memory_backend)
+            gpu_setup.report(d, config.memory_backend, kernels, config.enforce_eager)
         check_host_budget(config, self.device)
         self.policy = policy(config.policy)
-        splits, stages, waves, wide_tile, pdl, warps = envs.triton_decode()
-        cuda = self.device.type == "cuda"
-        small = envs.triton_small_gemm(torch.cuda.get_device_name(self.device) if cuda else "")
-        kernels = KernelChoice(
-            decode_tensor_cores=envs.decode_tensor_cores(),
-            prefill_backend=envs.prefill_backend(),
-            prefill_backend_min_tokens=envs.prefill_backend_min_tokens(),
-            ragged_prefill=envs.ragged_prefill(),
-            decode_split_pages=envs.decode_split_pages(),
-            decode_backend=envs.decode_backend(),
-            fused_rope_write=envs.fused_rope_write(),
-            decode_backend_max_batch=envs.decode_backend_max_batch(),
-            triton_max_splits=splits,
-            triton_stages=stages,
-            triton_waves=waves,
-            triton_wide_tile=wide_tile,
-            triton_warps=warps,
-            triton_dense=envs.triton_dense(DEFAULT_KERNELS.triton_dense),
-            triton_pdl=pdl,
-            l2_prefetch_mib=envs.l2_prefetch_mib(),
-            l2_prefetch_inline=envs.l2_prefetch_inline(),
-            l2_prefetch_keep=envs.l2_prefetch_keep(),
-            triton_step_ops=envs.triton_step_ops(),
-            triton_gemv=None if (gemv := envs.triton_gemv()) is None else GemvConfig(*gemv),
-            triton_gemv_glu=envs.triton_gemv_glu(),
-            triton_small_gemm=None if small is None else SmallGemmConfig.parse(small),
-        )
         # one page pool and one engine thread per device: each GPU of devices (cuda:0 ..), or
         # several emulated CPU devices (each its own pool and thread), for the multi-device
         # control plane on any machine
@@ -116,11 +88,10 @@ class Engine:
                 pool,
                 self.policy,
                 name=name,
-                trace=envs.step_trace(),
+                trace=Path(config.step_trace) if config.step_trace else None,
                 kernels=kernels,
-                launch_ahead=envs.launch_ahead(),
-                piecewise=envs.piecewise_graphs(),
-                piecewise_tokens=envs.piecewise_max_tokens(),
+                launch_ahead=False if config.enforce_eager else None,
+                piecewise=not config.enforce_eager,
             )
             w.start()
             self._workers.append(w)
@@ -329,7 +300,6 @@ class Engine:
                     dtype=dtype,
                     seed=spec.seed,
                     cache_root=envs.gguf_cache_dir(),
-                    fused_kernels=envs.fused_kernels(),
                 )
                 sched = self._scheduler_config(spec, loaded.config.max_position_embeddings)
                 for wb, device in zip(buffers, devices):
@@ -375,7 +345,6 @@ class Engine:
             device=device,
             seed=spec.seed,
             cache_root=envs.gguf_cache_dir(),
-            fused_kernels=envs.fused_kernels(),
             place=place,
         )
         sched = self._scheduler_config(spec, loaded.config.max_position_embeddings)
@@ -588,7 +557,7 @@ class Engine:
 
         try:
             with _current(device):
-                model = empty_model(model0.config, dtype, device, place, envs.fused_kernels())
+                model = empty_model(model0.config, dtype, device, place)
                 host.retarget(device)
                 host.load(box["weights"].bytes())
                 # built on dev's engine thread, between its steps: the runner's graph warm-ups

@@ -10,9 +10,9 @@ import logging
 
 import torch
 
+from models.kernels.tuning import KernelConfig
 from prism_server import envs
 from prism_server.cuda_graph_runner import DEFAULT_BATCH_SIZES
-from prism_server.piecewise_graphs import DEFAULT_MAX_TOKENS
 
 log = logging.getLogger("prism")
 
@@ -50,9 +50,16 @@ def _flashinfer() -> str | None:
     return version("flashinfer-python") or "?"
 
 
-def check(device: torch.device, memory_backend: str) -> list[str]:
-    """The start-up lines for `device` (logged by the engine); MissingPackage if it cannot run
-    here. On a GPU a missing FlashInfer is a warning line, not an error."""
+def check(
+    device: torch.device,
+    memory_backend: str,
+    kernels: KernelConfig | None = None,
+    enforce_eager: bool = False,
+) -> list[str]:
+    """The start-up lines for `device` (logged by the engine) under its kernel settings
+    (None: the defaults) and EngineConfig.enforce_eager; MissingPackage if it cannot run here.
+    On a GPU a missing FlashInfer is a warning line, not an error."""
+    kernels = kernels or KernelConfig()
     if device.type != "cuda":
         pool = "plain tensors" if memory_backend == "tensor" else "host memory (memfd pages)"
         return [f"{device}: attention torch (the reference path), no CUDA graphs, page pool {pool}"]
@@ -80,28 +87,34 @@ def check(device: torch.device, memory_backend: str) -> list[str]:
             f"flashinfer-python=={TESTED['flashinfer-python']} (or pip install -e '.[gpu]')"
         )
     else:
-        fused = "on" if envs.fused_kernels() else "off (PRISM_FUSED_KERNELS=0)"
+        k = kernels
         sizes = ", ".join(map(str, DEFAULT_BATCH_SIZES))
-        cores = "tensor-core" if envs.decode_tensor_cores() else "CUDA-core"
-        pieces = (
-            f"piecewise for other steps of up to "
-            f"{envs.piecewise_max_tokens() or DEFAULT_MAX_TOKENS} tokens"
-            if envs.piecewise_graphs()
-            else "no piecewise graphs (PRISM_PIECEWISE_GRAPHS=0)"
+        graphs = (
+            "no CUDA graphs and no decode step launched ahead (enforce_eager)"
+            if enforce_eager
+            else f"CUDA graphs for decode batches {sizes}, piecewise for other steps of up to "
+            f"{k.piecewise_max_tokens} tokens, decode steps launched ahead"
         )
-        ahead = {None: "on", True: "on", False: "off (PRISM_LAUNCH_AHEAD=0)"}[envs.launch_ahead()]
-        fresh = "ragged" if envs.ragged_prefill() else "paged (PRISM_RAGGED_PREFILL=0)"
+        gemv = "off" if k.gemv is None else k.gemv
+        small = "off" if k.small_gemm is None else k.small_gemm
+        override = envs.kernel_config_override()
         lines.append(
-            f"{device}: attention FlashInfer {fi} ({envs.prefill_backend()} prefill, fresh "
-            f"prompts {fresh}, prefixes paged; "
-            f"paged decode, {cores}), CUDA graphs for decode batches {sizes}, {pieces}, "
-            f"fused norm/activation/rope kernels {fused}, decode steps launched ahead {ahead}"
+            f"{device}: attention FlashInfer {fi} ({k.prefill_backend} prefill from "
+            f"{k.prefill_backend_min_tokens} tokens, fa2 below; fresh prompts ragged, prefixes "
+            f"paged), Triton decode up to {k.decode_backend_max_batch} sequences, "
+            f"FlashInfer's above; GEMVs {gemv}, small GEMMs {small}"
+            f"{f' (kernel table {override})' if override else ''}; {graphs}"
         )
     return lines
 
 
-def report(device: torch.device, memory_backend: str) -> None:
-    for line in check(device, memory_backend):
+def report(
+    device: torch.device,
+    memory_backend: str,
+    kernels: KernelConfig | None = None,
+    enforce_eager: bool = False,
+) -> None:
+    for line in check(device, memory_backend, kernels, enforce_eager):
         if line.startswith("WARNING "):
             log.warning(line.removeprefix("WARNING "))
         else:

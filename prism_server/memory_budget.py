@@ -79,7 +79,7 @@ def pool_budget(config, device: torch.device) -> int:
     most what the GPU has free."""
     if config.pool_budget_bytes:
         return config.pool_budget_bytes
-    kv = config.kv_budget_bytes or envs.kv_budget_bytes()
+    kv = config.kv_budget_bytes
     if not kv:
         return default_pool_budget(device)
     weights = 0

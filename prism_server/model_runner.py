@@ -26,18 +26,15 @@ from models.attention.flashinfer_paged import (
     WORKSPACE_BYTES,
     AttentionShape,
     FlashInferBackend,
-    KernelChoice,
     flashinfer_available,
 )
 from models.attention.torch_paged import TorchPagedAttention
 from models.attention.upload import host_ints, upload
-from models.attention.xqa_decode import XQA_WORKSPACE_BYTES
-from models.layers.l2_prefetch import load_prefetcher
-from models.layers.triton_step_ops import load_step_ops
+from models.kernels.fused_decode import load_step_ops
+from models.kernels.tuning import KernelConfig
 from models.tensor_parallel import collective_order
 from prism_server.cuda_graph_runner import DEFAULT_BATCH_SIZES, CudaGraphRunner
 from prism_server.piecewise_graphs import (
-    DEFAULT_MAX_TOKENS,
     DEFAULT_TOKEN_BUCKETS,
     PiecewiseGraphs,
     token_buckets,
@@ -52,31 +49,40 @@ log = logging.getLogger(__name__)
 AttentionFactory = Callable[[list[torch.Tensor], AttentionMetadata], AttentionBackend]
 
 
+def launch_ahead_by_default(device: torch.device) -> bool:
+    """Whether a device's models launch decode steps ahead unless told (on a GPU: its host's
+    work then hides behind the device's)."""
+    return device.type == "cuda"
+
+
 class DeviceResources:
     """What the models of one device share, because their steps run one at a time on the engine
-    thread's stream: FlashInfer's float workspace, the XQA kernel's, the CUDA-graph memory pool
-    and the capture stream (created on first use, never on CPU); and what every model of the
-    device runs: which attention kernels, whether a model's next decode step is launched before
+    thread's stream: FlashInfer's float workspace, the CUDA-graph memory pool and the capture
+    stream (created on first use, never on CPU); and what every model of the device runs: which
+    kernels (the device's KernelConfig), whether a model's next decode step is launched before
     its last one's tokens are read (launch_ahead; None: on a GPU, where the host's work then
-    hides behind the device's), and which piecewise graphs."""
+    hides behind the device's), and whether piecewise graphs (up to piecewise_tokens; None: the
+    kernels' piecewise_max_tokens). With neither (EngineConfig.enforce_eager) no CUDA graph is
+    captured at all (`enforce_eager`)."""
 
     def __init__(
         self,
         device: torch.device,
-        kernels: KernelChoice = DEFAULT_KERNELS,
+        kernels: KernelConfig = DEFAULT_KERNELS,
         launch_ahead: bool | None = None,
         piecewise: bool = True,
         piecewise_tokens: int | None = None,
     ):
         self.device = device
         self.kernels = kernels
-        self.launch_ahead = device.type == "cuda" if launch_ahead is None else launch_ahead
+        ahead = launch_ahead_by_default(device) if launch_ahead is None else launch_ahead
+        self.launch_ahead = ahead
+        # eager steps only: no decode graphs either
+        self.enforce_eager = launch_ahead is False and not piecewise
         # piecewise graphs for the steps decode graphs cannot run, of up to piecewise_tokens
-        self.piecewise_buckets = (
-            token_buckets(piecewise_tokens or DEFAULT_MAX_TOKENS) if piecewise else ()
-        )
+        tokens = piecewise_tokens or kernels.piecewise_max_tokens
+        self.piecewise_buckets = token_buckets(tokens) if piecewise else ()
         self._workspace: torch.Tensor | None = None
-        self._xqa_workspace: torch.Tensor | None = None
         self._graph_pool = None
         self._capture_stream: torch.cuda.Stream | None = None
 
@@ -84,16 +90,6 @@ class DeviceResources:
         if self._workspace is None:
             self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         return self._workspace
-
-    def xqa_workspace(self) -> torch.Tensor | None:
-        """The XQA decode kernel's workspace (None unless the kernels choose XQA)."""
-        if self.kernels.decode_backend != "xqa":
-            return None
-        if self._xqa_workspace is None:
-            self._xqa_workspace = torch.zeros(
-                XQA_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device
-            )
-        return self._xqa_workspace
 
     def capture_stream(self) -> torch.cuda.Stream:
         """The stream the device's graphs are captured on (torch gives cuBLAS a workspace per
@@ -134,57 +130,22 @@ def default_attention(
         device,
         resources.workspace(),
         resources.kernels,
-        resources.xqa_workspace(),
     )
-
-
-def _prefetcher(model, device: torch.device, resources: DeviceResources | None):
-    """The model's L2 prefetches for its decode graphs, where the kernels choose them and they
-    can run here (else None, and why in the log)."""
-    if resources is None or not any(resources.kernels.l2_prefetch_mib):
-        return None
-    k = resources.kernels
-    budgets = tuple(n << 20 for n in k.l2_prefetch_mib)
-    prefetcher, why = load_prefetcher(
-        model, device, budgets, k.l2_prefetch_inline, k.l2_prefetch_keep
-    )
-    if prefetcher is None:
-        log.warning("%s: no L2 prefetch in the decode graphs: %s", device, why)
-    else:
-        log.info(
-            "%s: decode graphs ask the L2 for %.0f MiB of weights a step",
-            device,
-            prefetcher.bytes_per_step / 2**20,
-        )
-    return prefetcher
 
 
 def _step_ops(device: torch.device, resources: DeviceResources | None):
-    """Triton's kernels for the norms and activation of small decode graphs, the GEMVs of
-    one-row ones and the small GEMMs of the others, where the kernels choose them and they run
-    here (else None, and why in the log)."""
+    """The GEMVs of one-row decode graphs and the small GEMMs of the others, where the kernels
+    choose them and they run here (else None, and why in the log)."""
     k = resources.kernels if resources is not None else None
-    if k is None or not (
-        k.triton_step_ops or k.triton_gemv is not None or k.triton_small_gemm is not None
-    ):
+    if k is None or (k.gemv is None and k.small_gemm is None):
         return None
-    ops, why = load_step_ops(
-        device,
-        k.triton_pdl,
-        k.l2_prefetch_in_kernels,
-        k.l2_prefetch_keep,
-        norms=k.triton_step_ops,
-        gemv=k.triton_gemv,
-        glu=k.triton_gemv_glu,
-        small=k.triton_small_gemm,
-    )
+    ops, why = load_step_ops(device, gemv=k.gemv, small=k.small_gemm)
     if ops is None:
-        log.warning("%s: decode graphs keep FlashInfer's norms and cuBLAS's GEMMs: %s", device, why)
+        log.warning("%s: decode graphs keep cuBLAS's GEMMs: %s", device, why)
     elif ops.gemv_config is not None:
         log.info(
-            "%s: one-row decode graphs run their layers as Triton GEMVs (tiling %s%s%s)",
-            device, ops.gemv_config, ", PDL" if ops.pdl else "",
-            ", SiLU * up out of gate_up's" if ops.glu else "",
+            "%s: one-row decode graphs run their layers as Triton GEMVs (tiling %s%s)",
+            device, ops.gemv_config, ", SiLU * up out of gate_up's" if ops.glu else "",
         )  # fmt: skip
     if ops is not None and ops.small_config is not None:
         log.info(
@@ -223,6 +184,8 @@ class ModelRunner:
         self.graphs: CudaGraphRunner | None = None
         graph_attention = getattr(self.attention, "graph_attention", None)
         sizes = DEFAULT_BATCH_SIZES if cuda_graph_sizes is None else tuple(cuda_graph_sizes)
+        if resources is not None and resources.enforce_eager:
+            sizes = ()
         if device.type == "cuda" and graph_attention is not None and sizes:
             max_len = model.config.max_position_embeddings
             max_blocks = min(kv_cache.capacity_blocks, -(-max_len // self.block_size))
@@ -235,7 +198,6 @@ class ModelRunner:
                 device,
                 pool=resources.graph_pool() if resources is not None else None,
                 stream=resources.capture_stream() if resources is not None else None,
-                prefetcher=_prefetcher(model, device, resources),
                 step_ops=_step_ops(device, resources),
             )
             self.graphs.capture()
@@ -246,15 +208,8 @@ class ModelRunner:
             buckets = DEFAULT_TOKEN_BUCKETS if resources is None else resources.piecewise_buckets
         if self.graphs is not None and buckets:
             views = kv_cache.layer_views if piecewise_kv else None
-            kernels = resources.kernels if resources is not None else DEFAULT_KERNELS
             self.pieces = PiecewiseGraphs(
-                model,
-                buckets,
-                device,
-                self.graphs.pool,
-                views,
-                self.graphs.stream,
-                fused_rope=kernels.fused_rope_write,
+                model, buckets, device, self.graphs.pool, views, self.graphs.stream
             )
             self.pieces.capture()
         # FlashInfer's plan stages its tables in pinned host buffers that a queued copy reads:

@@ -29,9 +29,9 @@ from dataclasses import dataclass
 
 import torch
 
-from models.attention import triton_ops
 from models.attention.base import ForwardContext, LayerAttention
 from models.attention.kv_write import KVSlots, write_kv
+from models.kernels import triton_ops
 from prism_server import cuda_graph_runner
 
 log = logging.getLogger(__name__)
@@ -125,19 +125,15 @@ class PiecewiseGraphs:
         pool=None,
         kv_views: list[torch.Tensor] | None = None,
         stream: torch.cuda.Stream | None = None,
-        fused_rope: bool = True,
     ):
         """buckets: the step sizes (tokens) to capture; pool: a graph memory pool shared with
         graphs that never replay concurrently (None: its own); kv_views: the model's KV cache
         views ([num_blocks, 2, block_size, H, D] per layer) when the segments write K/V (the
         step's attention then must not); stream: the stream to capture on, shared likewise
-        (see CudaGraphRunner; None: the device's capture stream); fused_rope: with kv_views,
-        the segments take each layer's rope with its K/V write where Triton runs
-        (triton_ops.rope_write)."""
+        (see CudaGraphRunner; None: the device's capture stream). With kv_views the segments
+        take each layer's rope with its K/V write where Triton runs (triton_ops.rope_write)."""
         self.model, self.device, self.pool, self.stream = model, device, pool, stream
-        self.fuses_rope = (
-            fused_rope and kv_views is not None and triton_ops.triton_runs_on(kv_views[0].device)
-        )
+        self.fuses_rope = kv_views is not None and triton_ops.triton_runs_on(kv_views[0].device)
         self.buckets = sorted(set(buckets))
         n = self.buckets[-1]
         self.input_ids = torch.zeros(n, dtype=torch.long, device=device)

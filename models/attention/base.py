@@ -17,8 +17,8 @@ import torch
 from models.attention.upload import host_ints, upload
 
 if TYPE_CHECKING:
+    from models.kernels.fused_decode import StepOps
     from models.layers.rotary_embedding import Rope
-    from models.layers.triton_step_ops import StepOps
 
 
 @dataclass(frozen=True)
@@ -175,17 +175,6 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor: ...
 
 
-class Prefetcher(Protocol):
-    inline: bool  # an attention backend that can (`takes_prefetch`) asks for its point's bytes
-
-    def issue(self, module: torch.nn.Module) -> None: ...
-
-    def pair(self, module: torch.nn.Module) -> tuple[tuple[int, int], tuple[int, int]] | None:
-        """module's point as one pair of (address, bytes) ranges (None: none, or more)."""
-
-    def join(self) -> None: ...
-
-
 @dataclass
 class ForwardContext:
     """Everything a model's forward needs beyond token ids and positions, passed explicitly
@@ -195,32 +184,8 @@ class ForwardContext:
 
     attn: AttentionBackend
     reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
-    # weights asked into the L2 during the step's idle windows (models.layers.l2_prefetch)
-    prefetcher: Prefetcher | None = None
-    # Triton's kernels for the norms and activation of a small decode step, in place of
-    # FlashInfer's (models.layers.triton_step_ops.StepOps)
+    # a small decode step's layers as chains of Triton kernels (models.kernels.fused_decode)
     step_ops: StepOps | None = None
-
-    def prefetch(
-        self, module: torch.nn.Module | None, rider: bool = False
-    ) -> tuple[tuple[int, int], tuple[int, int]] | None:
-        """The prefetches planned at module's point of the forward, if any: issued on the
-        prefetches' stream, or, when rider (the caller's next kernel can ask for them itself)
-        and the prefetcher is inline, returned for that kernel as one pair of ranges."""
-        p = self.prefetcher
-        if p is None or module is None:
-            return None
-        if rider and p.inline:
-            pair = p.pair(module)
-            if pair is not None:
-                return pair
-        p.issue(module)
-        return None
-
-    def join_prefetches(self) -> None:
-        """The end of the forward: the step's stream takes the prefetches' stream back."""
-        if self.prefetcher is not None:
-            self.prefetcher.join()
 
     @property
     def contiguous_q(self) -> bool:
@@ -244,21 +209,14 @@ class ForwardContext:
         v: torch.Tensor,
         spec: LayerAttention,
         rope: Rope | None = None,
-        fused_kernels: bool = True,
-        warm: torch.nn.Module | None = None,
     ) -> torch.Tensor:
         """rope: the step's rotary table, for q and k not yet rotated. A backend that can
-        (`takes_rope`) applies it with its K/V write, in one kernel; else it is applied here.
-        warm: the module whose prefetches (`prefetch`) belong with this attention: asked by the
-        attention kernel itself where the prefetcher is inline and the backend can
-        (`takes_prefetch`), else issued on the prefetches' stream."""
-        pair = self.prefetch(warm, rider=getattr(self.attn, "takes_prefetch", False))
-        extra = {} if pair is None else {"prefetch": pair}
+        (`takes_rope`) applies it with its K/V write, in one kernel; else it is applied here."""
         if rope is not None:
-            if fused_kernels and getattr(self.attn, "takes_rope", False):
-                return self.attn.forward(layer_idx, q, k, v, spec, rope=rope, **extra)
-            q, k = rope.apply(q, k, fused_kernels, contiguous=self.contiguous_q)
-        return self.attn.forward(layer_idx, q, k, v, spec, **extra)
+            if getattr(self.attn, "takes_rope", False):
+                return self.attn.forward(layer_idx, q, k, v, spec, rope=rope)
+            q, k = rope.apply(q, k, contiguous=self.contiguous_q)
+        return self.attn.forward(layer_idx, q, k, v, spec)
 
 
 def layer_specs(model: torch.nn.Module) -> list[LayerAttention]:

@@ -5,8 +5,9 @@ tensor: FlashInfer's single-tensor form; page_size = block_size). Every layer sh
 block tables, so plan() runs once per step for each distinct kind of layer (softmax scale, sliding
 window, logit soft cap: a Gemma 3 model has two) and run() once per layer.
 
-- Decode-only steps: Prism's Triton kernel by default (triton_ops; `KernelChoice.decode_backend`),
-  or BatchDecodeWithPagedKVCacheWrapper with tensor cores.
+- Decode-only steps: Prism's Triton kernel for steps of at most
+  `KernelConfig.decode_backend_max_batch` sequences (triton_ops), where it runs; else
+  BatchDecodeWithPagedKVCacheWrapper with tensor cores.
 - Steps of fresh prompts only (every chunk starts at position 0: nothing cached before it): the
   BatchPrefillWithRaggedKVCacheWrapper over the step's own K/V tensors, causal. The K/V are
   still written to the cache, for the decodes that follow; attention does not read them back.
@@ -18,12 +19,12 @@ window, logit soft cap: a Gemma 3 model has two) and run() once per layer.
   window?, soft cap?).
 - CUDA graphs: `DecodeGraphAttention`, one per captured batch size, owns fixed index buffers that
   plan() refills outside the graph before each replay; padded rows read and write the null block.
-- Decode through the Triton kernel ("triton", the default, see triton_ops) or the XQA kernel
-  ("xqa", see xqa_decode): one kernel per layer, reading the block table itself (table_decode);
-  a model it cannot run keeps FlashInfer's.
+- Decode through the Triton kernel (see triton_ops): one kernel per layer, reading the block
+  table itself (table_decode); a model it cannot run (head_dim not a power of 2, no Triton)
+  keeps FlashInfer's.
 - Decode steps and steps of fresh prompts rotate q and k and write K/V in one Triton kernel over
-  the step's slots (`KernelChoice.fused_rope_write`, see kv_write), where Triton runs; prefill
-  chunks over a cached prefix (and every step with it off) take FlashInfer's rope and append.
+  the step's slots (see kv_write), where Triton runs; prefill chunks over a cached prefix (and
+  every step where Triton does not run) take FlashInfer's rope and append.
 
 NOTE: `LayerAttention.sliding_window` counts the positions attended including the query's own;
 FlashInfer's window_left excludes it, so window_left = sliding_window - 1.
@@ -39,20 +40,12 @@ from dataclasses import dataclass
 
 import torch
 
-from models.attention import triton_ops
 from models.attention.base import AttentionMetadata, LayerAttention
 from models.attention.kv_write import RowsWriter, rope_then_write
 from models.attention.table_decode import TableDecodeAttention, TableDecodeGraphAttention
 from models.attention.upload import host_ints, pinned, upload
-from models.attention.xqa_decode import (
-    XQA_WORKSPACE_BYTES,
-    XqaKernel,
-    load_xqa,
-    xqa_modules,
-    xqa_unsupported,
-)
-from models.layers.triton_gemv import GemvConfig
-from models.layers.triton_small_gemm import SmallGemmConfig
+from models.kernels import triton_ops
+from models.kernels.tuning import KernelConfig
 
 log = logging.getLogger(__name__)
 
@@ -83,144 +76,7 @@ class AttentionShape:
     kv_dtype: torch.dtype
 
 
-@dataclass(frozen=True)
-class KernelChoice:
-    """Which FlashInfer kernels a model's attention runs; the defaults are what the H200 runs
-    measured best so far, the others are there to be measured beside them."""
-
-    decode_tensor_cores: bool = True  # decode through the tensor-core kernel (else CUDA cores)
-    # FlashInfer's prefill backend: "fa2", "fa3" (Hopper), "auto" (fa3 where it can run), for
-    # steps of at least prefill_backend_min_tokens query tokens; fa2 for the smaller ones. fa3
-    # led at 1k tokens on the H200 (+3.6%), tied there on the H100 and led at 8k on both (+11%
-    # on the H100); for every step, it added 3 ms to a 32-token prompt's TTFT (docs/BENCHMARKS.md)
-    prefill_backend: str = "auto"
-    prefill_backend_min_tokens: int = 1024
-    ragged_prefill: bool = True  # fresh prompts attend over their own K/V tensors (else paged)
-    # decode's split of each sequence's KV over thread blocks, in pages (None: FlashInfer's
-    # planner chooses; 0: no split, one block per sequence and KV head; n: every n pages)
-    decode_split_pages: int | None = None
-    # decode-only steps through Prism's Triton kernel (triton_ops: where Triton runs and the
-    # model's head_dim is a power of 2; else FlashInfer's), FlashInfer's decode wrapper, or XQA
-    decode_backend: str = "triton"
-    # the rope and K/V write of decode steps and of steps of fresh prompts in one Triton kernel
-    # (else FlashInfer's rope, then a store or, for prompts, FlashInfer's append)
-    fused_rope_write: bool = True
-    # decode_backend for steps (and graphs) of at most this many sequences, FlashInfer's decode
-    # above it (None: every batch). 16: on the H200 the Triton kernel led at batches 1 and 16,
-    # and trailed FlashInfer's at 64 in the last measured build (docs/BENCHMARKS.md)
-    decode_backend_max_batch: int | None = 16
-    # the Triton decode kernel: the most programs a (sequence, KV head) is split over, and the
-    # software pipelining depth of its loop over the positions
-    triton_max_splits: int = 16
-    triton_stages: int = 3
-    # ... and the programs a step's split aims at, this many for each SM (a memory-bound kernel
-    # needs several an SM in flight to keep the HBM busy)
-    triton_waves: int = 2
-    # ... and its launches of at most one program an SM (batch 1) take tiles twice as wide
-    # (on the H100, batch 1's attention 9.9 us a layer, not 11.8: docs/BENCHMARKS.md)
-    triton_wide_tile: bool = True
-    # ... and a program's warps (with triton_stages: a launch of at most one program an SM's)
-    triton_warps: int = 4
-    # ... and the (warps, stages) of its launches of more programs than SMs (None: the same)
-    triton_dense: tuple[int, int] | None = triton_ops.DENSE_LAUNCH
-    # the Triton decode kernel as a programmatic dependent launch (Hopper): it starts while the
-    # qkv projection finishes and waits for it inside
-    triton_pdl: bool = False
-    # decode graphs ask the L2 for the next GEMMs' weights while HBM idles: MiB asked during
-    # each attention, each activation, each layer's input norm (models.layers.l2_prefetch);
-    # all 0: never
-    l2_prefetch_mib: tuple[int, int, int] = (0, 0, 0)
-    # the attention window's prefetch asked by the Triton decode kernel itself (no side stream)
-    l2_prefetch_inline: bool = False
-    # what the prefetches ask for is the last the L2 evicts (an evict_last policy)
-    l2_prefetch_keep: bool = False
-    # decode graphs of at most 16 sequences run their norms and activation through Triton's
-    # kernels (models.layers.triton_step_ops), as dependent launches with triton_pdl
-    triton_step_ops: bool = False
-    # one-row decode graphs run each Llama layer as four Triton GEMVs carrying its norms,
-    # activation and residual adds, under this tiling (models.layers.triton_gemv); None: off.
-    # On the H100 they took batch 1's step from 6.39 to 6.06 ms (docs/BENCHMARKS.md)
-    triton_gemv: GemvConfig | None = GemvConfig()
-    # the GEMVs' SiLU * up made by gate_up's GEMV from its outputs (each program a gate row and
-    # its up row), the down GEMV a plain one; else the down GEMV computes it from gate_up's
-    # outputs, every program over the whole row. On the H100 it took batch 1's step from 6.06
-    # to 5.80 ms (docs/BENCHMARKS.md)
-    triton_gemv_glu: bool = True
-    # decode graphs of at most 16 sequences run their layers as Triton's small GEMMs carrying
-    # the norms, activation and residual adds, under this tiling (models.layers.
-    # triton_small_gemm), not cuBLAS's with kernels between them; None: cuBLAS's (the engine's
-    # choice on an H200, where they measured slower: prism_server.envs.triton_small_gemm)
-    triton_small_gemm: SmallGemmConfig | None = SmallGemmConfig()
-
-    def __post_init__(self):
-        if self.prefill_backend not in PREFILL_BACKENDS:
-            choices = ", ".join(PREFILL_BACKENDS)
-            raise ValueError(f"prefill backend {self.prefill_backend!r}: choose from {choices}")
-        if self.decode_backend not in DECODE_BACKENDS:
-            choices = ", ".join(DECODE_BACKENDS)
-            raise ValueError(f"decode backend {self.decode_backend!r}: choose from {choices}")
-        if (
-            not 1 <= self.triton_max_splits <= triton_ops.SPLITS_LIMIT
-            or self.triton_stages < 1
-            or self.triton_waves < 1
-            or self.triton_warps not in (1, 2, 4, 8)
-            or (
-                self.triton_dense is not None
-                and (self.triton_dense[0] not in (1, 2, 4, 8) or self.triton_dense[1] < 1)
-            )
-        ):
-            raise ValueError(
-                f"Triton decode: {self.triton_max_splits} splits (1 to {triton_ops.SPLITS_LIMIT}), "
-                f"{self.triton_stages} stages (>= 1), {self.triton_waves} waves (>= 1), "
-                f"{self.triton_warps} warps (1, 2, 4 or 8), dense launches' (warps, stages) "
-                f"{self.triton_dense}"
-            )
-        if len(self.l2_prefetch_mib) != 3 or min(self.l2_prefetch_mib) < 0:
-            raise ValueError(
-                f"L2 prefetch budgets {self.l2_prefetch_mib}: three MiB counts (the attention's "
-                "window, the activation's, the input norm's), each >= 0"
-            )
-        if self.prefill_backend_min_tokens < 0:
-            raise ValueError(f"prefill backend min tokens {self.prefill_backend_min_tokens}: >= 0")
-        if self.decode_backend_max_batch is not None and self.decode_backend_max_batch < 1:
-            raise ValueError(f"decode backend max batch {self.decode_backend_max_batch}: >= 1")
-        if self.decode_backend != "flashinfer" and self.decode_split_pages is not None:
-            raise ValueError(
-                f"the {self.decode_backend} decode kernel splits the KV itself: "
-                "no decode split pages"
-            )
-        n = self.decode_split_pages
-        if n is not None and (n < 0 or not self.decode_tensor_cores):
-            # the CUDA-core decode plan takes neither keyword (FlashInfer ignores them there)
-            raise ValueError(
-                f"decode split of {n} pages: 0 (no split) or a positive count, with the "
-                "tensor-core decode kernel"
-            )
-
-    def prefill_backend_for(self, tokens: int) -> str:
-        """The prefill backend of a step of `tokens` query tokens."""
-        return self.prefill_backend if tokens >= self.prefill_backend_min_tokens else "fa2"
-
-    @property
-    def l2_prefetch_in_kernels(self) -> bool:
-        """Whether kernels that can (the Triton decode and step kernels) ask the L2 for the
-        next weights themselves."""
-        return self.l2_prefetch_inline and any(self.l2_prefetch_mib)
-
-    def decode_plan_kwargs(self, graph: bool = False) -> dict:
-        """The decode plan's split-kv keywords for this choice, for eager steps: a graph is
-        always planned by FlashInfer's planner (a captured graph keeps the kernel its capture
-        planned, on one-token rows: a fixed split would replay without its merge; and "no
-        split" in a graph faulted on the H200 with head_dim 256)."""
-        n = self.decode_split_pages
-        if n is None or graph:
-            return {}
-        return {"disable_split_kv": True} if n == 0 else {"fixed_split_size": n}
-
-
-PREFILL_BACKENDS = ("fa2", "fa3", "auto")
-DECODE_BACKENDS = ("flashinfer", "xqa", "triton")
-DEFAULT_KERNELS = KernelChoice()
+DEFAULT_KERNELS = KernelConfig()
 
 
 @dataclass
@@ -317,9 +173,7 @@ class FlashInferBackend:
     one decode wrapper per kind of layer. Calling it is the runner's per-step AttentionFactory.
 
     `workspace` (uint8, >= WORKSPACE_BYTES) may be shared by every model of a device whose steps
-    run one at a time on one stream (the workspace only holds a step's split-kv partials); so may
-    `xqa_workspace` (zeroed, >= XQA_WORKSPACE_BYTES), the XQA kernel's, kept apart because its
-    semaphores must stay zero between launches."""
+    run one at a time on one stream (the workspace only holds a step's split-kv partials)."""
 
     def __init__(
         self,
@@ -327,8 +181,7 @@ class FlashInferBackend:
         specs: Sequence[LayerAttention],
         device: torch.device,
         workspace: torch.Tensor | None = None,
-        kernels: KernelChoice = DEFAULT_KERNELS,
-        xqa_workspace: torch.Tensor | None = None,
+        kernels: KernelConfig = DEFAULT_KERNELS,
     ):
         import flashinfer
 
@@ -365,36 +218,15 @@ class FlashInferBackend:
         }
         self.decode = {
             s: flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                self.workspace, "NHD", use_tensor_cores=kernels.decode_tensor_cores
+                self.workspace, "NHD", use_tensor_cores=True
             )
             for s in self.specs
         }
-        # decode through a kernel that reads the block table itself (None: FlashInfer's)
-        self.table_kernel: XqaKernel | triton_ops.TritonDecodeKernel | None = None
-        if kernels.decode_backend == "triton":
+        # decode through the Triton kernel, which reads the block table itself (None:
+        # FlashInfer's for every batch)
+        self.table_kernel: triton_ops.TritonDecodeKernel | None = None
+        if kernels.decode_backend_max_batch > 0:
             self.table_kernel = self._triton_decode()
-        if kernels.decode_backend == "xqa":
-            heads = (shape.num_qo_heads, shape.num_kv_heads)
-            why = xqa_unsupported(
-                shape.block_size, shape.head_dim, self.specs, shape.kv_dtype, heads
-            )
-            if why is None and shape.q_dtype != shape.kv_dtype:
-                why = f"a {shape.q_dtype} query over a {shape.kv_dtype} cache"
-            if why is None:
-                modules = xqa_modules(
-                    shape.kv_dtype, shape.block_size, shape.head_dim, heads, self.specs
-                )
-                why = load_xqa(device, modules)
-            if why is None:
-                if xqa_workspace is None:
-                    xqa_workspace = torch.zeros(
-                        XQA_WORKSPACE_BYTES, dtype=torch.uint8, device=device
-                    )
-                self.table_kernel = XqaKernel(
-                    shape.num_kv_heads, shape.head_dim, shape.block_size, xqa_workspace
-                )
-            else:
-                log.warning("decode attention through FlashInfer: XQA cannot run %s", why)
 
     @property
     def prefill_backends(self) -> tuple[str, ...]:
@@ -413,15 +245,14 @@ class FlashInferBackend:
         prefill_backends for a prefill or mixed step (None: the kernel choice's for its size)."""
         sh = self.shape
         decode = md.is_decode_only
-        fused = self.kernels.fused_rope_write
         if decode and self._table_decodes(md.num_seqs):  # reads md's block tables as they are
-            write = RowsWriter(md.slot_mapping, sh.block_size, fused) if write_kv else None
+            write = RowsWriter(md.slot_mapping, sh.block_size) if write_kv else None
             return TableDecodeAttention(self.table_kernel, kv_caches, md, write)
-        if not decode and self.kernels.ragged_prefill and md.seq_lens_cpu == md.query_lens_cpu:
+        if not decode and md.seq_lens_cpu == md.query_lens_cpu:
             return self._ragged(kv_caches, md, write_kv, prefill_backend)
         index = PagedKVIndex.from_metadata(md).pinned(self.device)
         if decode:
-            write = RowsWriter(md.slot_mapping, sh.block_size, fused) if write_kv else None
+            write = RowsWriter(md.slot_mapping, sh.block_size) if write_kv else None
             wrappers = self.decode
             for spec, w in wrappers.items():
                 w.plan(
@@ -433,7 +264,6 @@ class FlashInferBackend:
                     sh.head_dim,
                     sh.block_size,
                     **plan_kwargs(spec, sh),
-                    **self.kernels.decode_plan_kwargs(),
                 )
         else:
             write = (
@@ -470,7 +300,7 @@ class FlashInferBackend:
         sh = self.shape
         write = None
         if write_kv:
-            write = RowsWriter(md.slot_mapping, sh.block_size, self.kernels.fused_rope_write)
+            write = RowsWriter(md.slot_mapping, sh.block_size)
             if not write.fuses_rope(kv_caches[0]):
                 index = PagedKVIndex.from_metadata(md).pinned(self.device)
                 write = AppendWriter(self._fi, append_inputs(index, md, self.device))
@@ -490,8 +320,7 @@ class FlashInferBackend:
 
     def _table_decodes(self, batch: int) -> bool:
         """Whether a decode step of `batch` sequences runs the table-reading kernel."""
-        most = self.kernels.decode_backend_max_batch
-        return self.table_kernel is not None and (most is None or batch <= most)
+        return self.table_kernel is not None and batch <= self.kernels.decode_backend_max_batch
 
     def _triton_decode(self) -> triton_ops.TritonDecodeKernel | None:
         sh = self.shape
@@ -502,31 +331,22 @@ class FlashInferBackend:
             self.device,
             self.specs,
             sh.kv_dtype,
-            rope=self.kernels.fused_rope_write,
+            rope=True,
             max_splits=self.kernels.triton_max_splits,
             stages=self.kernels.triton_stages,
             waves=self.kernels.triton_waves,
-            wide_tile=self.kernels.triton_wide_tile,
             warps=self.kernels.triton_warps,
             dense=self.kernels.triton_dense,
-            pdl=self.kernels.triton_pdl,
-            prefetch=self.kernels.l2_prefetch_in_kernels,
-            l2_keep=self.kernels.l2_prefetch_keep,
         )
         if why is not None:
             log.warning("decode attention through FlashInfer: the Triton kernel cannot run %s", why)
-        elif self.kernels.triton_pdl and not kernel.pdl:
-            log.warning("the Triton decode kernel launches plainly: PDL needs Hopper or later")
         return kernel
 
     def graph_attention(
         self, kv_caches: list[torch.Tensor], batch_size: int, max_blocks: int
     ) -> DecodeGraphAttention | TableDecodeGraphAttention:
         if self._table_decodes(batch_size):
-            writer = functools.partial(
-                RowsWriter, block_size=self.shape.block_size,
-                fused_rope=self.kernels.fused_rope_write,
-            )  # fmt: skip
+            writer = functools.partial(RowsWriter, block_size=self.shape.block_size)
             return TableDecodeGraphAttention(
                 self.table_kernel, kv_caches, batch_size, max_blocks, writer
             )
@@ -588,7 +408,7 @@ class DecodeGraphAttention(FlashInferAttention):
                 backend.workspace,
                 "NHD",
                 use_cuda_graph=True,
-                use_tensor_cores=backend.kernels.decode_tensor_cores,
+                use_tensor_cores=True,
                 paged_kv_indptr_buffer=self.indptr,
                 paged_kv_indices_buffer=self.indices,
                 paged_kv_last_page_len_buffer=self.last_page_len,
@@ -620,10 +440,8 @@ class DecodeGraphAttention(FlashInferAttention):
                 sh.head_dim,
                 sh.block_size,
                 **plan_kwargs(spec, sh),
-                **self.backend.kernels.decode_plan_kwargs(graph=True),
             )
 
     def prepare(self) -> None:
         """Per-step work that belongs inside the graph: K/V rows from the static slots."""
-        fused = self.backend.kernels.fused_rope_write
-        self.write = RowsWriter(self.slots, self.backend.shape.block_size, fused)
+        self.write = RowsWriter(self.slots, self.backend.shape.block_size)

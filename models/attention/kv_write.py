@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from models.attention import triton_ops
+from models.kernels import triton_ops
 from models.layers.rotary_embedding import Rope
 
 
@@ -53,16 +53,16 @@ def write_kv(cache: torch.Tensor, at: KVSlots, k: torch.Tensor, v: torch.Tensor)
 
 class RowsWriter:
     """K/V writes as one indexed store (decode steps: capturable, the slots may come from a
-    graph's static buffer). fused_rope: take the layer's rope too where Triton runs."""
+    graph's static buffer). Takes the layer's rope too where Triton runs (`fuses_rope`)."""
 
-    def __init__(self, slots: torch.Tensor, block_size: int, fused_rope: bool = True):
-        self.slots, self.block_size, self.fused_rope = slots, block_size, fused_rope
+    def __init__(self, slots: torch.Tensor, block_size: int):
+        self.slots, self.block_size = slots, block_size
         self._at: KVSlots | None = None
 
     @staticmethod
-    def from_slots(slots: torch.Tensor, block_size: int, fused_rope: bool = True) -> RowsWriter:
+    def from_slots(slots: torch.Tensor, block_size: int) -> RowsWriter:
         """slots: [T] int64, block * block_size + offset of each token."""
-        return RowsWriter(slots, block_size, fused_rope)
+        return RowsWriter(slots, block_size)
 
     @property
     def at(self) -> KVSlots:
@@ -75,7 +75,7 @@ class RowsWriter:
 
     def fuses_rope(self, cache: torch.Tensor) -> bool:
         """Whether this writer can take the layer's rope too (one Triton kernel)."""
-        return self.fused_rope and triton_ops.triton_runs_on(cache.device)
+        return triton_ops.triton_runs_on(cache.device)
 
     def rope_and_write(
         self, cache: torch.Tensor, q, k, v, rope: Rope, contiguous_q: bool

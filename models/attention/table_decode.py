@@ -1,5 +1,5 @@
-"""Decode attention through a kernel that reads the block table itself (XQA, or the Triton
-kernel of triton_ops): no plan, no CSR index. A step hands the kernel its [B, W] int32 block
+"""Decode attention through a kernel that reads the block table itself (the Triton kernel of
+triton_ops): no plan, no CSR index. A step hands the kernel its [B, W] int32 block
 tables and [B, 1] int32 lengths as the allocator keeps them; a captured graph has its own fixed
 copies, refilled before each replay. The query is contiguous [B, Hq, D] (the rope writes it so).
 """
@@ -46,27 +46,20 @@ class TableDecodeAttention:
         """Whether forward() can take the layer's rope with its K/V write (ForwardContext)."""
         return isinstance(self.write, RowsWriter) and self.write.fuses_rope(self.kv_caches[0])
 
-    @property
-    def takes_prefetch(self) -> bool:
-        """Whether forward() can take byte ranges for the kernel to ask of the L2."""
-        return getattr(self.kernel, "takes_prefetch", False)
-
     def forward(
-        self, layer_idx: int, q, k, v, spec: LayerAttention, rope=None, prefetch=None, out=None
+        self, layer_idx: int, q, k, v, spec: LayerAttention, rope=None, out=None
     ) -> torch.Tensor:
-        # q: [B, Hq, D]; k, v: [B, Hkv, D] -> [B, Hq, D]; rope: q and k not yet rotated;
-        # prefetch: ranges to ask of the L2 (takes_prefetch); out: where the output goes (a
-        # piecewise graph's static buffer; None: the kernel's own)
+        # q: [B, Hq, D]; k, v: [B, Hkv, D] -> [B, Hq, D]; rope: q and k not yet rotated; out:
+        # where the output goes (a piecewise graph's static buffer; None: the kernel's own)
         cache = self.kv_caches[layer_idx]
         write = self.write
-        extra = {} if prefetch is None else {"prefetch": prefetch}
         if rope is not None and getattr(self.kernel, "takes_rope", False):
             # the kernel rotates q and k and stores k, v itself (write.fuses_rope: takes_rope)
             new = (k, v, rope.table(), write.slots)
-            o = self.kernel(q, cache, self.tables, self.seq_lens, spec, new, **extra)
+            o = self.kernel(q, cache, self.tables, self.seq_lens, spec, new)
         else:
             q = rope_then_write(write, cache, q, k, v, rope, contiguous_q=True)
-            o = self.kernel(q, cache, self.tables, self.seq_lens, spec, **extra)
+            o = self.kernel(q, cache, self.tables, self.seq_lens, spec)
         return o if out is None else out.copy_(o)
 
 

@@ -36,10 +36,7 @@ class CausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
         """input_ids, positions: [T] int64 (flat stream of all sequences) -> hidden [T, hidden]."""
-        try:
-            return self.model(input_ids, positions, ctx)
-        finally:  # the side stream's prefetches joined, also when the step raised
-            ctx.join_prefetches()
+        return self.model(input_ids, positions, ctx)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> [N, vocab] fp32, final softcapping applied."""

@@ -11,7 +11,6 @@ from models.layers.gated_mlp import GatedMLP
 from models.layers.rms_norm import RMSNorm
 from models.layers.rotary_embedding import Rope
 from models.layers.self_attention import SelfAttention
-from models.layers.triton_small_gemm import Normed
 
 
 class DecoderLayer(nn.Module):
@@ -33,79 +32,15 @@ class DecoderLayer(nn.Module):
         )
 
     def forward(
-        self,
-        x: torch.Tensor,
-        residual: torch.Tensor | Normed | None,
-        rope: Rope,
-        ctx: ForwardContext,
-        next_norm: RMSNorm | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | Normed | None]:
+        self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope, ctx: ForwardContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's output (the embeddings for the first layer, residual None),
         residual: the stream before it, each [T, hidden] -> (this layer's output, the stream
-        before it); the stream after this layer is their sum. A layer of small GEMMs
-        (`small_layer`) returns (the stream after it, the next norm's input for the next
-        layer: a Normed, or None for the last). next_norm: the next layer's input norm (None
-        for the last layer)."""
-        ops = ctx.step_ops
-        if ops is not None and ops.takes_layer(self, x, ctx.reduce is None):
-            if ops.gemv_takes(x):
-                return self.gemv_layer(x, residual, rope, ctx, ops)
-            return self.small_layer(x, residual, rope, ctx, ops, next_norm)
-        if isinstance(residual, Normed):  # (a layer of small GEMMs before: x is the stream)
-            residual = None
-        # qkv's weights asked of the L2 while the norm runs (ctx.prefetch)
+        before it); the stream after this layer is their sum."""
         if residual is None:
-            ctx.prefetch(self)
             h, residual = self.input_layernorm(x), x
         else:
-            h, residual = self.input_layernorm.add(x, residual, ctx, warm=self)
+            h, residual = self.input_layernorm.add(x, residual)
         h = ctx.all_reduce(self.self_attn(h, rope, ctx))
-        h, residual = self.post_attention_layernorm.add(h, residual, ctx)
+        h, residual = self.post_attention_layernorm.add(h, residual)
         return ctx.all_reduce(self.mlp(h, ctx)), residual
-
-    def gemv_layer(
-        self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope, ctx: ForwardContext, ops
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """forward's one-row step as four GEMVs around the attention, the norms, the residual's
-        adds and the activation inside them (StepOps.project, models.layers.triton_gemv); the
-        same (output, stream before it) pair. The stream's adds write into its tensor (the
-        first layer's: the embeddings'), as the unfused path's norms do."""
-        h, stream = (None, x) if residual is None else (x, residual)
-        ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
-        attn, mlp = self.self_attn, self.mlp
-        qkv = ops.project(attn.qkv_proj, stream, norm=(ln1.weight, ln1.eps), h=h)
-        out = attn.attend(qkv, rope, ctx)
-        stream = ops.project(attn.o_proj, out, into=stream, h=h)  # stream (+ h) + o_proj(out)
-        if ops.glu:  # the activation out of gate_up's GEMV
-            act = ops.project(mlp.gate_up_proj, stream, norm=(ln2.weight, ln2.eps), glu=True)
-            return ops.project(mlp.down_proj, act), stream
-        gate_up = ops.project(mlp.gate_up_proj, stream, norm=(ln2.weight, ln2.eps))
-        return ops.project(mlp.down_proj, gate_up, silu=True), stream
-
-    def small_layer(
-        self,
-        x: torch.Tensor,
-        residual: torch.Tensor | Normed | None,
-        rope: Rope,
-        ctx: ForwardContext,
-        ops,
-        next_norm: RMSNorm | None,
-    ) -> tuple[torch.Tensor, Normed | None]:
-        """forward's step of a few rows as four small GEMMs around the attention
-        (models.layers.triton_small_gemm): o_proj and down_proj add into the stream and hand
-        the next norm its input (the stream's rows scaled by its weight, their squares), qkv
-        and gate_up apply the norm to their sums, gate_up makes SiLU * up. The stream is x
-        after a layer of small GEMMs (residual: its Normed) or the first layer (residual None:
-        the embeddings, written into, as the unfused path's norms do)."""
-        ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
-        attn, mlp = self.self_attn, self.mlp
-        if isinstance(residual, torch.Tensor):  # (a layer of the unfused path before)
-            residual = residual.add_(x)
-            x, residual = residual, None
-        stream = x
-        normed = residual if residual is not None else ops.prenorm(stream, ln1.weight, ln1.eps)
-        out = attn.attend(ops.project(attn.qkv_proj, normed), rope, ctx)
-        normed = ops.project(attn.o_proj, out, into=stream, norm=(ln2.weight, ln2.eps))
-        act = ops.project(mlp.gate_up_proj, normed, glu=True)
-        nxt = (next_norm.weight, next_norm.eps) if next_norm is not None else None
-        return stream, ops.project(mlp.down_proj, act, into=stream, norm=nxt)

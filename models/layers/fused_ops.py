@@ -3,8 +3,8 @@
 At batch 1 a decode step of an 8B model spends ~1.9 ms in ~1,160 tiny unfused kernels (8 per
 RMSNorm, 3 per SiLU*mul, ~12 per rope) next to 4 ms of GEMMs; these replace several kernels with
 one each, and the residual add joins the next norm. The numerics differ from HF's bf16 path only
-by rounding (the weight is applied in fp32 before the one cast). Off on CPU, when FlashInfer is
-missing, or when the model was built without them (`set_fused_kernels`, decided once at load).
+by rounding (the weight is applied in fp32 before the one cast). Off on CPU, in fp32, and when
+FlashInfer is missing: the torch ops run there.
 """
 
 from __future__ import annotations
@@ -29,13 +29,6 @@ def fused(x: torch.Tensor):
     if not x.is_cuda or x.dtype == torch.float32:
         return None
     return _flashinfer()
-
-
-def set_fused_kernels(model: torch.nn.Module, enabled: bool) -> None:
-    """Let (or stop) every layer of `model` that has fused kernels use them."""
-    for m in model.modules():
-        if hasattr(m, "fused_kernels"):
-            m.fused_kernels = enabled
 
 
 def rms_norm(fi, x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool):

@@ -19,7 +19,6 @@ class GatedMLP(nn.Module):
         if act not in ("silu", "gelu_pytorch_tanh"):
             raise ValueError(f"unsupported activation {act!r}")
         self.act = act
-        self.fused_kernels = True  # FlashInfer's kernel where it applies (see fused_ops)
         self.gate_up_proj = MergedLinear(
             hidden_size, {"gate_proj": intermediate_size, "up_proj": intermediate_size}, bias=bias
         )
@@ -31,15 +30,7 @@ class GatedMLP(nn.Module):
             return module(x) if ctx is None else ctx.linear(module, x)
 
         gate_up = proj(self.gate_up_proj, x)  # [T, 2 * intermediate]
-        # down's weights asked of the L2 while the activation runs (ctx.prefetch)
-        ops = ctx.step_ops if ctx is not None else None
-        if ops is not None and ops.fits_silu_mul(gate_up, self.act):
-            return proj(
-                self.down_proj, ops.silu_mul(gate_up, ctx.prefetch(self, ops.takes_prefetch))
-            )
-        if ctx is not None:
-            ctx.prefetch(self)
-        fi = fused(gate_up) if self.fused_kernels else None
+        fi = fused(gate_up)
         if fi is not None:
             return proj(self.down_proj, act_and_mul(fi, gate_up, self.act))
         gate, up = gate_up.chunk(2, dim=-1)  # [T, intermediate] each

@@ -6,7 +6,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.attention.base import ForwardContext
 from models.layers.fused_ops import add_rms_norm, fused, rms_norm
 
 
@@ -21,14 +20,13 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.unit_offset = unit_offset
-        self.fused_kernels = True  # FlashInfer's kernel where it applies (see fused_ops)
         self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., dim]
         if x.dtype == torch.float32 and not self.unit_offset:  # one fused op, same numerics
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        fi = fused(x) if self.fused_kernels else None
+        fi = fused(x)
         if fi is not None:
             return rms_norm(fi, x, self.weight, self.eps, self.unit_offset)
         xf = x.float()
@@ -37,24 +35,10 @@ class RMSNorm(nn.Module):
             return (xf * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * xf.to(x.dtype)
 
-    def add(
-        self,
-        x: torch.Tensor,
-        residual: torch.Tensor,
-        ctx: ForwardContext | None = None,
-        warm: nn.Module | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(residual + x), residual + x): the residual stream's add and the next norm, one
-        kernel where FlashInfer's or the step's Triton kernel applies (it overwrites x and
-        residual); x, residual [T, dim]. warm: the module whose L2 prefetches (ctx.prefetch)
-        belong with this norm."""
-        ops = ctx.step_ops if ctx is not None else None
-        if ops is not None and ops.fits_add_rmsnorm(x, residual, self.unit_offset):
-            pair = ctx.prefetch(warm, rider=ops.takes_prefetch)
-            return ops.add_rmsnorm(x, residual, self.weight, self.eps, pair)
-        if ctx is not None:
-            ctx.prefetch(warm)
-        fi = fused(x) if self.fused_kernels and not self.unit_offset else None
+        kernel where FlashInfer's applies (it overwrites x and residual); x, residual [T, dim]."""
+        fi = fused(x) if not self.unit_offset else None
         if fi is not None and x.is_contiguous() and residual.is_contiguous():
             add_rms_norm(fi, x, residual, self.weight, self.eps)
             return x, residual

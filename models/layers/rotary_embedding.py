@@ -101,11 +101,11 @@ class Rope:
         return self._rows_
 
     def apply(
-        self, q: torch.Tensor, k: torch.Tensor, fused_kernels: bool = True, contiguous: bool = False
+        self, q: torch.Tensor, k: torch.Tensor, contiguous: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, Hq, D], k: [T, Hkv, D] -> both rotated: in place where the kernel runs, but q
         into a new contiguous tensor when `contiguous` asks (one kernel either way)."""
-        fi = fused(q) if fused_kernels else None
+        fi = fused(q)
         if fi is None:
             cos, sin = self.cos_sin(q.dtype)
             return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

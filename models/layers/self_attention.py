@@ -31,7 +31,6 @@ class SelfAttention(nn.Module):
             bias=config.attention_bias,
         )
         self.o_proj = nn.Linear(q_rows, config.hidden_size, bias=config.attention_out_bias)
-        self.fused_kernels = True  # FlashInfer's rope kernel where it applies (see fused_ops)
         if config.qk_norm:
             gemma = config.architecture == "gemma3"
             self.q_norm = RMSNorm(d, config.rms_norm_eps, unit_offset=gemma)
@@ -59,7 +58,6 @@ class SelfAttention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        # rope on q and k, then attention (one kernel for the rope and K/V write where it can),
-        # o_proj's weights asked of the L2 meanwhile (ctx.prefetch)
-        out = ctx.attention(self.layer_idx, q, k, v, self.spec, rope, self.fused_kernels, warm=self)
+        # rope on q and k, then attention (one kernel for the rope and K/V write where it can)
+        out = ctx.attention(self.layer_idx, q, k, v, self.spec, rope)
         return out.reshape(t, q_rows)

@@ -113,7 +113,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     sm.add_argument("--max-num-batched-tokens", type=int, default=2048)
     sm.add_argument(
         "--step-trace",
-        help="a run's step trace (PRISM_STEP_TRACE, .gz or not): the step costs fitted to all "
+        help="a run's step trace (serve --step-trace; .gz or not): the step costs fitted to all "
         "of its steps replace the runs' recorded online fits",
     )
     sm.add_argument(

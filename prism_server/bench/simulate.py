@@ -12,7 +12,7 @@ and evictions. `prism` replays exactly the prism policy's decisions (KV unbounde
 lends what a model needs); `static` runs the same arbitrator over each model's fixed KV quota,
 an approximation of static partitioning (which steps models round-robin, FCFS).
 
-With --step-trace, the device's step costs are fitted to a step trace of a run (PRISM_STEP_TRACE:
+With --step-trace, the device's step costs are fitted to a step trace of a run (serve --step-trace:
 every step the device ran, its shape and its measured seconds) instead of taken from the online
 fits the run recorded: all of a model's steps over the run, not the last window of them. With
 --noise-seeds N too, each step of the simulation lasts its fit times a ratio drawn from that trace

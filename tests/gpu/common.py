@@ -11,9 +11,9 @@ import torch
 
 from kvpool import CpuBackend, KVLayout, PagedKV, PagePool
 from models.attention.base import AttentionMetadata, ForwardContext, SeqChunk
-from models.attention.flashinfer_paged import KernelChoice
 from models.attention.torch_paged import TorchPagedAttention
 from models.config import ModelConfig
+from models.kernels.tuning import KernelConfig
 from models.loader import init_dummy_weights
 from models.registry import get_model_class
 from models.tokenizer import ByteTokenizer
@@ -91,7 +91,7 @@ def model_engine(
     *,
     graphs: bool = True,
     cached: int = 1,
-    kernels: KernelChoice | None = None,
+    kernels: KernelConfig | None = None,
 ) -> ModelWorker:
     """kernels: the attention kernels of the model's own device resources (None: the defaults,
     with workspaces of its own); either way each step's tokens are read before the next

@@ -1,16 +1,16 @@
-"""CUDA graphs for decode: replay gives the eager tokens (FlashInfer's decode kernel or XQA's in
-the graphs), and graphs stay valid while the model's pages are unmapped and remapped onto other
-physical handles (addresses never change)."""
+"""CUDA graphs for decode: replay gives the eager tokens (FlashInfer's decode kernel or Triton's,
+the GEMVs and small GEMMs in the graphs), and graphs stay valid while the model's pages are
+unmapped and remapped onto other physical handles (addresses never change)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from models.attention.flashinfer_paged import DEFAULT_KERNELS, KernelChoice
 from models.attention.table_decode import TableDecodeGraphAttention
-from models.layers.triton_gemv import GemvConfig
-from models.layers.triton_small_gemm import SmallGemmConfig
+from models.kernels.triton_gemv import GemvConfig
+from models.kernels.triton_small_gemm import SmallGemmConfig
+from models.kernels.tuning import KernelConfig
 from tests.gpu.common import (
     GPU,
     assert_no_real_divergence,
@@ -39,39 +39,27 @@ def count_replays(me) -> list[int]:
     return calls
 
 
-DECODES = [
-    "flashinfer", "xqa", "triton", "triton-pdl", "step-ops", "gemv", "gemv-pdl", "gemv-glu",
-    "small-gemm", "small-gemm-only",
-]  # fmt: skip
+DECODES = ["flashinfer", "triton", "gemv", "gemv-one-row", "small-gemm", "small-gemm-only"]
 
 
 @pytest.mark.parametrize("decode", DECODES)
 def test_graph_replay_gives_the_eager_tokens(decode):
-    """The eager engine decodes through FlashInfer; the graphed one through `decode`. 8 query
-    heads over 2 KV heads: XQA's group of 4, as Llama-3.1-8B's."""
+    """The eager engine decodes through the default kernels; the graphed one through `decode`.
+    8 query heads over 2 KV heads: a group of 4, as Llama-3.1-8B's."""
     cfg, cpu_model = tiny_model(num_attention_heads=8)
     model = on_gpu(cpu_model)
     pool = cuda_pool(pages=8)
-    # triton-pdl: Triton's kernel launched while the qkv GEMM finishes; step-ops: the norms and
-    # activation Triton's too, launched so as well; gemv: one-row graphs' layers as Triton's
-    # GEMVs carrying the norms, activation and adds (gemv-pdl: each a dependent launch)
-    pdl = decode in ("triton-pdl", "step-ops", "gemv-pdl")
-    step_ops = decode == "step-ops"
-    gemv = GemvConfig() if decode.startswith("gemv") else None
-    glu = decode == "gemv-glu"  # gate_up's GEMV makes SiLU * up
+    # gemv: one-row graphs' layers as Triton's GEMVs carrying the norms, activation and adds,
+    # gate_up's making SiLU * up (gemv-one-row: a row a program, the down GEMV making it)
+    gemv = GemvConfig() if decode in ("gemv", "small-gemm") else None
+    if decode == "gemv-one-row":
+        gemv = GemvConfig(1)
+    glu = gemv is not None and gemv.block_n >= 2
     # small-gemm: the layers of graphs of 2 to 16 rows as Triton's small GEMMs carrying the
     # norms, activation and adds (one row: the GEMVs; small-gemm-only: the small GEMMs too)
     small = SmallGemmConfig() if decode.startswith("small-gemm") else None
-    if decode == "small-gemm":
-        gemv = GemvConfig()
-    decode = "triton" if pdl or gemv or small else decode
-    kernels = KernelChoice(
-        decode_backend=decode,
-        triton_pdl=pdl,
-        triton_step_ops=step_ops,
-        triton_gemv=gemv,
-        triton_gemv_glu=glu,
-        triton_small_gemm=small,
+    kernels = KernelConfig(
+        decode_backend_max_batch=0 if decode == "flashinfer" else 16, gemv=gemv, small_gemm=small
     )
     graphed = model_engine("graphed", cfg, model, pool, graphs=True, kernels=kernels)
     eager = model_engine("eager", cfg, model, pool, graphs=False)
@@ -80,9 +68,7 @@ def test_graph_replay_gives_the_eager_tokens(decode):
     graphs = graphed.runner.graphs.graphs
     assert isinstance(graphs[1].attn, TableDecodeGraphAttention) is (decode != "flashinfer")
     assert not isinstance(graphs[max(graphs)].attn, TableDecodeGraphAttention)
-    assert (graphed.runner.graphs.step_ops is not None) is (
-        step_ops or gemv is not None or small is not None
-    )
+    assert (graphed.runner.graphs.step_ops is not None) is (gemv is not None or small is not None)
     assert gemv is None or graphed.runner.graphs.step_ops.glu is glu
     assert gemv is None or graphed.runner.graphs.step_ops.small_config == small
     replays = count_replays(graphed)
@@ -95,11 +81,9 @@ def test_graph_replay_gives_the_eager_tokens(decode):
         for rt, t, rl, lg in zip(ref_tokens, tokens, ref_logits, logits):
             k = first_divergence(rt, t) or len(t)
             rel = (lg[:k] - rl[:k]).norm() / rl[:k].norm()
-            # two kernels, rounded apart over 20 steps: XQA vs FlashInfer measured 0.0103,
-            # FlashInfer vs Triton 0.0100 (H200); the same kernel both ways: within 1e-2
-            same_kernel = decode == DEFAULT_KERNELS.decode_backend and not (
-                step_ops or gemv or small
-            )
+            # two kernels, rounded apart over 20 steps: FlashInfer vs Triton 0.0100 (H200); the
+            # same kernels both ways: within 1e-2
+            same_kernel = decode == "triton"
             assert rel < (1e-2 if same_kernel else 2e-2), float(rel)
     assert replays[0] >= 19 + 1  # the decode steps replayed graphs
     for me in (graphed, eager):

@@ -44,31 +44,3 @@ def test_engine_with_the_default_budget_serves_and_accounts_exactly():
         assert again.num_cached_tokens >= len(prompts[-1]) // 16 * 16 - 16
         assert len(again.token_ids) == 12
         e.check_integrity()
-
-
-def test_the_l2_prefetches_and_pdl_over_weights_in_the_pool_give_the_same_tokens(monkeypatch):
-    """The decode graphs' L2 prefetches (on the side stream, inside the kernels, evict-last) ask
-    for weights mapped into the pool's pages, and the step's kernels launch as programmatic
-    dependent launches: the engine's tokens are the same engine's without them (the Triton
-    norms and activation in both: they round as FlashInfer's do, not bit for bit)."""
-    spec = ModelSpec("m", MODEL, max_model_len=1024, max_num_seqs=8)
-    prompts = [[300 + (5 * i + j) % 700 for j in range(30 + 50 * i)] for i in range(5)]
-    greedy = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    plain = {"PRISM_TRITON_STEP_OPS": "1"}
-    warm = plain | {
-        "PRISM_TRITON_PDL": "1",
-        "PRISM_L2_PREFETCH": "48:12:12",
-        "PRISM_L2_PREFETCH_INLINE": "1",
-        "PRISM_L2_PREFETCH_KEEP": "1",
-    }
-    tokens = {}
-    for name, env in (("plain", plain), ("warm", warm)):
-        for k, v in env.items():
-            monkeypatch.setenv(k, v)
-        with Engine(EngineConfig(models=(spec,), device="cuda")) as e:
-            graphs = e.worker.models["m"].runner.graphs
-            assert graphs.step_ops is not None
-            assert (graphs.prefetcher is not None) is (name == "warm")
-            tokens[name] = [o.token_ids for o in e.generate("m", prompts, greedy)]
-            e.check_integrity()
-    assert tokens["warm"] == tokens["plain"]

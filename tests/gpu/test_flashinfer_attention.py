@@ -2,11 +2,10 @@
 
 Mixed steps (prefill chunks over a cached prefix, fresh prompts, decodes) go through the paged
 prefill wrapper; steps of fresh prompts only through the ragged one (their rope and K/V write
-one Triton kernel over the slots, or FlashInfer's rope and append when unfused), or the paged one;
-decode-only steps through the decode wrapper and through the CUDA-graph decode attention (padded
-batch), or through the XQA kernel. Reference: TorchPagedAttention in float32 over the same bf16
-cache. Cases: the Llama-3.1-8B head shape, and Gemma-like head_dim 256 with a sliding window,
-with and without a logit soft cap (which XQA lacks: that case decodes through FlashInfer).
+one Triton kernel over the slots); decode-only steps through Prism's Triton kernel, or the
+decode wrapper and the CUDA-graph decode attention (padded batch). Reference:
+TorchPagedAttention in float32 over the same bf16 cache. Cases: the Llama-3.1-8B head shape,
+and Gemma-like head_dim 256 with a sliding window, with and without a logit soft cap.
 """
 
 from __future__ import annotations
@@ -21,12 +20,12 @@ from models.attention.base import AttentionMetadata, ForwardContext, LayerAttent
 from models.attention.flashinfer_paged import (
     AttentionShape,
     FlashInferBackend,
-    KernelChoice,
     RaggedAttention,
 )
 from models.attention.kv_write import RowsWriter
 from models.attention.table_decode import TableDecodeAttention
 from models.attention.torch_paged import TorchPagedAttention
+from models.kernels.tuning import KernelConfig
 from models.layers.rotary_embedding import RotaryEmbedding
 from tests.gpu.common import GPU, cuda_pool
 
@@ -131,42 +130,23 @@ def run_and_compare(kv, md, attn, spec, case, gen, pad_to: int = 0) -> None:
         check_close(out, ref)
 
 
-FI = "flashinfer"
 KERNELS = {
-    "default": KernelChoice(),  # Triton's decode
-    "flashinfer-decode": KernelChoice(decode_backend=FI),
-    "cuda-core-decode": KernelChoice(decode_tensor_cores=False, decode_backend=FI),
+    "default": KernelConfig(),  # Triton's decode
+    "flashinfer-decode": KernelConfig(decode_backend_max_batch=0),
     # every step's (the default: from 1024 query tokens, past these small steps)
-    "fa3-prefill": KernelChoice(prefill_backend="fa3", prefill_backend_min_tokens=0),
+    "fa3-prefill": KernelConfig(prefill_backend="fa3", prefill_backend_min_tokens=0),
     # FlashInfer's choice: fa3 on Hopper where it has the head_dim (these cases), else fa2
-    "fa3-auto-prefill": KernelChoice(prefill_backend="auto", prefill_backend_min_tokens=0),
-    "paged-fresh": KernelChoice(ragged_prefill=False),
-    "decode-no-split": KernelChoice(decode_split_pages=0, decode_backend=FI),
-    "decode-split-4": KernelChoice(decode_split_pages=4, decode_backend=FI),
-    "xqa-decode": KernelChoice(decode_backend="xqa"),
-    "triton-splits-4-stages-1": KernelChoice(triton_max_splits=4, triton_stages=1),
+    "fa3-auto-prefill": KernelConfig(prefill_backend="auto", prefill_backend_min_tokens=0),
+    "triton-splits-4-stages-1": KernelConfig(triton_max_splits=4, triton_stages=1),
     # batches of 7 (eager) and 8 (a graph) are past its 4: FlashInfer's decode runs them
-    "triton-decode-upto-4": KernelChoice(decode_backend="triton", decode_backend_max_batch=4),
-    "unfused-rope": KernelChoice(fused_rope_write=False, decode_backend=FI),
-    "unfused-rope-triton": KernelChoice(fused_rope_write=False),
-    "triton-pdl": KernelChoice(triton_pdl=True),
-    "triton-pdl-unfused-rope": KernelChoice(triton_pdl=True, fused_rope_write=False),
+    "triton-decode-upto-4": KernelConfig(decode_backend_max_batch=4),
 }
 TOUCHES = {  # the kinds of step each choice changes
     "flashinfer-decode": {"decode", "graph-decode"},
-    "cuda-core-decode": {"decode", "graph-decode"},
     "fa3-prefill": {"mixed", "fresh"},
     "fa3-auto-prefill": {"mixed", "fresh"},
-    "paged-fresh": {"fresh"},
-    "decode-no-split": {"decode", "graph-decode"},
-    "decode-split-4": {"decode", "graph-decode"},
-    "xqa-decode": {"decode", "graph-decode"},
     "triton-splits-4-stages-1": {"decode", "graph-decode"},
     "triton-decode-upto-4": {"decode", "graph-decode"},
-    "unfused-rope": {"decode", "graph-decode", "fresh"},  # fresh: the ragged write
-    "unfused-rope-triton": {"decode", "graph-decode", "fresh"},  # fresh: the ragged write
-    "triton-pdl": {"decode", "graph-decode"},
-    "triton-pdl-unfused-rope": {"decode", "graph-decode", "fresh"},  # fresh: the ragged write
 }
 
 
@@ -188,13 +168,10 @@ def test_flashinfer_matches_reference(name, kind, kernels):
         case["heads"], case["kv_heads"], case["head_dim"], BLOCK, torch.bfloat16, torch.bfloat16
     )
     backend = FlashInferBackend(shape, [spec], torch.device("cuda"), kernels=KERNELS[kernels])
-    # a kernel that reads the block table itself: XQA (no soft cap), or Triton's
-    choice = KERNELS[kernels]
-    xqa = choice.decode_backend == "triton" or (
-        choice.decode_backend == "xqa" and not case["softcap"]
-    )
-    assert (backend.table_kernel is not None) is xqa
-    xqa = xqa and kernels != "triton-decode-upto-4"  # whether this step runs it
+    # the kernel that reads the block table itself: Triton's, unless FlashInfer's decodes all
+    table = KERNELS[kernels].decode_backend_max_batch > 0
+    assert (backend.table_kernel is not None) is table
+    table = table and kernels != "triton-decode-upto-4"  # whether this step runs it
     md, blocks = make_step(kv, STEPS[kind], gen)
     pad = 0
     if kind == "graph-decode":  # the CUDA-graph attention, batch 7 padded to 8, run eagerly
@@ -202,15 +179,14 @@ def test_flashinfer_matches_reference(name, kind, kernels):
         attn = backend.graph_attention(kv.layer_views, pad, 32)
         attn.plan(md)
         attn.prepare()
-        assert isinstance(attn, TableDecodeAttention) is xqa
+        assert isinstance(attn, TableDecodeAttention) is table
     else:
         attn = backend(kv.layer_views, md)
-        ragged = kind == "fresh" and KERNELS[kernels].ragged_prefill
+        ragged = kind == "fresh"
         assert isinstance(attn, RaggedAttention) is ragged
-        if ragged:  # the rope and K/V write one Triton kernel over the slots, unless unfused
-            assert isinstance(attn.write, RowsWriter) is KERNELS[kernels].fused_rope_write
-            assert attn.takes_rope is KERNELS[kernels].fused_rope_write
-        assert isinstance(attn, TableDecodeAttention) is (xqa and kind == "decode")
+        if ragged:  # the rope and K/V write one Triton kernel over the slots
+            assert isinstance(attn.write, RowsWriter) and attn.takes_rope
+        assert isinstance(attn, TableDecodeAttention) is (table and kind == "decode")
     run_and_compare(kv, md, attn, spec, case, gen, pad)
     kv.allocator.free(blocks)
     kv.check_integrity()
@@ -224,9 +200,9 @@ def test_the_prefill_backends_a_model_keeps():
     dev = torch.device("cuda")
     hopper = torch.cuda.get_device_capability(dev)[0] == 9
     cases = [
-        (KernelChoice(), ("auto", "fa2") if hopper else ("fa2",)),
-        (KernelChoice(prefill_backend="fa2"), ("fa2",)),
-        (KernelChoice(prefill_backend="fa3", prefill_backend_min_tokens=0), ("fa3",)),
+        (KernelConfig(), ("auto", "fa2") if hopper else ("fa2",)),
+        (KernelConfig(prefill_backend="fa2"), ("fa2",)),
+        (KernelConfig(prefill_backend="fa3", prefill_backend_min_tokens=0), ("fa3",)),
     ]
     for choice, want in cases:
         backend = FlashInferBackend(shape, [LayerAttention(scale=128**-0.5)], dev, kernels=choice)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.attention.flashinfer_paged import KernelChoice
+from models.kernels.tuning import KernelConfig
 from prism_server.model_runner import ModelRunner
 from tests.gpu.common import (
     GPU,
@@ -99,7 +99,7 @@ def test_fa3_steps_through_the_piecewise_graphs_give_the_eager_tokens():
     cfg, cpu_model = tiny_model(seed=7)
     model = on_gpu(cpu_model)
     pool = cuda_pool(pages=8)
-    fa3 = KernelChoice(prefill_backend="fa3", prefill_backend_min_tokens=0)
+    fa3 = KernelConfig(prefill_backend="fa3", prefill_backend_min_tokens=0)
     pieces = model_engine("pieces", cfg, model, pool, kernels=fa3)
     eager = model_engine("eager", cfg, model, pool, graphs=False)
     assert pieces.runner.pieces is not None and pieces.runner.pieces.fuses_rope

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.attention import triton_ops
 from models.attention.base import AttentionMetadata, LayerAttention, SeqChunk
 from models.attention.torch_paged import TorchPagedAttention
+from models.kernels import triton_ops
 from tests.gpu.common import GPU
 
 pytestmark = GPU

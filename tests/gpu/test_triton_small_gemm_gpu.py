@@ -1,4 +1,4 @@
-"""The small GEMMs of few-row decode steps on the GPU (models.layers.triton_small_gemm): at
+"""The small GEMMs of few-row decode steps on the GPU (models.kernels.triton_small_gemm): at
 Llama-3.1-8B's and Qwen2's shapes, 1 to 16 rows, under each tiling the benchmark tries,
 against cuBLAS's linear; the ops a fused layer's GEMMs carry against the unfused chain's torch
 ops (cuBLAS's GEMM, rounded where the chain rounds). (The tokens of graphs that run them:
@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.layers.triton_gemv import gemv_reference
-from models.layers.triton_small_gemm import (
+from models.kernels.triton_gemv import gemv_reference
+from models.kernels.triton_small_gemm import (
     SmallGemmConfig,
     prenorm,
     small_gemm,

@@ -17,8 +17,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from models.attention import triton_ops
-from models.layers import l2_prefetch, triton_gemv, triton_small_gemm, triton_step_ops
+from models.kernels import triton_gemv, triton_ops, triton_small_gemm
 
 HOPPER = GPUTarget("cuda", 90, 32)
 DECODE_TYPES = {
@@ -28,7 +27,6 @@ DECODE_TYPES = {
     "slots_ptr": "*i64",
     "scale": "fp32",
     "softcap": "fp32",
-    **dict.fromkeys(("pa0", "pa1"), "i64"),
 }
 ROPE_TYPES = {
     **dict.fromkeys(
@@ -37,7 +35,6 @@ ROPE_TYPES = {
     "table_ptr": "*fp32",
     "slots_ptr": "*i64",
 }
-PREFETCH_TYPES = {"a0": "i64", "n0": "i32", "a1": "i64", "n1": "i32", "out_ptr": "*i64"}
 
 
 def compile_for_hopper(fn, types: dict, const: dict, **options):
@@ -50,12 +47,10 @@ def compile_for_hopper(fn, types: dict, const: dict, **options):
 
 
 def decode_specs():
-    """The decode builds a model can ask for, as (name, constants, whether its PTX is checked
-    for PDL and the prefetch, (warps, stages)): with and without the rope, split and not,
-    windows and soft caps, for Llama-3.1-8B's head shape; with and without the rope, split and
-    not, for Gemma 3's (head_dim 256, windows and soft caps) and a group of one. The split
-    builds are the programmatic dependent launch's (PDL), the others not; the rope builds ask
-    the L2 for the next weights (PREFETCH), those with windows too to keep them (evict_last)."""
+    """The decode builds a model can ask for, as (name, constants, whether its PTX is checked,
+    (warps, stages)): with and without the rope, split and not, windows and soft caps, for
+    Llama-3.1-8B's head shape; with and without the rope, split and not, for Gemma 3's
+    (head_dim 256, windows and soft caps) and a group of one."""
     for (hq, hkv), dim, extras in (((32, 8), 128, (True, False)), ((4, 1), 256, (True,)),
                                     ((8, 8), 64, (False,))):  # fmt: skip
         k = triton_ops.TritonDecodeKernel(hq, hkv, dim, 16, torch.device("cpu"))
@@ -66,16 +61,15 @@ def decode_specs():
                 HKV=hkv, G=k.group, BLOCK_G=k.block_g, D=dim, PAGE=16, BLOCK_N=k.block_n,
                 SOFTCAP=softcap, WINDOW=window, DOT_F32=False, MAX_SPLITS=triton_ops.MAX_SPLITS,
                 G_P2=g_p2, MERGE_D=min(dim, max(16, 8192 // (triton_ops.MAX_SPLITS * g_p2))),
-                ROPE=rope, SPLIT=split, PDL=split, PREFETCH=rope + (rope and window),
-                PF_BLOCK=triton_ops.PF_BLOCK,
+                ROPE=rope, SPLIT=split,
             )  # fmt: skip
             name = f"decode {hq}/{hkv}x{dim} {rope=} {split=} {window=} {softcap=}"
             yield name, const, True, (4, 3)
     # Llama-3.1-8B's split build with the rope for 32 splits of 32-position tiles: its merge
-    # holds 32 parts (PRISM_TRITON_SPLITS past 16)
+    # holds 32 parts (triton_max_splits past 16)
     const = {**const, "G": 4, "BLOCK_G": 16, "D": 128, "HKV": 8, "BLOCK_N": 32}
     const.update(MAX_SPLITS=32, G_P2=4, MERGE_D=64, SOFTCAP=False, WINDOW=False, ROPE=True)
-    const.update(SPLIT=True, PDL=False, PREFETCH=1)
+    const.update(SPLIT=True)
     yield "decode 32/8x128 rope, split 32 ways, tiles of 32", const, False, (4, 3)
     # batch 1's wide tile (128 positions), split and not
     for split in (True, False):
@@ -98,26 +92,21 @@ def decode_builds(share: int = 0, shares: int = 1):
             continue
         b = compile_for_hopper(decode, DECODE_TYPES, const, num_warps=warps, num_stages=stages)
         if check:
-            ptx, split, rope, window = b.asm["ptx"], const["SPLIT"], const["ROPE"], const["WINDOW"]
-            assert ("griddepcontrol.wait" in ptx) is split, name
-            assert ("griddepcontrol.launch_dependents" in ptx) is split, name
-            assert ("cp.async.bulk.prefetch.L2.global" in ptx) is rope, name
-            assert ("evict_last" in ptx) is (rope and window), name
+            # a plain launch: it neither waits for the kernel before it nor asks the L2 ahead
+            ptx = b.asm["ptx"]
+            assert "griddepcontrol" not in ptx and "cp.async.bulk.prefetch" not in ptx, name
         yield name, b
 
 
 GEMV_TYPES = {
     **dict.fromkeys(("w_ptr", "x_ptr", "h_ptr", "nw_ptr", "b_ptr", "out_ptr"), "*bf16"),
     "eps": "fp32",
-    "w_addr": "i64",
-    "ask_below": "i32",
 }
 
 
 def gemv_builds():
-    """A one-row layer's GEMVs (triton_gemv) for Llama-3.1-8B's shapes, each plain and as a
-    programmatic dependent launch that asks the L2 for its rows of W first; one with a bias, of
-    Qwen2's qkv; and gate_up making SiLU * up (GLU: its dependent launch asks nothing)."""
+    """A one-row layer's GEMVs (triton_gemv) for Llama-3.1-8B's shapes; one with a bias, of
+    Qwen2's qkv; and gate_up making SiLU * up (GLU)."""
     fn = triton_gemv._build(False)
     c = triton_gemv.GemvConfig()
     pro_norm, pro_silu = triton_gemv.PRO_NORM, triton_gemv.PRO_SILU
@@ -129,24 +118,17 @@ def gemv_builds():
         ("qkv+bias", 3584, pro_norm, False, True, True),
         ("gate_up+glu", 4096, pro_norm, False, False, False),
     )
-    for (name, k, pro, into, has_h, bias), pdl in itertools.product(shapes, (True, False)):
+    for name, k, pro, into, has_h, bias in shapes:
         glu = name.endswith("glu")
-        # (the o projection's dependent launch without its asks; a GLU program's rows are two
-        # ranges, never asked)
-        ask = pdl and name != "o" and not glu
-        lanes = triton_ops._pow2(-(-c.block_n * k * 2 // triton_ops.PF_CHUNK)) if ask else 1
         const = dict(K=k, BLOCK_N=c.block_n, BLOCK_K=c.block_k, PRO=pro, INTO=into, HAS_H=has_h,
-                     BIAS=bias, PDL=pdl, ASK=ask, ASK_LANES=lanes, PF_CHUNK=triton_ops.PF_CHUNK,
-                     UNROLL=c.unroll, GLU=glu)  # fmt: skip
+                     BIAS=bias, UNROLL=c.unroll, GLU=glu)  # fmt: skip
         b = compile_for_hopper(fn, GEMV_TYPES, const, num_warps=c.warps, num_stages=1)
         ptx = b.asm["ptx"]
-        assert ("griddepcontrol.wait" in ptx) is pdl, (name, pdl)
-        assert ("griddepcontrol.launch_dependents" in ptx) is pdl, (name, pdl)
-        assert ("cp.async.bulk.prefetch.L2.global" in ptx) is ask, (name, pdl)
+        assert "griddepcontrol" not in ptx and "cp.async.bulk.prefetch" not in ptx, name
         # W read 16 bytes a load, the first lines the L2 evicts
         assert re.search(r"ld\.global\.L1::evict_first\.L2::cache_hint\.v4", ptx), name
         assert "createpolicy.fractional.L2::evict_first" in ptx, name
-        yield f"gemv {name} {pdl=}", b
+        yield f"gemv {name}", b
 
 
 SMALL_GEMM_TYPES = {
@@ -203,8 +185,8 @@ def build_decode(share: int = 0, shares: int = 1) -> int:
 
 
 def build_others() -> int:
-    """Every other kernel's builds: the rope and K/V write, the step ops, the GEMVs, the small
-    GEMMs, the L2 prefetch; how many."""
+    """Every other kernel's builds: the rope and K/V write, the GEMVs, the small GEMMs; how
+    many."""
     built = 0
     rope_write = triton_ops._build_kernels(False)[0]
     # a decode's, a prefill's; k and v also out (a piecewise graph's static buffers) or not
@@ -213,21 +195,6 @@ def build_others() -> int:
         assert compile_for_hopper(rope_write, ROPE_TYPES, const).asm["cubin"]
         print(f"rope_write half={half} heads={heads} kv_out={kv_out}")
         built += 1
-    add_rmsnorm, silu_mul = triton_step_ops._build(False)
-    step_types = {**dict.fromkeys(("x_ptr", "r_ptr", "w_ptr", "gu_ptr", "o_ptr"), "*bf16"),
-                  "eps": "fp32", "pa0": "i64", "pa1": "i64"}  # fmt: skip
-    for pdl, prefetch in itertools.product((True, False), (0, 1, 2)):
-        pf = dict(PDL=pdl, PREFETCH=prefetch, PF_BLOCK=128, PF_CHUNK=triton_ops.PF_CHUNK)
-        for name, fn, const in (
-            ("add_rmsnorm", add_rmsnorm, dict(D=4096, BLOCK_D=4096, **pf)),
-            ("silu_mul", silu_mul, dict(D=14336, BLOCK=1024, NBLK=14, **pf)),
-        ):
-            ptx = compile_for_hopper(fn, step_types, const, num_warps=4).asm["ptx"]
-            assert ("griddepcontrol.wait" in ptx) is pdl, (name, pdl)
-            assert ("cp.async.bulk.prefetch.L2.global" in ptx) is (prefetch > 0), name
-            assert ("createpolicy.fractional.L2::evict_last" in ptx) is (prefetch == 2), name
-            print(f"{name} {pdl=} {prefetch=}")
-            built += 1
     for name, b in gemv_builds():
         assert b.asm["cubin"], name
         print(name)
@@ -236,13 +203,7 @@ def build_others() -> int:
         assert b.asm["cubin"], name
         print(name)
         built += 1
-    # the prefetch has no result anyone reads: the build must keep it (and ptxas take it)
-    const = dict(CHUNK=l2_prefetch.CHUNK, BLOCK=l2_prefetch.BLOCK, PREFETCH=True)
-    b = compile_for_hopper(l2_prefetch._build(False), PREFETCH_TYPES, const, num_warps=1)
-    prefetches = b.asm["ptx"].count("cp.async.bulk.prefetch.L2.global")
-    assert prefetches == 1 and b.asm["cubin"], prefetches
-    print("l2_prefetch: one cp.async.bulk.prefetch.L2.global")
-    return built + 1
+    return built
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """The host-side inputs of the FlashInfer backend (no GPU needed): the CSR block tables plan()
 reads, padding for CUDA graphs, the K/V rows the cache writes go to, the per-layer plan keywords;
-and those of the XQA decode kernel (which models it can run, its graphs' fixed tables)."""
+and the fixed tables of the table-reading decode kernel's graphs."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import random
 
 import torch
 
-from models.attention import xqa_decode
 from models.attention.base import AttentionMetadata, LayerAttention, SeqChunk
 from models.attention.flashinfer_paged import (
     AttentionShape,
@@ -21,11 +20,6 @@ from models.attention.kv_write import KVSlots, RowsWriter, kv_pairs, write_kv
 from models.attention.table_decode import TableDecodeGraphAttention
 from models.attention.torch_paged import TorchPagedAttention
 from models.attention.upload import _packed, host_ints, pinned, upload
-from models.attention.xqa_decode import (
-    load_xqa,
-    xqa_modules,
-    xqa_unsupported,
-)
 
 CPU = torch.device("cpu")
 
@@ -140,43 +134,6 @@ def test_plan_keywords_translate_the_window_and_soft_cap():
     sliding = plan_kwargs(spec, shape)
     assert sliding["window_left"] == 511  # the window counts the query itself; window_left not
     assert sliding["logits_soft_cap"] == 50.0
-
-
-def test_what_the_xqa_kernel_cannot_run_is_named():
-    plain = [LayerAttention(scale=0.1)]
-    assert xqa_unsupported(16, 128, plain, torch.bfloat16) is None
-    assert (
-        xqa_unsupported(128, 256, [LayerAttention(0.1, sliding_window=512)], torch.float16) is None
-    )
-    assert "block size 8" in xqa_unsupported(8, 128, plain, torch.bfloat16)
-    assert "head_dim 72" in xqa_unsupported(16, 72, plain, torch.bfloat16)
-    assert "head_dim 512" in xqa_unsupported(16, 512, plain, torch.bfloat16)
-    capped = [LayerAttention(0.1), LayerAttention(0.1, logit_softcap=30.0)]
-    assert "soft cap" in xqa_unsupported(16, 128, capped, torch.bfloat16)
-    assert "float32" in xqa_unsupported(16, 128, plain, torch.float32)
-    assert xqa_unsupported(16, 128, plain, torch.bfloat16, (28, 4)) is None  # groups of 7
-    assert "whole groups" in xqa_unsupported(16, 128, plain, torch.bfloat16, (12, 8))
-
-
-def test_xqa_binds_to_the_first_device_that_loads_it_and_a_failed_build_falls_back(monkeypatch):
-    """A module's shared-memory limit is set for the device current when it loads: a second
-    device is refused (its models keep FlashInfer's decode), a shape that does not build is
-    refused without binding, and the bound device loads more modules."""
-    monkeypatch.setattr(xqa_decode, "_bound", [])
-    specs = [LayerAttention(0.1), LayerAttention(0.1, sliding_window=512)]
-    modules = xqa_modules(torch.bfloat16, 16, 256, (8, 4), specs)
-    assert [m[4:6] for m in modules] == [(2, False), (2, True)]  # ratio, window: one module each
-    built = []
-
-    def broken(args):
-        raise RuntimeError("static assertion failed: persistentQ")
-
-    gpu0, gpu1 = torch.device("cuda", 0), torch.device("cuda", 1)
-    assert "did not build (RuntimeError: static" in load_xqa(gpu1, modules, broken)
-    assert load_xqa(gpu0, modules, built.append) is None
-    assert built == modules
-    assert "set up for cuda:0" in load_xqa(gpu1, modules[:1], built.append)
-    assert load_xqa(gpu0, modules[:1], built.append) is None and len(built) == 3
 
 
 def test_the_table_decode_graph_tables_are_refilled_and_padded_rows_reset():

@@ -39,10 +39,9 @@ def test_every_kernel_builds_for_hopper(tmp_path):
     for part, (at, run) in runs.items():
         assert run.wait(timeout=600) == 0, (at / "err").read_text()[-3000:]
         lines[part] = (at / "out").read_text().splitlines()
-    # 16 + 4 + 4 + 1 + 2 (the wide tile) + 1 (8 warps) + 1 (a dense launch) decode builds; 4
-    # rope + K/V write (one head and 8 a program), 12 step ops, 12 GEMVs, 8 small GEMMs and the
-    # prenorm, 1 prefetch
+    # 16 + 4 + 4 + 1 + 2 (the wide tile) + 1 (8 warps) + 1 (a dense launch) decode builds; 8
+    # rope + K/V write (one head and 8 a program, k and v out or not), 6 GEMVs, 8 small GEMMs
+    # and the prenorm
     decode = [int(lines[p][-1].removeprefix("built ")) for p in ("decode:0/2", "decode:1/2")]
     assert decode == [15, 14], decode
-    assert lines["others"][-1] == "built 42", lines["others"][-3:]
-    assert "l2_prefetch: one cp.async.bulk.prefetch.L2.global" in lines["others"]
+    assert lines["others"][-1] == "built 23", lines["others"][-3:]

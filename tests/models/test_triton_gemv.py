@@ -10,9 +10,9 @@ import torch
 
 from models.attention.base import AttentionMetadata, ForwardContext, SeqChunk
 from models.attention.torch_paged import TorchPagedAttention
-from models.layers import triton_step_ops
-from models.layers.triton_gemv import GemvConfig, gemv, gemv_reference
-from tests.models.test_triton_step_ops import BLOCK, cached_decode_step
+from models.kernels import fused_decode
+from models.kernels.triton_gemv import GemvConfig, gemv, gemv_reference
+from tests.models.decode_step import BLOCK, cached_decode_step
 
 pytest.importorskip("triton")
 
@@ -97,22 +97,14 @@ def test_the_tiling_knob():
 
 
 def test_load_step_ops_checks_the_gemvs():
-    ops, why = triton_step_ops.load_step_ops(
-        torch.device("cpu"), pdl=True, norms=False, gemv=GemvConfig(32, 512)
-    )
-    assert why is None and ops.gemv_config == GemvConfig(32, 512) and not ops.pdl
-    assert not ops.glu
-    x = torch.zeros(1, 8, dtype=torch.bfloat16)
-    assert not ops.fits_add_rmsnorm(x, x, False) and not ops.fits_silu_mul(x, "silu")
-    ops, why = triton_step_ops.load_step_ops(
-        torch.device("cpu"), norms=False, gemv=GemvConfig(32, 512), glu=True
-    )
-    assert why is None and ops.glu
+    ops, why = fused_decode.load_step_ops(torch.device("cpu"), gemv=GemvConfig(32, 512))
+    assert why is None and ops.gemv_config == GemvConfig(32, 512) and ops.small_config is None
+    assert ops.glu  # gate_up's GEMV makes SiLU * up
     # a program of one row cannot pair a gate row with its up row: the activation stays apart
-    ops, why = triton_step_ops.load_step_ops(
-        torch.device("cpu"), norms=False, gemv=GemvConfig(1, 512), glu=True
-    )
+    ops, why = fused_decode.load_step_ops(torch.device("cpu"), gemv=GemvConfig(1, 512))
     assert why is None and not ops.glu
+    ops, why = fused_decode.load_step_ops(torch.device("cpu"))
+    assert ops is None and why == "no GEMV or small GEMM tiling"
 
 
 @torch.no_grad()
@@ -124,15 +116,19 @@ def test_a_one_row_forward_runs_its_layers_as_gemvs():
     cfg, bs = lm.config, BLOCK
     calls = []
 
-    class Counting(triton_step_ops.StepOps):
+    class Counting(fused_decode.StepOps):
         def project(self, linear, x, **ops):
             calls.append(sorted(k for k, v in ops.items() if v is not None and v is not False))
             return super().project(linear, x, **ops)
 
     for c, s in zip(caches, saved):
         c.copy_(s)
-    ops = Counting(norms=False, gemv=GemvConfig(8, 32))
-    got = lm.model(ids, pos, ForwardContext(attn=TorchPagedAttention(caches, step), step_ops=ops))
+    # one row a program: the down GEMV makes SiLU * up from gate_up's outputs
+    ops = Counting(gemv=GemvConfig(1, 32))
+    assert not ops.glu
+    assert fused_decode.runs(lm.model)
+    ctx = ForwardContext(attn=TorchPagedAttention(caches, step), step_ops=ops)
+    got = fused_decode.forward(lm.model, ids, pos, ctx, ops)
     first = [["norm"], ["into"], ["norm"], ["silu"]]  # the stream: the embeddings, no h yet
     later = [["h", "norm"], ["h", "into"], ["norm"], ["silu"]]
     assert calls == first + later * (cfg.num_layers - 1)
@@ -142,8 +138,9 @@ def test_a_one_row_forward_runs_its_layers_as_gemvs():
     calls.clear()
     for c, s in zip(caches, saved):
         c.copy_(s)
-    ops = Counting(norms=False, gemv=GemvConfig(8, 32), glu=True)
-    glu = lm.model(ids, pos, ForwardContext(attn=TorchPagedAttention(caches, step), step_ops=ops))
+    ops = Counting(gemv=GemvConfig(8, 32))
+    ctx = ForwardContext(attn=TorchPagedAttention(caches, step), step_ops=ops)
+    glu = fused_decode.forward(lm.model, ids, pos, ctx, ops)
     first = [["norm"], ["into"], ["glu", "norm"], []]
     later = [["h", "norm"], ["h", "into"], ["glu", "norm"], []]
     assert calls == first + later * (cfg.num_layers - 1)
@@ -152,5 +149,5 @@ def test_a_one_row_forward_runs_its_layers_as_gemvs():
     calls.clear()
     two = AttentionMetadata.build([SeqChunk(5, 2, [1, 2])], bs, torch.device("cpu"))
     ctx = ForwardContext(attn=TorchPagedAttention(caches, two), step_ops=ops)
-    lm.model(torch.tensor([42, 7]), torch.tensor([5, 6]), ctx)
+    fused_decode.forward(lm.model, torch.tensor([42, 7]), torch.tensor([5, 6]), ctx, ops)
     assert calls == []

@@ -9,11 +9,11 @@ import functools
 import pytest
 import torch
 
-from models.attention import triton_ops
 from models.attention.base import AttentionMetadata, ForwardContext, LayerAttention, SeqChunk
 from models.attention.kv_write import RowsWriter
 from models.attention.table_decode import TableDecodeAttention, TableDecodeGraphAttention
 from models.attention.torch_paged import TorchPagedAttention
+from models.kernels import triton_ops
 from models.layers.rotary_embedding import RotaryEmbedding
 
 pytest.importorskip("triton")
@@ -164,7 +164,7 @@ def test_the_tile_knob(block_n):
 def test_a_launch_of_one_program_an_sm_takes_the_wide_tile():
     """Batch 1 of an 8B model on 132 SMs (16 splits x 8 KV heads: 128 programs) takes tiles
     of 128 positions, batch 2 (256 programs) block_n's 64; the wide tile is at most 128 x 128
-    elements of K, and off with wide_tile=False. Either way, the reference's attention."""
+    elements of K. Either way, the reference's attention."""
     kernel = triton_ops.TritonDecodeKernel(32, 8, 128, BLOCK, CPU)
     kernel.sm_count = 132
     assert kernel.tile(1, kernel.splits(1, 1024)) == 128
@@ -172,16 +172,16 @@ def test_a_launch_of_one_program_an_sm_takes_the_wide_tile():
     assert triton_ops.TritonDecodeKernel(4, 4, 256, BLOCK, CPU).tile(1, 1) == 64  # block_n 32
     big = triton_ops.TritonDecodeKernel(32, 8, 128, BLOCK, CPU, block_n=128)
     assert big.tile(1, 1) == 128
-    assert triton_ops.TritonDecodeKernel(32, 8, 128, BLOCK, CPU, wide_tile=False).tile(1, 1) == 64
     lens = [64 * 4 + 3, 130]
     md, cache, q = decode_case(lens, hq=8, hkv=2, head_dim=64, seed=9)
     spec = LayerAttention(scale=0.125)
     want = reference(md, cache, q, spec)
-    for wide in (True, False):
-        kernel = triton_ops.TritonDecodeKernel(8, 2, 64, BLOCK, CPU, wide_tile=wide)
-        kernel.sm_count = 24  # 2 sequences x 2 KV heads x 5 splits: at most one an SM
+    for sms, tile in ((24, 128), (16, 64)):
+        kernel = triton_ops.TritonDecodeKernel(8, 2, 64, BLOCK, CPU)
+        # 2 sequences x 2 KV heads x 5 splits: at most one program an SM (24), or more (16)
+        kernel.sm_count = sms
         nsplit = kernel.splits(2, md.block_tables.shape[1] * BLOCK)
-        assert nsplit == 5 and kernel.tile(2, nsplit) == (128 if wide else 64)
+        assert nsplit == 5 and kernel.tile(2, nsplit) == tile
         got = kernel(q, cache, md.block_tables, md.seq_lens.view(-1, 1), spec)
         torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
         assert not kernel.tickets.any()
@@ -305,7 +305,7 @@ def test_without_triton_here_the_context_ropes_first_and_the_writer_stores(monke
     writer = RowsWriter(md.slot_mapping, BLOCK)
     attn = TableDecodeAttention(None, [cache], md, writer)
     assert not attn.takes_rope  # the host without the interpreter: no Triton kernel runs here
-    assert not RowsWriter(md.slot_mapping, BLOCK, fused_rope=False).fuses_rope(cache)
+    assert not writer.fuses_rope(cache)
 
 
 def test_a_model_load_builds_and_checks_the_kernel_or_says_why_not(monkeypatch):

@@ -11,9 +11,10 @@ import torch
 
 from models.attention.base import ForwardContext
 from models.attention.torch_paged import TorchPagedAttention
-from models.layers import triton_step_ops
-from models.layers.triton_gemv import gemv_reference
-from models.layers.triton_small_gemm import (
+from models.gemma3 import Gemma3Model
+from models.kernels import fused_decode
+from models.kernels.triton_gemv import gemv_reference
+from models.kernels.triton_small_gemm import (
     MAX_ROWS,
     WIDE,
     WIDE_OUTPUTS,
@@ -24,7 +25,7 @@ from models.layers.triton_small_gemm import (
     small_gemm,
     small_gemm_reference,
 )
-from tests.models.test_triton_step_ops import cached_decode_step
+from tests.models.decode_step import cached_decode_step
 
 pytest.importorskip("triton")
 
@@ -153,7 +154,7 @@ def test_what_it_refuses():
             return 2 * super().forward(x)
 
     assert not fits(Scaled(64, 32), torch.randn(4, 64))
-    ops = triton_step_ops.StepOps(small=SmallGemmConfig(16, 32))
+    ops = fused_decode.StepOps(small=SmallGemmConfig(16, 32))
     x = torch.randn(4, 64)
     s = Scaled(64, 32)
     torch.testing.assert_close(ops.linear(s, x), s(x))  # through its own forward
@@ -185,13 +186,9 @@ def test_the_tiling_knob():
 
 
 def test_load_step_ops_checks_the_small_gemm():
-    ops, why = triton_step_ops.load_step_ops(
-        torch.device("cpu"), norms=False, small=SmallGemmConfig(16, 512)
-    )
+    ops, why = fused_decode.load_step_ops(torch.device("cpu"), small=SmallGemmConfig(16, 512))
     assert why is None and ops.small_config == SmallGemmConfig(16, 512)
     assert ops.gemv_config is None
-    x = torch.zeros(2, 8)
-    assert not ops.fits_add_rmsnorm(x, x, False) and not ops.fits_silu_mul(x, "silu")
 
 
 @torch.no_grad()
@@ -204,7 +201,7 @@ def test_a_three_row_forward_runs_its_layers_as_fused_small_gemms():
     cfg = lm.config
     calls, plain_calls = [], []
 
-    class Counting(triton_step_ops.StepOps):
+    class Counting(fused_decode.StepOps):
         def project(self, linear, x, **ops):
             kinds = ["normed"] if isinstance(x, Normed) else []
             calls.append(
@@ -222,9 +219,9 @@ def test_a_three_row_forward_runs_its_layers_as_fused_small_gemms():
 
     for c, s in zip(caches, saved):
         c.copy_(s)
-    ops = Counting(norms=False, small=SmallGemmConfig(16, 32))
+    ops = Counting(small=SmallGemmConfig(16, 32))
     ctx = ForwardContext(attn=TorchPagedAttention(caches, step), step_ops=ops)
-    got = lm.model(ids, pos, ctx)
+    got = fused_decode.forward(lm.model, ids, pos, ctx, ops)
     layer = [["normed"], ["into", "norm"], ["normed", "glu"], ["into", "norm"]]
     last = [["normed"], ["into", "norm"], ["normed", "glu"], ["into"]]  # the final norm: its own
     assert calls == [["prenorm"]] + layer * (cfg.num_layers - 1) + last
@@ -235,3 +232,29 @@ def test_a_three_row_forward_runs_its_layers_as_fused_small_gemms():
     # (sums between the projections) keep the model's own, their projections small GEMMs
     assert ops.takes_layer(lm.model.model.layers[0], got[:1].contiguous(), True)
     assert not ops.takes_layer(lm.model.model.layers[0], got, False)
+
+
+@pytest.mark.parametrize("kept", [0, 1], ids=["first-plain", "last-plain"])
+@torch.no_grad()
+def test_layers_of_small_gemms_and_plain_layers_hand_the_stream_over(kept):
+    """A stack where one layer keeps its own forward (as a layer the kernels cannot take
+    would): a small layer before it hands it the stream (its Normed dropped; the last plain
+    layer's pair then goes to the final norm's add), a small layer after it takes its
+    (output, stream) pair; the model's output as its own. A Gemma model is no stack of
+    pre-norm layers: its graphs run its own forward."""
+    lm, caches, saved, step, ids, pos, plain = cached_decode_step(3)
+    assert lm.config.num_layers == 2
+    own = lm.model.model.layers[kept]
+
+    class SkippingOne(fused_decode.StepOps):
+        def takes_layer(self, layer, x, whole):
+            return layer is not own and super().takes_layer(layer, x, whole)
+
+    ops = SkippingOne(small=SmallGemmConfig(16, 32))
+    for c, s in zip(caches, saved):
+        c.copy_(s)
+    ctx = ForwardContext(attn=TorchPagedAttention(caches, step), step_ops=ops)
+    got = fused_decode.forward(lm.model, ids, pos, ctx, ops)
+    rel = (got.float() - plain.float()).norm() / plain.float().norm()
+    assert rel < 2e-2, float(rel)
+    assert fused_decode.runs(lm.model) and not getattr(Gemma3Model, "pre_norm_stack", False)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from prism_server import model_runner
 from prism_server.config import EngineConfig, ModelSpec
 from prism_server.engine import Engine
 from prism_server.server.app import ServerThread, serve_in_thread
@@ -24,7 +25,7 @@ def server() -> ServerThread:
 @pytest.fixture(params=["read-first", "launch-ahead"])
 def steps_ahead(request, monkeypatch) -> bool:
     """The engines a test builds read each step's tokens first, or launch the next decode step
-    before reading them (the GPU's default, PRISM_LAUNCH_AHEAD=1, run here on the CPU)."""
+    before reading them (the GPU's default, run here on the CPU)."""
     ahead = request.param == "launch-ahead"
-    monkeypatch.setenv("PRISM_LAUNCH_AHEAD", "1" if ahead else "0")
+    monkeypatch.setattr(model_runner, "launch_ahead_by_default", lambda device: ahead)
     return ahead

@@ -145,6 +145,32 @@ def test_a_model_that_fails_to_load_does_not_stop_the_others(tmp_path):
         p.communicate()
 
 
+def test_the_step_trace_flag_writes_each_step_and_enforce_eager_is_taken(tmp_path):
+    """serve --enforce-eager --step-trace PATH: both flags are taken (an eager engine on the
+    CPU serves as any other: test_kernel_choice shows what the field turns off), and one JSON
+    line per step is in PATH.<device> once the server has stopped."""
+    cfg = tmp_path / "prism.toml"
+    cfg.write_text("port = 0\n[[models]]\nname = 'm'\nsource = 'dummy:tiny-llama'\n")
+    trace = tmp_path / "steps.jsonl"
+    p = prism("serve", "--config", str(cfg), "--enforce-eager", "--step-trace", str(trace))
+    try:
+        url = url_of(startup_lines(p))
+        r = httpx.post(
+            url + "/v1/completions",
+            json={"model": "m", "prompt": "x", "max_tokens": 3, "ignore_eos": True},
+            timeout=60,
+        )
+        assert r.status_code == 200
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=60) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+        p.communicate()
+    steps = [json.loads(x) for x in (tmp_path / "steps.jsonl.cpu").read_text().splitlines()]
+    assert sum(s["tokens"] for s in steps if s["model"] == "m") >= 3
+
+
 def test_sigterm_aborts_what_is_still_running_at_the_shutdown_deadline(tmp_path):
     """shutdown_timeout_s = 2 with two long streams in flight: at the deadline both end with
     finish_reason abort and [DONE], and the process exits 0 within the deadline + 5 s."""

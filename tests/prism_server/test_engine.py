@@ -199,16 +199,17 @@ def test_a_step_of_only_partial_prefill_chunks_samples_nothing():
         e.check_integrity()
 
 
-def test_the_step_trace_records_every_step_with_its_shape_and_estimate(tmp_path, monkeypatch):
-    monkeypatch.setenv("PRISM_STEP_TRACE", str(tmp_path / "steps.jsonl"))
+def test_the_step_trace_records_every_step_with_its_shape_and_estimate(tmp_path):
     specs = tuple(
         ModelSpec(n, "dummy:tiny-llama", block_size=4, max_num_batched_tokens=8, seed=i)
         for i, n in enumerate("ab")
     )
     params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
-    with Engine(
-        EngineConfig(models=specs, device="cpu", page_bytes=64 << 10, kv_budget_bytes=2 << 20)
-    ) as e:
+    trace = str(tmp_path / "steps.jsonl")
+    config = EngineConfig(
+        models=specs, device="cpu", page_bytes=64 << 10, kv_budget_bytes=2 << 20, step_trace=trace
+    )
+    with Engine(config) as e:
         e.generate("a", [list(range(10, 40))], params)  # 30 tokens: 4 chunks, then 2 decodes
         e.generate("b", [list(range(10, 20)), list(range(20, 25))], params)
         e.check_integrity()

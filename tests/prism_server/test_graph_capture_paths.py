@@ -20,6 +20,8 @@ from models.attention.base import AttentionMetadata, SeqChunk
 from models.attention.kv_write import KVSlots, RowsWriter
 from models.attention.table_decode import TableDecodeGraphAttention
 from models.attention.torch_paged import TorchPagedAttention
+from models.kernels.fused_decode import StepOps
+from models.kernels.triton_gemv import GemvConfig
 from prism_server.cuda_graph_runner import CudaGraphRunner
 from tests.gpu.common import cpu_kv, tiny_model
 
@@ -59,13 +61,17 @@ def no_cuda_graphs(monkeypatch):
 
 
 @pytest.mark.parametrize("fused_rope", [True, False], ids=["rope-write", "rope-then-store"])
-def test_piecewise_capture_builds_a_segment_per_attention_call(no_cuda_graphs, fused_rope):
-    """fused_rope: the segments rotate q and k into the static buffers, put v there and store
-    K/V in one Triton kernel (here under its interpreter), no slot index made; else FlashInfer's
-    or torch's rope, then copies and an indexed store at the index."""
+def test_piecewise_capture_builds_a_segment_per_attention_call(
+    no_cuda_graphs, fused_rope, monkeypatch
+):
+    """Where Triton runs (here under its interpreter) the segments rotate q and k into the
+    static buffers, put v there and store K/V in one Triton kernel, no slot index made; where
+    it does not, FlashInfer's or torch's rope, then copies and an indexed store at the index."""
+    if not fused_rope:
+        monkeypatch.setattr(pg.triton_ops, "triton_runs_on", lambda device: False)
     cfg, model = tiny_model()
     kv = cpu_kv(cfg)
-    pieces = pg.PiecewiseGraphs(model, (8, 16), CPU, kv_views=kv.layer_views, fused_rope=fused_rope)
+    pieces = pg.PiecewiseGraphs(model, (8, 16), CPU, kv_views=kv.layer_views)
     assert pieces.fuses_rope is fused_rope
     ropes = []
     rope_write = pg.triton_ops.rope_write
@@ -107,9 +113,9 @@ def test_piecewise_capture_builds_a_segment_per_attention_call(no_cuda_graphs, f
     kv.close()
 
 
-def test_decode_graphs_hand_xqa_a_contiguous_query_and_their_tables(no_cuda_graphs):
-    """The XQA kernel itself is a stand-in here (it runs on a GPU only): it records what each
-    captured layer gives it."""
+def test_decode_graphs_hand_the_table_kernel_a_contiguous_query_and_their_tables(no_cuda_graphs):
+    """The table-reading decode kernel is a stand-in here that takes no rope (the Triton
+    kernel's own tests run it): it records what each captured layer gives it."""
     cfg, model = tiny_model(num_attention_heads=8)
     kv = cpu_kv(cfg)
     calls = []
@@ -159,3 +165,41 @@ def test_the_garbage_collector_is_held_off_during_captures_and_restored():
         assert not gc.isenabled()  # as it was
     finally:
         gc.enable()
+
+
+def test_small_decode_graphs_run_the_fused_decode_forward(no_cuda_graphs, monkeypatch):
+    """With the step ops, the graphs of at most STEP_OPS_MAX_BATCH sequences run the model
+    through models.kernels.fused_decode (chosen when they are captured), the larger ones the
+    model's own forward."""
+    cfg, model = tiny_model(num_attention_heads=8)
+    kv = cpu_kv(cfg)
+    fused = []
+    forward = cgr.fused_decode.forward
+
+    def recording(model, ids, positions, ctx, ops):
+        fused.append(len(ids))
+        assert ctx.step_ops is ops
+        return forward(model, ids, positions, ctx, ops)
+
+    monkeypatch.setattr(cgr.fused_decode, "forward", recording)
+
+    def kernel(q, cache, tables, seq_lens, spec):
+        return torch.zeros_like(q)
+
+    writer = functools.partial(RowsWriter.from_slots, block_size=16)
+    runner = CudaGraphRunner(
+        model,
+        kv.layer_views,
+        lambda views, bs, max_blocks: TableDecodeGraphAttention(
+            kernel, views, bs, max_blocks, writer
+        ),
+        (1, 16, 32),
+        8,
+        CPU,
+        step_ops=StepOps(gemv=GemvConfig()),
+    )
+    with torch.inference_mode():
+        runner.capture()
+    assert sorted(fused) == [1, 1, 16, 16]  # a warm-up and a capture each; 32 its own forward
+    kv.check_integrity()
+    kv.close()

@@ -11,7 +11,7 @@ projection. Every program reads all of x (from the L2): a wider BLOCK_N reads it
 but leaves fewer programs to spread the weight's bytes over the SMs.
 
 A projection can also carry the ops between a layer's GEMMs, so that a few-row layer is four
-kernels and the attention, where eight ran (as the one-row GEMVs, models.layers.triton_gemv):
+kernels and the attention, where eight ran (as the one-row GEMVs, models.kernels.triton_gemv):
 
 - the residual add after it (`into`): each program adds its outputs into the stream's columns
   it owns; with the next norm's weight it also writes those columns scaled by that weight and
@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from models.attention.triton_ops import _pow2, interpreting
+from models.kernels.triton_ops import _pow2, interpreting
 
 MAX_ROWS = 16  # the rows of x a launch takes (tl.dot's smallest tile)
 

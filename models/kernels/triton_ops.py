@@ -23,10 +23,19 @@ from __future__ import annotations
 import functools
 import math
 import os
+from typing import Protocol
 
 import torch
 
-from models.attention.base import LayerAttention
+
+class LayerSpec(Protocol):
+    """What the decode kernel reads of a layer's attention (models.attention.base's
+    LayerAttention): its softmax scale, window (positions attended, the query's own included)
+    and logit soft cap."""
+
+    scale: float
+    sliding_window: int | None
+    logit_softcap: float | None
 
 
 @functools.cache
@@ -66,60 +75,6 @@ def _pow2(n: int) -> int:
 
 def _kernels():
     return _build_kernels(interpreting())
-
-
-if _triton() is not None:
-    # Asking the L2 for bytes (Hopper's bulk prefetch), for the kernels that ask while HBM
-    # idles: here, the decode kernel; models.layers.l2_prefetch's side-stream kernel and
-    # triton_step_ops'. Decorated at import (Triton decides then whether a function is
-    # interpreted: one mode a process), unlike the kernels (one build each mode).
-    import triton
-    import triton.language as tl
-
-    # one bulk prefetch of $2 bytes at $1 where $2 is not 0; with an evict_last policy (KEEP)
-    _ASK = tl.constexpr(
-        "{ .reg .pred p; setp.ne.s32 p, $2, 0; "
-        "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }"
-    )
-    _ASK_KEEP = tl.constexpr(
-        "{ .reg .pred p; .reg .b64 keep; setp.ne.s32 p, $2, 0; "
-        "createpolicy.fractional.L2::evict_last.b64 keep, 1.0; "
-        "@p cp.async.bulk.prefetch.L2.global.L2::cache_hint [$1], $2, keep; mov.u32 $0, 0; }"
-    )
-
-    @triton.jit
-    def ask_l2(
-        pid, nprog, a0, n0, a1, n1, chunk, out_ptr,
-        LANES: tl.constexpr, DRY: tl.constexpr, KEEP: tl.constexpr = False,
-    ):  # fmt: skip
-        # program pid of nprog asks the L2 for its chunks of two byte ranges [a0, a0 + n0) and
-        # [a1, a1 + n1) (16-byte aligned, multiples of 16) cut into `chunk`-byte chunks, range
-        # 0's first: chunk c is lane c // nprog's of program c % nprog, so that a few chunks
-        # spread over every program (and SM). KEEP: the lines fetched are the last the L2
-        # evicts (an evict_last policy). DRY: write the chunks to out_ptr ([c] = address,
-        # bytes) instead (the interpreter has no prefetch)
-        c = (tl.arange(0, LANES) * nprog + pid).to(tl.int64)
-        c0 = tl.cdiv(n0, chunk)
-        first = c < c0
-        off = tl.where(first, c, c - c0) * chunk
-        n = tl.where(first, n0, n1).to(tl.int64)
-        addr = tl.where(first, a0, a1).to(tl.int64) + off
-        size = tl.minimum(tl.maximum(n - off, 0), chunk).to(tl.int32)
-        if DRY:
-            tl.store(out_ptr + 2 * c, addr)
-            tl.store(out_ptr + 2 * c + 1, size.to(tl.int64))
-        else:
-            tl.inline_asm_elementwise(
-                _ASK_KEEP if KEEP else _ASK,
-                "=r,l,r",
-                [addr, size],
-                dtype=tl.int32,
-                is_pure=False,
-                pack=1,
-            )
-
-else:
-    ask_l2 = None  # no Triton: no kernel here runs (triton_runs_on)
 
 
 @functools.cache
@@ -181,45 +136,35 @@ def _build_kernels(interpret: bool):
     # nsplit is a run-time value, SPLIT only whether it is above 1: two builds serve every
     # batch size (a build per value made a model's first load 7 s longer; one build for both
     # kinds, the merge's code in the unsplit kernel too, made batch 64 5% slower)
-    @triton.jit(do_not_specialize=["nsplit", "pa0", "pn0", "pa1", "pn1", "pchunk"])
+    @triton.jit(do_not_specialize=["nsplit"])
     def decode_kernel(
         q_ptr, cache_ptr, tables_ptr, lens_ptr, out_ptr, part_o_ptr, part_ml_ptr, ticket_ptr,
         k_ptr, v_ptr, table_ptr, slots_ptr,
         sq_b, sq_h, so_b, so_h, st_b, sk_b, sk_h, sv_b, sv_h, st_r,
         sc_blk, sc_kv, sc_tok, sc_h,
-        scale, softcap, window, nsplit, pa0, pn0, pa1, pn1, pchunk,
+        scale, softcap, window, nsplit,
         HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
         PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
         SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, DOT_F32: tl.constexpr,
         MAX_SPLITS: tl.constexpr, G_P2: tl.constexpr, MERGE_D: tl.constexpr, ROPE: tl.constexpr,
-        SPLIT: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, PF_BLOCK: tl.constexpr,
+        SPLIT: tl.constexpr,
     ):  # fmt: skip
         # program (b, kv head, split s): query heads hk*G .. hk*G+G-1 of sequence b over the
         # split's share of its positions
         b = tl.program_id(0)
         hk = tl.program_id(1)
         s = tl.program_id(2)
-        if PREFETCH:  # the next GEMM's weights asked of the L2 while HBM idles
-            nprog = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
-            pid = (b * HKV + hk) * nsplit + s
-            ask_l2(pid, nprog, pa0, pn0, pa1, pn1, pchunk, out_ptr, PF_BLOCK, False, PREFETCH == 2)
         g = tl.arange(0, BLOCK_G)
         gm = g < G
         d = tl.arange(0, D)
         hd = tl.arange(0, D // 2)
         heads = hk * G + g
-        # what no kernel of the step writes first (the slots and lengths, uploaded before the
-        # step); with PDL, then the wait for the kernels before (the qkv projection, and the
-        # step's rope table, which may be made right before this kernel); then what they wrote:
-        # the rope table, q in two halves (rope's), and with ROPE the step's own k and v (every
-        # split loads them; the one holding the step's token stores and adds them)
+        # the slots and lengths, the rope table, q in two halves (rope's), and with ROPE the
+        # step's own k and v (every split loads them; the one holding the step's token stores
+        # and adds them)
         if ROPE:
             slot = tl.load(slots_ptr + b)
         length = tl.load(lens_ptr + b)
-        if PDL:  # launched while the previous kernel finishes: wait now; then the next kernel
-            # (a dependent launch too, where the GEMVs follow) may launch during this one's tail
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
         if ROPE:
             cos = tl.load(table_ptr + b * st_r + hd)
             sin = tl.load(table_ptr + b * st_r + D // 2 + hd)
@@ -406,9 +351,6 @@ def heads_a_program(tokens: int, hq: int, hkv: int) -> int:
 
 MAX_SPLITS = 16  # the default most splits of a (sequence, KV head)
 SPLITS_LIMIT = 64  # the most a kernel can be built for (its merge holds that many parts)
-PF_BLOCK = 128  # a program's L2 prefetch lanes (its threads at the default 4 warps)
-PF_CHUNK = 16 << 10  # the fewest bytes a prefetch instruction asks for
-ASKS_PER_PROGRAM = 32  # L2 prefetches a program of a kernel that sizes its grid for them
 MAX_BATCH_TICKETS = 1024  # sequences a step of the kernel below may hold, times KV heads
 # (warps, stages) of a decode launch of more programs than SMs (batches past one): on the H100,
 # batch 16's attention took 30.8 us a layer under them against 33.5 under a batch-1 launch's
@@ -416,37 +358,9 @@ MAX_BATCH_TICKETS = 1024  # sequences a step of the kernel below may hold, times
 DENSE_LAUNCH = (2, 2)
 
 
-def bulk_prefetch_runs_on(device: torch.device) -> bool:
-    """Whether the kernels here can ask the L2 for bytes on `device` (ask_l2: Hopper's bulk
-    prefetch; the same for their programmatic dependent launches)."""
-    return (
-        triton_runs_on(device)
-        and device.type == "cuda"
-        and torch.cuda.get_device_capability(device) >= (9, 0)
-    )
-
-
-def ask_programs(ranges, chunk: int = PF_CHUNK) -> int:
-    """Programs enough for two (address, bytes) ranges in `chunk`-byte asks, ASKS_PER_PROGRAM a
-    program."""
-    asks = sum(-(-n // chunk) for _, n in ranges)
-    return -(-asks // ASKS_PER_PROGRAM)
-
-
-def prefetch_mode(asked: bool, keep: bool) -> int:
-    """A kernel's PREFETCH: 0, none; 1, bytes asked of the L2; 2, asked to be evicted last."""
-    return (1 + keep) if asked else 0
-
-
-def prefetch_chunk(total: int, threads: int) -> int:
-    """The bytes one thread of the decode kernel asks of the L2 (a multiple of 16, at least
-    PF_CHUNK), so that two ranges of `total` bytes in all take at most `threads` chunks."""
-    return max(PF_CHUNK, -(-total // max(1, threads - 2) // 16) * 16)
-
-
 class TritonDecodeKernel:
-    """Decode attention for one model (its head shape and page size): called like XQA's kernel
-    (`TableDecodeAttention`), and it can take the layer's rope and K/V store too (`new`). Owns
+    """Decode attention for one model (its head shape and page size): called through
+    `TableDecodeAttention`, and it can take the layer's rope and K/V store too (`new`). Owns
     the merge tickets, zero between launches; a model's steps run one at a time, so its layers
     share them."""
 
@@ -461,25 +375,16 @@ class TritonDecodeKernel:
         device,
         max_splits: int = MAX_SPLITS,
         stages: int = 3,
-        pdl: bool = False,
-        l2_keep: bool = False,
         waves: int = 2,
         block_n: int | None = None,
-        wide_tile: bool = True,
-        warps: int = PF_BLOCK // 32,
+        warps: int = 4,
         dense: tuple[int, int] | None = DENSE_LAUNCH,
     ):
         """max_splits: the most programs a (sequence, KV head) is split over; stages: Triton's
         software pipelining depth of the loop over the positions; waves: the programs a launch
-        aims at, this many an SM (`splits`); pdl: launched as a
-        programmatic dependent launch (Hopper): the kernel starts while the kernel before it
-        finishes, reads the lengths and slots, then waits for it (the rope table, q, k and v
-        may be its);
-        l2_keep: the bytes it asks of the L2 (`prefetch`) are the last the L2 evicts;
+        aims at, this many an SM (`splits`);
         block_n: positions a tile (a power of 2 from 16; None: 64 up to head_dim 128, else 32);
-        wide_tile: a launch of at most one program an SM (batch 1) takes tiles twice as wide,
-        each program's loop a step or two, not four (on the H100, batch 1 over 1k positions:
-        9.9 us a layer, not 11.8; at batch 16 the narrow tile leads, 33.4 us against 35.3);
+        a launch of at most one program an SM (batch 1) takes tiles twice as wide (`tile`);
         warps: a program's warps (1, 2, 4 or 8); with stages, those of a launch of at most one
         program an SM; dense: (warps, stages) of a launch of more (None: the same)."""
         if head_dim & (head_dim - 1) or head_dim < 32:
@@ -494,16 +399,10 @@ class TritonDecodeKernel:
         # the parts the merge holds at once (a build each value: the default's is 16)
         self.merge_splits = _pow2(max(max_splits, 2))
         self.waves = waves
-        # (programmatic dependent launches are Hopper's on: elsewhere the kernel launches plainly)
-        hopper = bulk_prefetch_runs_on(device)
-        self.pdl = pdl and hopper
-        self.takes_prefetch = hopper  # the weights the step reads next, asked of the L2
-        self.l2_keep = l2_keep
         self.block_g = max(16, _pow2(self.group))  # the dot's rows: the head group, padded
         if block_n is not None and (block_n < 16 or block_n & (block_n - 1)):
             raise ValueError(f"block_n {block_n}: a power of 2 from 16")
         self.block_n = block_n or (64 if head_dim <= 128 else 32)  # positions a tile
-        self.wide_tile = wide_tile
         if warps not in (1, 2, 4, 8):
             raise ValueError(f"warps {warps}: 1, 2, 4 or 8")
         self.warps = warps
@@ -523,9 +422,11 @@ class TritonDecodeKernel:
 
     def tile(self, batch: int, nsplit: int) -> int:
         """The positions a tile for a launch of `batch` sequences split `nsplit` ways: twice
-        block_n (at most 16384 // head_dim) when the launch is at most one program an SM
-        (`wide_tile`), else block_n."""
-        if self.wide_tile and batch * self.num_kv_heads * nsplit <= self.sm_count:
+        block_n (at most 16384 // head_dim) when the launch is at most one program an SM, else
+        block_n: each program's loop a step or two, not four (on the H100, batch 1 over 1k
+        positions: 9.9 us a layer, not 11.8; at batch 16 the narrow tile leads, 33.4 us
+        against 35.3)."""
+        if batch * self.num_kv_heads * nsplit <= self.sm_count:
             # (up to 128 x 128 elements a tile of K: at head_dim 128, 256 positions were slower)
             return max(self.block_n, min(2 * self.block_n, 16384 // self.head_dim))
         return self.block_n
@@ -543,16 +444,13 @@ class TritonDecodeKernel:
         cache: torch.Tensor,
         tables: torch.Tensor,
         seq_lens: torch.Tensor,
-        spec: LayerAttention,
+        spec: LayerSpec,
         new: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-        prefetch: tuple[tuple[int, int], tuple[int, int]] | None = None,
     ) -> torch.Tensor:
         """q: [B, Hq, D]; cache: one layer's view; tables: [B, W] int32; seq_lens: [B, 1] int32
         -> [B, Hq, D]. new: the step's (k, v, rope table, slots) when q and k are not rotated
         yet and k, v not in the cache (k, v: [B, Hkv, D], table: [B, D] fp32, slots: [B]
-        int64): this kernel rotates them and stores k, v (one kernel for all of it).
-        prefetch: two (address, bytes) ranges (16-byte aligned, multiples of 16) the kernel's
-        programs ask of the L2 as they start (`takes_prefetch`: Hopper only)."""
+        int64): this kernel rotates them and stores k, v (one kernel for all of it)."""
         b, hq, dim = q.shape
         assert b <= MAX_BATCH_TICKETS and q.stride(2) == 1 and cache.stride(4) == 1
         k, v, table, slots = new if new is not None else (q, q, q, seq_lens)
@@ -562,10 +460,6 @@ class TritonDecodeKernel:
         parts = b * self.num_kv_heads * nsplit * self.group
         part_o = torch.empty(parts * dim if nsplit > 1 else 1, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(parts * 2 if nsplit > 1 else 1, dtype=torch.float32, device=q.device)
-        (pa0, pn0), (pa1, pn1) = prefetch or ((0, 0), (0, 0))
-        if prefetch is not None:
-            assert self.takes_prefetch, "the bulk L2 prefetch needs Hopper"
-        pchunk = prefetch_chunk(pn0 + pn1, b * self.num_kv_heads * nsplit * PF_BLOCK)
         kernel = _kernels()[1]
         warps, stages = self.settings(b, nsplit)
         kernel[(b, self.num_kv_heads, nsplit)](
@@ -574,25 +468,20 @@ class TritonDecodeKernel:
             k.stride(0), k.stride(1), v.stride(0), v.stride(1), table.stride(0),
             cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
             spec.scale, spec.logit_softcap or 0.0, spec.sliding_window or 0, nsplit,
-            pa0, pn0, pa1, pn1, pchunk,
             HKV=self.num_kv_heads, G=self.group, BLOCK_G=self.block_g, D=dim,
             PAGE=self.block_size, BLOCK_N=self.tile(b, nsplit),
             SOFTCAP=bool(spec.logit_softcap), WINDOW=bool(spec.sliding_window),
             DOT_F32=interpreting() or cache.dtype == torch.float32,
             MAX_SPLITS=self.merge_splits, G_P2=_pow2(self.group),
             MERGE_D=min(dim, max(16, 8192 // (self.merge_splits * _pow2(self.group)))),
-            ROPE=new is not None, SPLIT=nsplit > 1, PDL=self.pdl,
-            PREFETCH=prefetch_mode(prefetch is not None, self.l2_keep), PF_BLOCK=PF_BLOCK,
-            num_warps=warps, num_stages=stages,
-            **({"launch_pdl": True} if self.pdl else {}),
+            ROPE=new is not None, SPLIT=nsplit > 1, num_warps=warps, num_stages=stages,
         )  # fmt: skip
         return out
 
-    def self_check(self, specs, dtype: torch.dtype, rope: bool, prefetch: bool = False) -> None:
+    def self_check(self, specs, dtype: torch.dtype, rope: bool) -> None:
         """Builds and runs the kernel once for each kind of layer (and with the rope, when the
-        steps will hand it over; asking the L2 for bytes, when they will) on a two-block cache
-        of zeros: at model load, so a kernel that cannot build or run here fails now, not in a
-        step."""
+        steps will hand it over) on a two-block cache of zeros: at model load, so a kernel
+        that cannot build or run here fails now, not in a step."""
         dev = self.tickets.device
         hkv, dim = self.num_kv_heads, self.head_dim
         cache = torch.zeros(2, 2, self.block_size, hkv, dim, dtype=dtype, device=dev)
@@ -600,9 +489,6 @@ class TritonDecodeKernel:
         # to split: the build without the merge and the one with it; for one sequence, and
         # for enough sequences to take the narrow tile and the dense launch's settings too
         batches = (1, self.sm_count // hkv + 1)
-        extra = {}
-        if prefetch and self.takes_prefetch:
-            extra["prefetch"] = ((cache.data_ptr(), cache.numel() // 16 * 16), (0, 0))
         for b in batches:
             narrow = torch.ones(b, 1, dtype=torch.int32, device=dev)
             wide = torch.ones(b, 1 + 2 * self.block_n // self.block_size, dtype=torch.int32,
@@ -616,7 +502,7 @@ class TritonDecodeKernel:
                 new = (kv, kv, table, torch.full((b,), self.block_size + 1, device=dev))
             for spec in specs:
                 for tables in (narrow, wide):
-                    out = self(q, cache, tables, lens, spec, new, **extra)
+                    out = self(q, cache, tables, lens, spec, new)
                     if not torch.isfinite(out).all():
                         raise RuntimeError(f"non-finite output on zeros for {spec}")
 
@@ -631,17 +517,12 @@ def load_decode_kernel(
     rope: bool,
     max_splits: int = MAX_SPLITS,
     stages: int = 3,
-    pdl: bool = False,
-    prefetch: bool = False,
-    l2_keep: bool = False,
     waves: int = 2,
-    wide_tile: bool = True,
-    warps: int = PF_BLOCK // 32,
+    warps: int = 4,
     dense: tuple[int, int] | None = DENSE_LAUNCH,
 ) -> tuple[TritonDecodeKernel | None, str | None]:
     """The decode kernel for a model, built and checked on `device` (`self_check`), or None and
-    why it cannot run there. heads: (query heads, KV heads); prefetch: its steps will hand it
-    byte ranges to ask of the L2 (checked too, on Hopper)."""
+    why it cannot run there. heads: (query heads, KV heads)."""
     if not triton_runs_on(device):
         return None, "Triton does not run here"
     if heads[0] % heads[1]:
@@ -651,10 +532,9 @@ def load_decode_kernel(
     try:
         kernel = TritonDecodeKernel(
             heads[0], heads[1], head_dim, block_size, device,
-            max_splits=max_splits, stages=stages, pdl=pdl, l2_keep=l2_keep, waves=waves,
-            wide_tile=wide_tile, warps=warps, dense=dense,
+            max_splits=max_splits, stages=stages, waves=waves, warps=warps, dense=dense,
         )  # fmt: skip
-        kernel.self_check(specs, dtype, rope, prefetch)
+        kernel.self_check(specs, dtype, rope)
     except Exception as e:  # noqa: BLE001 (a kernel that does not build here: fall back)
         return None, f"its kernel failed ({type(e).__name__}: {str(e)[:200]})"
     return kernel, None

@@ -16,13 +16,7 @@ gate_up(norm(residual)) -> h = down(silu(.)): four kernels and the attention, wh
 Numerics as the unfused chain's: sums in fp32; the normalized row, the activation, each
 projection's output and each add rounded to the model's dtype where that chain rounds them.
 
-With `pdl` (Hopper) the kernel is a programmatic dependent launch, and once its wait is over
-each program lets the kernel after it launch (without that, a dependent grid launches only as
-the last program exits: no overlap). The dependent's programs then take the SMs the tail of
-this one frees; those of its first wave (about one a slot) ask the L2 for their own rows of W
-(which no kernel of the step writes) before they wait, so the weights start to stream during
-the tail. Later programs start after the wait is over and ask nothing: the ask would only
-double their reads. Runs under Triton's interpreter too (the CPU tests), without `pdl`.
+Runs under Triton's interpreter too (the CPU tests).
 """
 
 from __future__ import annotations
@@ -32,13 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from models.attention.triton_ops import (  # noqa: F401 (ask_l2: the kernel's)
-    PF_CHUNK,
-    _pow2,
-    ask_l2,
-    interpreting,
-    sm_count,
-)
+from models.kernels.triton_ops import _pow2, interpreting
 
 
 @dataclass(frozen=True)
@@ -81,12 +69,11 @@ def _build(interpret: bool):
     import triton
     import triton.language as tl
 
-    @triton.jit(do_not_specialize=["n", "eps", "w_addr", "ask_below"])
+    @triton.jit(do_not_specialize=["n", "eps"])
     def gemv_kernel(
-        w_ptr, x_ptr, h_ptr, nw_ptr, b_ptr, out_ptr, n, eps, w_addr, ask_below,
+        w_ptr, x_ptr, h_ptr, nw_ptr, b_ptr, out_ptr, n, eps,
         K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         PRO: tl.constexpr, INTO: tl.constexpr, HAS_H: tl.constexpr, BIAS: tl.constexpr,
-        PDL: tl.constexpr, ASK: tl.constexpr, ASK_LANES: tl.constexpr, PF_CHUNK: tl.constexpr,
         UNROLL: tl.constexpr, GLU: tl.constexpr,
     ):  # fmt: skip
         # program i: out[rows] (op)= W[rows, :] @ x, rows = i * BLOCK_N + [0, BLOCK_N); with GLU
@@ -102,17 +89,6 @@ def _build(interpret: bool):
             rows = pid * BLOCK_N + jj
             rm = rows < n
         dt = out_ptr.dtype.element_ty
-        if PDL:
-            if ASK:  # W is no kernel's output: the first wave's rows asked of the L2 first
-                first = pid * BLOCK_N
-                row_bytes = K * w_ptr.dtype.element_ty.primitive_bitwidth // 8
-                nbytes = (tl.minimum(n - first, BLOCK_N) * row_bytes).to(tl.int64)
-                nbytes = tl.where(pid < ask_below, nbytes, 0)
-                a0 = w_addr + first.to(tl.int64) * row_bytes
-                ask_l2(0, 1, a0, nbytes, 0, 0, PF_CHUNK, w_ptr, ASK_LANES, False)
-            tl.extra.cuda.gdc_wait()
-            # the kernel after this one may launch once every program of this one is here
-            tl.extra.cuda.gdc_launch_dependents()
         kk0 = tl.arange(0, BLOCK_K)
         if PRO == 1:  # the row's sum of squares, of src (+ h) in fp32
             sq = tl.zeros([BLOCK_K], dtype=tl.float32)
@@ -176,7 +152,6 @@ def gemv(
     into: torch.Tensor | None = None,
     glu: bool = False,
     config: GemvConfig = GemvConfig(),
-    pdl: bool = False,
 ) -> torch.Tensor:
     """linear(x) for one row x [1, K] (or [1, 2K] with silu), with the ops beside it:
 
@@ -202,23 +177,14 @@ def gemv(
     bias = linear.bias
     c = config
     block_k = min(c.block_k, _pow2(k))
-    # the bulk prefetch takes 16-byte aligned ranges, multiples of 16 bytes: whole rows
-    row_bytes = k * w.element_size()
-    # (a GLU program's rows are two ranges: not asked)
-    ask = pdl and not glu and row_bytes % 16 == 0 and w.data_ptr() % 16 == 0
-    lanes = _pow2(-(-c.block_n * row_bytes // PF_CHUNK)) if ask else 1
-    # the first wave: a program a slot of every SM, at most 2048 threads an SM
-    ask_below = sm_count(x.device) * (2048 // (32 * c.warps)) if ask else 0
     pro = PRO_NORM if norm is not None else PRO_SILU if silu else PRO_NONE
     outputs_a_program = c.block_n // 2 if glu else c.block_n
     _build(interpreting())[(-(-n // outputs_a_program),)](
         w, x, h if h is not None else x, nw, bias if bias is not None else w, out,
-        n, float(eps), w.data_ptr(), ask_below,
+        n, float(eps),
         K=k, BLOCK_N=c.block_n, BLOCK_K=block_k, PRO=pro, INTO=into is not None,
-        HAS_H=h is not None, BIAS=bias is not None, PDL=pdl, ASK=ask, ASK_LANES=lanes,
-        PF_CHUNK=PF_CHUNK,
+        HAS_H=h is not None, BIAS=bias is not None,
         UNROLL=c.unroll, GLU=glu, num_warps=c.warps, num_stages=1,
-        **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     return out
 
@@ -234,7 +200,7 @@ def gemv_reference(
     glu: bool = False,
 ) -> torch.Tensor:
     """gemv's result through torch ops, rounded where the unfused chain rounds (the tests'); also
-    small_gemm's (models.layers.triton_small_gemm), x [M, K]."""
+    small_gemm's (models.kernels.triton_small_gemm), x [M, K]."""
     dt = x.dtype
     if norm is not None:
         s = x.float() + (h.float() if h is not None else 0.0)
