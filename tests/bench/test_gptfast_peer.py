@@ -1,4 +1,4 @@
-"""The decode-speed peer (scripts/bench_gpu_gptfast.py) is a whole Llama, not a cheaper model:
+"""The decode-speed peer (scripts/bench_peer.py) is a whole Llama, not a cheaper model:
 loaded with a small transformers Llama's weights, its prefill and its decode steps through the
 static cache give transformers' logits and greedy tokens (on CPU, eager: the GPU run compiles
 the same code)."""
@@ -6,7 +6,7 @@ the same code)."""
 import torch
 import transformers as tf
 
-from scripts.bench_gpu_gptfast import PeerArgs, Transformer, decode_one_token, random_model
+from scripts.bench_peer import PeerArgs, Transformer, decode_one_token, random_model
 
 
 def _hf_llama():

@@ -1,5 +1,5 @@
-"""The GPU check's last table (scripts/gpu_report.py): each decode batch beside its floor, the
-weights and the step's K/V over the copy rate (scripts/bench_gpu_engine.kv_bytes_a_step)."""
+"""The GPU check's last table (scripts/bench_engine.py report): each decode batch beside its floor,
+the weights and the step's K/V over the copy rate (scripts/bench_engine.kv_bytes_a_step)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-from scripts.bench_gpu_engine import DECODE_BATCHES, kv_bytes_a_step
+from scripts.bench_engine import DECODE_BATCHES, kv_bytes_a_step
 
 ROOT = Path(__file__).resolve().parents[2]
 LLAMA_8B = SimpleNamespace(num_layers=32, num_kv_heads=8, head_dim=128)
@@ -30,7 +30,14 @@ def test_the_table_sets_each_batch_beside_its_floor(tmp_path):
         eng["prism"][f"decode_b{b}"] = {"tpot_ms": tpot, "kv_bytes_a_step": kv}
     (tmp_path / "engine.json").write_text(json.dumps(eng))
     run = subprocess.run(
-        [sys.executable, "scripts/gpu_report.py", "-", str(tmp_path / "engine.json"), "-"],
+        [
+            sys.executable,
+            "scripts/bench_engine.py",
+            "report",
+            "-",
+            str(tmp_path / "engine.json"),
+            "-",
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -54,7 +61,7 @@ def test_the_peer_stands_beside_the_batches_it_measured(tmp_path):
     (tmp_path / "peer.json").write_text(json.dumps(peer))
     args = ["-", str(tmp_path / "engine.json"), "-", str(tmp_path / "peer.json")]
     run = subprocess.run(
-        [sys.executable, "scripts/gpu_report.py", *args],
+        [sys.executable, "scripts/bench_engine.py", "report", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
