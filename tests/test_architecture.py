@@ -65,6 +65,7 @@ def test_scheduler_imports_without_torch():
     assert int(r.stdout) >= 5  # request, sampling_params, batch_scheduler, snapshot, balloon
 
 
+@pytest.mark.slow
 def test_scheduler_tests_run_without_torch():
     r = run(
         """

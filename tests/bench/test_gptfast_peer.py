@@ -3,6 +3,7 @@ loaded with a small transformers Llama's weights, its prefill and its decode ste
 static cache give transformers' logits and greedy tokens (on CPU, eager: the GPU run compiles
 the same code)."""
 
+import pytest
 import torch
 import transformers as tf
 
@@ -65,6 +66,7 @@ def _peer_from(hf, cfg) -> Transformer:
 
 
 @torch.no_grad()
+@pytest.mark.slow
 def test_peer_matches_transformers_llama():
     hf, cfg = _hf_llama()
     peer = _peer_from(hf, cfg)

@@ -96,6 +96,7 @@ def test_the_tiling_knob():
             GemvConfig.parse(bad)
 
 
+@pytest.mark.slow
 def test_load_step_ops_checks_the_gemvs():
     ops, why = triton_step_ops.load_step_ops(
         torch.device("cpu"), pdl=True, norms=False, gemv=GemvConfig(32, 512)
@@ -116,6 +117,7 @@ def test_load_step_ops_checks_the_gemvs():
 
 
 @torch.no_grad()
+@pytest.mark.slow
 def test_a_one_row_forward_runs_its_layers_as_gemvs():
     """The tiny Llama in bf16, one decode row over a cached prompt: every layer as four GEMVs
     (the first layer's stream the embeddings), against the model's own forward; a step of two

@@ -23,6 +23,8 @@ from models.attention.torch_paged import TorchPagedAttention
 from prism_server.cuda_graph_runner import CudaGraphRunner
 from tests.gpu.common import cpu_kv, tiny_model
 
+pytestmark = pytest.mark.slow  # measured: over 20 s a module on the 2-core machine
+
 CPU = torch.device("cpu")
 
 

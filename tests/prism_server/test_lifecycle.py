@@ -392,6 +392,7 @@ def crowded():
     srv.close()
 
 
+@pytest.mark.slow
 def test_a_waiting_stream_gets_keep_alives_then_503_past_max_wait(crowded):
     assert states(crowded.engine) == {"a": "resident", "b": "offloaded"}
     gate = threading.Event()
