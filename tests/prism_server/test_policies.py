@@ -154,6 +154,7 @@ def test_models_starved_at_once_take_memory_in_turn_without_thrashing(steps_ahea
     assert all(m.activations <= 5 for m in models), {m.name: m.activations for m in models}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["prism", "static", "swap"])
 def test_the_policy_is_visible_in_the_snapshot(policy):
     with _engine(policy) as e:
