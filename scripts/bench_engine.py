@@ -739,6 +739,31 @@ def decode_choices(choices: list[str], rounds: int, keep=lambda out: None) -> di
 
 
 def main_speed() -> None:
+    """GPU engine benchmark: Llama-3.1-8B (dummy weights, bf16) through Prism's engine, each figure
+    beside the reference it is judged by, all measured in this run (DESIGN.md §7).
+
+    - ceilings: HBM bandwidth (a 4 GiB device-to-device copy, bytes read + written) and the bf16
+      matmul rate (8192^3, random data);
+    - decode TPOT at batch 1, 16, 64 with 1k-token prompts vs weight bytes / HBM bandwidth, and
+      vs HF transformers `generate` on the same model shape and batch;
+    - prefill throughput at 1k and 8k prompt tokens vs the matmul rate (FLOPs counted exactly);
+    - VMM cost: the same model and batch with the KV cache in a plain torch tensor (TensorBackend)
+      vs the VMM pool, alternating, TTFT and TPOT;
+    - a profile of one batch-1 decode step (graph replay vs whole step; kernel time by kind);
+    - K/V cache writes: index_copy_ (what Prism uses) vs flashinfer.append_paged_kv_cache.
+
+        python3 scripts/bench_engine.py speed [--json out.json] [--skip-hf] [--skip-append]
+        PRISM_KERNEL_CONFIG=a.json python3 scripts/bench_engine.py speed --speed-only  # a table
+        python3 scripts/bench_engine.py speed --speed-only --decode-only               # decode
+        python3 scripts/bench_engine.py speed --choices "a.json b.json"
+
+    --choices: decode under several kernel tables (JSON files of the kernel-config form,
+    docs/CONFIG.md; the GPU's own table is measured too, first), one engine at a time in this one
+    process, in rounds (ABC ABC: drift and noise fall on every choice alike): each round's TPOT at
+    batches 1, 16 and 64 and graph replay at batch 1, their medians, and in the first round where
+    the replay's kernel time goes at batches 1 and 16. Each engine reads PRISM_KERNEL_CONFIG as it
+    starts.
+    """
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", type=Path)
     ap.add_argument("--skip-hf", action="store_true")
@@ -859,6 +884,15 @@ def ab_run_batch(engine, sampling_params, prompts: list[list[int]], max_tokens: 
 
 
 def main_ab() -> None:
+    """Decode TPOT of one source tree, for A/B runs of two trees on the same GPU (e.g. a commit and
+    the one before it): Llama-3.1-8B shape, bf16, dummy weights, 1k-token prompts, batch 1 and 64.
+    Uses only the engine API both sides share, so an older checkout can be measured by this script.
+
+        python3 scripts/bench_engine.py ab --tree .baseline --label before --json before.json
+        python3 scripts/bench_engine.py ab --tree . --label after --json after.json
+
+    TPOT = the median gap between tokens once every request of the batch is decoding.
+    """
     ap = argparse.ArgumentParser()
     ap.add_argument("--tree", type=Path, required=True, help="the source tree to measure")
     ap.add_argument("--label", required=True)
@@ -932,6 +966,13 @@ def lone_prompt(engine: Engine, ids: list[int]) -> tuple[float, float]:
 
 
 def main_ttft() -> None:
+    """Where a lone prompt's TTFT goes, through the whole engine: from add_request to the start of
+    its first step (the command's trip to the engine thread, the arbitration), the steps (from the
+    step trace: launch to tokens read), and from the last step's tokens to the client's callback
+    (output). Llama-3.1-8B shape, bf16, dummy weights, prefix cache off (every prompt computed).
+
+        python3 scripts/bench_engine.py ttft [--json OUT] [--device cpu --model tiny-llama]
+    """
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", type=Path)
     ap.add_argument("--device", default="cuda")
@@ -1200,6 +1241,22 @@ def step_timeline(engine, sizes: tuple[int, ...], runs: int = 5) -> dict:
 
 
 def main_host() -> None:
+    """Where the host's time goes in an eager prefill step (Llama-3.1-8B shape, bf16, dummy
+    weights),
+    beside the device time it must stay ahead of. Two parts:
+
+    - the launch cost of each kind of call an eager step makes (us of host time a call, the device
+      kept busy so that no launch waits on it): cuBLAS's GEMM through torch, each FlashInfer kernel
+      through its Python API and through its compiled module directly, a Triton kernel, a torch
+      elementwise op, a pinned host buffer, an upload of a step's small tensors;
+    - one step of a lone prompt (1k tokens, then 8k) on a side worker, its host timeline (each
+      stage's start and end: the scheduling, the upload, the step's metadata, the attention's plan
+      and its parts, the forward's launches, the logits, the sampling) beside the device's (a CUDA
+      event recorded at each point: when the stream reached it): how long the device waits for the
+      host before its first kernel, and whether the launches keep ahead after.
+
+        python3 scripts/bench_engine.py host [--json out.json] [--tokens 1024]
+    """
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", type=Path)
     ap.add_argument("--tokens", type=int, default=1024)
@@ -1246,6 +1303,20 @@ def median_ms(fn, runs: int = 30) -> float:
 
 
 def main_prep() -> None:
+    """The host's share of a step before its first kernel, for A/B runs of two source trees on one
+    machine (no GPU needed): the step's attention metadata (`AttentionMetadata.build`: slots,
+    block tables, lengths) and its token and position tensors, for a long prompt, a short one,
+    decode
+    batches and a mixed step; and, after each step, the latency model's update with the step's
+    measured time (`LatencyModel.observe`, its refits included: mean and p99 over 5000 steps). Uses
+    only what both trees share, so an older checkout is measured by this script too.
+
+        git archive HEAD~1 models scheduler | tar -x -C /tmp/before
+        python3 scripts/bench_engine.py prep --tree /tmp/before --label before
+        python3 scripts/bench_engine.py prep --tree . --label after
+
+    Each figure is the median of 30 runs, in ms.
+    """
     ap = argparse.ArgumentParser()
     ap.add_argument("--tree", type=Path, required=True, help="the source tree to measure")
     ap.add_argument("--label", required=True)
@@ -1401,6 +1472,19 @@ def bench_structured(model: str, device: str, batch: int, rounds: int) -> dict:
 
 
 def main_api() -> None:
+    """API features and what they cost or save, each beside its reference measured in the same run:
+
+    - prefix caching: time to first token of turn 5 of a 5-turn chat (a ~4k-token history, token-id
+      prompts: each turn adds a user message and the previous answer) with the prefix cache and
+      without it (two engines, alternating turns of the same conversation);
+    - structured output: decode TPOT at batch 16 with every row under a JSON-schema grammar vs plain
+      sampling, same engine, alternating.
+
+        python3 scripts/bench_engine.py api [--model dummy:llama-3.1-8b] [--json out.json]
+
+    Default model: dummy:llama-3.1-8b on a GPU, dummy:tiny-llama on the CPU (the figures there say
+    only that the code runs).
+    """
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None)
     ap.add_argument("--history", type=int, default=None, help="turn 5's prompt tokens")
@@ -1458,6 +1542,14 @@ class HFPeer:
 
 
 def main_cpu() -> None:
+    """CPU decode benchmark: SmolLM2-135M through Prism's engine vs transformers `generate`.
+
+    Same run. Prints decode tokens/s at batch 1 (goal: not slower than transformers) and
+    aggregate tokens/s with
+    16 concurrent requests (goal: >= 3x transformers' batch-1 rate).
+
+        .venv/bin/python scripts/bench_engine.py cpu [--tokens 128] [--concurrency 16]
+    """
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--concurrency", type=int, default=16)
@@ -1521,6 +1613,13 @@ def ratio(a, b) -> str:
 
 
 def main_report() -> None:
+    """The short table gpu_check.sh prints last: each Prism figure beside its reference and target.
+
+    python3 scripts/bench_engine.py report POOL_JSON ENGINE_JSON PYTEST_LOG [PEER_JSON]
+
+    PEER_JSON: the gpt-fast-style decode's figures of the same run (bench_peer.py), set
+    beside each batch it measured.
+    """
     pool, eng = load(sys.argv[1]), load(sys.argv[2])
     log = Path(sys.argv[3]).read_text() if Path(sys.argv[3]).is_file() else ""
     peer = load(sys.argv[4]) if len(sys.argv) > 4 else {}
