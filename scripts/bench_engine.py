@@ -787,8 +787,8 @@ def main_speed() -> None:
     )
     ap.add_argument(
         "--choices",
-        help="decode under each of these kernel choices (space-separated; settings of one "
-        "joined by commas) beside the defaults, in one process, in rounds",
+        help="decode under each of these kernel tables (space-separated JSON files) beside the "
+        "GPU's own table, in one process, in rounds",
     )
     ap.add_argument("--rounds", type=int, default=2, help="with --choices")
     args = ap.parse_args()
