@@ -17,7 +17,7 @@
 #   bash scripts/gpu_check.sh --sweep POLICY SCALES   # the multi-model bench (below)
 #   bash scripts/gpu_check.sh --collect WAIT_S        # a detached sweep's results
 #
-# --decode runs the PARTS named (default "tests ab engine ttft"); one call has 10 minutes, so
+# --decode runs the PARTS named (default "tests engine ttft"); one call has 10 minutes, so
 # name a few at a time:
 #   tests     the kernel and token tests (GPU vs CPU, graphs); TESTS_K selects (pytest -k)
 #   ab        this tree against the baseline tree in .baseline, alternating on this GPU: decode
@@ -113,7 +113,7 @@ if [ "$mode" = "--sweep" ]; then
 fi
 
 if [ "$mode" = "--decode" ]; then
-  part() { [[ " ${PARTS:-tests ab engine ttft} " == *" $1 "* ]]; }
+  part() { [[ " ${PARTS:-tests engine ttft} " == *" $1 "* ]]; }
   if part tests; then
     t0=$SECONDS
     # the model's GPU tests that exist in this tree
