@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # FlashInfer's compiled kernels, carried from one GPU call to the next in .fiaot/ (git-ignored),
-# so that a fresh machine skips their JIT compile (minutes for fa3 and XQA).
+# so that a fresh machine skips their JIT compile (minutes for fa3).
 #
 #   bash scripts/fi_kernels.sh unpack AOT_DIR        # on the GPU: .fiaot/fi_aot.* into FlashInfer's
 #                                                    # AOT directory
@@ -16,7 +16,7 @@
 #                                                    # kernel modules (those Prism uses, by default)
 #                                                    # compiled with nvcc of the GPU machine's
 #                                                    # CUDA release, added to .fiaot/fi_aot.tar.xz
-#                                                    # (scripts/fi_prebuild.py; toolchain in .fibuild/)
+#                                                    # (bench_kernels.py prebuild; toolchain in .fibuild/)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 case "${1:-}" in
@@ -80,7 +80,7 @@ case "${1:-}" in
     CUDA_HOME=$site/nvidia/cu13 PATH=$site/bin:$site/nvidia/cu13/bin:$PATH PYTHONPATH=$site \
       LD_LIBRARY_PATH=$site/nvidia/cu13/lib FLASHINFER_CUDA_ARCH_LIST=9.0a \
       FLASHINFER_WORKSPACE_BASE=$PWD/.fibuild MAX_JOBS=${MAX_JOBS:-$(nproc)} \
-      .venv/bin/python scripts/fi_prebuild.py "$@"
+      .venv/bin/python scripts/bench_kernels.py prebuild "$@"
     ;;
   join)
     # the bundle's modules and the parts' together (a module in both: the parts' copy)

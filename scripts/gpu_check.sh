@@ -1,53 +1,84 @@
 #!/usr/bin/env bash
 # The GPU check, one command on the GPU machine: installs the carried wheel bundle, runs the GPU
-# tests, then the GPU benchmarks, and prints a short table last. Long logs go under $OUT (or
-# /tmp/prism-gpu-check). Run from the repository root with the bundle in .whl/ (see
-# ../shared/device/README.md; split models also need greenlet's wheel there: `python3 -m pip
-# download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64
-# -d .whl "greenlet>=3"`); a carried .fiaot (compiled FlashInfer kernels of an earlier run,
-# scripts/fi_kernels.sh) skips the JIT compile.
+# tests and the GPU benchmarks, and prints a short table last. Long logs go under $OUT (or
+# /tmp/prism-gpu-check), packed into $OUT/results.tgz. Run from the repository root with the
+# bundle in .whl/ (split models also need greenlet's wheel there: `python3 -m pip download
+# --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 -d .whl
+# "greenlet>=3"`); a carried .fiaot (FlashInfer's compiled modules, scripts/fi_kernels.sh) skips
+# their JIT compile (each of fa3's takes about 80 s; TESTS_K="not fa3" leaves their tests out).
 #
-#   bash scripts/gpu_check.sh            # set-up transcript + tests + benchmarks
-#   bash scripts/gpu_check.sh --quick    # set-up transcript + tests + pool benchmark only
+#   bash scripts/gpu_check.sh            # set-up transcript + tests + benchmarks + table
+#   bash scripts/gpu_check.sh --quick    # set-up transcript + tests + pool benchmark
 #   bash scripts/gpu_check.sh --api      # set-up transcript + tests + pool and API benchmarks
-#   bash scripts/gpu_check.sh --decode   # the model's GPU tests + decode A/B + engine benchmark
 #   bash scripts/gpu_check.sh --tests    # every GPU test (tests/gpu, tests/kvpool), nothing else
 #   bash scripts/gpu_check.sh --multi    # several GPUs: tensor-parallel test and benchmark,
 #                                        # activation on every GPU at once, a move between GPUs
+#   bash scripts/gpu_check.sh --decode   # the PARTS below (a change to the model's step)
+#   bash scripts/gpu_check.sh --sweep POLICY SCALES   # the multi-model bench (below)
+#   bash scripts/gpu_check.sh --collect WAIT_S        # a detached sweep's results
 #
-# --decode is for a change to the model's step: the tests of the kernels and of the tokens (GPU
-# vs CPU, graphs), then decode TPOT of this tree beside a baseline tree in .baseline (when there
-# is one: `git archive REV prism_server models kvpool scheduler scripts | tar -x -C .baseline`),
-# then the engine benchmark without its HF and KV-write sections, a GEMM after an idle window with
-# its weight asked of the L2 or not (bench_gpu_l2_prefetch.py), then the decode and prefill
-# figures under each other kernel choice (KERNELS, default: FlashInfer's and XQA's decode
-# kernels, the rope and K/V write unfused, cuBLASLt without a workspace (no split-K GEMMs, so no
-# reduce kernel after o_proj and down_proj at small batches), fa3 prefill; a choice of several
-# settings joins them with commas, e.g. PRISM_DECODE_BACKEND=flashinfer,PRISM_DECODE_SPLIT_PAGES=0).
-# All of it takes more than a
-# call's 10 minutes: PARTS picks some of "tests ab engine ttft prefetch kernels", e.g.
-#   PARTS="tests kernels" KERNELS=PRISM_DECODE_BACKEND=xqa bash scripts/gpu_check.sh --decode
-# PARTS=gemv (not in the default set) times batch-1 projections, cuBLAS against the GEMVs of
-# models.layers.triton_gemv, alone and as a layer's chain (bench_gpu_gemv.py); PARTS=smallgemm
-# times projections of 16, 8 and 4 rows, cuBLAS against models.layers.triton_small_gemm
-# (bench_gpu_small_gemm.py). PARTS=attn times decode attention alone at B=1 and 16, the Triton
-# kernel's settings against FlashInfer's kernel and the K/V floor (bench_gpu_decode_kernel.py).
-# PARTS=host stamps a lone prompt's eager step, host against device (bench_gpu_prefill_host.py).
-# PARTS=peer times a gpt-fast-style decode (torch.compile, reduce-overhead) of the same model
-# at batch 1 and 16 (bench_gpu_gptfast.py), the peer Prism's TPOT is compared to.
-# PARTS=choices (not in the default set) measures decode under CHOICES, PRISM_* settings only,
-# beside the defaults in one process, in ROUNDS (default 2) interleaved rounds:
-#   PARTS=choices CHOICES="PRISM_TRITON_PDL=1 PRISM_L2_PREFETCH=48:12:12" bash scripts/gpu_check.sh --decode
-# KERNELS_ARGS adds arguments to each choice's engine benchmark (--decode-only: no prefill).
-# TESTS_K selects the tests (pytest -k; default: all of them). FlashInfer's modules come compiled
-# in .fiaot (`bash scripts/fi_kernels.sh build`, no GPU needed; a module a run still compiles
-# comes back in $OUT/fi_aot.tgz.part*, for `bash scripts/fi_kernels.sh join`); without them,
-# each of fa3's compiles for about 80 s here, and TESTS_K="not fa3" leaves their tests out.
+# --decode runs the PARTS named (default "tests engine ttft"); one call has 10 minutes, so
+# name a few at a time:
+#   tests     the kernel and token tests (GPU vs CPU, graphs); TESTS_K selects (pytest -k)
+#   ab        this tree against the baseline tree in .baseline, alternating on this GPU: decode
+#             TPOT at batch 1/16/64, prefill 1k and 8k, 8B activation, 10 GiB grow/shrink. Each
+#             side runs its own tree's scripts (.baseline/scripts under their old names). Make
+#             the baseline with `mkdir .baseline && git archive REV prism_server models kvpool
+#             scheduler scripts | tar -x -C .baseline` and carry it. AB picks the measures
+#             (default "decode engine activation pool"; about 13 minutes in all, so split them,
+#             e.g. AB="decode engine" then AB="activation pool" on the same warm machine),
+#             AB_ROUNDS the alternations (default 1: before, after); the ratios come last.
+#   engine    the engine benchmark without its HF and K/V-write sections
+#   ttft      where a lone prompt's TTFT goes
+#   host      a lone prompt's eager step, host against device
+#   peer      the gpt-fast-style decode of the same model at batch 1 and 16 (bench_peer.py)
+#   gemv, smallgemm, attn   the kernel benchmark's parts (GEMV_CONFIGS, SMALL_GEMM_CONFIGS,
+#             ATTN_CONFIGS: the tilings tried)
+#   kernels   decode and prefill under each kernel table of KERNELS (JSON files of the kernel
+#             config form, docs/CONFIG.md; a process each, PRISM_KERNEL_CONFIG=FILE), beside the
+#             GPU's own table; default: prefill through fa3, and batch 1 without the GEMVs.
+#             KERNELS_ARGS adds arguments (--decode-only: no prefill)
+#   choices   decode under the kernel tables of CHOICES in one process, beside the GPU's own
+#             table, in ROUNDS (default 2) interleaved rounds, medians and ratios last
+#
+# --sweep POLICY SCALES: the multi-model bench on one GPU (docs/bench/h200: twelve dummy models, a
+# ServeGen workload), one policy per call (a call's limit), e.g.
+#   bash scripts/gpu_check.sh --sweep prism "1,2,4,8,16"
+#   STOP_EARLY=1 bash scripts/gpu_check.sh --sweep static,swap "0.0625"
+# Results go to $OUT/sweep (sweep.json, sweep.md, plots, server logs, each server's step trace
+# in steps-POLICY.jsonl; STEP_TRACE=0: none). A sweep.json in the bench directory is the start:
+# its SLOs (measured standalone by the first call) are reused, the new runs merged in. BENCH
+# picks the set-up (default docs/bench/h200; its prism.toml, workload.csv, sweep.json);
+# BUDGET_S (default 520) bounds the time; STOP_EARLY=1 ends a run once it cannot keep 99%.
+# DETACH=1 starts the sweep in its own session (it outlives the command while the machine stays
+# warm); `--collect WAIT_S` in a later command waits for it and leaves $OUT/sweep.tgz.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/prism-gpu-check}
 mkdir -p "$OUT"
-quick=${1:-}
+mode=${1:-}
+detached=/tmp/prism-gpu-sweep-detached
+
+if [ "$mode" = "--collect" ]; then
+  for _ in $(seq "${2:-540}"); do
+    [ -f "$detached/done" ] && break
+    sleep 1
+  done
+  [ -f "$detached/done" ] && echo "the detached sweep ended: $(cat "$detached/done")" \
+    || echo "the detached sweep is still running"
+  tail -3 "$detached/sweep/sweep-"*.log 2>/dev/null || true
+  tar -czf "$OUT/sweep.tgz" -C "$detached" sweep detached.log || echo "no sweep directory yet"
+  exit 0
+fi
+if [ "$mode" = "--sweep" ] && [ "${DETACH:-}" = 1 ]; then
+  rm -rf "$detached" && mkdir -p "$detached"
+  OUT=$detached DETACH= setsid nohup bash -c \
+    "bash scripts/gpu_check.sh --sweep '$2' '$3'; echo \"rc \$?\" > $detached/done" \
+    > "$detached/detached.log" 2>&1 < /dev/null &
+  echo "detached sweep started (pid $!); collect with: bash scripts/gpu_check.sh --collect"
+  exit 0
+fi
+
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
   || { echo "wheel install failed"; exit 1; }
 export PYTHONPATH=$PWD:/tmp/site FLASHINFER_CUDA_ARCH_LIST=9.0a PYTHONUNBUFFERED=1
@@ -58,147 +89,191 @@ aot=/tmp/site/flashinfer/data/aot
 bash scripts/fi_kernels.sh unpack "$aot"
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.mem --format=csv,noheader
 
-if [ "$quick" = "--decode" ]; then
-  part() { [[ " ${PARTS:-tests ab engine ttft prefetch kernels} " == *" $1 "* ]]; }
+if [ "$mode" = "--sweep" ]; then
+  out=$OUT/sweep
+  mkdir -p "$out"
+  bench=${BENCH:-docs/bench/h200}
+  [ -f "$bench/sweep.json" ] && cp "$bench/sweep.json" "$out/"
+  # policies in turn (comma-separated), each on its own server, merged into one sweep.json; the
+  # server's config is the set-up's, with the step trace on (the [engine] table's step_trace)
+  for p in ${2//,/ }; do
+    config=$bench/prism.toml
+    if [ "${STEP_TRACE:-1}" != 0 ]; then
+      config=$out/prism-$p.toml
+      sed "/^\[engine\]/a step_trace = \"$out/steps-$p.jsonl\"" "$bench/prism.toml" > "$config"
+    fi
+    python3 -m prism_server bench sweep \
+      --workload "$bench/workload.csv" --config "$config" --out "$out" \
+      --policies "$p" --scales "$3" --refine 1 --standalone-requests 5 \
+      --sample-interval 0.5 --budget-s "${BUDGET_S:-520}" --startup-timeout 300 \
+      ${STOP_EARLY:+--stop-early} 2>&1 | tee "$out/sweep-$p.log"
+    tail -5 "$out/server-$p.log"
+  done
+  exit 0
+fi
+
+if [ "$mode" = "--decode" ]; then
+  part() { [[ " ${PARTS:-tests engine ttft} " == *" $1 "* ]]; }
   if part tests; then
     t0=$SECONDS
+    # the model's GPU tests that exist in this tree
+    files=
+    for f in fused_ops_gpu sampling_gpu launch_ahead_gpu piecewise_graphs gpu_vs_cpu cuda_graphs \
+      flashinfer_attention upload_gpu triton_ops_gpu triton_gemv_gpu triton_small_gemm_gpu; do
+      [ -f "tests/gpu/test_$f.py" ] && files="$files tests/gpu/test_$f.py"
+    done
     timeout "${TESTS_TIMEOUT:-420}" python3 -m pytest -m gpu -q -rs -p no:cacheprovider --durations=8 \
-      tests/gpu/test_fused_ops_gpu.py \
-      tests/gpu/test_sampling_gpu.py tests/gpu/test_launch_ahead_gpu.py tests/gpu/test_piecewise_graphs.py \
-      tests/gpu/test_gpu_vs_cpu.py tests/gpu/test_cuda_graphs.py tests/gpu/test_flashinfer_attention.py \
-      tests/gpu/test_upload_gpu.py tests/gpu/test_triton_ops_gpu.py \
-      tests/gpu/test_l2_prefetch_gpu.py tests/gpu/test_triton_gemv_gpu.py \
-      tests/gpu/test_triton_small_gemm_gpu.py -k "${TESTS_K:-}" 2>&1 | tee "$OUT/pytest.log"
+      $files -k "${TESTS_K:-}" 2>&1 | tee "$OUT/pytest.log"
     echo "tests: $((SECONDS - t0)) s"
   fi
-  if part ab && [ -d .baseline ]; then
-    for side in before after; do
-      tree=.; [ "$side" = before ] && tree=.baseline
-      timeout 150 python3 scripts/bench_decode_ab.py --tree "$tree" --label "$side" --batches 1,16,64 \
-        --json "$OUT/ab-$side.json" 2>&1 | tail -4
+  if part ab; then
+    [ -d .baseline/scripts ] || { echo "ab: no baseline tree in .baseline (see the head)"; exit 1; }
+    # side -> its tree's command for a measure (the baseline's scripts under their old names)
+    ab_cmd() {
+      local side=$1 what=$2 json=$3
+      if [ "$side" = before ]; then
+        case "$what" in
+          decode) echo ".baseline/scripts/bench_decode_ab.py --tree .baseline --label before --batches 1,16,64 --json $json" ;;
+          engine) echo ".baseline/scripts/bench_gpu_engine.py --speed-only --json $json" ;;
+          activation) echo ".baseline/scripts/bench_gpu_lifecycle.py --only activation --json $json" ;;
+          pool) echo ".baseline/scripts/bench_gpu_pool.py --gib 10 --json $json" ;;
+        esac
+      else
+        case "$what" in
+          decode) echo "scripts/bench_engine.py ab --tree . --label after --batches 1,16,64 --json $json" ;;
+          engine) echo "scripts/bench_engine.py speed --speed-only --json $json" ;;
+          activation) echo "scripts/bench_lifecycle.py models --only activation --json $json" ;;
+          pool) echo "scripts/bench_lifecycle.py pool --gib 10 --json $json" ;;
+        esac
+      fi
+    }
+    for round in $(seq "${AB_ROUNDS:-1}"); do
+      for what in ${AB:-decode engine activation pool}; do
+        for side in before after; do
+          tree=.; [ "$side" = before ] && tree=.baseline
+          t0=$SECONDS
+          # shellcheck disable=SC2046
+          PYTHONPATH=$tree:/tmp/site timeout "${AB_TIMEOUT:-330}" python3 \
+            $(ab_cmd "$side" "$what" "$OUT/ab-$side-$what-$round.json") \
+            > "$OUT/ab-$side-$what-$round.log" 2>&1
+          echo "ab $what $side (round $round): rc $?, $((SECONDS - t0)) s"
+          grep -E "TPOT B=|prefill [0-9]+: |activate median|^pool: .*64 MiB" \
+            "$OUT/ab-$side-$what-$round.log" | head -8 | sed "s/^/   /"
+        done
+      done
     done
+    python3 scripts/bench_engine.py report-ab "$OUT" | tee "$OUT/ab.txt"
   fi
   if part engine; then
     t0=$SECONDS
-    timeout 320 python3 scripts/bench_gpu_engine.py --skip-hf --skip-append --json "$OUT/engine.json" \
+    timeout 320 python3 scripts/bench_engine.py speed --skip-hf --skip-append --json "$OUT/engine.json" \
       2>&1 | tee "$OUT/bench.log"
     echo "engine bench: $((SECONDS - t0)) s"
   fi
-  # the peer: a gpt-fast-style compiled decode of the same shape, right after Prism's (not in
-  # the default set: PARTS=peer; about 100 s of compiling a batch size)
-  part peer && timeout "${PEER_TIMEOUT:-400}" python3 scripts/bench_gpu_gptfast.py \
+  part peer && timeout "${PEER_TIMEOUT:-400}" python3 scripts/bench_peer.py \
     --json "$OUT/gptfast.json" 2>&1 | tee "$OUT/gptfast.log" | grep -E "^gpt-fast|^weights|Error"
-  # where a lone prompt's TTFT goes through the engine: to its first step, steps, output
-  part ttft && timeout 120 python3 scripts/bench_gpu_ttft.py --json "$OUT/ttft.json" 2>&1 | tail -3
-  # where a lone prompt's eager step spends its host time, and each kind of call's launch cost
-  # (not in the default set: PARTS=host)
-  part host && timeout 150 python3 scripts/bench_gpu_prefill_host.py --json "$OUT/host.json" \
+  part ttft && timeout 120 python3 scripts/bench_engine.py ttft --json "$OUT/ttft.json" 2>&1 | tail -3
+  part host && timeout 150 python3 scripts/bench_engine.py host --json "$OUT/host.json" \
     2>&1 | grep -v "^prism_server" | tail -60
-  # a GEMM after an idle window, its weight asked of the L2 in the window or not
-  part prefetch && timeout 120 python3 scripts/bench_gpu_l2_prefetch.py --json "$OUT/l2.json" 2>&1 \
-    | tail -24
-  # batch-1 projections: cuBLAS beside Prism's Triton GEMVs that carry the norms, activation
-  # and residual adds (not in the default set: PARTS=gemv; GEMV_CONFIGS: the tilings tried)
-  part gemv && timeout 200 python3 scripts/bench_gpu_gemv.py ${GEMV_CONFIGS:+--configs "$GEMV_CONFIGS"} \
-    --json "$OUT/gemv.json" 2>&1 | tail -10
-  # decode attention alone: the Triton kernel under several settings beside FlashInfer's and
-  # the K/V floor (not in the default set: PARTS=attn; ATTN_CONFIGS: the settings,
-  # splits:stages:waves:block_n[:warps])
-  part attn && timeout 300 python3 scripts/bench_gpu_decode_kernel.py \
+  part gemv && timeout 200 python3 scripts/bench_kernels.py gemv \
+    ${GEMV_CONFIGS:+--configs "$GEMV_CONFIGS"} --json "$OUT/gemv.json" 2>&1 | tail -10
+  part attn && timeout 300 python3 scripts/bench_kernels.py attn \
     ${ATTN_CONFIGS:+--configs "$ATTN_CONFIGS"} --json "$OUT/decode_kernel.json" 2>&1 \
     | tee "$OUT/decode_kernel.log" | grep -E "^B=|Error|error"
-  # few-row projections: cuBLAS beside Prism's Triton small GEMMs, alone and as a layer's
-  # chain (not in the default set: PARTS=smallgemm; SMALL_GEMM_CONFIGS: the tilings tried)
-  part smallgemm && timeout 300 python3 scripts/bench_gpu_small_gemm.py \
+  part smallgemm && timeout 300 python3 scripts/bench_kernels.py smallgemm \
     ${SMALL_GEMM_CONFIGS:+--configs "$SMALL_GEMM_CONFIGS"} --json "$OUT/small_gemm.json" 2>&1 \
     | tee "$OUT/small_gemm.log" | grep -E "chain|fused|best|Error|error"
-  # decode under kernel choices (CHOICES: PRISM_* settings) beside the defaults, one process,
-  # engines built in turn, ROUNDS rounds (ABC ABC), medians and ratios to the defaults last
   if part choices; then
-    timeout "${CHOICES_TIMEOUT:-560}" python3 scripts/bench_gpu_engine.py --choices "${CHOICES:-}" \
+    timeout "${CHOICES_TIMEOUT:-560}" python3 scripts/bench_engine.py speed --choices "${CHOICES:-}" \
       --rounds "${ROUNDS:-2}" --json "$OUT/choices.json" 2>&1 | tee "$OUT/choices.log" \
-      | grep -E "^   \[|^   choice:|^   (default|PRISM_)|the L2|through FlashInfer|plainly|norms and act|Error"
+      | grep -E "^   \[|^   choice:|^   (default|/)|through FlashInfer|plainly|norms and act|Error"
   fi
-  # the kernel choices beside the default, a process each (KERNELS="" skips them)
   if part kernels; then
-    for choice in ${KERNELS-PRISM_DECODE_BACKEND=flashinfer PRISM_DECODE_BACKEND=xqa PRISM_ROPE_WRITE=0 CUBLASLT_WORKSPACE_SIZE=1 PRISM_PREFILL_BACKEND=fa3}; do
+    if [ -z "${KERNELS+x}" ]; then  # the default tables: a setting each, beside the GPU's
+      mkdir -p "$OUT/kernels"
+      echo '{"prefill_backend": {"value": "fa3"}}' > "$OUT/kernels/prefill-fa3.json"
+      echo '{"gemv": {"value": null}}' > "$OUT/kernels/no-gemv.json"
+      KERNELS="$OUT/kernels/prefill-fa3.json $OUT/kernels/no-gemv.json"
+    fi
+    for table in $KERNELS; do
       t0=$SECONDS
-      env ${choice//,/ } timeout 330 python3 scripts/bench_gpu_engine.py --speed-only ${KERNELS_ARGS:-} \
-        --json "$OUT/engine-${choice//[=,]/-}.json" 2>&1 \
-        | grep -E "decode B=|B=1[6]?: step|prefill|tokens: wall|the L2|through FlashInfer|plainly|norms and act" \
-        | sed "s/^/$choice: /"
-      echo "$choice: $((SECONDS - t0)) s"
+      name=$(basename "$table" .json)
+      PRISM_KERNEL_CONFIG=$table timeout 330 python3 scripts/bench_engine.py speed --speed-only \
+        ${KERNELS_ARGS:-} --json "$OUT/engine-$name.json" 2>&1 \
+        | grep -E "decode B=|B=1[6]?: step|prefill|tokens: wall|through FlashInfer|plainly|norms and act" \
+        | sed "s/^/$name: /"
+      echo "$name: $((SECONDS - t0)) s"
     done
   fi
 fi
-if [ "$quick" = "--tests" ]; then
+if [ "$mode" = "--tests" ]; then
   t0=$SECONDS
   timeout "${TESTS_TIMEOUT:-540}" python3 -m pytest -m gpu -q -rs -p no:cacheprovider --durations=12 \
     tests/gpu tests/kvpool -k "${TESTS_K:-}" 2>&1 | tee "$OUT/pytest.log"
   echo "tests: $((SECONDS - t0)) s"
 fi
-if [ "$quick" = "--multi" ]; then
+if [ "$mode" = "--multi" ]; then
   t0=$SECONDS
   timeout 200 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/gpu/test_tensor_parallel_gpu.py \
     tests/gpu/test_flashinfer_attention.py -k "not fa3" 2>&1 | tee "$OUT/pytest.log"
   echo "tests: $((SECONDS - t0)) s"
-  timeout 400 python3 scripts/bench_gpu_tp.py --json "$OUT/tp.json" 2>&1 | tail -4
-  timeout 400 python3 scripts/bench_gpu_multi.py --json "$OUT/multi.json" 2>&1 | tail -6
+  timeout 400 python3 scripts/bench_lifecycle.py tp --json "$OUT/tp.json" 2>&1 | tail -4
+  timeout 400 python3 scripts/bench_lifecycle.py multi --json "$OUT/multi.json" 2>&1 | tail -6
 fi
 # What the README's set-up does on this machine (the decision only: it has no registry access),
 # then the start-up lines of a server on it (attention backend, graphs, kernels, page pool).
-if [ "$quick" != "--decode" ] && [ "$quick" != "--multi" ] && [ "$quick" != "--tests" ]; then
-t0=$SECONDS
-{
-  echo "\$ bash scripts/install.sh --dry-run"; bash scripts/install.sh --dry-run
-  echo "\$ python3 -m prism_server --model m=dummy:llama-3.2-1b --port 8765"
-  python3 -m prism_server --model m=dummy:llama-3.2-1b --port 8765 > "$OUT/startup.log" 2>&1 &
-  pid=$!
-  for _ in $(seq 240); do
-    curl -sf http://127.0.0.1:8765/health >/dev/null 2>&1 && break
-    kill -0 $pid 2>/dev/null || break; sleep 0.5
-  done
-  curl -s http://127.0.0.1:8765/v1/completions -H 'Content-Type: application/json' \
-    -d '{"model": "m", "prompt": "Hello", "max_tokens": 4, "temperature": 0}'; echo
-  kill -TERM $pid 2>/dev/null; wait $pid
-  cat "$OUT/startup.log"
-} 2>&1 | tee "$OUT/setup.txt"
-echo "set-up transcript: $((SECONDS - t0)) s"
+if [ -z "$mode" ] || [ "$mode" = "--quick" ] || [ "$mode" = "--api" ]; then
+  t0=$SECONDS
+  {
+    echo "\$ bash scripts/install.sh --dry-run"; bash scripts/install.sh --dry-run
+    echo "\$ python3 -m prism_server --model m=dummy:llama-3.2-1b --port 8765"
+    python3 -m prism_server --model m=dummy:llama-3.2-1b --port 8765 > "$OUT/startup.log" 2>&1 &
+    pid=$!
+    for _ in $(seq 240); do
+      curl -sf http://127.0.0.1:8765/health >/dev/null 2>&1 && break
+      kill -0 $pid 2>/dev/null || break; sleep 0.5
+    done
+    curl -s http://127.0.0.1:8765/v1/completions -H 'Content-Type: application/json' \
+      -d '{"model": "m", "prompt": "Hello", "max_tokens": 4, "temperature": 0}'; echo
+    kill -TERM $pid 2>/dev/null; wait $pid
+    cat "$OUT/startup.log"
+  } 2>&1 | tee "$OUT/setup.txt"
+  echo "set-up transcript: $((SECONDS - t0)) s"
 
-t0=$SECONDS
-timeout 330 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/gpu tests/kvpool 2>&1 | tee "$OUT/pytest.log"
-echo "tests: $((SECONDS - t0)) s"
+  t0=$SECONDS
+  timeout 330 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/gpu tests/kvpool 2>&1 | tee "$OUT/pytest.log"
+  echo "tests: $((SECONDS - t0)) s"
 
-t0=$SECONDS
-timeout 60 python3 scripts/bench_gpu_pool.py --json "$OUT/pool.json" 2>&1 | tee "$OUT/bench.log"
-echo "pool bench: $((SECONDS - t0)) s"
-if [ -z "$quick" ]; then
   t0=$SECONDS
-  timeout 250 python3 scripts/bench_gpu_engine.py --json "$OUT/engine.json" 2>&1 | tee -a "$OUT/bench.log"
-  echo "engine bench: $((SECONDS - t0)) s"
-  t0=$SECONDS
-  timeout 420 python3 scripts/bench_gpu_lifecycle.py --json "$OUT/lifecycle.json" 2>&1 | tee -a "$OUT/bench.log"
-  echo "lifecycle bench: $((SECONDS - t0)) s"
-  t0=$SECONDS
-  timeout 300 python3 scripts/bench_gpu_arbitrator.py --json "$OUT/arbitrator.json" 2>&1 | tee -a "$OUT/bench.log"
-  echo "arbitrator bench: $((SECONDS - t0)) s"
+  timeout 60 python3 scripts/bench_lifecycle.py pool --json "$OUT/pool.json" 2>&1 | tee "$OUT/bench.log"
+  echo "pool bench: $((SECONDS - t0)) s"
+  if [ -z "$mode" ]; then
+    t0=$SECONDS
+    timeout 250 python3 scripts/bench_engine.py speed --json "$OUT/engine.json" 2>&1 | tee -a "$OUT/bench.log"
+    echo "engine bench: $((SECONDS - t0)) s"
+    t0=$SECONDS
+    timeout 420 python3 scripts/bench_lifecycle.py models --json "$OUT/lifecycle.json" 2>&1 | tee -a "$OUT/bench.log"
+    echo "lifecycle bench: $((SECONDS - t0)) s"
+    t0=$SECONDS
+    timeout 300 python3 scripts/bench_lifecycle.py arbitrator --json "$OUT/arbitrator.json" 2>&1 | tee -a "$OUT/bench.log"
+    echo "arbitrator bench: $((SECONDS - t0)) s"
+  fi
+  if [ "$mode" != "--quick" ]; then
+    t0=$SECONDS
+    timeout 300 python3 scripts/bench_engine.py api --json "$OUT/api.json" 2>&1 | tee -a "$OUT/bench.log"
+    echo "api bench (prefix cache TTFT, structured-output TPOT): $((SECONDS - t0)) s"
+  fi
 fi
-if [ -z "$quick" ] || [ "$quick" = "--api" ]; then
-  t0=$SECONDS
-  timeout 300 python3 scripts/bench_api.py --json "$OUT/api.json" 2>&1 | tee -a "$OUT/bench.log"
-  echo "api bench (prefix cache TTFT, structured-output TPOT): $((SECONDS - t0)) s"
-fi
-fi  # not --decode
 
 # Keep the FlashInfer modules, those compiled now too, for the next run: back here, join the
 # parts with `bash scripts/fi_kernels.sh join FILES_AT` (-> .fiaot/fi_aot.tar.xz, carried).
 bash scripts/fi_kernels.sh pack "$aot" "$FLASHINFER_WORKSPACE_BASE/.cache/flashinfer" "$OUT"
 
 echo
-python3 scripts/gpu_report.py "$OUT/pool.json" "$OUT/engine.json" "$OUT/pytest.log" \
+python3 scripts/bench_engine.py report "$OUT/pool.json" "$OUT/engine.json" "$OUT/pytest.log" \
   "$OUT/gptfast.json" | tee "$OUT/table.txt"
 
-# A device call returns at most 8 files: the logs and figures travel in one archive, beside the
+# A device call returns few files: the logs and figures travel in one archive, beside the
 # kernel parts.
 (cd "$OUT" && tar -czf results.tgz --exclude='fi_aot.tgz.part*' --exclude=results.tgz . \
   && find . -mindepth 1 -maxdepth 1 ! -name 'fi_aot.tgz.part*' ! -name results.tgz -exec rm -rf {} +)

@@ -5,7 +5,8 @@
 # the GPU extras (FlashInfer, cuda-python), pinned to the set tested together. Without one: the
 # CPU build of torch from PyTorch's CPU index, so nothing pulls the multi-GB CUDA build; where
 # that index cannot be reached (an offline mirror), the same version from the configured index.
-# PRISM_INSTALL=cpu|gpu overrides the detection; --dry-run prints the decision and stops.
+# --cpu or --gpu overrides the detection; --dry-run prints the decision and stops (flags in any
+# order: `bash scripts/install.sh --gpu --dry-run`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -14,7 +15,16 @@ TORCH_CPU=2.13.0
 GPU_INDEX=https://download.pytorch.org/whl/cu130
 CPU_INDEX=https://download.pytorch.org/whl/cpu
 
-mode=${PRISM_INSTALL:-}
+mode=
+dry_run=
+for arg in "$@"; do
+  case "$arg" in
+    --cpu) mode=cpu ;;
+    --gpu) mode=gpu ;;
+    --dry-run) dry_run=1 ;;
+    *) echo "install: unknown argument $arg (--cpu, --gpu, --dry-run)" >&2; exit 2 ;;
+  esac
+done
 if [ -z "$mode" ]; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then
     mode=gpu
@@ -25,9 +35,8 @@ fi
 case "$mode" in
   gpu) echo "install: NVIDIA GPU found ($(nvidia-smi -L 2>/dev/null | head -1 || echo forced)): torch $TORCH_GPU (CUDA 13.0), the gpu extras (flashinfer-python, cuda-python)" ;;
   cpu) echo "install: no NVIDIA GPU: the CPU build of torch $TORCH_CPU" ;;
-  *) echo "install: PRISM_INSTALL must be cpu or gpu, not $mode" >&2; exit 2 ;;
 esac
-[ "${1:-}" = "--dry-run" ] && exit 0
+[ -n "$dry_run" ] && exit 0
 
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 pip() { .venv/bin/python -m pip -q --disable-pip-version-check "$@"; }

@@ -8,6 +8,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # Run first in a fresh interpreter: any import of these raises, as if they were not installed.
@@ -65,6 +67,7 @@ def test_scheduler_imports_without_torch():
     assert int(r.stdout) >= 5  # request, sampling_params, batch_scheduler, snapshot, balloon
 
 
+@pytest.mark.slow
 def test_scheduler_tests_run_without_torch():
     r = run(
         """

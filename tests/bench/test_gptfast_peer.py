@@ -1,12 +1,13 @@
-"""The decode-speed peer (scripts/bench_gpu_gptfast.py) is a whole Llama, not a cheaper model:
+"""The decode-speed peer (scripts/bench_peer.py) is a whole Llama, not a cheaper model:
 loaded with a small transformers Llama's weights, its prefill and its decode steps through the
 static cache give transformers' logits and greedy tokens (on CPU, eager: the GPU run compiles
 the same code)."""
 
+import pytest
 import torch
 import transformers as tf
 
-from scripts.bench_gpu_gptfast import PeerArgs, Transformer, decode_one_token, random_model
+from scripts.bench_peer import PeerArgs, Transformer, decode_one_token, random_model
 
 
 def _hf_llama():
@@ -65,6 +66,7 @@ def _peer_from(hf, cfg) -> Transformer:
 
 
 @torch.no_grad()
+@pytest.mark.slow
 def test_peer_matches_transformers_llama():
     hf, cfg = _hf_llama()
     peer = _peer_from(hf, cfg)

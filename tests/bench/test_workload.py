@@ -168,6 +168,10 @@ def test_lengths_drawn_from_another_trace_keep_the_arrivals_and_pair_the_lengths
         resample_lengths(rows, [])
 
 
+@pytest.mark.skipif(
+    not (TRACES.parent / "servegen").exists() or not (TRACES.parent / "mooncake_fast25").exists(),
+    reason="the shared traces are not beside the checkout",
+)
 def test_the_workload_command_takes_a_servegen_stream_with_mooncake_lengths(tmp_path, capsys):
     from prism_server.bench.traces import from_servegen
     from prism_server.bench.traces_cli import length_pairs

@@ -512,6 +512,7 @@ def test_embedded_smollm2_converts_like_transformers(tmp_path):
     assert ModelConfig.from_hf(hf_cfg).tie_word_embeddings
 
 
+@pytest.mark.slow
 def test_the_embedded_gemmas_control_and_image_markers_are_special():
     """The GGUF's control tokens and Gemma's image markers are special after conversion, so
     skip_special_tokens keeps them out of text; the vocabulary and plain tokens are unchanged."""

@@ -12,6 +12,8 @@ from prism_server.config import EngineConfig, ModelSpec
 from prism_server.engine import Engine
 from scheduler.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.slow  # measured: over 20 s a module on the 2-core machine
+
 NEW_TOKENS = 32
 NEAR_TIE = 1e-3
 PROMPTS = {

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # measured: over 20 s a module on the 2-core machine
+
 pytest.importorskip("triton")
 
 

@@ -96,6 +96,7 @@ def test_the_tiling_knob():
             GemvConfig.parse(bad)
 
 
+@pytest.mark.slow
 def test_load_step_ops_checks_the_gemvs():
     ops, why = fused_decode.load_step_ops(torch.device("cpu"), gemv=GemvConfig(32, 512))
     assert why is None and ops.gemv_config == GemvConfig(32, 512) and ops.small_config is None
@@ -108,6 +109,7 @@ def test_load_step_ops_checks_the_gemvs():
 
 
 @torch.no_grad()
+@pytest.mark.slow
 def test_a_one_row_forward_runs_its_layers_as_gemvs():
     """The tiny Llama in bf16, one decode row over a cached prompt: every layer as four GEMVs
     (the first layer's stream the embeddings), against the model's own forward; a step of two

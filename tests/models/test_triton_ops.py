@@ -40,6 +40,7 @@ def rotated(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
 ROPE_CASES = [(5, 8, 2, 64), (5, 8, 2, 96), (130, 8, 2, 64), (128, 16, 8, 96)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ROPE_CASES, ids=lambda c: "t{}-hq{}-hkv{}-d{}".format(*c))
 @pytest.mark.parametrize("out", ["in-place", "q-out", "qkv-out"])
 def test_rope_write_rotates_q_and_k_and_stores_k_and_v_at_their_slots(case, out):
@@ -227,6 +228,7 @@ def test_a_dense_launch_takes_its_own_warps_and_stages():
             triton_ops.TritonDecodeKernel(8, 2, 64, BLOCK, CPU, dense=bad)
 
 
+@pytest.mark.slow
 def test_more_splits_than_the_default_merge_holds():
     """max_splits 32 (a build whose merge holds 32 parts), tiles of 16 positions: a sequence of
     515 positions split 32 ways, against the reference; 0 and 65 splits are refused."""
@@ -308,6 +310,7 @@ def test_without_triton_here_the_context_ropes_first_and_the_writer_stores(monke
     assert not writer.fuses_rope(cache)
 
 
+@pytest.mark.slow
 def test_a_model_load_builds_and_checks_the_kernel_or_says_why_not(monkeypatch):
     specs = list(SPECS.values())
     kernel, why = triton_ops.load_decode_kernel((8, 2), 64, BLOCK, CPU, specs, torch.bfloat16, True)

@@ -11,6 +11,8 @@ import pytest
 
 from prism_server import __version__
 
+pytestmark = pytest.mark.slow  # measured: over 20 s a module on the 2-core machine
+
 CHAT = "smollm2-135m"
 Q = [{"role": "user", "content": "What is the capital of France?"}]
 

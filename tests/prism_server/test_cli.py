@@ -12,6 +12,9 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
+
+pytestmark = pytest.mark.slow  # measured: over 20 s a module on the 2-core machine
 
 ROOT = Path(__file__).resolve().parents[2]
 

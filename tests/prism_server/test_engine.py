@@ -11,6 +11,8 @@ from prism_server.engine import Engine
 from scheduler.request import FinishReason
 from scheduler.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.slow  # measured: over 20 s a module on the 2-core machine
+
 SMOL = "smollm2-135m"
 # SmolLM2 in fp32 takes 30 x 24 KiB = 720 KiB of KV per 16-token block: a 4 MiB page holds 5
 # blocks (80 tokens), so these prompts span several blocks and pages.

@@ -14,6 +14,8 @@ from prism_server.config import EngineConfig, ModelSpec
 from prism_server.engine import Engine
 from prism_server.server.app import serve_in_thread
 
+pytestmark = pytest.mark.slow  # measured: over 20 s a module on the 2-core machine
+
 MAX_LEN = 48  # small context: every accepted request finishes quickly
 JSON = {"Content-Type": "application/json"}
 

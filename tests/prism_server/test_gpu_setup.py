@@ -69,19 +69,19 @@ def test_missing_cuda_python_is_one_error_line_from_the_cli(fake_gpu, capsys):
 
 
 @pytest.mark.parametrize(
-    "env, expect",
+    "flags, expect",
     [
-        ({"PRISM_INSTALL": "cpu"}, "no NVIDIA GPU: the CPU build of torch"),
-        ({"PRISM_INSTALL": "gpu"}, "torch 2.11.0 (CUDA 13.0), the gpu extras"),
-        ({}, "no NVIDIA GPU"),  # this machine has none
+        (["--cpu"], "no NVIDIA GPU: the CPU build of torch"),
+        (["--gpu"], "torch 2.11.0 (CUDA 13.0), the gpu extras"),
+        ([], "no NVIDIA GPU"),  # this machine has none
     ],
 )
-def test_the_setup_script_decides_by_the_gpu(env, expect):
+def test_the_setup_script_decides_by_the_gpu(flags, expect):
     r = subprocess.run(
-        ["bash", str(ROOT / "scripts/install.sh"), "--dry-run"],
+        ["bash", str(ROOT / "scripts/install.sh"), *flags, "--dry-run"],
         capture_output=True,
         text=True,
-        env={"PATH": "/usr/bin:/bin", **env},
+        env={"PATH": "/usr/bin:/bin"},
         timeout=30,
     )
     assert r.returncode == 0 and expect in r.stdout, r.stdout + r.stderr

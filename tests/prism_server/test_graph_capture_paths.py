@@ -25,6 +25,8 @@ from models.kernels.triton_gemv import GemvConfig
 from prism_server.cuda_graph_runner import CudaGraphRunner
 from tests.gpu.common import cpu_kv, tiny_model
 
+pytestmark = pytest.mark.slow  # measured: over 20 s a module on the 2-core machine
+
 CPU = torch.device("cpu")
 
 

@@ -134,6 +134,7 @@ def eos_in_the_unread_token(make=tiny_cpu_worker) -> None:
     assert ahead.outcome("b")[2] is FinishReason.LENGTH
 
 
+@pytest.mark.slow
 def test_eos_in_the_unread_token_ends_the_request_and_its_extra_step_is_dropped():
     """The EOS is only seen once the next step is launched: that step computes the request for
     nothing (its token dropped), the request keeps its blocks until that step is read, and the
@@ -198,6 +199,7 @@ def test_penalties_see_the_unread_token_and_launch_ahead_with_the_same_tokens(pa
     assert plain.outcome("a")[3] != plain.outcome("b")[3]  # the penalty changed the output
 
 
+@pytest.mark.slow
 def test_logit_bias_and_min_tokens_launch_ahead_with_the_same_tokens():
     """A bias against the token a request would pick second, and a min_tokens that bans the EOS
     (the token it would pick third) through its fifth token, counting the unread token: the
@@ -218,6 +220,7 @@ def test_logit_bias_and_min_tokens_launch_ahead_with_the_same_tokens():
     assert len(tokens_b) >= 5 and eos not in tokens_b[:5]  # its third token, without the ban
 
 
+@pytest.mark.slow
 def test_logprobs_come_back_with_the_tokens_launched_ahead():
     """Logprobs are computed on the device beside the token and read with it: the same values
     as when the tokens are read first, top alternatives included (and none where none asked)."""
@@ -235,6 +238,7 @@ def test_logprobs_come_back_with_the_tokens_launched_ahead():
     assert [lp.token_id for lp in lps["a"]] == ahead.outcome("a")[3]
 
 
+@pytest.mark.slow
 def test_an_abort_reads_the_step_in_flight_first_and_frees_everything():
     run = Run(True)
     a = run.submit("a", greedy(20))

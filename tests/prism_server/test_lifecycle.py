@@ -115,6 +115,7 @@ def test_admin_transitions_and_what_they_refuse(reference):
         e.check_integrity()
 
 
+@pytest.mark.slow
 def test_an_admin_evict_under_load_loses_nothing(reference, steps_ahead):
     with Engine(two_at_a_time()) as e:
         results: dict[int, list[int]] = {}
@@ -392,6 +393,7 @@ def crowded():
     srv.close()
 
 
+@pytest.mark.slow
 def test_a_waiting_stream_gets_keep_alives_then_503_past_max_wait(crowded):
     assert states(crowded.engine) == {"a": "resident", "b": "offloaded"}
     gate = threading.Event()

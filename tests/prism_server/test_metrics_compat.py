@@ -15,6 +15,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+pytestmark = pytest.mark.slow  # measured: over 20 s a module on the 2-core machine
+
 SMOL = "smollm2-135m"
 # the PromQL of vLLM's example dashboard (examples/observability/prometheus_grafana/grafana.json)
 VLLM_DASHBOARD = [

@@ -101,6 +101,7 @@ def test_an_access_line_per_request_with_model_and_tokens(engine, caplog):
         s.close(close_engine=False)
 
 
+@pytest.mark.slow
 def test_json_logs_and_quiet_progress_bars_when_not_a_terminal():
     code = (
         "from prism_server import logs; import logging; logs.configure('json');"

@@ -60,6 +60,7 @@ def idle(s) -> bool:
     return m.num_requests == 0
 
 
+@pytest.mark.slow
 def test_a_flood_gets_503_at_once_and_memory_stays_bounded(srv):
     n, bound = 800, 64
     body = {"model": "tiny", "prompt": "flood", "max_tokens": 2}

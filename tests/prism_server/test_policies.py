@@ -116,6 +116,7 @@ def _prism_wins(results: dict[str, tuple[int, int, int]]) -> bool:
     )
 
 
+@pytest.mark.slow
 def test_prism_meets_more_deadlines_than_static_and_swap(capsys):
     """The SLOs come from one calibration burst on a shared CPU: a slow spell after it makes
     every policy miss what it would not. Such a comparison is measured once more, from a new
@@ -138,6 +139,7 @@ def test_prism_meets_more_deadlines_than_static_and_swap(capsys):
     assert _prism_wins(tries[-1][1]), tries
 
 
+@pytest.mark.slow
 def test_models_starved_at_once_take_memory_in_turn_without_thrashing(steps_ahead):
     """Four bursts at once on a pool that holds about two of them: every starved model would take
     the others' pages (evict the stalled, preempt the running), and two of them taking from each
@@ -152,6 +154,7 @@ def test_models_starved_at_once_take_memory_in_turn_without_thrashing(steps_ahea
     assert all(m.activations <= 5 for m in models), {m.name: m.activations for m in models}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["prism", "static", "swap"])
 def test_the_policy_is_visible_in_the_snapshot(policy):
     with _engine(policy) as e:

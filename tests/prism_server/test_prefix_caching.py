@@ -56,6 +56,7 @@ def engine(prefix: bool, **cfg) -> Engine:
     )
 
 
+@pytest.mark.slow
 def test_a_multi_turn_chat_reuses_its_history_and_answers_the_same():
     with engine(prefix=False) as e:
         plain = chat_turns(e)
@@ -77,6 +78,7 @@ def test_a_multi_turn_chat_reuses_its_history_and_answers_the_same():
     assert snap.kv_blocks_prefix_idle > 0  # nobody runs: what is left is the idle cache
 
 
+@pytest.mark.slow
 def test_the_usage_and_the_metrics_report_cached_tokens(server):
     from openai import OpenAI
 

@@ -40,6 +40,7 @@ def completion(url: str, prompt: str, stop, seed, headers=None) -> httpx.Respons
     return httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=120)
 
 
+@pytest.mark.slow
 def test_concurrent_requests_with_the_same_request_id_do_not_share_state(server):
     """Four requests with one X-Request-Id, held until all four are queued so they run in one
     batch: each answer equals its request run alone (with the header as the key, their tokens

@@ -160,6 +160,7 @@ def test_disconnect_mid_stream_frees_the_blocks(server):
     server.engine.check_integrity()
 
 
+@pytest.mark.slow
 def test_requests_to_two_models_interleave(server):
     """One model's stream goes on while the other's runs from its first token to its last:
     the device steps both, not one to its end (the start of the second stream may lag the

@@ -43,6 +43,7 @@ def test_chat_stream_equals_non_stream(client):
     assert chunks[-2].choices[0].finish_reason in ("stop", "length")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", [SMOL, GEMMA])
 def test_completions_stream_and_not(client, model):
     kw = dict(model=model, prompt="The capital of France is", max_tokens=12, temperature=0)
@@ -70,6 +71,7 @@ def test_completion_prompt_forms(client):
     assert len(many.choices) == 2 and many.usage.prompt_tokens == 3
 
 
+@pytest.mark.slow
 def test_n_seed_stop_and_logprobs(client):
     r = client.chat.completions.create(
         model=SMOL, messages=QUESTION, max_tokens=8, n=3, temperature=1.0, seed=11

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 from scripts.soak import Soak, SoakConfig
+
+pytestmark = pytest.mark.slow  # measured: over 20 s a module on the 2-core machine
 
 
 def test_short_soak_loses_nothing_and_leaks_nothing():

@@ -131,6 +131,7 @@ def test_a_grammar_that_does_not_compile_names_the_problem(grammars):
 
 
 # ---- through the server ----------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(SCHEMAS))
 def test_json_schema_outputs_validate_streamed_or_not(server, name):
     body = chat(server, response_format=_rf(name))
@@ -152,6 +153,7 @@ def test_json_schema_outputs_validate_streamed_or_not(server, name):
     assert text == choice["message"]["content"]
 
 
+@pytest.mark.slow
 def test_sampled_choices_each_keep_the_schema(server):
     body = chat(server, response_format=_rf("enum"), n=3, temperature=1.0, seed=7)
     for c in body["choices"]:
@@ -222,6 +224,7 @@ def test_malformed_structured_output_is_refused_with_400(server, fields, param, 
     chat(server, max_tokens=2)  # and it keeps serving
 
 
+@pytest.mark.slow
 def test_the_openai_client_and_langchain_get_objects_that_validate(server):
     from langchain_openai import ChatOpenAI
     from openai import OpenAI

@@ -213,6 +213,7 @@ def test_the_other_device_gets_its_pages_back_from_an_idle_split_model(tmp_path)
         e.check_integrity()
 
 
+@pytest.mark.slow
 def test_a_busy_split_model_gives_up_a_request_for_the_other_devices_new_work(
     tmp_path, steps_ahead
 ):

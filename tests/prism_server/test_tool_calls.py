@@ -150,6 +150,7 @@ def test_a_template_without_tools_refuses_them():
 
 
 # ---- over HTTP ---------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_required_returns_a_call_whose_arguments_validate_streamed_or_not(server):
     fields = {"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False}
     r = chat(server, **fields)
@@ -169,6 +170,7 @@ def test_required_returns_a_call_whose_arguments_validate_streamed_or_not(server
     assert all("content" not in c["delta"] or c["delta"]["content"] == "" for c in chunks)
 
 
+@pytest.mark.slow
 def test_a_named_function_is_the_one_called(server):
     choice = {"type": "function", "function": {"name": "get_time"}}
     r = chat(server, tools=TOOLS, tool_choice=choice)
@@ -178,6 +180,7 @@ def test_a_named_function_is_the_one_called(server):
     jsonschema.validate(json.loads(calls[0]["function"]["arguments"]), TIME)
 
 
+@pytest.mark.slow
 def test_parallel_calls_each_validate(server):
     r = chat(server, tools=TOOLS, tool_choice="required", max_tokens=120)
     calls = r.json()["choices"][0]["message"]["tool_calls"]
@@ -189,6 +192,7 @@ def test_parallel_calls_each_validate(server):
     assert len({c["id"] for c in calls}) == len(calls)
 
 
+@pytest.mark.slow
 def test_auto_and_none_answer_in_text_and_the_prompt_carries_the_tools_only_for_auto(server):
     r = chat(server, tools=TOOLS)  # tool_choice defaults to auto; this model answers in prose
     msg = r.json()["choices"][0]["message"]
@@ -200,6 +204,7 @@ def test_auto_and_none_answer_in_text_and_the_prompt_carries_the_tools_only_for_
     assert "tool_calls" not in r.json()["choices"][0]["message"]
 
 
+@pytest.mark.slow
 def test_tool_results_in_the_history_reach_the_template(server):
     history = [
         *Q,
@@ -226,6 +231,7 @@ def test_tool_results_in_the_history_reach_the_template(server):
     assert r.status_code == 200, r.text
 
 
+@pytest.mark.slow
 def test_the_openai_client_and_langchain_get_tool_calls(server):
     from langchain_core.messages import AIMessage
     from langchain_openai import ChatOpenAI
@@ -296,6 +302,7 @@ def test_a_model_without_a_chat_template_refuses_tools(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "model", r.text
 
 
+@pytest.mark.slow
 def test_litellm_gets_tool_calls(server, monkeypatch):
     monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no network at import
     import litellm

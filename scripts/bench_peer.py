@@ -14,7 +14,7 @@ Llama-3.1-8B's shape, bf16, random weights; for each batch of `--batches`, the c
 flatters the peer, not Prism); TPOT is the mean over the steps after the first two, the
 lower of two runs (again in the peer's favour).
 
-    python3 scripts/bench_gpu_gptfast.py [--batches "1 16"] [--context 1024] [--json F]
+    python3 scripts/bench_peer.py [--batches "1 16"] [--context 1024] [--json F]
 """
 
 from __future__ import annotations
@@ -242,7 +242,7 @@ def main() -> None:
     inductor.coordinate_descent_tuning = True
     inductor.triton.unique_kernel_names = True
     inductor.fx_graph_cache = True
-    from scripts.bench_gpu_l2_prefetch import gpu_start
+    from scripts.bench_kernels import gpu_start
 
     dev = torch.device("cuda")
     out: dict = {**gpu_start(dev), "peer": "gpt-fast-style, torch.compile reduce-overhead"}
