@@ -5,7 +5,6 @@ lengths capped; prints how trace streams map to models and what the workload loo
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
 from prism_server.bench import workload as wl
@@ -35,8 +34,8 @@ def _mooncake(root: Path) -> Path:
     return root / "mooncake_fast25" / "conversation_trace.jsonl.gz"
 
 
-def default_traces() -> Path:
-    return Path(os.environ.get("PRISM_TRACES", "../shared/traces"))
+# where the public traces are unpacked, unless --traces says otherwise
+DEFAULT_TRACES = Path("../shared/traces")
 
 
 def add_workload_command(sub) -> None:
@@ -96,7 +95,7 @@ def build(args: argparse.Namespace) -> tuple[list[wl.Row], dict[str, str]]:
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     if not models:
         raise ValueError("--models: at least one model")
-    root = args.traces or default_traces()
+    root = args.traces or DEFAULT_TRACES
     end = args.start_s + args.duration_s
     if args.source == "azure":
         if len(models) != 2:
