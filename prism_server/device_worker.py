@@ -235,8 +235,12 @@ class DeviceWorker:
                 return
             try:
                 self._handle(cmd)
-            except Exception:
-                log.exception("engine command %s failed", type(cmd).__name__)
+            except Exception as e:  # to the command's future when it has one
+                done = getattr(cmd, "done", None)
+                if done is None or done.done():
+                    log.exception("engine command %s failed", type(cmd).__name__)
+                else:
+                    done.set_exception(e)
 
     def _reclaim_order(self, usage, requester: str) -> list[str]:
         busy = frozenset(m.name for m in self.models.values() if m.requests)

@@ -11,6 +11,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import replace
 
 import torch
@@ -492,20 +493,33 @@ class Engine:
     def activate(self, name: str) -> float:
         """Make a model resident now (thread-safe; blocks until done); returns the seconds the
         transition took. TransitionRefused if it cannot be done now."""
-        self.model(name)
         t = time.perf_counter()
-        self._settled(name).execute(Activate(name))
+        self.start_activate(name).result()
         return time.perf_counter() - t
 
     def evict(self, name: str, drain_s: float | None = None) -> float:
         """Offload a model (thread-safe; blocks until done): its running requests may finish for
         up to drain_s seconds (default: its drain_timeout_s), the rest are requeued; returns the
         seconds the transition took. TransitionRefused for a pinned model."""
-        served = self.model(name)
         t = time.perf_counter()
-        drain = served.spec.drain_timeout_s if drain_s is None else drain_s
-        self._settled(name).execute(Evict(name, drain))
+        self.start_evict(name, drain_s).result()
         return time.perf_counter() - t
+
+    def start_activate(self, name: str) -> Future:
+        """Send a model's activation (thread-safe; returns at once): the future resolves once it
+        serves, or with TransitionRefused."""
+        self.model(name)
+        cmd = Activate(name)
+        self._settled(name).send(cmd)
+        return cmd.done
+
+    def start_evict(self, name: str, drain_s: float | None = None) -> Future:
+        """Send a model's eviction (as `evict`; returns at once): the future resolves once it is
+        offloaded, or with TransitionRefused (pinned, or activated while it drained)."""
+        served = self.model(name)
+        cmd = Evict(name, served.spec.drain_timeout_s if drain_s is None else drain_s)
+        self._settled(name).send(cmd)
+        return cmd.done
 
     def _settled(self, name: str) -> DeviceWorker:
         """The device of a model that is not moving (an admin transition waits for none)."""
