@@ -85,7 +85,7 @@ class RemoveModel:
 @dataclass(frozen=True)
 class Partition:
     """The static policy: split the pool's room beside the weights into equal, fixed KV quotas
-    for this device's models. `done` -> (the quota in pages, {model: its max_kv_tokens})."""
+    for this device's models (MemoryError: no room). `done` -> {model: its max_kv_tokens}."""
 
     done: Future = field(default_factory=Future)
 

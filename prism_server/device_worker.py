@@ -347,13 +347,22 @@ class DeviceWorker:
     def _on_remove(self, cmd: RemoveModel) -> None:
         self.models.pop(cmd.model).close()
 
-    def _on_partition(self, cmd: Partition) -> tuple[int, dict[str, int]]:
+    def _on_partition(self, cmd: Partition) -> dict[str, int]:
         ws = list(self.models.values())
         quota = static_quota(self.pool.capacity, [w.weights.num_pages for w in ws])
+        if ws and quota < 1:
+            raise MemoryError(
+                f"the static policy needs every model resident with KV room: the weights of "
+                f"{', '.join(self.models)} leave no page of the {self.pool.capacity} in the pool "
+                f"of {self.name}"
+            )
         for w in ws:
             w.kv.allocator.set_quota(quota)
             w.kv.allocator.max_cached_pages = quota
-        return quota, {w.name: w.max_kv_tokens for w in ws}
+        log.info(
+            "static partition on %s: %d KV pages for each of %d models", self.name, quota, len(ws)
+        )
+        return {w.name: w.max_kv_tokens for w in ws}
 
     def _on_activate(self, cmd: Activate) -> None:
         m = self.models[cmd.model]

@@ -18,8 +18,12 @@ from kvpool import HostCopy, ShardedHostCopy, ShardedWeights, WeightBuffer, Weig
 from models.embedded import resolve_source
 from models.loader import ModelSource, empty_model, load_model, load_shards
 from models.tensor_parallel import TensorParallel
-from prism_server.config import ModelSpec
+from prism_server import envs
+from prism_server.config import EngineConfig, ModelSpec
+from prism_server.grammar import Grammars
 from prism_server.model_worker import ModelWorker
+from prism_server.served_model import ServedModel
+from scheduler.policy import Policy
 
 if TYPE_CHECKING:
     from kvpool import PagePool
@@ -37,6 +41,23 @@ class LoadSettings:
     profile_budget_s: float  # the latency profile at load (a moved model brings its own)
     all_resident: bool  # static: every model pinned, and a load that must evict one fails
 
+    @classmethod
+    def of(cls, config: EngineConfig, policy: Policy, device: torch.device) -> LoadSettings:
+        """The settings of an engine of `config` under `policy` on `device`."""
+        reserve, budget = config.reserve_output_tokens, config.profile_budget_s
+        return cls(
+            cache_root=envs.gguf_cache_dir(),
+            fused_kernels=envs.fused_kernels(),
+            reserve_output_tokens=policy.reserve_output_tokens if reserve is None else reserve,
+            enable_prefix_caching=config.enable_prefix_caching,
+            profile_budget_s=budget
+            if budget is not None
+            else 2.5
+            if device.type == "cuda"
+            else 0.25,
+            all_resident=policy.all_resident,
+        )
+
 
 @dataclass(frozen=True)
 class Loaded:
@@ -47,6 +68,23 @@ class Loaded:
     max_model_len: int
     max_kv_tokens: int
     evicted: tuple[str, ...]  # idle models evicted to make room for its weights
+
+    def served(self, spec: ModelSpec, device: str) -> ServedModel:
+        """The frontend's view of the model, served on `device`."""
+        cfg, tok = self.config, self.tokenizer
+        eos = frozenset(cfg.eos_token_ids)
+        if tok.eos_token_id is not None:
+            eos |= {tok.eos_token_id}
+        return ServedModel(
+            spec,
+            device=device,
+            tokenizer=tok,
+            max_model_len=self.max_model_len,
+            max_kv_tokens=self.max_kv_tokens,
+            vocab_size=cfg.vocab_size,
+            eos_token_ids=eos,
+            grammars=Grammars(tok, cfg.vocab_size, eos),
+        )
 
 
 class _Placement:
