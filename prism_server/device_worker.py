@@ -344,9 +344,6 @@ class DeviceWorker:
         if self._trace_path is not None:
             worker.on_step = self._trace_step
 
-    def _on_remove(self, cmd: RemoveModel) -> None:
-        self.models.pop(cmd.model).close()
-
     def _on_partition(self, cmd: Partition) -> dict[str, int]:
         ws = list(self.models.values())
         quota = static_quota(self.pool.capacity, [w.weights.num_pages for w in ws])
@@ -386,21 +383,9 @@ class DeviceWorker:
             self._evict(m, "admin", drain_s=cmd.drain_s)
             m.when(Residency.OFFLOADED, cmd.done)
 
-    def _on_plan_evict(self, cmd: PlanEvict) -> bool:
-        return self.plan_evict(cmd.model)
-
-    def _on_prefetch(self, cmd: Prefetch) -> bool:
-        return self.prefetch(cmd.model)
-
-    def _on_publish(self, cmd: Publish) -> DeviceSnapshot:
-        return self._publish()
-
     def _on_check(self, cmd: CheckIntegrity) -> None:
         for m in self.models.values():
             m.check_integrity()
-
-    def _on_call(self, cmd: Call) -> Any:
-        return cmd.fn()
 
     # ---- residency (continued) ------------------------------------------------------------------
     def make_resident(self, m: ModelWorker, now: float, wait: bool = False) -> bool:
@@ -810,19 +795,20 @@ class DeviceWorker:
         self._publish()
 
 
+# each command's handler, called with (the worker, the command) on the engine thread
 _HANDLERS = {
     Submit: DeviceWorker._on_submit,
     Abort: DeviceWorker._on_abort,
     Load: DeviceWorker._on_load,
     Detach: DeviceWorker._on_detach,
     Migrate: DeviceWorker._on_migrate,
-    RemoveModel: DeviceWorker._on_remove,
+    RemoveModel: lambda w, cmd: w.models.pop(cmd.model).close(),
     Partition: DeviceWorker._on_partition,
     Activate: DeviceWorker._on_activate,
     Evict: DeviceWorker._on_evict,
-    PlanEvict: DeviceWorker._on_plan_evict,
-    Prefetch: DeviceWorker._on_prefetch,
-    Publish: DeviceWorker._on_publish,
+    PlanEvict: lambda w, cmd: w.plan_evict(cmd.model),
+    Prefetch: lambda w, cmd: w.prefetch(cmd.model),
+    Publish: lambda w, cmd: w._publish(),
     CheckIntegrity: DeviceWorker._on_check,
-    Call: DeviceWorker._on_call,
+    Call: lambda w, cmd: cmd.fn(),
 }
