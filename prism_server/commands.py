@@ -1,5 +1,7 @@
 """The typed messages other threads send a device worker (its only inbox). Each is handled on the
-worker's thread between steps, in the order sent."""
+worker's thread between steps, in the order sent. A command with a `done` future is answered
+through it: its result, or the error its handling raised (TransitionRefused for a transition
+that cannot be done now); the others are fire and forget."""
 
 from __future__ import annotations
 
@@ -11,9 +13,14 @@ from typing import TYPE_CHECKING, Any
 from scheduler.request import Request
 
 if TYPE_CHECKING:
+    from kvpool import HostCopy, PagePool
+    from prism_server.config import ModelSpec
+    from prism_server.device_worker import DeviceWorker
+    from prism_server.loading import LoadSettings
     from prism_server.model_worker import ModelWorker
 
 
+# ---- requests ------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Submit:
     """Queue a request on a model of this device (already checked by its ServedModel)."""
@@ -30,9 +37,41 @@ class Abort:
     request_id: str
 
 
+# ---- loading and moving models -------------------------------------------------------------------
 @dataclass(frozen=True)
-class AddModel:
-    worker: ModelWorker
+class Load:
+    """Build `spec`'s model on this device (loading.build_worker) and serve it here. `shards`:
+    the other devices of a model split over several (it maps its shards' weights in their
+    pools). `done` -> loading.Loaded (what the frontend keeps of it)."""
+
+    spec: ModelSpec
+    settings: LoadSettings
+    shards: tuple[DeviceWorker, ...] = ()
+    done: Future = field(default_factory=Future)
+
+
+@dataclass(frozen=True)
+class Detach:
+    """Take an offloaded model off this device to move it to device `dst`, if it can leave now
+    and `room` (dst's pool) has its weight pages free. `done` -> (its worker, its host copy), or
+    None (it stays)."""
+
+    model: str
+    dst: str
+    room: PagePool
+    done: Future = field(default_factory=Future)
+
+
+@dataclass(frozen=True)
+class Migrate:
+    """Build a model detached from another device here, from its host copy (its history
+    carried over), and serve it here. `done` -> None, or the error (it is not here)."""
+
+    spec: ModelSpec
+    settings: LoadSettings
+    old: ModelWorker
+    host: HostCopy
+    done: Future = field(default_factory=Future)
 
 
 @dataclass(frozen=True)
@@ -40,8 +79,18 @@ class RemoveModel:
     """Abort the model's requests, release its pages and drop it."""
 
     model: str
+    done: Future = field(default_factory=Future)
 
 
+@dataclass(frozen=True)
+class Partition:
+    """The static policy: split the pool's room beside the weights into equal, fixed KV quotas
+    for this device's models (MemoryError: no room). `done` -> {model: its max_kv_tokens}."""
+
+    done: Future = field(default_factory=Future)
+
+
+# ---- residency -----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Activate:
     """Make the model resident (evicting idle ones if the pool needs their pages). `done`
@@ -54,7 +103,8 @@ class Activate:
 @dataclass(frozen=True)
 class Evict:
     """Offload the model: running requests may finish for up to drain_s seconds, the rest go
-    back to its queue. `done` resolves once it is offloaded, or with TransitionRefused."""
+    back to its queue. `done` resolves once it is offloaded, or with TransitionRefused (pinned,
+    or activated while it drained)."""
 
     model: str
     drain_s: float = 0.0
@@ -62,17 +112,64 @@ class Evict:
 
 
 @dataclass(frozen=True)
+class PlanEvict:
+    """The control loop's move: evict a resident model the plan offloads, if it is still idle.
+    `done` -> whether it was evicted."""
+
+    model: str
+    done: Future = field(default_factory=Future)
+
+
+@dataclass(frozen=True)
+class Prefetch:
+    """The control loop's move: activate an offloaded model the plan places, ahead of its next
+    request, if it left for room and its pages are free. `done` -> whether it started."""
+
+    model: str
+    done: Future = field(default_factory=Future)
+
+
+# ---- state ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Publish:
+    """Publish a snapshot now (after the step in progress). `done` -> the DeviceSnapshot."""
+
+    done: Future = field(default_factory=Future)
+
+
+@dataclass(frozen=True)
+class CheckIntegrity:
+    """Check every model's KV accounting (call when the device is idle)."""
+
+    done: Future = field(default_factory=Future)
+
+
+@dataclass(frozen=True)
 class Call:
-    """Run fn on the worker's thread (integrity checks, tests); its result or exception goes to
-    `result`."""
+    """Run fn on the worker's thread (tests and benchmarks only); `done` -> its result."""
 
     fn: Callable[[], Any]
-    result: Future = field(default_factory=Future)
+    done: Future = field(default_factory=Future)
 
 
-Command = Submit | Abort | AddModel | RemoveModel | Activate | Evict | Call
+Command = (
+    Submit
+    | Abort
+    | Load
+    | Detach
+    | Migrate
+    | RemoveModel
+    | Partition
+    | Activate
+    | Evict
+    | PlanEvict
+    | Prefetch
+    | Publish
+    | CheckIntegrity
+    | Call
+)
 
 
 class TransitionRefused(RuntimeError):
-    """An activation or eviction that cannot be done now (pinned, or no room even after
-    evicting every idle model)."""
+    """An activation or eviction that cannot be done now (pinned, no room even after evicting
+    every idle model, or activated while its eviction drained)."""

@@ -1,6 +1,7 @@
 """The control loop: every few hundred milliseconds it reads the device snapshots, updates each
 model's request rate (from the arrival counters the snapshots carry), runs the KVPR planner, and
-sends its moves to the device workers as commands:
+sends its moves to the device workers as commands (PlanEvict, Prefetch; Migrate through
+`Engine.migrate`):
 
 - a resident model the plan offloads, and that has no request, is evicted (its pages go to the
   models with demand before their requests have to wait for them);
@@ -21,7 +22,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from prism_server.commands import Call
+from prism_server.commands import PlanEvict, Prefetch
 from prism_server.model_worker import SLO_SCALE
 from scheduler.planner import DeviceCapacity, ModelDemand, Placement, RateTracker, plan
 
@@ -102,14 +103,14 @@ class ControlLoop:
             device, m = where[name]
             w = workers[device]
             if dst is None and not m.num_requests and not m.pinned:
-                w.send(Call(lambda w=w, n=name: w.plan_evict(n)))
+                w.send(PlanEvict(name))
                 self.moves_sent += 1
             elif src is None and dst is not None:
                 demand = next(x.demand for x in models if x.name == name)
                 if demand > 0 and dst[0] != device:
                     moving.append((name, dst[0]))
                 elif demand > 0:
-                    w.send(Call(lambda w=w, n=name: w.prefetch(n)))
+                    w.send(Prefetch(name))
                     self.moves_sent += 1
         for name, device in moving:  # each waits for its model to be built on the other device
             if self.engine.migrate(name, device):

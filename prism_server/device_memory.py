@@ -251,7 +251,7 @@ class DeviceMemory:
         if peer is None or (asked is not None and not asked.done()):
             return
         ask = Call(lambda: fn(peer))
-        self._asked[device] = ask.result
+        self._asked[device] = ask.done
         peer.send(ask)
 
     def _ask_for_shards(self, now: float, taker: str | None = None) -> None:

@@ -20,21 +20,29 @@ from models.kernels.tuning import KernelConfig
 from prism_server.commands import (
     Abort,
     Activate,
-    AddModel,
     Call,
+    CheckIntegrity,
     Command,
+    Detach,
     Evict,
+    Load,
+    Migrate,
+    Partition,
+    PlanEvict,
+    Prefetch,
+    Publish,
     RemoveModel,
     Submit,
     TransitionRefused,
 )
 from prism_server.device_memory import DeviceMemory
+from prism_server.loading import Loaded, build_worker
 from prism_server.model_runner import DeviceResources
 from prism_server.model_worker import ModelWorker
 from prism_server.step_trace import StepTrace
 from scheduler.balloon import admitting, may_activate
 from scheduler.latency_model import StepShape
-from scheduler.policy import POLICIES, Policy
+from scheduler.policy import POLICIES, Policy, static_quota
 from scheduler.snapshot import (
     DeviceSnapshot,
     EngineCounters,
@@ -115,72 +123,46 @@ class DeviceWorker:
         self._inbox.put(cmd)
         self._wake.set()
 
-    def execute(self, cmd: Command) -> None:
-        """Handle a command on the engine thread and wait for it (errors are raised here); for a
-        transition (Activate, Evict), until it is done."""
-        self.call(lambda: self._handle(cmd))
-        done = getattr(cmd, "done", None)
-        if done is not None:
-            while not self._thread.is_alive() and not done.done():
-                self.step()  # no thread (tests): move the transition on here
+    def execute(self, cmd: Command) -> Any:
+        """Send a command with a `done` future and wait for its result (its error is raised
+        here); for a transition (Activate, Evict), until it is done. With no thread (tests) it
+        is handled here, and a transition moved on here."""
+        if self._thread.is_alive():
+            self.send(cmd)
+        else:
+            self._handle(cmd)
+            while not cmd.done.done():
+                self.step()
                 time.sleep(_TRANSFER_POLL_S)
-            done.result()
+        return cmd.done.result()
 
     def call(self, fn) -> Any:
-        """Run fn on the engine thread (here, if it is not running) and return its result."""
-        if not self._thread.is_alive():
-            return fn()
-        cmd = Call(fn)
-        self.send(cmd)
-        return cmd.result.result()
+        """Run fn on the engine thread (here, if it is not running) and return its result (tests
+        and benchmarks; the engine sends typed commands)."""
+        return self.execute(Call(fn)) if self._thread.is_alive() else fn()
 
     def snapshot_now(self) -> DeviceSnapshot:
         """A snapshot published now, by the engine thread (after the step in progress)."""
-        return self.call(self._publish)
+        return self.execute(Publish())
+
+    def check_integrity(self) -> None:
+        """The pool's and every model's KV accounting are exact (call when the device is idle)."""
+        self.execute(CheckIntegrity())
+        self.pool.check_integrity()
 
     # ---- the loop -------------------------------------------------------------------------------
     def _handle(self, cmd: Command) -> None:
-        if isinstance(cmd, Submit):
-            self.models[cmd.model].add(cmd.request)
-        elif isinstance(cmd, Abort):
-            if cmd.model in self.models:
-                self.models[cmd.model].abort(cmd.request_id)
-        elif isinstance(cmd, AddModel):
-            if cmd.worker.name in self.models:
-                raise ValueError(f"a model named {cmd.worker.name!r} is already on {self.device}")
-            self.models[cmd.worker.name] = cmd.worker
-            if self._trace_path is not None:
-                cmd.worker.on_step = self._trace_step
-        elif isinstance(cmd, RemoveModel):
-            self.models.pop(cmd.model).close()
-        elif isinstance(cmd, Activate):
-            m = self.models[cmd.model]
-            if self.make_resident(m, time.monotonic()):
-                m.when(Residency.RESIDENT, cmd.done)
-            else:
-                cmd.done.set_exception(
-                    TransitionRefused(
-                        f"`{cmd.model}` does not fit on {self.device} even with every idle model "
-                        "evicted; retry when others are idle"
-                    )
-                )
-        elif isinstance(cmd, Evict):
-            m = self.models[cmd.model]
-            if m.residency.on_device and not m.evictable:
-                cmd.done.set_exception(
-                    TransitionRefused(f"`{cmd.model}` is pinned: it is never evicted")
-                )
-            else:
-                self._evict(m, "admin", drain_s=cmd.drain_s)
-                m.when(Residency.OFFLOADED, cmd.done)
-        elif isinstance(cmd, Call):
-            if cmd.result.set_running_or_notify_cancel():
-                try:
-                    cmd.result.set_result(cmd.fn())
-                except BaseException as e:
-                    cmd.result.set_exception(e)
-        else:
+        """Handle one command: its `done` future gets the handler's result (a transition's once
+        the transition is done); a handler's error is raised."""
+        done = getattr(cmd, "done", None)
+        if done is not None and not done.set_running_or_notify_cancel():
+            return  # cancelled before it ran
+        handler = _HANDLERS.get(type(cmd))
+        if handler is None:
             raise TypeError(f"not a command: {cmd!r}")
+        result = handler(self, cmd)
+        if done is not None and not isinstance(cmd, (Activate, Evict)):
+            done.set_result(result)
 
     def _drain(self) -> None:
         while True:
@@ -190,8 +172,12 @@ class DeviceWorker:
                 return
             try:
                 self._handle(cmd)
-            except Exception:
-                log.exception("engine command %s failed", type(cmd).__name__)
+            except Exception as e:  # to the command's future when it has one
+                done = getattr(cmd, "done", None)
+                if done is None or done.done():
+                    log.exception("engine command %s failed", type(cmd).__name__)
+                else:
+                    done.set_exception(e)
 
     # ---- memory: the balloon's actuator (DeviceMemory) -----------------------------------------
     @property
@@ -212,7 +198,7 @@ class DeviceWorker:
         """Start m's activation, evicting idle models for room (DeviceMemory)."""
         return self.memory.make_resident(m, now, wait)
 
-    # ---- the control loop's moves (sent as Call commands) ---------------------------------------
+    # ---- the control loop's moves (PlanEvict, Prefetch; detach: Detach) ------------------------
     def plan_evict(self, name: str) -> bool:
         """Evict a resident model the plan offloads, if it is still idle."""
         m = self.models.get(name)
@@ -250,6 +236,81 @@ class DeviceWorker:
             return False  # time sharing, or a starved model has the memory first
         log.info("prefetching %s: the plan places it and its pages are free", name)
         return m.activate(wait=False)
+
+    # ---- command handlers (on the engine thread; _HANDLERS maps each command to its own) -------
+    def _on_submit(self, cmd: Submit) -> None:
+        self.models[cmd.model].add(cmd.request)
+
+    def _on_abort(self, cmd: Abort) -> None:
+        if cmd.model in self.models:
+            self.models[cmd.model].abort(cmd.request_id)
+
+    def _on_load(self, cmd: Load) -> Loaded:
+        if cmd.spec.name in self.models:
+            raise ValueError(f"a model named {cmd.spec.name!r} is already on {self.device}")
+        worker, loaded = build_worker(cmd.spec, self, cmd.settings, cmd.shards)
+        self._add(worker)
+        return loaded
+
+    def _on_detach(self, cmd: Detach):
+        m = self.models.get(cmd.model)
+        if m is None or m.weights is None or cmd.room.num_available < m.weights.num_pages:
+            return None  # the other device has not its weight pages free: moving evicts nobody
+        old = self.detach(cmd.model, cmd.dst)
+        return None if old is None else (old, old.leave_device())  # its pages here go back
+
+    def _on_migrate(self, cmd: Migrate) -> None:
+        self._add(build_worker(cmd.spec, self, cmd.settings, moved=(cmd.old, cmd.host))[0])
+
+    def _add(self, worker: ModelWorker) -> None:
+        if worker.name in self.models:
+            raise ValueError(f"a model named {worker.name!r} is already on {self.device}")
+        self.models[worker.name] = worker
+        if self._trace_path is not None:
+            worker.on_step = self._trace_step
+
+    def _on_partition(self, cmd: Partition) -> dict[str, int]:
+        ws = list(self.models.values())
+        quota = static_quota(self.pool.capacity, [w.weights.num_pages for w in ws])
+        if ws and quota < 1:
+            raise MemoryError(
+                f"the static policy needs every model resident with KV room: the weights of "
+                f"{', '.join(self.models)} leave no page of the {self.pool.capacity} in the pool "
+                f"of {self.name}"
+            )
+        for w in ws:
+            w.kv.allocator.set_quota(quota)
+            w.kv.allocator.max_cached_pages = quota
+        log.info(
+            "static partition on %s: %d KV pages for each of %d models", self.name, quota, len(ws)
+        )
+        return {w.name: w.max_kv_tokens for w in ws}
+
+    def _on_activate(self, cmd: Activate) -> None:
+        m = self.models[cmd.model]
+        if self.make_resident(m, time.monotonic()):
+            m.when(Residency.RESIDENT, cmd.done)
+        else:
+            cmd.done.set_exception(
+                TransitionRefused(
+                    f"`{cmd.model}` does not fit on {self.device} even with every idle model "
+                    "evicted; retry when others are idle"
+                )
+            )
+
+    def _on_evict(self, cmd: Evict) -> None:
+        m = self.models[cmd.model]
+        if m.residency.on_device and not m.evictable:
+            cmd.done.set_exception(
+                TransitionRefused(f"`{cmd.model}` is pinned: it is never evicted")
+            )
+        else:
+            self._evict(m, "admin", drain_s=cmd.drain_s)
+            m.when(Residency.OFFLOADED, cmd.done)
+
+    def _on_check(self, cmd: CheckIntegrity) -> None:
+        for m in self.models.values():
+            m.check_integrity()
 
     def step(self) -> bool:
         """Moves every model's transition on, starts the activation of offloaded models that
@@ -414,3 +475,22 @@ class DeviceWorker:
         self._drain()
         self.flush_outputs()  # the last step's text, for the streams still open
         self._publish()
+
+
+# each command's handler, called with (the worker, the command) on the engine thread
+_HANDLERS = {
+    Submit: DeviceWorker._on_submit,
+    Abort: DeviceWorker._on_abort,
+    Load: DeviceWorker._on_load,
+    Detach: DeviceWorker._on_detach,
+    Migrate: DeviceWorker._on_migrate,
+    RemoveModel: lambda w, cmd: w.models.pop(cmd.model).close(),
+    Partition: DeviceWorker._on_partition,
+    Activate: DeviceWorker._on_activate,
+    Evict: DeviceWorker._on_evict,
+    PlanEvict: lambda w, cmd: w.plan_evict(cmd.model),
+    Prefetch: lambda w, cmd: w.prefetch(cmd.model),
+    Publish: lambda w, cmd: w._publish(),
+    CheckIntegrity: DeviceWorker._on_check,
+    Call: lambda w, cmd: cmd.fn(),
+}

@@ -27,6 +27,7 @@ import torch
 from kvpool import HostCopy, KVLayout, PagedKV, PagePool, ShardedKV, Transfer, WeightBuffer
 from models.attention.upload import tensor_on
 from models.layers.causal_lm import weight_bytes
+from prism_server.commands import TransitionRefused
 from prism_server.model_runner import DeviceResources, ModelRunner, TensorParallelRunner
 from prism_server.output_processor import OutputProcessor
 from prism_server.profiler import profile_steps
@@ -221,12 +222,12 @@ class ModelWorker:
             if not done.done():
                 done.set_result(None)
 
-    def _fail_waiters(self, error: BaseException) -> None:
-        for waiters in self._waiters.values():
-            for done in waiters:
+    def _fail_waiters(self, error: BaseException, state: Residency | None = None) -> None:
+        """Fail the transitions waiting for `state` (None: for any state) with `error`."""
+        for waiting in list(self._waiters) if state is None else [state]:
+            for done in self._waiters.pop(waiting, ()):
                 if not done.done():
                     done.set_exception(error)
-        self._waiters.clear()
 
     def evict(self, drain_s: float = 0.0) -> None:
         """Start offloading: nothing new is admitted, running requests may finish for up to
@@ -277,6 +278,11 @@ class ModelWorker:
         back to resident. wait: return once every byte has landed (else `poll` finishes it)."""
         if self.residency is Residency.DRAINING:
             self.scheduler.admitting = True
+            # an eviction waiting for this drain to end will not end: it is refused now
+            self._fail_waiters(
+                TransitionRefused(f"`{self.name}` was activated while draining"),
+                Residency.OFFLOADED,
+            )
             self._enter(Residency.RESIDENT)
         if self.residency is Residency.OFFLOADED:
             self._activation_started = time.perf_counter()
@@ -658,7 +664,7 @@ class ModelWorker:
             activation_buckets=tuple(self.activation_buckets),
             overhead_bytes=self.overhead_bytes,
             requests_total=self.requests_total,
-            num_deferred=self.num_deferred,
+            num_deferred=min(self.num_deferred, len(s.waiting)),  # 0 once nothing waits
             ttft_slo_s=self.ttft_slo_s,
             tpot_slo_s=self.tpot_slo_s,
             slo_met=tuple((k, met, missed) for k, (met, missed) in self.slo.items()),

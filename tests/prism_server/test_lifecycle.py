@@ -462,3 +462,103 @@ def test_shutdown_during_an_activation_finishes_the_streams_waiting_for_it(hold_
         srv.engine.check_integrity()
     finally:
         srv.engine.close()
+
+
+# ---- admin transitions under traffic -------------------------------------------------------------
+def _roomy(drain_s: float = 5.0) -> EngineConfig:
+    """a and b both resident with KV room for long streams; b drains for up to drain_s."""
+    s = tuple(
+        ModelSpec(n, "dummy:tiny-llama", block_size=4, seed=i, drain_timeout_s=drain_s)
+        for i, n in enumerate(("a", "b"))
+    )
+    return EngineConfig(models=s, device=CPU, page_bytes=PAGE, kv_budget_bytes=96 * PAGE)
+
+
+def test_an_evict_interrupted_by_an_activate_answers_409_at_once():
+    """evict b while a long stream runs (it drains), then activate it while it drains: the
+    activate answers, and so does the evict (409 in the error envelope), not at b's next
+    eviction; the stream finishes on the resident model."""
+    srv = serve_in_thread(Engine(_roomy(drain_s=120)))
+    try:
+        e = srv.engine
+        long = SamplingParams(max_tokens=1900, temperature=0, ignore_eos=True)
+        results, q = _stream_into(e, "b", PROMPTS[:1], long)
+        _until(lambda: e.model_snapshot("b").num_running == 1, "never ran")
+        evicted: dict = {}
+
+        def evict() -> None:
+            r = httpx.post(srv.url + "/v1/models/b/evict", json={}, timeout=60)
+            evicted.update(status=r.status_code, body=r.json())
+
+        t = threading.Thread(target=evict)
+        t.start()
+        _until(lambda: states(e)["b"] == "draining", "never drained")
+        r = httpx.post(srv.url + "/v1/models/b/activate", json={}, timeout=60)
+        assert r.status_code == 200 and r.json()["state"] == "resident"
+        t.join(timeout=10)
+        assert not t.is_alive(), "the evict never answered"
+        assert evicted["status"] == 409, evicted
+        error = evicted["body"]["error"]
+        assert (
+            error["code"] == "transition_refused" and "activated while draining" in error["message"]
+        )
+        assert states(e)["b"] == "resident" and e.model_snapshot("b").num_running == 1
+        assert q.get(timeout=120) == "length" and len(results[0]) == 1900
+        assert e.model_snapshot("b").evictions == 0
+        e.check_integrity()
+    finally:
+        srv.close()
+
+
+def test_pending_admin_moves_hold_no_thread_that_tokenizing_needs():
+    """Transitions are awaited on the event loop: with the device busy, many evicts wait for it
+    and a /tokenize call (tokenized off the loop) still answers at once; then every evict
+    answers."""
+    srv = serve_in_thread(Engine(_roomy()))
+    gate = threading.Event()
+    try:
+        srv.engine.worker.send(Call(gate.wait))  # the device is busy: no transition can end
+        n = 40  # more than the default executor's threads on any machine (at most 32)
+        answers: list[int] = []
+
+        async def evicts() -> None:
+            async with aiohttp.ClientSession() as session:
+
+                async def one() -> None:
+                    async with session.post(srv.url + "/v1/models/b/evict", json={}) as r:
+                        answers.append(r.status)
+
+                await asyncio.gather(*(one() for _ in range(n)))
+
+        t = threading.Thread(target=lambda: asyncio.run(evicts()))
+        t.start()
+        time.sleep(1.0)  # every evict has reached the server
+        t0 = time.monotonic()
+        r = httpx.post(srv.url + "/tokenize", json={"model": "a", "prompt": "hello"}, timeout=30)
+        took = time.monotonic() - t0
+        assert r.status_code == 200 and r.json()["count"] > 0
+        assert took < 5, f"tokenizing waited {took:.1f} s behind the pending evicts"
+        assert not answers  # they still wait for the device
+        gate.set()
+        t.join(timeout=60)
+        assert answers == [200] * n
+        assert states(srv.engine)["b"] == "offloaded"
+        srv.engine.check_integrity()
+    finally:
+        gate.set()
+        srv.close()
+
+
+def test_an_idle_model_reports_no_deferred_requests():
+    """A TTFT SLO no request can meet: the arbitrator defers the request (it still runs, late);
+    once it is done and nothing waits, the snapshot (and /metrics) says 0 deferred."""
+    spec = ModelSpec("a", "dummy:tiny-llama", block_size=4, ttft_slo_ms=1e-6)
+    cfg = EngineConfig(models=(spec,), device=CPU, page_bytes=PAGE, kv_budget_bytes=16 * PAGE)
+    with Engine(cfg) as e:
+        (c,) = e.generate("a", PROMPTS[:1], GREEDY)
+        assert len(c.token_ids) == 12
+        snap = e.model_snapshot("a")
+        assert snap.num_waiting == snap.num_running == 0
+        assert {k: missed for k, _, missed in snap.slo_met}["ttft"] == 1  # it was late
+        assert snap.num_deferred == 0
+        e.check_integrity()
