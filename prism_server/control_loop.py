@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 
 from prism_server.commands import Call
-from prism_server.model_worker import SLO_SCALE
+from prism_server.model_stats import SLO_SCALE
 from scheduler.planner import DeviceCapacity, ModelDemand, Placement, RateTracker, plan
 
 log = logging.getLogger(__name__)

@@ -372,7 +372,7 @@ class Engine:
         """The worker of `spec`'s model on dev, its weights and host copy given (profile: its
         latency profile now, within the engine's budget; shards: a split model's other
         shards' pools and devices, as ModelWorker takes them)."""
-        return ModelWorker(
+        return ModelWorker.build(
             spec.name,
             model,
             tokenizer,

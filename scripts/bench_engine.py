@@ -263,7 +263,7 @@ def side_worker(engine: Engine, name: str) -> ModelWorker:
     resources = DeviceResources(
         me0.device, shared.kernels, False, bool(buckets), max(buckets, default=None)
     )
-    return ModelWorker(
+    return ModelWorker.build(
         name,
         me0.runner.model,
         me0.outputs.tokenizer,

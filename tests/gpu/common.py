@@ -102,7 +102,7 @@ def model_engine(
     dtype = next(model.parameters()).dtype
     device = next(model.parameters()).device
     res = DeviceResources(device, kernels, launch_ahead=False) if kernels is not None else None
-    me = ModelWorker(
+    me = ModelWorker.build(
         name, model, ByteTokenizer(cfg.vocab_size), pool, sched, dtype, cached, resources=res
     )
     if not graphs and me.runner.graphs is not None:
