@@ -45,6 +45,7 @@ from prism_server.grammar import Grammars
 from prism_server.memory_budget import check_host_budget, make_backend, pool_budget, weight_bytes
 from prism_server.model_worker import ModelWorker
 from prism_server.served_model import ModelFailed, ModelNotFound, ServedModel
+from prism_server.worker_build import build_worker
 from scheduler.planner import DeviceCapacity, ModelDemand, plan
 from scheduler.policy import policy, static_quota
 from scheduler.request import FinishReason, Request, RequestOutput
@@ -372,7 +373,7 @@ class Engine:
         """The worker of `spec`'s model on dev, its weights and host copy given (profile: its
         latency profile now, within the engine's budget; shards: a split model's other
         shards' pools and devices, as ModelWorker takes them)."""
-        return ModelWorker.build(
+        return build_worker(
             spec.name,
             model,
             tokenizer,

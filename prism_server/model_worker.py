@@ -4,9 +4,8 @@ pages of the device's pool), batch scheduler, model runner, sampler and output p
 This file holds the step: schedule -> run -> sample -> postprocess (the text of the tokens, stop
 strings, the output to the client), and launch ahead: a step whose tokens stay on the device
 while the next decode step is launched from them. The residency state machine is in
-residency.py, the SLO accounting and the ModelSnapshot in model_stats.py. `ModelWorker.build`
-makes a worker in named steps: its KV, its runner (CUDA graphs captured, kernels warmed up),
-then its latency profile."""
+residency.py, the SLO accounting and the ModelSnapshot in model_stats.py; worker_build.py makes a
+worker in named steps (its KV, its runner with its CUDA graphs, its latency profile)."""
 
 from __future__ import annotations
 
@@ -18,13 +17,12 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpool import HostCopy, KVLayout, PagedKV, PagePool, ShardedKV, WeightBuffer
+from kvpool import HostCopy, PagedKV, ShardedKV, WeightBuffer
 from models.attention.upload import tensor_on
 from models.layers.causal_lm import weight_bytes
 from prism_server.model_runner import DeviceResources, ModelRunner, TensorParallelRunner
 from prism_server.model_stats import ModelStats
 from prism_server.output_processor import OutputProcessor
-from prism_server.profiler import profile_steps
 from prism_server.residency import ModelResidency
 from prism_server.sampler import Sampled, Sampler, logprob_list
 from scheduler.arbitrator import ModelWork, model_work
@@ -55,8 +53,9 @@ class ModelWorker(ModelResidency, ModelStats):
         overhead_bytes: int = 0,
         shard_devices: Sequence[str] = (),
     ):
-        """A worker over a built KV and runner (see `build`). overhead_bytes: the device memory
-        the runner holds outside the pool (attention state, graphs, buffers)."""
+        """A worker over a built KV and runner (worker_build.build_worker makes both).
+        overhead_bytes: the device memory the runner holds outside the pool (attention state,
+        graphs, buffers)."""
         ModelResidency.__init__(self, weights, host, pinned, keep_alive_s)
         ModelStats.__init__(self, ttft_slo_s, tpot_slo_s)
         self.name, self.device, self.shard_devices = name, device, tuple(shard_devices)
@@ -85,79 +84,6 @@ class ModelWorker(ModelResidency, ModelStats):
         # told of each step once done: (the worker, when it started (perf_counter), shape,
         # estimate, seconds); the device's step trace
         self.on_step: Callable[[ModelWorker, float, StepShape, float, float], None] | None = None
-
-    @classmethod
-    def build(
-        cls,
-        name: str,
-        model: torch.nn.Module,
-        tokenizer,
-        pool: PagePool,
-        sched: SchedulerConfig,
-        kv_dtype: torch.dtype,
-        max_cached_pages: int = 1,
-        weights: WeightBuffer | None = None,
-        host: HostCopy | None = None,
-        pinned: bool = False,
-        keep_alive_s: float | None = None,
-        resources: DeviceResources | None = None,
-        ttft_slo_s: float | None = None,
-        tpot_slo_s: float | None = None,
-        profile_budget_s: float = 0.0,
-        shard_pools: Sequence[PagePool] = (),
-        shard_devices: Sequence[str] = (),
-    ) -> ModelWorker:
-        """The worker of `model` in `pool`: its KV, its runner (graphs captured, kernels warmed
-        up), then its latency profile.
-
-        weights / host: the model's parameters live in `weights` (mapped now) and `host` holds
-        their copy; without them the model cannot be evicted (tests, benchmarks). resources: what
-        the device's models share (FlashInfer workspace, CUDA-graph pool). ttft/tpot_slo_s: its
-        SLOs (None: SLO_SCALE x the latency model's standalone estimate of each request).
-        profile_budget_s: how long the latency profile may take now (0: learn online only).
-        shard_pools: a model split over several devices (model a TensorParallel, pool its first
-        shard's device's, weights and host a ShardedWeights and a ShardedHostCopy): the other
-        shards' pools, in order, and shard_devices their devices' names. Its KV is a ShardedKV,
-        its steps eager."""
-        device = pool.backend.device
-        kv = _make_kv(model, name, pool, sched, kv_dtype, max_cached_pages, weights, shard_pools)
-        allocated = _allocated(device)
-        runner = _make_runner(model, kv, device, resources, sharded=bool(shard_pools))
-        me = cls(
-            name,
-            kv,
-            runner,
-            tokenizer,
-            sched,
-            device,
-            weights=weights,
-            host=host,
-            pinned=pinned,
-            keep_alive_s=keep_alive_s,
-            resources=resources,
-            ttft_slo_s=ttft_slo_s,
-            tpot_slo_s=tpot_slo_s,
-            overhead_bytes=_allocated(device) - allocated,
-            shard_devices=shard_devices,
-        )
-        me.profile(profile_budget_s)
-        return me
-
-    def profile(self, budget_s: float) -> None:
-        """Fit the latency model to synthetic steps run for up to budget_s seconds (0: none; it
-        then learns from served steps only). What the profile mapped goes back to the pool."""
-        if budget_s <= 0:
-            return
-        t = time.perf_counter()
-        self.latency.fit_profile(profile_steps(self.runner, self.scheduler, budget_s))
-        a = self.kv.allocator
-        a.reclaim_pages(a.num_cached_pages)
-        log.info(
-            "profiled %s in %.2f s: %d shapes",
-            self.name,
-            time.perf_counter() - t,
-            len(self.latency.profile),
-        )
 
     @property
     def has_work(self) -> bool:
@@ -483,62 +409,6 @@ class ModelWorker(ModelResidency, ModelStats):
             self.host.close()
 
 
-def _make_kv(
-    model: torch.nn.Module,
-    name: str,
-    pool: PagePool,
-    sched: SchedulerConfig,
-    kv_dtype: torch.dtype,
-    max_cached_pages: int,
-    weights: WeightBuffer | None,
-    shard_pools: Sequence[PagePool],
-) -> PagedKV | ShardedKV:
-    """The model's KV over the pages it can address: the whole pool but its own weights (+ the
-    null page); a ShardedKV over every shard's pool for a split model."""
-    cfg = model.config
-    layout = KVLayout(
-        cfg.num_layers,
-        sched.block_size,
-        cfg.num_kv_heads,
-        cfg.head_dim,
-        kv_dtype,
-        pool.page_bytes,
-        pool.backend.granularity,
-    )
-    if shard_pools:
-        pools = [pool, *shard_pools]
-        owns = [w.num_pages for w in weights.parts] if weights is not None else [0] * len(pools)
-        room = min(p.capacity + 1 - o for p, o in zip(pools, owns))
-        return ShardedKV(pools, name, layout, room, max_cached_pages, sched.enable_prefix_caching)
-    own = weights.num_pages if weights is not None else 0
-    return PagedKV(
-        pool,
-        name,
-        layout,
-        pool.capacity + 1 - own,
-        max_cached_pages,
-        prefix_caching=sched.enable_prefix_caching,
-    )
-
-
-def _make_runner(
-    model: torch.nn.Module,
-    kv: PagedKV | ShardedKV,
-    device: torch.device,
-    resources: DeviceResources | None,
-    sharded: bool,
-) -> ModelRunner:
-    """The model's runner: its CUDA graphs captured (ModelRunner does at construction) and, on
-    a GPU, every kernel compiled before the first request."""
-    if sharded:
-        runner = TensorParallelRunner(model, kv)
-    else:
-        runner = ModelRunner(model, kv.cache, device, resources=resources)
-    if device.type == "cuda":
-        runner.warm_up()
-    return runner
-
-
 @dataclass
 class _InFlight:
     """A step launched whose tokens are not read yet."""
@@ -569,7 +439,3 @@ class _InFlight:
             self.copied.synchronize()
             got = [h.tolist() for h in self.host]
         return got[0], got[1:] or None
-
-
-def _allocated(device: torch.device) -> int:
-    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
