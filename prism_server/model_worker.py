@@ -34,6 +34,9 @@ log = logging.getLogger(__name__)
 
 
 class ModelWorker(ModelResidency, ModelStats):
+    """One model on a device: its requests, its step and launch ahead. Its residency and its
+    accounting come from its two bases."""
+
     def __init__(
         self,
         name: str,
