@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 
 from prism_server.commands import PlanEvict, Prefetch
-from prism_server.model_worker import SLO_SCALE
+from prism_server.model_stats import SLO_SCALE
 from scheduler.planner import DeviceCapacity, ModelDemand, Placement, RateTracker, plan
 
 log = logging.getLogger(__name__)

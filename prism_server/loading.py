@@ -23,6 +23,7 @@ from prism_server.config import EngineConfig, ModelSpec
 from prism_server.grammar import Grammars
 from prism_server.model_worker import ModelWorker
 from prism_server.served_model import ServedModel
+from prism_server.worker_build import assemble_worker
 from scheduler.policy import Policy
 
 if TYPE_CHECKING:
@@ -253,8 +254,8 @@ def _worker(
 ) -> ModelWorker:
     """The worker of spec's model on dev, its weights (and host copy) given (profile: its
     latency profile now, within the budget; kw: a split model's other shards' pools and
-    devices, as ModelWorker takes them)."""
-    return ModelWorker(
+    devices, as assemble_worker takes them)."""
+    return assemble_worker(
         spec.name,
         model,
         tokenizer,

@@ -1,62 +1,51 @@
 """One model on a device, driven by the device's engine thread only: its weights and KV (both in
-pages of the device's pool), batch scheduler, model runner, sampler and output processor. It
-publishes what it holds as a ModelSnapshot.
+pages of the device's pool), batch scheduler, model runner, sampler and output processor.
 
-Residency (scheduler.snapshot.Residency): offloaded -> activating -> resident -> draining ->
-offloaded. Activate = map the weight pages (one batched call) + start the chunked host-to-device
-copy; the engine thread goes on stepping other models and the model serves once every byte has
-landed. Evict = admit nothing new, let running requests finish for up to the drain time, requeue
-the rest (they recompute after the next activation), give every KV page back, unmap the weights
-(no copy: the host copy is the source of truth). The model object, its CUDA graphs and attention
-state are kept: addresses never change. Each transition is all or nothing: a failed copy leaves
-the model offloaded."""
+This file holds the step: schedule -> run -> sample -> postprocess (the text of the tokens, stop
+strings, the output to the client), and launch ahead: a step whose tokens stay on the device
+while the next decode step is launched from them. The residency state machine is in
+residency.py, the SLO accounting and the ModelSnapshot in model_stats.py; worker_build.py makes a
+worker in named steps (its KV, its runner with its CUDA graphs, its latency profile)."""
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import logging
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
 
-from kvpool import HostCopy, KVLayout, PagedKV, PagePool, ShardedKV, Transfer, WeightBuffer
+from kvpool import HostCopy, PagedKV, ShardedKV, WeightBuffer
 from models.attention.upload import tensor_on
 from models.layers.causal_lm import weight_bytes
-from prism_server.commands import TransitionRefused
 from prism_server.model_runner import DeviceResources, ModelRunner, TensorParallelRunner
+from prism_server.model_stats import ModelStats
 from prism_server.output_processor import OutputProcessor
-from prism_server.profiler import profile_steps
+from prism_server.residency import ModelResidency
 from prism_server.sampler import Sampled, Sampler, logprob_list
 from scheduler.arbitrator import ModelWork, model_work
 from scheduler.batch_scheduler import BatchScheduler, ScheduledChunk, SchedulerConfig
-from scheduler.latency_model import LatencyModel, StepShape
+from scheduler.latency_model import StepShape
 from scheduler.request import FinishReason, Request, RequestOutput, TokenLogprob
-from scheduler.snapshot import ACTIVATION_BUCKETS, LatencySnapshot, ModelSnapshot, Residency
 
 log = logging.getLogger(__name__)
 
-SLO_LOG = 4096  # SLO outcomes kept
-SLO_WINDOW_S = 60.0  # what `slo_recent` covers
 
-TRANSITION_LOG = 64  # residency changes a snapshot carries
-SLO_SCALE = 5.0  # an unset SLO: this many times the standalone estimate (the field's habit)
+class ModelWorker(ModelResidency, ModelStats):
+    """One model on a device: its requests, its step and launch ahead. Its residency and its
+    accounting come from its two bases."""
 
-
-class ModelWorker:
     def __init__(
         self,
         name: str,
-        model: torch.nn.Module,
+        kv: PagedKV | ShardedKV,
+        runner: ModelRunner,
         tokenizer,
-        pool: PagePool,
         sched: SchedulerConfig,
-        kv_dtype: torch.dtype,
-        max_cached_pages: int = 1,
+        device: torch.device,
+        *,
         weights: WeightBuffer | None = None,
         host: HostCopy | None = None,
         pinned: bool = False,
@@ -64,89 +53,21 @@ class ModelWorker:
         resources: DeviceResources | None = None,
         ttft_slo_s: float | None = None,
         tpot_slo_s: float | None = None,
-        profile_budget_s: float = 0.0,
-        shard_pools: Sequence[PagePool] = (),
+        overhead_bytes: int = 0,
         shard_devices: Sequence[str] = (),
     ):
-        """weights / host: the model's parameters live in `weights` (mapped now) and `host` holds
-        their copy; without them the model cannot be evicted (tests, benchmarks). resources: what
-        the device's models share (FlashInfer workspace, CUDA-graph pool). ttft/tpot_slo_s: its
-        SLOs (None: SLO_SCALE x the latency model's standalone estimate of each request).
-        profile_budget_s: how long the latency profile may take now (0: learn online only).
-        shard_pools: a model split over several devices (model a TensorParallel, pool its first
-        shard's device's, weights and host a ShardedWeights and a ShardedHostCopy): the other
-        shards' pools, in order, and shard_devices their devices' names. Its KV is a ShardedKV,
-        its steps eager."""
-        self.name = name
-        self.weights, self.host, self.pinned = weights, host, pinned
-        self.keep_alive_s = keep_alive_s
-        self.residency = Residency.RESIDENT
-        self.state_since = self.last_used = time.monotonic()
-        # the latest residency changes (time entered, state): the status view's timeline
-        self.transitions: deque[tuple[float, Residency]] = deque(
-            [(self.state_since, self.residency)], maxlen=TRANSITION_LOG
-        )
-        self.activations = self.evictions = self.bytes_activated = 0
-        self.activation_seconds = 0.0
-        self.activation_buckets = [0] * len(ACTIVATION_BUCKETS)
-        self.last_activation_s: float | None = None
-        self.last_eviction_s: float | None = None
-        self.evicted_for: str | None = None  # why it was last evicted (None: resident since)
-        self._transfer: Transfer | None = None  # the copy of an activation in flight
-        self._activation_started = self._evict_started = self._drain_until = 0.0
-        self._waiters: dict[Residency, list[Future]] = {}  # admin transitions waiting for a state
-        cfg = model.config
-        self.device = pool.backend.device
-        layout = KVLayout(
-            cfg.num_layers,
-            sched.block_size,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-            kv_dtype,
-            pool.page_bytes,
-            pool.backend.granularity,
-        )
-        # the pages it can address: the whole pool but its own weights (+ the null page)
-        own = weights.num_pages if weights is not None else 0
-        self.shard_devices = tuple(shard_devices)
-        if shard_pools:
-            pools = [pool, *shard_pools]
-            owns = [w.num_pages for w in weights.parts] if weights is not None else [0] * len(pools)
-            room = min(p.capacity + 1 - o for p, o in zip(pools, owns))
-            self.kv = ShardedKV(
-                pools, name, layout, room, max_cached_pages, sched.enable_prefix_caching
-            )
-        else:
-            self.kv = PagedKV(
-                pool,
-                name,
-                layout,
-                pool.capacity + 1 - own,
-                max_cached_pages,
-                prefix_caching=sched.enable_prefix_caching,
-            )
-        self.scheduler = BatchScheduler(sched, self.kv.allocator, self.kv.allocator.prefix)
-        allocated = _allocated(self.device)
-        if shard_pools:
-            self.runner = TensorParallelRunner(model, self.kv)
-        else:
-            self.runner = ModelRunner(model, self.kv.cache, self.device, resources=resources)
-        if self.device.type == "cuda":
-            self.runner.warm_up()  # every kernel compiled before the first request
-        # device memory it holds outside the pool: attention state, graphs, buffers
-        self.overhead_bytes = _allocated(self.device) - allocated
-        self.sampler = Sampler(self.device)
+        """A worker over a built KV and runner (worker_build.assemble_worker makes both).
+        overhead_bytes: the device memory the runner holds outside the pool (attention state,
+        graphs, buffers)."""
+        ModelResidency.__init__(self, weights, host, pinned, keep_alive_s)
+        ModelStats.__init__(self, ttft_slo_s, tpot_slo_s)
+        self.name, self.device, self.shard_devices = name, device, tuple(shard_devices)
+        self.kv, self.runner, self.overhead_bytes = kv, runner, overhead_bytes
+        self.scheduler = BatchScheduler(sched, kv.allocator, kv.allocator.prefix)
+        self.sampler = Sampler(device)
         self.outputs = OutputProcessor(tokenizer, sched.max_model_len)
         self.requests: dict[str, Request] = {}
-        self.weight_bytes = weight_bytes(model)
-        self.ttft_slo_s, self.tpot_slo_s = ttft_slo_s, tpot_slo_s
-        self.requests_total = 0
-        self.slo = {k: [0, 0] for k in ("ttft", "tpot")}  # [met, missed] of finished requests
-        # the outcomes of the last SLO_WINDOW_S (at most SLO_LOG), (time, kind, missed), and
-        # their counts, kept as they come and go (a snapshot reads them, never scans the log)
-        self.slo_log: deque[tuple[float, str, bool]] = deque()
-        self._slo_recent = {k: [0, 0] for k in self.slo}
-        self.num_deferred = 0  # waiting requests the arbitrator last deferred
+        self.weight_bytes = weight_bytes(runner.model)
         # sampled tokens whose text is not made yet (request, token, logprob, visible): made
         # while the device runs the next step (flush_outputs), in order
         self._unrendered: list[tuple[Request, int, TokenLogprob | None, bool]] = []
@@ -161,163 +82,15 @@ class ModelWorker:
         self.launch_ahead = resources is not None and resources.launch_ahead
         self.resources = resources  # its device's (None: resources of its own)
         self._ahead: _InFlight | None = None
-        self.latency = LatencyModel()  # kept across evictions: a reactivation does not profile
         # the last step done: its shape, the latency model's estimate before it, and its seconds
         self.last_step: tuple[StepShape, float, float] | None = None
         # told of each step once done: (the worker, when it started (perf_counter), shape,
         # estimate, seconds); the device's step trace
         self.on_step: Callable[[ModelWorker, float, StepShape, float, float], None] | None = None
-        if profile_budget_s > 0:
-            t = time.perf_counter()
-            profile = profile_steps(self.runner, self.scheduler, profile_budget_s)
-            self.latency.fit_profile(profile)
-            a = self.kv.allocator
-            a.reclaim_pages(a.num_cached_pages)  # what the profile mapped goes back to the pool
-            log.info(
-                "profiled %s in %.2f s: %d shapes",
-                name,
-                time.perf_counter() - t,
-                len(self.latency.profile),
-            )
 
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work
-
-    @property
-    def resident(self) -> bool:
-        return self.residency is Residency.RESIDENT
-
-    @property
-    def serving(self) -> bool:
-        """Whether it runs batches (resident, or draining its running requests)."""
-        return self.residency in (Residency.RESIDENT, Residency.DRAINING)
-
-    @property
-    def evictable(self) -> bool:
-        return self.weights is not None and self.host is not None and not self.pinned
-
-    def idle_until(self, keep_alive_s: float | None = None) -> float | None:
-        """When its keep-alive (or the given one) runs out: it is then evicted although nothing
-        needs its pages; None if that never happens now."""
-        keep = self.keep_alive_s if keep_alive_s is None else keep_alive_s
-        if keep is None or not self.resident or not self.evictable or self.requests:
-            return None
-        return self.last_used + keep
-
-    # ---- residency ------------------------------------------------------------------------------
-    def when(self, state: Residency, done: Future) -> None:
-        """Resolve `done` (with None) when the model is next in `state` (now if it is); a failed
-        transition sets the error instead."""
-        if self.residency is state:
-            done.set_result(None)
-        else:
-            self._waiters.setdefault(state, []).append(done)
-
-    def _enter(self, state: Residency) -> None:
-        self.residency = state
-        self.state_since = time.monotonic()
-        self.transitions.append((self.state_since, state))
-        for done in self._waiters.pop(state, ()):
-            if not done.done():
-                done.set_result(None)
-
-    def _fail_waiters(self, error: BaseException, state: Residency | None = None) -> None:
-        """Fail the transitions waiting for `state` (None: for any state) with `error`."""
-        for waiting in list(self._waiters) if state is None else [state]:
-            for done in self._waiters.pop(waiting, ()):
-                if not done.done():
-                    done.set_exception(error)
-
-    def evict(self, drain_s: float = 0.0) -> None:
-        """Start offloading: nothing new is admitted, running requests may finish for up to
-        `drain_s` seconds, then the rest go back to the queue and every page goes back to the
-        pool (at once if nothing runs or drain_s is 0; else in `poll`)."""
-        if self.residency in (Residency.OFFLOADED, Residency.FAILED):
-            return
-        if not self.evictable:
-            raise RuntimeError(f"model {self.name} cannot be evicted")
-        if self.residency is Residency.ACTIVATING:
-            self._land()  # the copy cannot be stopped half way: let it finish
-        now = time.monotonic()
-        if self.residency is Residency.RESIDENT:
-            self._evict_started, self._drain_until = now, now + drain_s
-            self.scheduler.admitting = False
-            self._enter(Residency.DRAINING)
-        else:  # draining already: the sooner deadline wins
-            self._drain_until = min(self._drain_until, now + drain_s)
-        self.poll()
-
-    def poll(self) -> None:
-        """Moves a transition on: activating -> resident once every byte has landed; draining ->
-        offloaded once nothing runs or its drain time is up."""
-        if self.residency is Residency.ACTIVATING and self._transfer.done():
-            self._land()
-        elif self.residency is Residency.DRAINING and (
-            not self.scheduler.running or time.monotonic() >= self._drain_until
-        ):
-            self._offload()
-
-    def _offload(self) -> None:
-        self.flush_outputs()
-        self.scheduler.preempt_all()
-        self._settle_shards()
-        self.kv.allocator.release_all()
-        self.weights.unmap()
-        self.scheduler.admitting = True
-        self.evictions += 1
-        self.last_eviction_s = time.monotonic() - self._evict_started
-        self._enter(Residency.OFFLOADED)
-
-    def can_activate(self) -> bool:
-        return self.residency.on_device or self.weights.can_map()
-
-    def activate(self, wait: bool = True) -> bool:
-        """Map the weight pages and start the copy of the host copy into them; False (still
-        offloaded, nothing taken) if the pool cannot give the pages now. A draining model goes
-        back to resident. wait: return once every byte has landed (else `poll` finishes it)."""
-        if self.residency is Residency.DRAINING:
-            self.scheduler.admitting = True
-            # an eviction waiting for this drain to end will not end: it is refused now
-            self._fail_waiters(
-                TransitionRefused(f"`{self.name}` was activated while draining"),
-                Residency.OFFLOADED,
-            )
-            self._enter(Residency.RESIDENT)
-        if self.residency is Residency.OFFLOADED:
-            self._activation_started = time.perf_counter()
-            if not self.weights.map():
-                return False
-            try:
-                self._transfer = self.host.load_async(self.weights.bytes())
-            except BaseException:
-                self.weights.unmap()
-                raise
-            self._enter(Residency.ACTIVATING)
-        if self.residency is Residency.ACTIVATING and wait:
-            self._land()
-        return self.residency.on_device
-
-    def _land(self) -> None:
-        """Finish the activation (waits for the last byte if need be)."""
-        transfer, self._transfer = self._transfer, None
-        try:
-            transfer.wait()
-        except BaseException as e:  # all or nothing: back to offloaded
-            self.weights.unmap()
-            self._enter(Residency.OFFLOADED)
-            self._fail_waiters(e)
-            raise
-        took = time.perf_counter() - self._activation_started
-        self.activations += 1
-        self.activation_seconds += took
-        self.last_activation_s = took
-        self.activation_buckets[bisect.bisect_left(ACTIVATION_BUCKETS, took)] += 1
-        self.bytes_activated += self.weights.nbytes
-        self.last_used = time.monotonic()
-        self.evicted_for = None
-        self._enter(Residency.RESIDENT)
-        log.info("activated %s in %.3f s", self.name, took)
 
     @property
     def max_kv_tokens(self) -> int:
@@ -326,14 +99,9 @@ class ModelWorker:
 
     # ---- commands -------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
-        n = req.num_prompt_tokens
         req.priority = req.params.priority
-        if req.ttft_slo is None:
-            req.ttft_slo = self.ttft_slo_s or SLO_SCALE * self.latency.prefill_s(n)
-        if req.tpot_slo is None:
-            req.tpot_slo = self.tpot_slo_s or SLO_SCALE * self.latency.decode_s(1, n)
+        self.set_slos(req)
         self.requests[req.request_id] = req
-        self.requests_total += 1
         self.scheduler.add(req)
 
     def work(self) -> ModelWork:
@@ -542,8 +310,7 @@ class ModelWorker:
                 continue
             if req.first_token_time is None:
                 req.first_token_time = now
-                if req.ttft_slo is not None:
-                    self._slo("ttft", now - req.arrival_time > req.ttft_slo, now)
+                self.ttft_outcome(req, now)
             req.last_token_time = now
             complete = req.request_id in self.sampler.completed
             reason, visible = self.outputs.accept(req, tok, complete)
@@ -571,18 +338,8 @@ class ModelWorker:
         else:
             self._emit(req, out)
 
-    def _slo(self, kind: str, missed: bool, now: float) -> None:
-        self.slo[kind][missed] += 1
-        self.slo_log.append((now, kind, missed))
-        self._slo_recent[kind][missed] += 1
-        if len(self.slo_log) > SLO_LOG:
-            self._forget_slo()
-
     def _finish(self, req: Request, out: RequestOutput) -> None:
-        n = req.num_output_tokens
-        if n > 1 and req.tpot_slo is not None and req.first_token_time is not None:
-            tpot = (req.last_token_time - req.first_token_time) / (n - 1)
-            self._slo("tpot", tpot > req.tpot_slo, req.last_token_time)
+        self.tpot_outcome(req)
         if self._on_device:  # its blocks may be written by a step in flight: free them after
             self._ended_in_step.append(req)
         else:
@@ -616,71 +373,7 @@ class ModelWorker:
         except Exception:
             log.exception("output sink of request %s failed", req.request_id)
 
-    # ---- what it publishes ----------------------------------------------------------------------
-    def _forget_slo(self) -> None:
-        _, kind, missed = self.slo_log.popleft()
-        self._slo_recent[kind][missed] -= 1
-
-    def _recent_slo(self, since: float) -> tuple[tuple[str, int, int], ...]:
-        """(kind, met, missed) of the outcomes since `since`."""
-        while self.slo_log and self.slo_log[0][0] < since:
-            self._forget_slo()
-        return tuple((k, met, missed) for k, (met, missed) in self._slo_recent.items())
-
-    def snapshot(self) -> ModelSnapshot:
-        a, s, lat = self.kv.allocator, self.scheduler, self.latency
-        lay = self.kv.layout
-        cached = a.num_cached_pages
-        return ModelSnapshot(
-            name=self.name,
-            residency=self.residency,
-            num_running=len(s.running),
-            num_waiting=len(s.waiting),
-            num_preemptions=s.num_preemptions,
-            prefix_cache_queries=s.prefix_queries,
-            prefix_cache_hits=s.prefix_hits,
-            kv_blocks_prefix_idle=a.num_idle_blocks,
-            shard_weight_bytes=tuple(
-                (d, w.nbytes) for d, w in zip(self.shard_devices, self.weights.parts[1:])
-            )
-            if self.shard_devices
-            else (),
-            kv_pages_in_use=a.num_mapped_pages - cached,
-            kv_pages_cached_free=cached,
-            kv_blocks_used=a.num_used_blocks,
-            kv_blocks_capacity=a.capacity_blocks,
-            kv_block_bytes=lay.block_bytes * lay.num_layers,
-            weight_pages=self.weights.pages.num_mapped_pages if self.weights else 0,
-            weight_bytes=self.weight_bytes,
-            pinned=self.pinned,
-            activations=self.activations,
-            evictions=self.evictions,
-            activation_seconds=self.activation_seconds,
-            last_activation_s=self.last_activation_s,
-            bytes_activated=self.bytes_activated,
-            last_used=self.last_used,
-            state_since=self.state_since,
-            last_eviction_s=self.last_eviction_s,
-            activation_buckets=tuple(self.activation_buckets),
-            overhead_bytes=self.overhead_bytes,
-            requests_total=self.requests_total,
-            num_deferred=min(self.num_deferred, len(s.waiting)),  # 0 once nothing waits
-            ttft_slo_s=self.ttft_slo_s,
-            tpot_slo_s=self.tpot_slo_s,
-            slo_met=tuple((k, met, missed) for k, (met, missed) in self.slo.items()),
-            slo_recent=self._recent_slo(time.monotonic() - SLO_WINDOW_S),
-            transitions=tuple(self.transitions),
-            latency=LatencySnapshot(
-                prefill_1k_s=lat.prefill_s(1024),
-                decode_b1_s=lat.decode_s(1, 1024),
-                decode_b16_s=lat.decode_s(16, 16 * 1024),
-                error=lat.error,
-                profiled_shapes=len(lat.profile),
-                observed_steps=lat.observed,
-                coefficients=lat.coefficients,
-            ),
-        )
-
+    # ---- the worker's end -----------------------------------------------------------------------
     def check_integrity(self) -> None:
         self.sync()
         self.kv.check_integrity()
@@ -690,37 +383,12 @@ class ModelWorker:
         if not self.serving:
             assert self.kv.allocator.num_mapped_pages == 0, "an offloaded model holds KV pages"
 
-    def leave_device(self) -> HostCopy:
-        """An offloaded model with no request gives back everything it holds on its device (its
-        KV range, its weight range) and hands over its host copy: it moves to another device.
-        This worker is done with."""
-        assert self.residency is Residency.OFFLOADED and not self.requests, self.residency
-        self._fail_waiters(RuntimeError(f"model {self.name} moved to another device"))
-        self.kv.close()
-        self.weights.close()
-        host, self.host = self.host, None
-        return host
-
     def inherit(self, old: ModelWorker) -> None:
         """Take over the history of the worker this model had on another device: its latency
         model, counters, SLO outcomes and residency timeline (what the status and the
         control loop read)."""
-        self.latency = old.latency
-        for name in (
-            "activations",
-            "evictions",
-            "bytes_activated",
-            "activation_seconds",
-            "activation_buckets",
-            "last_activation_s",
-            "last_eviction_s",
-            "requests_total",
-            "slo",
-            "slo_log",
-            "_slo_recent",
-        ):
-            setattr(self, name, getattr(old, name))
-        self.transitions = deque([*old.transitions, *self.transitions], maxlen=TRANSITION_LOG)
+        self.inherit_stats(old)
+        self.inherit_residency(old)
 
     def _settle_shards(self) -> None:
         """A split model's kernels on its other devices done, before its pages there go: its
@@ -734,10 +402,7 @@ class ModelWorker:
     def close(self) -> None:
         self.sync()  # nothing of it on the device when its pages go
         self._settle_shards()
-        if self._transfer is not None:  # never free pages a copy is still writing
-            self._transfer.wait()
-            self._transfer = None
-        self._fail_waiters(RuntimeError(f"model {self.name} was removed"))
+        self.close_residency()
         for rid in list(self.requests):
             self.abort(rid)
         self.kv.close()
@@ -777,7 +442,3 @@ class _InFlight:
             self.copied.synchronize()
             got = [h.tolist() for h in self.host]
         return got[0], got[1:] or None
-
-
-def _allocated(device: torch.device) -> int:
-    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0

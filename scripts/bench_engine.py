@@ -255,7 +255,7 @@ def side_worker(engine: Engine, name: str) -> ModelWorker:
     attention kernels and piecewise graphs; its steps read their tokens first unless told
     otherwise."""
     from prism_server.model_runner import DeviceResources
-    from prism_server.model_worker import ModelWorker
+    from prism_server.worker_build import assemble_worker
 
     me0 = engine.worker.models["m"]
     shared = engine.worker.resources
@@ -263,7 +263,7 @@ def side_worker(engine: Engine, name: str) -> ModelWorker:
     resources = DeviceResources(
         me0.device, shared.kernels, False, bool(buckets), max(buckets, default=None)
     )
-    return ModelWorker(
+    return assemble_worker(
         name,
         me0.runner.model,
         me0.outputs.tokenizer,

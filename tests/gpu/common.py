@@ -19,6 +19,7 @@ from models.registry import get_model_class
 from models.tokenizer import ByteTokenizer
 from prism_server.model_runner import DeviceResources
 from prism_server.model_worker import ModelWorker
+from prism_server.worker_build import assemble_worker
 from scheduler.batch_scheduler import SchedulerConfig
 from scheduler.request import FinishReason, Request
 from scheduler.sampling_params import SamplingParams
@@ -102,7 +103,7 @@ def model_engine(
     dtype = next(model.parameters()).dtype
     device = next(model.parameters()).device
     res = DeviceResources(device, kernels, launch_ahead=False) if kernels is not None else None
-    me = ModelWorker(
+    me = assemble_worker(
         name, model, ByteTokenizer(cfg.vocab_size), pool, sched, dtype, cached, resources=res
     )
     if not graphs and me.runner.graphs is not None:
