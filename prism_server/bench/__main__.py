@@ -187,7 +187,8 @@ def _standalone(args) -> int:
 
 
 def _sweep(args) -> int:
-    from prism_server.bench.sweep import SweepConfig, run_sweep, table
+    from prism_server.bench.sweep import SweepConfig, run_sweep
+    from prism_server.bench.sweep_table import table
 
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     bad = sorted(set(policies) - {"prism", "static", "swap"})

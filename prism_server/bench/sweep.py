@@ -10,27 +10,21 @@ say): each merges its policy into the directory's sweep.json and reuses its SLOs
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gzip
 import json
 import logging
 import math
-import os
-import signal
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import aiohttp
-
 from prism_server.bench.monitor import Monitor, state_at
 from prism_server.bench.replay import EarlyStop, Result, allowed_misses, replay
-from prism_server.bench.report import markdown, percentile, report, showcase_run
+from prism_server.bench.report import percentile, report
+from prism_server.bench.server_process import ServerProcess, wait_quiet
 from prism_server.bench.standalone import slos_from, standalone
+from prism_server.bench.sweep_table import ratios, table
 from prism_server.bench.workload import Row, scale_rate
 
 log = logging.getLogger(__name__)
@@ -69,87 +63,6 @@ class SweepConfig:
     extra: dict = field(default_factory=dict)  # recorded as is (the machine, the command)
 
 
-# ---- one server process per policy ---------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class ServerProcess:
-    """`python -m prism_server` under one policy, its output in a log file."""
-
-    def __init__(self, cfg: SweepConfig, policy: str, log_path: Path, slo_file: Path | None = None):
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.cmd = [sys.executable, "-m", "prism_server", "--policy", policy]
-        self.cmd += ["--host", "127.0.0.1", "--port", str(self.port)]
-        if cfg.server_config:
-            self.cmd += ["--config", cfg.server_config]
-        if cfg.api_key:
-            self.cmd += ["--api-key", cfg.api_key]
-        if slo_file is not None:
-            self.cmd += ["--slo-file", str(slo_file)]
-        self.cmd += list(cfg.server_args)
-        self.log_path = log_path
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        with open(self.log_path, "wb") as logf:  # the child keeps its own descriptor
-            self.proc = subprocess.Popen(
-                self.cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True
-            )
-
-    def _tail(self) -> str:
-        with contextlib.suppress(OSError):
-            return self.log_path.read_text(errors="replace")[-3000:]
-        return ""
-
-    async def ready(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as s:
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(
-                        f"the server exited with {self.proc.returncode}:\n{self._tail()}"
-                    )
-                with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, OSError):
-                    async with s.get(self.url + "/health") as r:
-                        if r.status == 200:
-                            return
-                await asyncio.sleep(0.5)
-        raise RuntimeError(f"the server was not ready within {timeout_s:.0f} s:\n{self._tail()}")
-
-    def stop(self, timeout_s: float = 120.0) -> int | None:
-        if self.proc is None or self.proc.poll() is not None:
-            return self.proc.returncode if self.proc else None
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait()
-
-
-async def _quiet(url: str, api_key: str | None, settle_s: float, timeout_s: float = 300) -> None:
-    """Waits until no model has a running or waiting request, then settle_s more."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    deadline = time.monotonic() + timeout_s
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s:
-        while time.monotonic() < deadline:
-            async with s.get(url + "/v1/status", headers=headers) as r:
-                st = await r.json()
-            busy = sum(
-                m["num_running"] + m["num_waiting"] for d in st["devices"] for m in d["models"]
-            )
-            if not busy:
-                break
-            await asyncio.sleep(0.2)
-    await asyncio.sleep(settle_s)
-
-
-# ---- one run: the workload at one rate scale -----------------------------------------------------
 def _record(res: Result, waited: bool | None = None) -> dict:
     """One request's record (waited: whether its model was not resident when it was sent;
     None: not known)."""
@@ -317,7 +230,7 @@ async def sweep_policy(
                 entry["stopped"] = f"time budget: x{scale:g} not run"
                 log.warning("%s: %s", policy, entry["stopped"])
                 return None
-            await _quiet(server.url, cfg.api_key, cfg.settle_s)
+            await wait_quiet(server.url, cfg.api_key, cfg.settle_s)
             run = await run_once(
                 server.url,
                 rows,
@@ -396,96 +309,6 @@ def _log_run(policy: str, run: dict) -> None:
             len(run["requests"]),
             100 * st["attainment_at_most"],
         )
-
-
-# ---- the whole sweep -------------------------------------------------------------------------
-def ratios(policies: dict[str, dict], ref: str = "prism") -> dict[str, dict]:
-    """ref's sustained rate over each other policy's: a number when both sustained one; a lower
-    bound (`at_least`) when the other sustained none of the scales tried."""
-    mine = policies.get(ref, {}).get("sustained_rate_rps")
-    out = {}
-    for name, p in policies.items():
-        if name == ref or mine is None:
-            continue
-        theirs = p.get("sustained_rate_rps")
-        if theirs:
-            out[f"{ref}/{name}"] = {"ratio": mine / theirs}
-        elif p.get("runs"):
-            lowest = min(r["rate_rps"] for r in p["runs"])
-            out[f"{ref}/{name}"] = {"ratio": None, "at_least": mine / lowest}
-    return out
-
-
-def table(sweep: dict) -> str:
-    """The sweep's markdown: one row per policy, then each policy's per-model table at its
-    sustained scale."""
-    target = sweep["config"]["target"]
-    rat = sweep.get("ratios", {})
-    lines = [
-        f"| policy | sustained rate req/s (scale) at {100 * target:g}% | prism ÷ policy "
-        "| attainment per scale | activations / evictions | waited for activation: "
-        "requests, TTFT p99 s |",
-        "|---|---|---|---|---|---|",
-    ]
-    for name, p in sweep["policies"].items():
-        rate = (
-            f"{p['sustained_rate_rps']:.3f} (x{p['sustained_scale']:g})"
-            if p["sustained_scale"] is not None
-            else "none"
-        )
-        r = rat.get(f"prism/{name}")
-        ratio = "1" if name == "prism" else "-"
-        if r and r["ratio"] is not None:
-            ratio = f"{r['ratio']:.2f}"
-        elif r:
-            ratio = f"> {r['at_least']:.2f}"
-        per_scale = ", ".join(f"x{x['scale']:g}: {_attainment(x)}" for x in p["runs"])
-        shown = showcase_run(p)
-        moves = f"{shown['activations']} / {shown['evictions']}" if shown else "-"
-        aw = shown["activation_wait"] if shown else None
-        waited = (
-            f"{aw['requests']}, {aw['ttft_p99_s']:.3f}"
-            if aw and aw["ttft_p99_s"] is not None
-            else "0, -"
-        )
-        lines.append(f"| {name} | {rate} | {ratio} | {per_scale} | {moves} | {waited} |")
-    out = ["\n".join(lines)]
-    for name, p in sweep["policies"].items():
-        shown = showcase_run(p)
-        if shown:
-            which = (
-                "sustained"
-                if p["sustained_scale"] is not None
-                else "lowest run to the end, not sustained"
-                if not shown.get("stopped_early")
-                else "lowest, not sustained, stopped early"
-            )
-            head = f"\n**{name}** at x{shown['scale']:g} ({which}):\n\n"
-            out.append(head + markdown(shown["report"]) + _engine_line(shown.get("engine")))
-    return "\n".join(out)
-
-
-def _attainment(run: dict) -> str:
-    """A run's joint attainment; a run stopped early shows its bound and when it stopped."""
-    st = run.get("stopped_early")
-    if st:
-        return (
-            f"<= {100 * st['attainment_at_most']:.1f}% (stopped at {st['at_s']:.0f} s, "
-            f"{st['missed']} missed)"
-        )
-    return f"{100 * (run['report']['overall']['attainment'] or 0):.1f}%"
-
-
-def _engine_line(engine: dict | None) -> str:
-    """The engine's share of the run, per device: busy in model steps, and host time between."""
-    parts = []
-    for dev, e in sorted((engine or {}).items()):
-        per = e["host_per_step_s"]
-        parts.append(
-            f"{dev}: {e['steps']} steps, busy {100 * e['busy']:.1f}% of the time, host between "
-            f"steps {100 * e['host']:.1f}%" + (f" ({1e3 * per:.2f} ms a step)" if per else "")
-        )
-    return "\n\nEngine: " + "; ".join(parts) + "." if parts else ""
 
 
 def load_sweep(out: Path) -> dict | None:

@@ -1,5 +1,5 @@
 """OpenAI routes: the route table and one thin handler per endpoint (parse -> look up -> encode
-and check -> submit -> answer). Shared steps are in serving.py, JSON shapes in protocol.py."""
+and check -> submit -> answer). Shared steps are in serving.py, JSON shapes in protocol/."""
 
 from __future__ import annotations
 

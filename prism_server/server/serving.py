@@ -1,6 +1,6 @@
 """What both OpenAI generation endpoints share: reading the body, looking the model up, turning
 the engine's refusals into API errors, submitting the n choices, and answering them whole or as an
-SSE stream. The JSON itself comes from protocol.py."""
+SSE stream. The JSON itself comes from protocol/."""
 
 from __future__ import annotations
 

@@ -92,7 +92,7 @@ def test_a_replay_stops_once_the_target_is_out_of_reach_and_the_server_loses_not
     flight is cancelled (the server aborts it and frees its KV), the later rows are not sent,
     and the server keeps serving."""
     from prism_server.bench.replay import STOPPED, EarlyStop, allowed_misses
-    from prism_server.bench.sweep import _quiet
+    from prism_server.bench.server_process import wait_quiet
 
     specs = tuple(
         ModelSpec(n, "dummy:tiny-llama", block_size=4, seed=i) for i, n in enumerate("ab")
@@ -115,7 +115,8 @@ def test_a_replay_stops_once_the_target_is_out_of_reach_and_the_server_loses_not
         assert all(r.sent == 0 and r.error == STOPPED and not r.token_times for r in results[2:])
         rep = report(results, {"a": (0.0, 1.0), "b": (60.0, 1.0)}, span_s=30.0)
         assert rep["overall"]["attainment"] == 0.0 and rep["overall"]["errors"] >= 3
-        asyncio.run(_quiet(srv.url, None, 0.0, timeout_s=60))  # the cancelled stream was aborted
+        # the cancelled stream was aborted
+        asyncio.run(wait_quiet(srv.url, None, 0.0, timeout_s=60))
         srv.engine.check_integrity()
         again = asyncio.run(replay(srv.url, [Row(0.0, "b", 6, 3)]))
         assert again[0].ok and again[0].tokens == 3

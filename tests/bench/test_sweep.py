@@ -115,7 +115,7 @@ def test_the_monitor_sees_activations_and_which_requests_waited_for_one():
 
 
 def test_a_run_stopped_early_records_when_and_its_bound_and_the_table_shows_it():
-    from prism_server.bench.sweep import table
+    from prism_server.bench.sweep_table import table
 
     srv = _server("prism")
     rows = [Row(0.0, "a", 8, 4), Row(0.2, "b", 8, 4)] + [Row(20.0 + i, "a", 8, 4) for i in range(8)]

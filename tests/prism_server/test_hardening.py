@@ -93,7 +93,7 @@ def _raise(*a, **k):
 def test_a_late_exception_ends_the_stream_as_sse_says(srv, monkeypatch, path, body, where):
     cls_name, _, fn = where.partition(".")
     fn, _, when = fn.partition("@")
-    cls = getattr(protocol, cls_name)
+    cls = getattr(protocol.responses, cls_name)
     original = getattr(cls, fn)
     if when == "usage":  # only the usage chunk (the one with choices=[]) fails
 

@@ -1,0 +1,48 @@
+"""The OpenAI wire protocol. Nothing else in the server knows the JSON shapes.
+
+requests.py   request models (fields in the order of the OpenAI reference), their checks, and
+              their conversion into `SamplingParams`
+responses.py  the error envelope, whole responses and stream chunks, usage, logprobs
+"""
+
+from __future__ import annotations
+
+from prism_server.protocol.requests import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from prism_server.protocol.responses import (
+    APIError,
+    ChatShapes,
+    CompletionShapes,
+    LogprobFormatter,
+    error_body,
+    finish_reason,
+    model_card,
+    now,
+    stream_error,
+    token_bytes,
+    usage,
+    validation_error,
+)
+
+__all__ = [
+    "APIError",
+    "ChatCompletionRequest",
+    "ChatShapes",
+    "CompletionRequest",
+    "CompletionShapes",
+    "DetokenizeRequest",
+    "LogprobFormatter",
+    "TokenizeRequest",
+    "error_body",
+    "finish_reason",
+    "model_card",
+    "now",
+    "stream_error",
+    "token_bytes",
+    "usage",
+    "validation_error",
+]
