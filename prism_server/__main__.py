@@ -1,4 +1,4 @@
-from prism_server.cli import main
+from prism_server.cli.main import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

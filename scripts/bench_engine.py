@@ -62,13 +62,17 @@ from models.embedded import embedded_model_dir  # noqa: E402
 from models.presets import get_preset  # noqa: E402
 from prism_server import envs  # noqa: E402
 from prism_server.config import EngineConfig, ModelSpec  # noqa: E402
-from prism_server.engine import Engine  # noqa: E402
 from prism_server.grammar import GrammarSpec  # noqa: E402
 from scheduler.request import Request  # noqa: E402
 from scheduler.sampling_params import SamplingParams  # noqa: E402
 
+try:
+    from prism_server.engine.engine import Engine
+except ImportError:  # a tree from before prism_server/engine/ (`--tree` in ab and prep)
+    from prism_server.engine import Engine  # type: ignore[no-redef]
+
 if TYPE_CHECKING:
-    from prism_server.model_worker import ModelWorker
+    from prism_server.engine.model_worker import ModelWorker
 
 # --- speed -------------------------------------------------------------------------------------
 
@@ -231,7 +235,7 @@ def prism_decode_prefill(engine: Engine, ceil: dict, prefill: bool = True) -> di
 def sampler_bench(batch: int = 64, vocab: int = 128256) -> dict:
     """A step's random sampling (temperature 0.8, top-k 50, top-p 0.9) of `batch` rows: one row
     at a time (the path of seeded rows), the batched torch filters, and FlashInfer's kernel."""
-    from prism_server.sampler import Sampler, sample_batch
+    from prism_server.engine.sampler import Sampler, sample_batch
 
     x = torch.randn(batch, vocab, device="cuda") * 4
     p = SamplingParams(temperature=0.8, top_k=50, top_p=0.9)
@@ -254,8 +258,8 @@ def side_worker(engine: Engine, name: str) -> ModelWorker:
     (the engine's thread is idle between the benchmark's requests), with the engine's choice of
     attention kernels and piecewise graphs; its steps read their tokens first unless told
     otherwise."""
-    from prism_server.model_runner import DeviceResources
-    from prism_server.worker_build import assemble_worker
+    from prism_server.engine.model_runner import DeviceResources
+    from prism_server.engine.worker_build import assemble_worker
 
     me0 = engine.worker.models["m"]
     shared = engine.worker.resources
@@ -279,7 +283,7 @@ def profile_prefill(engine: Engine, sizes=(32, 128, 512)) -> dict:
     """One prompt of n tokens as one step, through the piecewise graphs and eagerly: the host's
     time to launch it (until execute returns) beside the whole step (until the device is done).
     Equal: the host is the bound."""
-    from prism_server.model_runner import ModelRunner
+    from prism_server.engine.model_runner import ModelRunner
 
     me = side_worker(engine, "profile-prefill")
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
@@ -794,7 +798,7 @@ def main_speed() -> None:
     args = ap.parse_args()
     # which kernels the engines took, and any that fell back (the model runner's choices)
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
-    logging.getLogger("prism_server.model_runner").setLevel(logging.INFO)
+    logging.getLogger("prism_server.engine.model_runner").setLevel(logging.INFO)
 
     def save(key: str, value) -> None:  # after every section: a killed run keeps what it got
         RESULTS[key] = value
@@ -904,7 +908,11 @@ def main_ab() -> None:
     import torch
 
     from prism_server.config import EngineConfig, ModelSpec
-    from prism_server.engine import Engine
+
+    try:
+        from prism_server.engine.engine import Engine
+    except ImportError:  # a tree from before prism_server/engine/
+        from prism_server.engine import Engine  # type: ignore[no-redef]
 
     try:
         from scheduler.sampling_params import SamplingParams

@@ -51,8 +51,8 @@ from models.presets import get_preset  # noqa: E402
 from models.registry import get_model_class  # noqa: E402
 from models.tensor_parallel import TensorParallel, default_all_reduce, shard_config  # noqa: E402
 from prism_server.config import EngineConfig, ModelSpec  # noqa: E402
-from prism_server.engine import Engine  # noqa: E402
-from prism_server.memory_budget import weight_pool_bytes  # noqa: E402
+from prism_server.engine.engine import Engine  # noqa: E402
+from prism_server.engine.memory_budget import weight_pool_bytes  # noqa: E402
 from scheduler.sampling_params import SamplingParams  # noqa: E402
 
 # --- pool --------------------------------------------------------------------------------------
@@ -657,7 +657,7 @@ def _host_ram() -> int:
 def tp_activation(preset: str, devices: list[torch.device], repeats: int) -> dict:
     """Seconds to activate the split model through the engine, and one shard's copy alone."""
     from prism_server.config import EngineConfig, ModelSpec
-    from prism_server.engine import Engine
+    from prism_server.engine.engine import Engine
 
     cuda = devices[0].type == "cuda"
     spec = ModelSpec("big", f"dummy:{preset}", max_model_len=4096, tensor_parallel=len(devices))

@@ -77,8 +77,8 @@ async def level(url: str, concurrency: int, requests: int, max_tokens: int) -> d
 
 def start_local():
     from prism_server.config import EngineConfig, ModelSpec
-    from prism_server.engine import Engine
-    from prism_server.server.app import serve_in_thread
+    from prism_server.engine.engine import Engine
+    from prism_server.serving.app import serve_in_thread
 
     engine = Engine(EngineConfig(models=tuple(ModelSpec(m, m) for m in MODELS), device="cpu"))
     return serve_in_thread(engine)

@@ -31,9 +31,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from prism_server.config import EngineConfig, ModelSpec  # noqa: E402
-from prism_server.engine import Engine  # noqa: E402
-from prism_server.memory_budget import weight_pool_bytes  # noqa: E402
-from prism_server.server.app import serve_in_thread  # noqa: E402
+from prism_server.engine.engine import Engine  # noqa: E402
+from prism_server.engine.memory_budget import weight_pool_bytes  # noqa: E402
+from prism_server.serving.app import serve_in_thread  # noqa: E402
 from scheduler.sampling_params import SamplingParams  # noqa: E402
 
 PROMPTS = [f"Item {i}: " + "lorem ipsum dolor " * (i % 5 + 1) for i in range(8)]

@@ -9,8 +9,8 @@ from prism_server.bench.replay import prompt_ids, replay
 from prism_server.bench.report import markdown, percentile, report
 from prism_server.bench.workload import Row
 from prism_server.config import EngineConfig, ModelSpec
-from prism_server.engine import Engine
-from prism_server.server.app import serve_in_thread
+from prism_server.engine.engine import Engine
+from prism_server.serving.app import serve_in_thread
 
 
 def test_replay_records_every_token_and_the_report_agrees():
@@ -43,7 +43,7 @@ def test_replay_records_every_token_and_the_report_agrees():
 
 def test_the_bench_command_writes_the_table(tmp_path, capsys):
     from prism_server.bench.workload import write_csv
-    from prism_server.cli import main
+    from prism_server.cli.main import main
 
     specs = (ModelSpec("a", "dummy:tiny-llama", block_size=4),)
     write_csv([Row(0.01 * i, "a", 6, 3) for i in range(4)], tmp_path / "w.csv")

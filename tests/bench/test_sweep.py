@@ -23,10 +23,10 @@ from prism_server.bench.plots import (
 from prism_server.bench.standalone import pick, slos_from, standalone
 from prism_server.bench.sweep import expected_run_s, passed, run_once, sustained
 from prism_server.bench.workload import Row, write_csv
-from prism_server.cli import main
+from prism_server.cli.main import main
 from prism_server.config import EngineConfig, ModelSpec
-from prism_server.engine import Engine
-from prism_server.server.app import serve_in_thread
+from prism_server.engine.engine import Engine
+from prism_server.serving.app import serve_in_thread
 
 PAGE = 64 << 10
 

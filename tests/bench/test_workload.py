@@ -77,7 +77,7 @@ def test_bursty_groups_are_bursty_shifting_and_mostly_idle():
 @pytest.mark.skipif(not TRACES.exists(), reason="the shared traces are not beside the checkout")
 def test_the_workload_command_writes_what_the_converters_give(tmp_path, capsys):
     from prism_server.bench.traces import from_mooncake, from_servegen
-    from prism_server.cli import main
+    from prism_server.cli.main import main
 
     root = TRACES.parent
     out = tmp_path / "sg.csv"
@@ -121,7 +121,7 @@ def test_the_workload_command_writes_what_the_converters_give(tmp_path, capsys):
 
 
 def test_the_bursty_command_takes_length_ranges(tmp_path):
-    from prism_server.cli import main
+    from prism_server.cli.main import main
 
     out = tmp_path / "b.csv"
     args = ["bench", "workload", "--source", "bursty", "--models", "a,b,c,d", "--out", str(out)]
@@ -175,7 +175,7 @@ def test_lengths_drawn_from_another_trace_keep_the_arrivals_and_pair_the_lengths
 def test_the_workload_command_takes_a_servegen_stream_with_mooncake_lengths(tmp_path, capsys):
     from prism_server.bench.traces import from_servegen
     from prism_server.bench.traces_cli import length_pairs
-    from prism_server.cli import main
+    from prism_server.cli.main import main
 
     root = TRACES.parent
     out = tmp_path / "mix.csv"

@@ -17,9 +17,9 @@ from models.kernels.tuning import KernelConfig
 from models.loader import init_dummy_weights
 from models.registry import get_model_class
 from models.tokenizer import ByteTokenizer
-from prism_server.model_runner import DeviceResources
-from prism_server.model_worker import ModelWorker
-from prism_server.worker_build import assemble_worker
+from prism_server.engine.model_runner import DeviceResources
+from prism_server.engine.model_worker import ModelWorker
+from prism_server.engine.worker_build import assemble_worker
 from scheduler.batch_scheduler import SchedulerConfig
 from scheduler.request import FinishReason, Request
 from scheduler.sampling_params import SamplingParams
@@ -107,7 +107,7 @@ def model_engine(
         name, model, ByteTokenizer(cfg.vocab_size), pool, sched, dtype, cached, resources=res
     )
     if not graphs and me.runner.graphs is not None:
-        from prism_server.model_runner import ModelRunner
+        from prism_server.engine.model_runner import ModelRunner
 
         me.runner = ModelRunner(model, me.kv.cache, me.device, cuda_graph_sizes=())
     return me

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from prism_server.config import EngineConfig, ModelSpec
-from prism_server.engine import Engine
-from prism_server.memory_budget import default_pool_budget, weight_bytes
+from prism_server.engine.engine import Engine
+from prism_server.engine.memory_budget import default_pool_budget, weight_bytes
 from scheduler.request import FinishReason
 from scheduler.sampling_params import SamplingParams
 from tests.gpu.common import GPU

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from prism_server.config import EngineConfig, ModelSpec
-from prism_server.cuda_graph_runner import CudaGraphRunner
-from prism_server.engine import Engine
-from prism_server.memory_budget import weight_pool_bytes
+from prism_server.engine.cuda_graph_runner import CudaGraphRunner
+from prism_server.engine.engine import Engine
+from prism_server.engine.memory_budget import weight_pool_bytes
 from scheduler.sampling_params import SamplingParams
 from tests.gpu.common import GPU
 

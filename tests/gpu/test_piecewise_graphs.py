@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from models.kernels.tuning import KernelConfig
-from prism_server.model_runner import ModelRunner
+from prism_server.engine.model_runner import ModelRunner
 from tests.gpu.common import (
     GPU,
     assert_no_real_divergence,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from prism_server.sampler import sample_batch
+from prism_server.engine.sampler import sample_batch
 from scheduler.sampling_params import SamplingParams
 from tests.gpu.common import GPU
 from tests.prism_server.test_sampler import draws_follow_each_rows_distribution

@@ -87,7 +87,7 @@ def test_the_engine_serves_a_model_split_over_two_gpus(tmp_path):
     import transformers as tf
 
     from prism_server.config import EngineConfig, ModelSpec
-    from prism_server.engine import Engine
+    from prism_server.engine.engine import Engine
     from scheduler.sampling_params import SamplingParams
     from tests.models.test_loader import TINY, _save_hf_dir
 
@@ -120,7 +120,7 @@ def test_decode_graphs_on_the_second_gpu_and_after_a_move_give_the_first_gpus_to
     graph captured on the wrong device's stream records nothing and replays stale logits),
     and again once the second copy has moved to the first GPU and back."""
     from prism_server.config import EngineConfig, ModelSpec
-    from prism_server.engine import Engine
+    from prism_server.engine.engine import Engine
     from scheduler.sampling_params import SamplingParams
 
     specs = (ModelSpec("a", "dummy:llama-3.2-1b"), ModelSpec("b", "dummy:llama-3.2-1b"))

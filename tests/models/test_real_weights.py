@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 from models.embedded import embedded_model_dir
 from prism_server import envs
 from prism_server.config import EngineConfig, ModelSpec
-from prism_server.engine import Engine
+from prism_server.engine.engine import Engine
 from scheduler.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow  # measured: over 20 s a module on the 2-core machine

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from prism_server import model_runner
 from prism_server.config import EngineConfig, ModelSpec
-from prism_server.engine import Engine
-from prism_server.server.app import ServerThread, serve_in_thread
+from prism_server.engine import model_runner
+from prism_server.engine.engine import Engine
+from prism_server.serving.app import ServerThread, serve_in_thread
 
 
 @pytest.fixture(scope="session")

@@ -175,7 +175,7 @@ def test_echo_with_logprobs_scores_the_prompt_as_generation_scores_its_tokens(se
 
 @pytest.mark.parametrize("model", [CHAT, "gemma3-270m"])
 def test_logprob_bytes_are_each_tokens_raw_bytes(server, model):
-    from prism_server.protocol import token_bytes
+    from prism_server.serving.protocol import token_bytes
 
     tok = server.engine.model(model).tokenizer
     text = "héllo Paris € 日本"

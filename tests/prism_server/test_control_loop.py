@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 
 from prism_server.config import EngineConfig, ModelSpec
-from prism_server.engine import Engine
+from prism_server.engine.engine import Engine
 from scheduler.sampling_params import SamplingParams
 from scheduler.snapshot import Residency
 

@@ -14,8 +14,8 @@ import httpx
 import pytest
 
 from prism_server.config import EngineConfig, ModelSpec
-from prism_server.engine import Engine
-from prism_server.server.app import serve_in_thread
+from prism_server.engine.engine import Engine
+from prism_server.serving.app import serve_in_thread
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed")

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from models.tokenizer import ByteTokenizer
-from prism_server.detokenizer import IncrementalDetokenizer, find_stop
+from prism_server.engine.detokenizer import IncrementalDetokenizer, find_stop
 
 
 class WindowOnly:

@@ -9,10 +9,10 @@ import time
 import pytest
 import torch
 
-from prism_server import device_worker
-from prism_server.commands import PlanEvict
 from prism_server.config import EngineConfig, ModelSpec
-from prism_server.engine import Engine
+from prism_server.engine import device_worker
+from prism_server.engine.commands import PlanEvict
+from prism_server.engine.engine import Engine
 from scheduler.sampling_params import SamplingParams
 
 PAGE = 64 << 10

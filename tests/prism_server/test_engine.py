@@ -7,7 +7,7 @@ import json
 import pytest
 
 from prism_server.config import EngineConfig, ModelSpec
-from prism_server.engine import Engine
+from prism_server.engine.engine import Engine
 from scheduler.request import FinishReason
 from scheduler.sampling_params import SamplingParams
 

@@ -8,9 +8,9 @@ import httpx
 import pytest
 
 from prism_server.config import EngineConfig, ModelSpec
-from prism_server.engine import Engine
+from prism_server.engine.engine import Engine
 from prism_server.served_model import ModelFailed
-from prism_server.server.app import serve_in_thread
+from prism_server.serving.app import serve_in_thread
 
 PAGE = 64 << 10
 

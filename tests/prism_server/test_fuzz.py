@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from prism_server.config import EngineConfig, ModelSpec
-from prism_server.engine import Engine
-from prism_server.server.app import serve_in_thread
+from prism_server.engine.engine import Engine
+from prism_server.serving.app import serve_in_thread
 
 pytestmark = pytest.mark.slow  # measured: over 20 s a module on the 2-core machine
 

@@ -13,7 +13,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from prism_server import cli, gpu_setup
+from prism_server.cli import main as cli
+from prism_server.engine import gpu_setup
 
 ROOT = Path(__file__).resolve().parents[2]
 CUDA = torch.device("cuda", 0)

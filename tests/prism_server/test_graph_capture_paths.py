@@ -14,15 +14,15 @@ import gc
 import pytest
 import torch
 
-import prism_server.cuda_graph_runner as cgr
-import prism_server.piecewise_graphs as pg
+import prism_server.engine.cuda_graph_runner as cgr
+import prism_server.engine.piecewise_graphs as pg
 from models.attention.base import AttentionMetadata, SeqChunk
 from models.attention.kv_write import KVSlots, RowsWriter
 from models.attention.table_decode import TableDecodeGraphAttention
 from models.attention.torch_paged import TorchPagedAttention
 from models.kernels.fused_decode import StepOps
 from models.kernels.triton_gemv import GemvConfig
-from prism_server.cuda_graph_runner import CudaGraphRunner
+from prism_server.engine.cuda_graph_runner import CudaGraphRunner
 from tests.gpu.common import cpu_kv, tiny_model
 
 pytestmark = pytest.mark.slow  # measured: over 20 s a module on the 2-core machine

@@ -10,11 +10,11 @@ import json
 import httpx
 import pytest
 
-from prism_server import protocol
 from prism_server.config import EngineConfig, ModelSpec
-from prism_server.engine import Engine
-from prism_server.server.app import serve_in_thread
-from prism_server.server.middlewares import allowed_host_names
+from prism_server.engine.engine import Engine
+from prism_server.serving import protocol
+from prism_server.serving.app import serve_in_thread
+from prism_server.serving.middlewares import allowed_host_names
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 CMPL = {"model": "tiny", "prompt": "hello", "max_tokens": 4}

@@ -14,7 +14,7 @@ from models.kernels.triton_small_gemm import SmallGemmConfig
 from models.kernels.tuning import CONFIGS, FIELDS, KernelConfig, load_kernel_config, table_name
 from prism_server import envs
 from prism_server.config import EngineConfig, ModelSpec
-from prism_server.engine import Engine
+from prism_server.engine.engine import Engine
 
 SPEC = ModelSpec("a", "dummy:tiny-llama", block_size=4)
 
@@ -124,7 +124,7 @@ def test_the_override_reaches_every_device_and_a_bad_one_stops_the_engine(tmp_pa
     """PRISM_KERNEL_CONFIG is read when an engine is built; its settings reach the device's
     resources: the kernels and the piecewise buckets; an engine built with small GEMMs checks
     the kernel and runs."""
-    from prism_server.piecewise_graphs import DEFAULT_TOKEN_BUCKETS, token_buckets
+    from prism_server.engine.piecewise_graphs import DEFAULT_TOKEN_BUCKETS, token_buckets
 
     assert DEFAULT_TOKEN_BUCKETS == (8, 16, 32, 64, 128, 256, 512, 768, 1024)
     assert token_buckets(2048) == (8, 16, 32, 64, 128, 256, 512, 768, 1024, 1280, 1536, 1792, 2048)

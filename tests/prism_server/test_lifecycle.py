@@ -14,11 +14,11 @@ import aiohttp
 import httpx
 import pytest
 
-from prism_server.commands import Call, TransitionRefused
 from prism_server.config import EngineConfig, ModelSpec
-from prism_server.engine import Engine
-from prism_server.memory_budget import weight_pool_bytes
-from prism_server.server.app import serve_in_thread
+from prism_server.engine.commands import Call, TransitionRefused
+from prism_server.engine.engine import Engine
+from prism_server.engine.memory_budget import weight_pool_bytes
+from prism_server.serving.app import serve_in_thread
 from scheduler.sampling_params import SamplingParams
 from scheduler.snapshot import Residency
 

@@ -109,8 +109,8 @@ def test_the_shipped_grafana_dashboard_queries_series_that_exist():
     from pathlib import Path
 
     from prism_server.config import EngineConfig, ModelSpec
-    from prism_server.engine import Engine
-    from prism_server.server.app import serve_in_thread
+    from prism_server.engine.engine import Engine
+    from prism_server.serving.app import serve_in_thread
 
     doc = json.loads((Path(__file__).resolve().parents[2] / "docs/grafana/prism.json").read_text())
     exprs = [t["expr"] for p in doc["panels"] for t in p["targets"]]

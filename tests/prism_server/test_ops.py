@@ -14,8 +14,8 @@ import pytest
 
 from prism_server import logs
 from prism_server.config import EngineConfig, ModelSpec
-from prism_server.engine import Engine
-from prism_server.server.app import serve_in_thread
+from prism_server.engine.engine import Engine
+from prism_server.serving.app import serve_in_thread
 
 ORIGIN = "http://localhost:3000"
 BODY = {"model": "tiny", "prompt": "hello", "max_tokens": 3}

@@ -11,10 +11,10 @@ import aiohttp
 import httpx
 import pytest
 
-from prism_server.commands import Call
 from prism_server.config import EngineConfig, ModelSpec
-from prism_server.engine import Engine
-from prism_server.server.app import serve_in_thread
+from prism_server.engine.commands import Call
+from prism_server.engine.engine import Engine
+from prism_server.serving.app import serve_in_thread
 
 
 def rss_bytes() -> int:
@@ -163,8 +163,8 @@ def test_disconnect_mid_decode(srv):
 
 
 def test_the_global_queue_bound_holds_across_models():
-    from prism_server.protocol import APIError
-    from prism_server.server.frontend import Frontend
+    from prism_server.serving.frontend import Frontend
+    from prism_server.serving.protocol import APIError
     from scheduler.sampling_params import SamplingParams
 
     specs = tuple(

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from prism_server.config import EngineConfig, ModelSpec
-from prism_server.engine import Engine
+from prism_server.engine.engine import Engine
 from scheduler.sampling_params import SamplingParams
 
 PAGE = 64 << 10

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from prism_server.config import EngineConfig, ModelSpec
-from prism_server.engine import Engine
+from prism_server.engine.engine import Engine
 from scheduler.sampling_params import SamplingParams
 
 SMOL = "smollm2-135m"

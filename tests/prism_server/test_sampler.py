@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from prism_server.sampler import Sampler
+from prism_server.engine.sampler import Sampler
 from scheduler.request import Request
 from scheduler.sampling_params import SamplingParams
 
@@ -120,7 +120,7 @@ def test_repetition_penalty_follows_vllms_rule_over_prompt_and_output():
     # token 0 (prompt): 2.0 / 1.5 = 1.33 < 1.9, so token 2 wins; token 1 (output): -1.5
     assert s.sample(x, [r])[0] == [2]
     adjusted = x.clone()
-    from prism_server.sampler import _adjust
+    from prism_server.engine.sampler import _adjust
 
     _adjust(adjusted, [(0, r)])
     assert torch.allclose(adjusted, torch.tensor([[2.0 / 1.5, -1.5, 1.9, 0.5, -3.0]]))
@@ -134,7 +134,7 @@ def test_frequency_and_presence_penalties_batched_match_the_definition():
         for t in (3, 3, 5 + i):
             r.output_token_ids.append(t)
         rs.append(r)
-    from prism_server.sampler import _adjust
+    from prism_server.engine.sampler import _adjust
 
     got = x.clone()
     _adjust(got, [(0, rs[0]), (1, rs[1])])
@@ -179,7 +179,7 @@ MIXED = [
 def draws_follow_each_rows_distribution(device: str) -> None:
     """Rows of different settings drawn together by sample_batch on `device`: each row's tokens
     have its own distribution (total variation against the exact one, 4000 draws a row)."""
-    from prism_server.sampler import sample_batch
+    from prism_server.engine.sampler import sample_batch
 
     torch.manual_seed(0)
     x = logits(len(MIXED), 12, seed=3)

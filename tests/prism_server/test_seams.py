@@ -11,12 +11,12 @@ import time
 import httpx
 import pytest
 
-from prism_server.commands import Call
 from prism_server.completion import Completion
 from prism_server.config import EngineConfig, ModelSpec
-from prism_server.engine import Engine
+from prism_server.engine.commands import Call
+from prism_server.engine.engine import Engine
 from prism_server.served_model import ContextLengthExceeded, RequestRejected, ServedModel
-from prism_server.server.app import serve_in_thread
+from prism_server.serving.app import serve_in_thread
 from scheduler.request import FinishReason, RequestOutput
 from scheduler.snapshot import Residency
 

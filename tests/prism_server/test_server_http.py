@@ -9,10 +9,10 @@ import time
 import httpx
 import pytest
 
-from prism_server.commands import Call
 from prism_server.config import EngineConfig, ModelSpec
-from prism_server.engine import Engine
-from prism_server.server.app import serve_in_thread
+from prism_server.engine.commands import Call
+from prism_server.engine.engine import Engine
+from prism_server.serving.app import serve_in_thread
 
 SMOL, GEMMA = "smollm2-135m", "gemma3-270m"
 CHAT = {"model": SMOL, "messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 4}

@@ -13,8 +13,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
-from prism_server import status_cli
-from prism_server.cli import main
+from prism_server.cli import status as status_cli
+from prism_server.cli.main import main
 
 MODELS = ("smollm2-135m", "gemma3-270m")
 SLO = {"type": "object", "required": ["met", "missed"]}
@@ -131,7 +131,7 @@ def test_the_last_minute_counts_what_finished_in_it_and_forgets_the_rest():
     import time
 
     from prism_server.config import EngineConfig, ModelSpec
-    from prism_server.engine import Engine
+    from prism_server.engine.engine import Engine
     from scheduler.sampling_params import SamplingParams
 
     spec = ModelSpec("t", "dummy:tiny-llama", ttft_slo_ms=60_000, tpot_slo_ms=60_000)

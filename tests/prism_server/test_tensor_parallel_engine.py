@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from prism_server.commands import TransitionRefused
 from prism_server.config import EngineConfig, ModelSpec
-from prism_server.engine import Engine
+from prism_server.engine.commands import TransitionRefused
+from prism_server.engine.engine import Engine
 from scheduler.sampling_params import SamplingParams
 from tests.models.test_loader import _save_hf_dir, _tiny_hf_llama
 

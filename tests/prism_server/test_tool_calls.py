@@ -327,7 +327,7 @@ def test_a_thinking_model_may_think_before_it_calls():
     """Qwen3's template opens answers with <think>: the tool grammar then allows a think block
     first (and none for other models); both compile against a real tokenizer."""
     from prism_server.grammar import Grammars
-    from prism_server.protocol import ChatCompletionRequest
+    from prism_server.serving.protocol import ChatCompletionRequest
 
     req = ChatCompletionRequest(model=CHAT, messages=Q, tools=TOOLS, tool_choice="required")
     plain, thinking = req.grammar_spec("qwen_3"), req.grammar_spec("qwen_3", thinks=True)

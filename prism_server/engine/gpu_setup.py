@@ -12,7 +12,7 @@ import torch
 
 from models.kernels.tuning import KernelConfig
 from prism_server import envs
-from prism_server.cuda_graph_runner import DEFAULT_BATCH_SIZES
+from prism_server.engine.cuda_graph_runner import DEFAULT_BATCH_SIZES
 
 log = logging.getLogger("prism")
 

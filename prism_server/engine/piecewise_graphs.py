@@ -32,7 +32,7 @@ import torch
 from models.attention.base import ForwardContext, LayerAttention
 from models.attention.kv_write import KVSlots, write_kv
 from models.kernels import triton_ops
-from prism_server import cuda_graph_runner
+from prism_server.engine import cuda_graph_runner
 
 log = logging.getLogger(__name__)
 

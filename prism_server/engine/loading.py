@@ -20,15 +20,15 @@ from models.loader import ModelSource, empty_model, load_model, load_shards
 from models.tensor_parallel import TensorParallel
 from prism_server import envs
 from prism_server.config import EngineConfig, ModelSpec
+from prism_server.engine.model_worker import ModelWorker
+from prism_server.engine.worker_build import assemble_worker
 from prism_server.grammar import Grammars
-from prism_server.model_worker import ModelWorker
 from prism_server.served_model import ServedModel
-from prism_server.worker_build import assemble_worker
 from scheduler.policy import Policy
 
 if TYPE_CHECKING:
     from kvpool import PagePool
-    from prism_server.device_worker import DeviceWorker
+    from prism_server.engine.device_worker import DeviceWorker
 
 
 @dataclass(frozen=True)

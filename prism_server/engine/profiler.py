@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from prism_server.model_runner import ModelRunner
+from prism_server.engine.model_runner import ModelRunner
 from scheduler.batch_scheduler import BatchScheduler, ScheduledChunk
 from scheduler.latency_model import LatencyModel, StepShape
 from scheduler.request import Request

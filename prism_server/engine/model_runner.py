@@ -33,13 +33,13 @@ from models.attention.upload import host_ints, upload
 from models.kernels.fused_decode import load_step_ops
 from models.kernels.tuning import KernelConfig
 from models.tensor_parallel import collective_order
-from prism_server.cuda_graph_runner import DEFAULT_BATCH_SIZES, CudaGraphRunner
-from prism_server.piecewise_graphs import (
+from prism_server.engine.cuda_graph_runner import DEFAULT_BATCH_SIZES, CudaGraphRunner
+from prism_server.engine.piecewise_graphs import (
     DEFAULT_TOKEN_BUCKETS,
     PiecewiseGraphs,
     token_buckets,
 )
-from prism_server.sampler import sample_batch, token_logprobs
+from prism_server.engine.sampler import sample_batch, token_logprobs
 from scheduler.batch_scheduler import ScheduledChunk
 from scheduler.request import Request
 from scheduler.sampling_params import SamplingParams

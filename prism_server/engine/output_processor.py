@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prism_server.detokenizer import IncrementalDetokenizer, find_stop
+from prism_server.engine.detokenizer import IncrementalDetokenizer, find_stop
 from scheduler.request import FinishReason, Request, RequestOutput, TokenLogprob
 
 

@@ -20,11 +20,11 @@ import torch
 from kvpool import HostCopy, PagedKV, ShardedKV, WeightBuffer
 from models.attention.upload import tensor_on
 from models.layers.causal_lm import weight_bytes
-from prism_server.model_runner import DeviceResources, ModelRunner, TensorParallelRunner
-from prism_server.model_stats import ModelStats
-from prism_server.output_processor import OutputProcessor
-from prism_server.residency import ModelResidency
-from prism_server.sampler import Sampled, Sampler, logprob_list
+from prism_server.engine.model_runner import DeviceResources, ModelRunner, TensorParallelRunner
+from prism_server.engine.model_stats import ModelStats
+from prism_server.engine.output_processor import OutputProcessor
+from prism_server.engine.residency import ModelResidency
+from prism_server.engine.sampler import Sampled, Sampler, logprob_list
 from scheduler.arbitrator import ModelWork, model_work
 from scheduler.batch_scheduler import BatchScheduler, ScheduledChunk, SchedulerConfig
 from scheduler.latency_model import StepShape

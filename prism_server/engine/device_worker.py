@@ -17,7 +17,7 @@ import torch
 from kvpool import PagePool
 from models.attention.flashinfer_paged import DEFAULT_KERNELS
 from models.kernels.tuning import KernelConfig
-from prism_server.commands import (
+from prism_server.engine.commands import (
     Abort,
     Activate,
     Call,
@@ -35,11 +35,11 @@ from prism_server.commands import (
     Submit,
     TransitionRefused,
 )
-from prism_server.device_memory import DeviceMemory
-from prism_server.loading import Loaded, build_worker
-from prism_server.model_runner import DeviceResources
-from prism_server.model_worker import ModelWorker
-from prism_server.step_trace import StepTrace
+from prism_server.engine.device_memory import DeviceMemory
+from prism_server.engine.loading import Loaded, build_worker
+from prism_server.engine.model_runner import DeviceResources
+from prism_server.engine.model_worker import ModelWorker
+from prism_server.engine.step_trace import StepTrace
 from scheduler.balloon import admitting, may_activate
 from scheduler.latency_model import StepShape
 from scheduler.policy import POLICIES, Policy, static_quota

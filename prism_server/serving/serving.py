@@ -15,12 +15,12 @@ from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from prism_server.completion import Completion
-from prism_server.engine import Engine
-from prism_server.protocol import APIError, stream_error, validation_error
+from prism_server.engine.engine import Engine
 from prism_server.served_model import ModelFailed, ModelNotFound, RequestRejected, ServedModel
-from prism_server.server.frontend import Frontend, RequestStream, overloaded
-from prism_server.server.middlewares import MODEL, USAGE, client_request_id
-from prism_server.server.sse import SSEWriter
+from prism_server.serving.frontend import Frontend, RequestStream, overloaded
+from prism_server.serving.middlewares import MODEL, USAGE, client_request_id
+from prism_server.serving.protocol import APIError, stream_error, validation_error
+from prism_server.serving.sse import SSEWriter
 
 log = logging.getLogger(__name__)
 

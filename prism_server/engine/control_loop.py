@@ -22,8 +22,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-from prism_server.commands import PlanEvict, Prefetch
-from prism_server.model_stats import SLO_SCALE
+from prism_server.engine.commands import PlanEvict, Prefetch
+from prism_server.engine.model_stats import SLO_SCALE
 from scheduler.planner import DeviceCapacity, ModelDemand, Placement, RateTracker, plan
 
 log = logging.getLogger(__name__)

@@ -10,9 +10,9 @@ from collections.abc import Sequence
 import torch
 
 from kvpool import HostCopy, KVLayout, PagedKV, PagePool, ShardedKV, WeightBuffer
-from prism_server.model_runner import DeviceResources, ModelRunner, TensorParallelRunner
-from prism_server.model_worker import ModelWorker
-from prism_server.profiler import profile_steps
+from prism_server.engine.model_runner import DeviceResources, ModelRunner, TensorParallelRunner
+from prism_server.engine.model_worker import ModelWorker
+from prism_server.engine.profiler import profile_steps
 from scheduler.batch_scheduler import SchedulerConfig
 
 log = logging.getLogger(__name__)

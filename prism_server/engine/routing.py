@@ -14,7 +14,8 @@ from dataclasses import replace
 
 import torch
 
-from prism_server.commands import (
+from prism_server.config import ModelSpec
+from prism_server.engine.commands import (
     Activate,
     Command,
     Detach,
@@ -23,9 +24,8 @@ from prism_server.commands import (
     Submit,
     TransitionRefused,
 )
-from prism_server.config import ModelSpec
-from prism_server.device_worker import DeviceWorker
-from prism_server.loading import LoadSettings
+from prism_server.engine.device_worker import DeviceWorker
+from prism_server.engine.loading import LoadSettings
 from prism_server.served_model import ServedModel
 from scheduler.planner import DeviceCapacity, ModelDemand, plan
 from scheduler.request import FinishReason, Request, RequestOutput

@@ -10,14 +10,14 @@ import logging
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
-from prism_server.commands import Call
-from prism_server.model_worker import ModelWorker
+from prism_server.engine.commands import Call
+from prism_server.engine.model_worker import ModelWorker
 from scheduler import balloon
 from scheduler.balloon import ModelState, RunningRequest
 from scheduler.snapshot import Residency
 
 if TYPE_CHECKING:
-    from prism_server.device_worker import DeviceWorker
+    from prism_server.engine.device_worker import DeviceWorker
 
 log = logging.getLogger(__name__)
 

@@ -17,15 +17,29 @@ from pathlib import Path
 import torch
 
 from kvpool import PagePool
-from prism_server import envs, gpu_setup
-from prism_server.commands import Abort, Activate, Evict, Load, Partition, RemoveModel, Submit
+from prism_server import envs
 from prism_server.completion import Completion
 from prism_server.config import EngineConfig, ModelSpec
-from prism_server.control_loop import ControlLoop, PlanView
-from prism_server.device_worker import DeviceWorker
-from prism_server.loading import Loaded, LoadSettings
-from prism_server.memory_budget import check_host_budget, make_backend, pool_budget, weight_bytes
-from prism_server.routing import Routes, device_list
+from prism_server.engine import gpu_setup
+from prism_server.engine.commands import (
+    Abort,
+    Activate,
+    Evict,
+    Load,
+    Partition,
+    RemoveModel,
+    Submit,
+)
+from prism_server.engine.control_loop import ControlLoop, PlanView
+from prism_server.engine.device_worker import DeviceWorker
+from prism_server.engine.loading import Loaded, LoadSettings
+from prism_server.engine.memory_budget import (
+    check_host_budget,
+    make_backend,
+    pool_budget,
+    weight_bytes,
+)
+from prism_server.engine.routing import Routes, device_list
 from prism_server.served_model import ModelFailed, ModelNotFound, ServedModel
 from scheduler.policy import policy
 from scheduler.request import Request, RequestOutput

@@ -13,13 +13,13 @@ from pathlib import Path
 
 from aiohttp import web
 
-from prism_server.engine import Engine
-from prism_server.server.admin_routes import AdminRoutes
-from prism_server.server.frontend import Frontend
-from prism_server.server.middlewares import allowed_host_names, client_request_id, middlewares
-from prism_server.server.openai_routes import OpenAIRoutes
-from prism_server.server.status import status
+from prism_server.engine.engine import Engine
 from prism_server.server_args import ServerArgs
+from prism_server.serving.admin_routes import AdminRoutes
+from prism_server.serving.frontend import Frontend
+from prism_server.serving.middlewares import allowed_host_names, client_request_id, middlewares
+from prism_server.serving.openai_routes import OpenAIRoutes
+from prism_server.serving.status import status
 
 log = logging.getLogger(__name__)
 

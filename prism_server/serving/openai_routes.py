@@ -6,7 +6,10 @@ from __future__ import annotations
 from aiohttp import web
 
 from prism_server import __version__
-from prism_server.protocol import (
+from prism_server.served_model import ServedModel
+from prism_server.serving import serving
+from prism_server.serving.frontend import Frontend
+from prism_server.serving.protocol import (
     APIError,
     ChatCompletionRequest,
     ChatShapes,
@@ -18,9 +21,6 @@ from prism_server.protocol import (
     model_card,
     now,
 )
-from prism_server.served_model import ServedModel
-from prism_server.server import serving
-from prism_server.server.frontend import Frontend
 
 
 class OpenAIRoutes:

@@ -9,10 +9,10 @@ import contextlib
 import time
 from collections import defaultdict
 
-from prism_server.engine import Engine
-from prism_server.protocol import APIError
+from prism_server.engine.engine import Engine
 from prism_server.served_model import ServedModel
-from prism_server.server.metrics import Metrics
+from prism_server.serving.metrics import Metrics
+from prism_server.serving.protocol import APIError
 from scheduler.request import RequestOutput
 from scheduler.sampling_params import SamplingParams
 

@@ -18,7 +18,7 @@ from collections import deque
 from concurrent.futures import Future
 
 from kvpool import HostCopy, PagedKV, ShardedKV, Transfer, WeightBuffer
-from prism_server.commands import TransitionRefused
+from prism_server.engine.commands import TransitionRefused
 from scheduler.batch_scheduler import BatchScheduler
 from scheduler.request import Request
 from scheduler.snapshot import ACTIVATION_BUCKETS, Residency

@@ -15,10 +15,10 @@ import time
 
 from aiohttp import web
 
-from prism_server.commands import TransitionRefused
-from prism_server.engine import Engine
-from prism_server.protocol import APIError
-from prism_server.server import serving
+from prism_server.engine.commands import TransitionRefused
+from prism_server.engine.engine import Engine
+from prism_server.serving import serving
+from prism_server.serving.protocol import APIError
 
 
 class AdminRoutes:

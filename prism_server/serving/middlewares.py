@@ -13,8 +13,8 @@ import time
 from aiohttp import web
 
 from prism_server.logs import ACCESS
-from prism_server.protocol import APIError, error_body
-from prism_server.server.sse import current_stream
+from prism_server.serving.protocol import APIError, error_body
+from prism_server.serving.sse import current_stream
 
 log = logging.getLogger(__name__)
 

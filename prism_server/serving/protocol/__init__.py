@@ -7,13 +7,13 @@ responses.py  the error envelope, whole responses and stream chunks, usage, logp
 
 from __future__ import annotations
 
-from prism_server.protocol.requests import (
+from prism_server.serving.protocol.requests import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
 )
-from prism_server.protocol.responses import (
+from prism_server.serving.protocol.responses import (
     APIError,
     ChatShapes,
     CompletionShapes,

@@ -13,7 +13,7 @@ from contextvars import ContextVar
 
 from aiohttp import web
 
-from prism_server.protocol import stream_error
+from prism_server.serving.protocol import stream_error
 
 log = logging.getLogger(__name__)
 

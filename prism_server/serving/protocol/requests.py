@@ -10,7 +10,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from prism_server.grammar import GrammarSpec
-from prism_server.protocol.responses import APIError
+from prism_server.serving.protocol.responses import APIError
 from scheduler.sampling_params import SamplingParams
 
 MAX_N = 16

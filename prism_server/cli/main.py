@@ -12,8 +12,8 @@ import time
 from models.embedded import EMBEDDED_MODELS
 from prism_server.completion import Completion
 from prism_server.config import EngineConfig, ModelSpec
-from prism_server.engine import Engine
-from prism_server.gpu_setup import MissingPackage
+from prism_server.engine.engine import Engine
+from prism_server.engine.gpu_setup import MissingPackage
 from prism_server.served_model import RequestRejected, ServedModel
 from scheduler.sampling_params import SamplingParams
 
@@ -97,9 +97,9 @@ def _parser() -> argparse.ArgumentParser:
     from prism_server.bench.__main__ import add_arguments
 
     add_arguments(sub.add_parser("bench", help="replay a workload against a running server"))
-    from prism_server import status_cli
+    from prism_server.cli import status
 
-    status_cli.add_arguments(
+    status.add_arguments(
         sub.add_parser("status", help="a running server's models, memory and SLOs, in a terminal")
     )
     return p
@@ -157,8 +157,8 @@ def generate(args: argparse.Namespace) -> int:
 
 def serve(args: argparse.Namespace) -> int:
     from prism_server import logs
-    from prism_server.server.app import serve as serve_app
     from prism_server.server_args import ConfigError, load_server_args
+    from prism_server.serving.app import serve as serve_app
 
     logs.configure(args.log_format or "text")
     try:
@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return run(args)
     if args.command == "status":
-        from prism_server import status_cli
+        from prism_server.cli import status
 
-        return status_cli.run(args)
+        return status.run(args)
     return serve(args)

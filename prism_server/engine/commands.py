@@ -15,9 +15,9 @@ from scheduler.request import Request
 if TYPE_CHECKING:
     from kvpool import HostCopy, PagePool
     from prism_server.config import ModelSpec
-    from prism_server.device_worker import DeviceWorker
-    from prism_server.loading import LoadSettings
-    from prism_server.model_worker import ModelWorker
+    from prism_server.engine.device_worker import DeviceWorker
+    from prism_server.engine.loading import LoadSettings
+    from prism_server.engine.model_worker import ModelWorker
 
 
 # ---- requests ------------------------------------------------------------------------------------

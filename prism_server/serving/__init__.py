@@ -1,0 +1,1 @@
+"""The event-loop side: the HTTP app, the OpenAI protocol, the frontend, metrics, the dashboard."""
