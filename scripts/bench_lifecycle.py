@@ -51,6 +51,7 @@ from models.presets import get_preset  # noqa: E402
 from models.registry import get_model_class  # noqa: E402
 from models.tensor_parallel import TensorParallel, default_all_reduce, shard_config  # noqa: E402
 from prism_server.config import EngineConfig, ModelSpec  # noqa: E402
+from prism_server.engine.commands import PlanEvict  # noqa: E402
 from prism_server.engine.engine import Engine  # noqa: E402
 from prism_server.engine.memory_budget import weight_pool_bytes  # noqa: E402
 from scheduler.sampling_params import SamplingParams  # noqa: E402
@@ -327,7 +328,7 @@ def evict_to_kv(repeats: int = 5) -> dict:
                 assert got is not None, "B could not take A's pages"
                 mb.kv.allocator.free(got)
                 mb.kv.allocator.release_all()
-                assert w.make_resident(w.models["a"], time.monotonic(), wait=True)
+                assert w.memory.make_resident(w.models["a"], time.monotonic(), wait=True)
                 return took
 
             times.append(w.call(move))
@@ -544,7 +545,7 @@ def main_multi() -> None:
         for _ in range(args.repeats):
             w = next(w for w in e.workers if w.name == e.served[first].device)
             e.generate(first, [[5, 6, 7]], params)
-            assert w.call(lambda w=w: w.plan_evict(first))
+            assert w.execute(PlanEvict(first))
             target = other if e.served[first].device == where[first] else where[first]
             t = time.perf_counter()
             ok = e.migrate(first, target)

@@ -129,6 +129,30 @@ class Prefetch:
     done: Future = field(default_factory=Future)
 
 
+# ---- between devices (a model split over several) ------------------------------------------------
+@dataclass(frozen=True)
+class MakeFree:
+    """Another device asks: make `pages` pages of this pool free for a shard of `taker`, a model
+    it steps (other models' reserves first, then idle models). Not waited for."""
+
+    pages: int
+    taker: str
+    now: float
+    done: Future = field(default_factory=Future)
+
+
+@dataclass(frozen=True)
+class ReleaseShards:
+    """Another device (`device`), short of pages, asks: evict this device's idle models split
+    over it; none idle and a taker named, one busy one gives up a request. `done` -> the names
+    evicted."""
+
+    device: str
+    now: float
+    taker: str | None = None
+    done: Future = field(default_factory=Future)
+
+
 # ---- state ---------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Publish:
@@ -164,6 +188,8 @@ Command = (
     | Evict
     | PlanEvict
     | Prefetch
+    | MakeFree
+    | ReleaseShards
     | Publish
     | CheckIntegrity
     | Call

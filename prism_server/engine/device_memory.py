@@ -10,7 +10,7 @@ import logging
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
-from prism_server.engine.commands import Call
+from prism_server.engine.commands import MakeFree, ReleaseShards
 from prism_server.engine.model_worker import ModelWorker
 from scheduler import balloon
 from scheduler.balloon import ModelState, RunningRequest
@@ -242,15 +242,13 @@ class DeviceMemory:
         """Ask another device to make `pages` pages of its pool free for `taker`, a model this
         device steps with a shard there (its shards map free pages only): that device's thread
         takes reserves back, then evicts idle models."""
-        self._ask(device, lambda peer: peer.memory.make_free(pages, taker, now))
+        self._ask(device, MakeFree(pages, taker, now))
 
-    def _ask(self, device: str, fn) -> None:
-        """Run fn(that device's worker) on another device's thread. Not waited for; one ask in
-        flight a device."""
+    def _ask(self, device: str, ask: MakeFree | ReleaseShards) -> None:
+        """Send `ask` to another device. Not waited for; one ask in flight a device."""
         peer, asked = self.worker.peers.get(device), self._asked.get(device)
         if peer is None or (asked is not None and not asked.done()):
             return
-        ask = Call(lambda: fn(peer))
         self._asked[device] = ask.done
         peer.send(ask)
 
@@ -263,7 +261,7 @@ class DeviceMemory:
         name = self.worker.name
         if any(n and o.split("/")[0] not in self.models for o, n in stats.owned.items()):
             for device in self.worker.peers:
-                self._ask(device, lambda peer: peer.memory.release_shards(name, now, taker))
+                self._ask(device, ReleaseShards(name, now, taker))
 
     def release_shards(self, device: str, now: float, taker: str | None = None) -> list[str]:
         """Evict this device's idle models split over `device` (asked by it: short of pages).

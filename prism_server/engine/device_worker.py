@@ -17,32 +17,15 @@ import torch
 from kvpool import PagePool
 from models.attention.flashinfer_paged import DEFAULT_KERNELS
 from models.kernels.tuning import KernelConfig
-from prism_server.engine.commands import (
-    Abort,
-    Activate,
-    Call,
-    CheckIntegrity,
-    Command,
-    Detach,
-    Evict,
-    Load,
-    Migrate,
-    Partition,
-    PlanEvict,
-    Prefetch,
-    Publish,
-    RemoveModel,
-    Submit,
-    TransitionRefused,
-)
+from prism_server.engine.commands import Activate, Call, CheckIntegrity, Command, Evict, Publish
+from prism_server.engine.device_commands import HANDLERS
 from prism_server.engine.device_memory import DeviceMemory
-from prism_server.engine.loading import Loaded, build_worker
 from prism_server.engine.model_runner import DeviceResources
 from prism_server.engine.model_worker import ModelWorker
 from prism_server.engine.step_trace import StepTrace
 from scheduler.balloon import admitting, may_activate
 from scheduler.latency_model import StepShape
-from scheduler.policy import POLICIES, Policy, static_quota
+from scheduler.policy import POLICIES, Policy
 from scheduler.snapshot import (
     DeviceSnapshot,
     EngineCounters,
@@ -103,7 +86,6 @@ class DeviceWorker:
         )
         self.snapshot = self._take_snapshot()  # replaced (never mutated) as the steps run
         self._trace = StepTrace(trace, self.name) if trace is not None else None
-        self._trace_path = self._trace.path if self._trace is not None else None
         self._pick: tuple[Any, float] | None = None  # the pick being run and its arbitration's s
 
     def start(self) -> None:
@@ -157,7 +139,7 @@ class DeviceWorker:
         done = getattr(cmd, "done", None)
         if done is not None and not done.set_running_or_notify_cancel():
             return  # cancelled before it ran
-        handler = _HANDLERS.get(type(cmd))
+        handler = HANDLERS.get(type(cmd))
         if handler is None:
             raise TypeError(f"not a command: {cmd!r}")
         result = handler(self, cmd)
@@ -179,138 +161,14 @@ class DeviceWorker:
                 else:
                     done.set_exception(e)
 
-    # ---- memory: the balloon's actuator (DeviceMemory) -----------------------------------------
-    @property
-    def _taker(self) -> str | None:
-        """The starved model that takes memory from the others first (None: no one)."""
-        return self.memory.taker
-
-    def _evict(
-        self, m: ModelWorker, reason: str, taker: str | None = None, drain_s: float = 0.0
-    ) -> None:
-        self.memory.evict(m, reason, taker, drain_s)
-
-    def make_room(self, fits, now: float, **kw) -> list[str]:
-        """Evict idle models, least recently used first, until `fits()` (DeviceMemory)."""
-        return self.memory.make_room(fits, now, **kw)
-
-    def make_resident(self, m: ModelWorker, now: float, wait: bool = False) -> bool:
-        """Start m's activation, evicting idle models for room (DeviceMemory)."""
-        return self.memory.make_resident(m, now, wait)
-
-    # ---- the control loop's moves (PlanEvict, Prefetch; detach: Detach) ------------------------
-    def plan_evict(self, name: str) -> bool:
-        """Evict a resident model the plan offloads, if it is still idle."""
-        m = self.models.get(name)
-        if m is None or not m.resident or not m.evictable or m.requests:
-            return False
-        self._evict(m, "plan")
-        log.info("evicted %s: the plan gives its memory to models with demand", name)
-        return True
-
-    def detach(self, name: str, dst: str) -> ModelWorker | None:
-        """Take an offloaded model off this device, to move it to device `dst`, if it has no
-        request, left for room (not by an admin or its keep-alive) and no transition is under
-        way; None otherwise (it stays). Its pages here are given back; the caller builds it
-        on the other device from the worker returned."""
-        m = self.models.get(name)
-        if m is None or m.residency is not Residency.OFFLOADED or m.requests:
-            return None
-        if m.evicted_for not in ("evict", "plan", "preempt") or not m.evictable:
-            return None
-        if self.policy.max_resident is not None or self._taker is not None:
-            return None
-        self.models.pop(name)
-        log.info("moving %s from %s to %s", name, self.name, dst)
-        return m
-
-    def prefetch(self, name: str) -> bool:
-        """Activate an offloaded model the plan places, ahead of its next request, if it left
-        for room (not by an admin or its keep-alive) and the pool has its pages free."""
-        m = self.models.get(name)
-        if m is None or m.residency is not Residency.OFFLOADED:
-            return False
-        if m.evicted_for not in ("evict", "plan", "preempt") or not m.can_activate():
-            return False
-        if self.policy.max_resident is not None or self._taker is not None:
-            return False  # time sharing, or a starved model has the memory first
-        log.info("prefetching %s: the plan places it and its pages are free", name)
-        return m.activate(wait=False)
-
-    # ---- command handlers (on the engine thread; _HANDLERS maps each command to its own) -------
-    def _on_submit(self, cmd: Submit) -> None:
-        self.models[cmd.model].add(cmd.request)
-
-    def _on_abort(self, cmd: Abort) -> None:
-        if cmd.model in self.models:
-            self.models[cmd.model].abort(cmd.request_id)
-
-    def _on_load(self, cmd: Load) -> Loaded:
-        if cmd.spec.name in self.models:
-            raise ValueError(f"a model named {cmd.spec.name!r} is already on {self.device}")
-        worker, loaded = build_worker(cmd.spec, self, cmd.settings, cmd.shards)
-        self._add(worker)
-        return loaded
-
-    def _on_detach(self, cmd: Detach):
-        m = self.models.get(cmd.model)
-        if m is None or m.weights is None or cmd.room.num_available < m.weights.num_pages:
-            return None  # the other device has not its weight pages free: moving evicts nobody
-        old = self.detach(cmd.model, cmd.dst)
-        return None if old is None else (old, old.leave_device())  # its pages here go back
-
-    def _on_migrate(self, cmd: Migrate) -> None:
-        self._add(build_worker(cmd.spec, self, cmd.settings, moved=(cmd.old, cmd.host))[0])
-
-    def _add(self, worker: ModelWorker) -> None:
+    # ---- models ---------------------------------------------------------------------------------
+    def add(self, worker: ModelWorker) -> None:
+        """Serve `worker`'s model on this device (the Load and Migrate handlers)."""
         if worker.name in self.models:
             raise ValueError(f"a model named {worker.name!r} is already on {self.device}")
         self.models[worker.name] = worker
-        if self._trace_path is not None:
+        if self._trace is not None:
             worker.on_step = self._trace_step
-
-    def _on_partition(self, cmd: Partition) -> dict[str, int]:
-        ws = list(self.models.values())
-        quota = static_quota(self.pool.capacity, [w.weights.num_pages for w in ws])
-        if ws and quota < 1:
-            raise MemoryError(
-                f"the static policy needs every model resident with KV room: the weights of "
-                f"{', '.join(self.models)} leave no page of the {self.pool.capacity} in the pool "
-                f"of {self.name}"
-            )
-        for w in ws:
-            w.kv.allocator.set_quota(quota)
-            w.kv.allocator.max_cached_pages = quota
-        log.info(
-            "static partition on %s: %d KV pages for each of %d models", self.name, quota, len(ws)
-        )
-        return {w.name: w.max_kv_tokens for w in ws}
-
-    def _on_activate(self, cmd: Activate) -> None:
-        m = self.models[cmd.model]
-        if self.make_resident(m, time.monotonic()):
-            m.when(Residency.RESIDENT, cmd.done)
-        else:
-            cmd.done.set_exception(
-                TransitionRefused(
-                    f"`{cmd.model}` does not fit on {self.device} even with every idle model "
-                    "evicted; retry when others are idle"
-                )
-            )
-
-    def _on_evict(self, cmd: Evict) -> None:
-        m = self.models[cmd.model]
-        if m.residency.on_device and not m.evictable:
-            cmd.done.set_exception(
-                TransitionRefused(f"`{cmd.model}` is pinned: it is never evicted")
-            )
-        else:
-            self._evict(m, "admin", drain_s=cmd.drain_s)
-            m.when(Residency.OFFLOADED, cmd.done)
-
-    def _on_check(self, cmd: CheckIntegrity) -> None:
-        for m in self.models.values():
-            m.check_integrity()
 
     def step(self) -> bool:
         """Moves every model's transition on, starts the activation of offloaded models that
@@ -410,9 +268,9 @@ class DeviceWorker:
         if not m.has_work:
             return False
         if m.residency is Residency.OFFLOADED:
-            if not may_activate(m.name, self._taker):
+            if not may_activate(m.name, self.memory.taker):
                 return False  # another starved model has the memory first
-            if not self.make_resident(m, now):
+            if not self.memory.make_resident(m, now):
                 return False  # no room yet: its requests wait
         return m.serving
 
@@ -444,7 +302,7 @@ class DeviceWorker:
             ),
         )
 
-    def _publish(self) -> DeviceSnapshot:
+    def publish(self) -> DeviceSnapshot:
         self.snapshot = snap = self._take_snapshot()
         return snap
 
@@ -460,7 +318,7 @@ class DeviceWorker:
             # back-to-back steps publish at most every _PUBLISH_S (a snapshot of every model
             # costs host time each step would pay); before it waits, always
             if not ran or now - self.snapshot.time >= _PUBLISH_S:
-                self._publish()
+                self.publish()
             if ran:
                 continue
             timeout = None
@@ -474,23 +332,4 @@ class DeviceWorker:
             self._wake.wait(timeout=timeout)
         self._drain()
         self.flush_outputs()  # the last step's text, for the streams still open
-        self._publish()
-
-
-# each command's handler, called with (the worker, the command) on the engine thread
-_HANDLERS = {
-    Submit: DeviceWorker._on_submit,
-    Abort: DeviceWorker._on_abort,
-    Load: DeviceWorker._on_load,
-    Detach: DeviceWorker._on_detach,
-    Migrate: DeviceWorker._on_migrate,
-    RemoveModel: lambda w, cmd: w.models.pop(cmd.model).close(),
-    Partition: DeviceWorker._on_partition,
-    Activate: DeviceWorker._on_activate,
-    Evict: DeviceWorker._on_evict,
-    PlanEvict: lambda w, cmd: w.plan_evict(cmd.model),
-    Prefetch: lambda w, cmd: w.prefetch(cmd.model),
-    Publish: lambda w, cmd: w._publish(),
-    CheckIntegrity: DeviceWorker._on_check,
-    Call: lambda w, cmd: cmd.fn(),
-}
+        self.publish()

@@ -140,7 +140,7 @@ def build_worker(
         for h in hosts:
             h.close()
         for name in placed.evicted:  # as it was before this build
-            dev.make_resident(dev.models[name], time.monotonic(), wait=True)
+            dev.memory.make_resident(dev.models[name], time.monotonic(), wait=True)
         raise
     return worker, loaded
 
@@ -149,7 +149,7 @@ def _single(spec, dev, settings, placed: _Placement, hosts: list) -> tuple[Model
     pool = dev.pool
 
     def room(fits) -> list[str]:
-        evicted = dev.make_room(fits, time.monotonic())
+        evicted = dev.memory.make_room(fits, time.monotonic())
         if evicted and settings.all_resident:
             raise MemoryError(
                 f"the static policy keeps every model resident, and {spec.name} does not "

@@ -120,6 +120,7 @@ def test_decode_graphs_on_the_second_gpu_and_after_a_move_give_the_first_gpus_to
     graph captured on the wrong device's stream records nothing and replays stale logits),
     and again once the second copy has moved to the first GPU and back."""
     from prism_server.config import EngineConfig, ModelSpec
+    from prism_server.engine.commands import PlanEvict
     from prism_server.engine.engine import Engine
     from scheduler.sampling_params import SamplingParams
 
@@ -135,7 +136,7 @@ def test_decode_graphs_on_the_second_gpu_and_after_a_move_give_the_first_gpus_to
 
         def move_b(dst: str) -> None:
             w = next(w for w in e.workers if w.name == e.model("b").device)
-            assert w.call(lambda: w.plan_evict("b"))  # offloaded as the plan does: it may move
+            assert w.execute(PlanEvict("b"))  # offloaded as the plan does: it may move
             assert e.migrate("b", dst) and e.model("b").device == dst
 
         names = [w.name for w in e.workers]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from prism_server.config import EngineConfig, ModelSpec
-from prism_server.engine import device_worker
+from prism_server.engine import device_commands
 from prism_server.engine.commands import PlanEvict
 from prism_server.engine.engine import Engine
 from scheduler.sampling_params import SamplingParams
@@ -119,13 +119,13 @@ def test_requests_sent_while_a_model_moves_wait_and_are_served_on_its_new_device
         before = e.generate("a", [[5, 6, 7]], PARAMS)[0].token_ids
         _offload_for_room(e, "a")
         got: list = []
-        build = device_worker.build_worker
+        build = device_commands.build_worker
 
         def with_a_request(spec, dev, *args, **kw):
             e.add_request("a", [5, 6, 7], PARAMS, got.append)  # held: the model is moving
             return build(spec, dev, *args, **kw)
 
-        monkeypatch.setattr(device_worker, "build_worker", with_a_request)
+        monkeypatch.setattr(device_commands, "build_worker", with_a_request)
         assert e.migrate("a", _other(e, "a"))
         deadline = time.monotonic() + 30
         while not (got and got[-1].finished) and time.monotonic() < deadline:
@@ -154,14 +154,14 @@ def test_a_model_whose_build_fails_on_the_new_device_is_rebuilt_where_it_was(mon
         before = e.generate("a", [[5, 6, 7]], PARAMS)[0].token_ids
         src, dst = e.served["a"].device, _other(e, "a")
         _offload_for_room(e, "a")
-        build = device_worker.build_worker
+        build = device_commands.build_worker
 
         def failing_there(spec, dev, *args, **kw):
             if dev.name == dst:
                 raise RuntimeError("no luck on that device")
             return build(spec, dev, *args, **kw)
 
-        monkeypatch.setattr(device_worker, "build_worker", failing_there)
+        monkeypatch.setattr(device_commands, "build_worker", failing_there)
         assert not e.migrate("a", dst)
         assert e.served["a"].device == src and not e.served["a"].failed
         assert e.generate("a", [[5, 6, 7]], PARAMS)[0].token_ids == before
