@@ -51,9 +51,7 @@ class DeviceWorker:
         name: str | None = None,
         trace: Path | None = None,
         kernels: KernelConfig = DEFAULT_KERNELS,
-        launch_ahead: bool | None = None,
-        piecewise: bool = True,
-        piecewise_tokens: int | None = None,
+        enforce_eager: bool = False,
     ):
         self.pool = pool
         self.policy = policy
@@ -70,8 +68,12 @@ class DeviceWorker:
         self.steps = 0
         self.step_seconds = self.host_seconds = 0.0
         # shared by the runners of the device's models
+        # (enforce_eager: no CUDA graph and no step launched ahead)
         self.resources = DeviceResources(
-            self.device, kernels, launch_ahead, piecewise, piecewise_tokens
+            self.device,
+            kernels,
+            launch_ahead=False if enforce_eager else None,
+            piecewise=not enforce_eager,
         )
         # the other devices of the engine, by name (a model split over devices asks them for
         # room for its shards); set by the engine once every device exists

@@ -85,8 +85,7 @@ class Engine:
                 name=name,
                 trace=Path(config.step_trace) if config.step_trace else None,
                 kernels=kernels,
-                launch_ahead=False if config.enforce_eager else None,
-                piecewise=not config.enforce_eager,
+                enforce_eager=config.enforce_eager,
             )
             w.start()
             self._workers.append(w)
