@@ -263,9 +263,8 @@ def side_worker(engine: Engine, name: str) -> ModelWorker:
 
     me0 = engine.worker.models["m"]
     shared = engine.worker.resources
-    buckets = shared.piecewise_buckets
     resources = DeviceResources(
-        me0.device, shared.kernels, False, bool(buckets), max(buckets, default=None)
+        me0.device, shared.kernels, shared.enforce_eager, launch_ahead=False
     )
     return assemble_worker(
         name,

@@ -68,13 +68,7 @@ class DeviceWorker:
         self.steps = 0
         self.step_seconds = self.host_seconds = 0.0
         # shared by the runners of the device's models
-        # (enforce_eager: no CUDA graph and no step launched ahead)
-        self.resources = DeviceResources(
-            self.device,
-            kernels,
-            launch_ahead=False if enforce_eager else None,
-            piecewise=not enforce_eager,
-        )
+        self.resources = DeviceResources(self.device, kernels, enforce_eager)
         # the other devices of the engine, by name (a model split over devices asks them for
         # room for its shards); set by the engine once every device exists
         self.peers: dict[str, DeviceWorker] = {}

@@ -59,29 +59,29 @@ class DeviceResources:
     """What the models of one device share, because their steps run one at a time on the engine
     thread's stream: FlashInfer's float workspace, the CUDA-graph memory pool and the capture
     stream (created on first use, never on CPU); and what every model of the device runs: which
-    kernels (the device's KernelConfig), whether a model's next decode step is launched before
-    its last one's tokens are read (launch_ahead; None: on a GPU, where the host's work then
-    hides behind the device's), and whether piecewise graphs (up to piecewise_tokens; None: the
-    kernels' piecewise_max_tokens). With neither (EngineConfig.enforce_eager) no CUDA graph is
-    captured at all (`enforce_eager`)."""
+    kernels (the device's KernelConfig, whose piecewise_max_tokens bounds the piecewise graphs),
+    and whether a model's next decode step is launched before its last one's tokens are read
+    (launch_ahead; None: on a GPU, where the host's work then hides behind the device's).
+    enforce_eager (EngineConfig.enforce_eager): no CUDA graph is captured at all and no step is
+    launched ahead."""
 
     def __init__(
         self,
         device: torch.device,
         kernels: KernelConfig = DEFAULT_KERNELS,
+        enforce_eager: bool = False,
         launch_ahead: bool | None = None,
-        piecewise: bool = True,
-        piecewise_tokens: int | None = None,
     ):
         self.device = device
         self.kernels = kernels
-        ahead = launch_ahead_by_default(device) if launch_ahead is None else launch_ahead
-        self.launch_ahead = ahead
-        # eager steps only: no decode graphs either
-        self.enforce_eager = launch_ahead is False and not piecewise
-        # piecewise graphs for the steps decode graphs cannot run, of up to piecewise_tokens
-        tokens = piecewise_tokens or kernels.piecewise_max_tokens
-        self.piecewise_buckets = token_buckets(tokens) if piecewise else ()
+        self.enforce_eager = enforce_eager
+        if enforce_eager or launch_ahead is None:
+            launch_ahead = launch_ahead_by_default(device) and not enforce_eager
+        self.launch_ahead = launch_ahead
+        # piecewise graphs for the steps decode graphs cannot run
+        self.piecewise_buckets = (
+            () if enforce_eager else token_buckets(kernels.piecewise_max_tokens)
+        )
         self._workspace: torch.Tensor | None = None
         self._graph_pool = None
         self._capture_stream: torch.cuda.Stream | None = None
