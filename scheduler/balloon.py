@@ -6,8 +6,11 @@ Past the free pages, a model that needs pages gets, in turn:
    least recently grown first, so the model that burst last keeps its reserve (the pool
    executes the order; kvpool holds no policy);
 2. the weights and KV of idle models, evicted least recently used first;
-3. for new work only, one running request of another model, preempted (the one with the least
-   to recompute; a request goes once at most).
+3. for new work only, one running request of another model, preempted: the one with the least
+   to recompute whose KV covers what the new work needs, else the one that frees the most (so
+   one preemption, not a cascade of small ones, makes the room); a request goes once at most,
+   and new work whose TTFT deadline has passed preempts nothing (it would miss anyway: it waits
+   for pages that running requests give back as they end).
 Models whose new work waits for memory are starved; one of them, the taker, takes from the
 others at a time (two taking from each other would thrash), and while one waits the others
 admit nothing new. A model whose need is beyond reach (more than the pool could give with every
@@ -47,6 +50,7 @@ class ModelState:
     kv_pages: int = 0  # pages its KV maps
     weight_pages: int = 0  # pages its weights hold on the device (or need there, offloaded)
     first_arrival: float = _NEVER  # its first new request's arrival (else any request's)
+    first_deadline: float = _NEVER  # that new request's TTFT deadline
     oldest_arrival: float = _NEVER  # the arrival of its request that has waited longest
     shard_devices: tuple[str, ...] = ()  # the other devices it is split over
 
@@ -69,6 +73,7 @@ class RunningRequest:
     arrival_time: float
     preemptions: int = 0
     finished: bool = False  # it ended in a step not read yet
+    pages: float = 0.0  # the pool pages its KV blocks fill (what preempting it gives back)
 
 
 @dataclass(frozen=True)
@@ -172,18 +177,21 @@ def within_reach(
     return need <= reach
 
 
-def last_resort(m: ModelState, starved: frozenset[str], taker: str | None) -> LastResort | None:
+def last_resort(
+    m: ModelState, starved: frozenset[str], taker: str | None, now: float = 0.0
+) -> LastResort | None:
     """What m, short of pages, may take; None: nothing now (m is starved and another model takes:
     m's turn comes when the taker's new work runs). A stalled model goes for the taker, or for
     another model when no one takes (two stalled models must not wait for each other forever);
     not for a running request's growth (the evicted model would take the memory straight back
-    as the next taker)."""
+    as the next taker). Running requests go only for new work that can still meet its TTFT
+    deadline at `now`."""
     if m.name in starved and m.name != taker:
         return None
     return LastResort(
         keep=frozenset({m.name, taker} - {None}),
         stalled=m.name == taker or (taker is None and not m.running),
-        new_work=m.name in starved and m.has_new_work,
+        new_work=m.name in starved and m.has_new_work and now < m.first_deadline,
     )
 
 
@@ -193,13 +201,21 @@ def preemptible(requests: Sequence[RunningRequest]) -> list[RunningRequest]:
     return [r for r in requests if r.preemptions == 0 and not r.finished]
 
 
-def preempt_victim(requests: Sequence[RunningRequest]) -> RunningRequest | None:
-    """The request to preempt for another model's new work: of the preemptible ones, the one with
-    the fewest computed tokens (the least to recompute), then the latest to arrive."""
+def preempt_victim(
+    requests: Sequence[RunningRequest], need_pages: float = 0
+) -> RunningRequest | None:
+    """The request to preempt for another model's new work that needs `need_pages` pages: of the
+    preemptible ones whose KV covers the need alone, the one with the fewest computed tokens (the
+    least to recompute), then the latest to arrive; when none covers it, the one that gives the
+    most pages back (the fewest preemptions make the room: small victims one after another would
+    each stall and recompute while the newcomer still waits)."""
     victims = preemptible(requests)
     if not victims:
         return None
-    return min(victims, key=lambda r: (r.computed_tokens, -r.arrival_time, r.request_id))
+    covering = [r for r in victims if r.pages >= need_pages]
+    if covering:
+        return min(covering, key=lambda r: (r.computed_tokens, -r.arrival_time, r.request_id))
+    return max(victims, key=lambda r: (r.pages, -r.computed_tokens, r.arrival_time, r.request_id))
 
 
 def shards_to_release(

@@ -62,7 +62,7 @@ class Policy(Protocol):
         ...
 
     def last_resort(
-        self, m: ModelState, starved: frozenset[str], taker: str | None
+        self, m: ModelState, starved: frozenset[str], taker: str | None, now: float
     ) -> LastResort | None:
         """What m, short of pages the pool has not got, may take (None: it waits)."""
         ...
@@ -94,7 +94,7 @@ class _Default:
     def next_taker(self, held, starved) -> str | None:
         return None
 
-    def last_resort(self, m, starved, taker) -> LastResort | None:
+    def last_resort(self, m, starved, taker, now) -> LastResort | None:
         return None
 
 
@@ -109,8 +109,8 @@ class PrismPolicy(_Default):
     def next_taker(self, held, starved) -> str | None:
         return balloon.next_taker(held, starved)
 
-    def last_resort(self, m, starved, taker) -> LastResort | None:
-        return balloon.last_resort(m, starved, taker)
+    def last_resort(self, m, starved, taker, now) -> LastResort | None:
+        return balloon.last_resort(m, starved, taker, now)
 
 
 class StaticPolicy(_Default):

@@ -41,19 +41,24 @@ def holding(m: ModelWorker) -> ModelState:
 def model_state(m: ModelWorker) -> ModelState:
     """m as the balloon sees it, whole."""
     every = [r.arrival_time for r in m.requests.values()]
-    new = [r.arrival_time for r in m.scheduler.waiting if r.first_scheduled_time is None]
+    new = [r for r in m.scheduler.waiting if r.first_scheduled_time is None]
+    first = min(new, key=lambda r: r.arrival_time, default=None)
     return dataclasses.replace(
         holding(m),
         has_work=m.has_work,
         has_new_work=m.scheduler.has_new_work,
-        first_arrival=min(new or every or [float("inf")]),
+        first_arrival=first.arrival_time if first else min(every, default=float("inf")),
+        first_deadline=first.ttft_deadline if first else float("inf"),
         oldest_arrival=min(every, default=float("inf")),
     )
 
 
-def preempt_one(models: list[ModelWorker], why: str) -> tuple[ModelWorker, int] | None:
-    """Preempt the running request of `models` the balloon picks for another model's new work.
-    Returns its model and the pages its KV unmapped (None: no request may go)."""
+def preempt_one(
+    models: list[ModelWorker], why: str, need_pages: int = 0
+) -> tuple[ModelWorker, int] | None:
+    """Preempt the running request of `models` the balloon picks for another model's new work
+    that needs `need_pages` pages. Returns its model and the pages its KV unmapped (None: no
+    request may go)."""
 
     def running() -> list[RunningRequest]:
         return [
@@ -64,6 +69,7 @@ def preempt_one(models: list[ModelWorker], why: str) -> tuple[ModelWorker, int] 
                 r.arrival_time,
                 r.num_preemptions,
                 r.finish_reason is not None or r.is_finished,
+                len(r.block_table) / o.kv.allocator.bpp,
             )
             for o in models
             for r in o.scheduler.running
@@ -72,7 +78,7 @@ def preempt_one(models: list[ModelWorker], why: str) -> tuple[ModelWorker, int] 
     by_name = {o.name: o for o in models}
     for name in dict.fromkeys(r.model for r in running() if r.preemptions == 0):
         by_name[name].sync()  # its step launched ahead may still write the victim's blocks
-    victim = balloon.preempt_victim(running())
+    victim = balloon.preempt_victim(running(), need_pages)
     if victim is None:
         return None
     owner = by_name[victim.model]
@@ -189,7 +195,10 @@ class DeviceMemory:
         for m in dict.fromkeys(starved + blocked):
             self._last_resort(m, serving, starved, now)
 
-    def _within_reach(self, m: ModelWorker) -> bool:
+    @staticmethod
+    def _pages_needed(m: ModelWorker) -> int:
+        """The pages m needs for its first waiting request (a new one, else a preempted one's
+        recompute): its KV beyond m's free blocks, and its weights if offloaded."""
         a = m.kv.allocator
         waiting = m.scheduler.waiting
         first = next((r for r in waiting if r.first_scheduled_time is None), None)
@@ -197,9 +206,12 @@ class DeviceMemory:
             first = waiting[0]
         blocks = m.scheduler.blocks_needed(first.num_tokens + 1) if first is not None else 1
         offloaded = m.residency is Residency.OFFLOADED
-        need = balloon.pages_needed(
+        return balloon.pages_needed(
             blocks, a.num_free_blocks, a.bpp, m.weights.num_pages if offloaded else 0
         )
+
+    def _within_reach(self, m: ModelWorker) -> bool:
+        need = self._pages_needed(m)
         foreign = 0
         if self.worker.peers:  # the KV of other devices' models split over this one
             owned = self.pool.stats().owned
@@ -212,7 +224,8 @@ class DeviceMemory:
     ) -> None:
         """m waits for pages the pool has not got (free pages and other models' reserves are
         gone): one move per step, as the balloon says."""
-        resort = self.policy.last_resort(model_state(m), self.starved, self.taker)
+        state = model_state(m)
+        resort = self.policy.last_resort(state, self.starved, self.taker, now)
         if resort is None:
             return
         short = [  # a split model: its shards' devices whose pools have no page free
@@ -229,7 +242,8 @@ class DeviceMemory:
                 self.taker = m.name  # evicted (stalled too) must not take them straight back
             return
         others = [o for o in serving if o is not m and o not in starved]
-        got = preempt_one(others if resort.new_work else [], f"{m.name}'s new work")
+        need = max(self._pages_needed(m) - self.pool.available_to(m.name), 0)
+        got = preempt_one(others if resort.new_work else [], f"{m.name}'s new work", need)
         if got is not None:
             owner, freed = got
             self.pool.record_move(owner.name, m.name, freed, "preempt")

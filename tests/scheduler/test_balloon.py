@@ -183,6 +183,13 @@ def test_only_new_work_of_a_starved_model_may_preempt():
     assert not last_resort(unstarved, frozenset(), None).new_work
 
 
+def test_new_work_past_its_ttft_deadline_preempts_nothing():
+    late = _m("a", has_new_work=True, first_deadline=10.0)
+    assert last_resort(late, frozenset({"a"}), "a", now=9.9).new_work
+    r = last_resort(late, frozenset({"a"}), "a", now=10.0)
+    assert r is not None and not r.new_work and r.stalled  # it may still evict idle models
+
+
 # ---- preemption ----------------------------------------------------------------------------------
 def test_the_victim_has_the_least_to_recompute_then_arrived_last():
     reqs = [
@@ -195,6 +202,20 @@ def test_the_victim_has_the_least_to_recompute_then_arrived_last():
     assert preempt_victim(reqs[:2]).request_id == "r2"
     tie = [RunningRequest("a", "y", 1, 1.0), RunningRequest("b", "x", 1, 1.0)]
     assert preempt_victim(tie).request_id == "x"
+
+
+def test_one_victim_covers_the_new_work_rather_than_a_cascade_of_small_ones():
+    reqs = [
+        RunningRequest("a", "small", 10, 1.0, pages=0.5),
+        RunningRequest("a", "fits", 120, 1.0, pages=2),
+        RunningRequest("b", "big", 400, 2.0, pages=1.5),  # another model's KV: fewer bytes a token
+    ]
+    assert preempt_victim(reqs, need_pages=1.5).request_id == "fits"  # least recompute that covers
+    assert preempt_victim(reqs, need_pages=2).request_id == "fits"
+    # none covers alone: the one that frees the most
+    assert preempt_victim(reqs, need_pages=3).request_id == "fits"
+    assert preempt_victim(reqs[::2], need_pages=3).request_id == "big"
+    assert preempt_victim(reqs, need_pages=0).request_id == "small"
 
 
 def test_a_request_is_preempted_once_at_most_and_never_once_finished():
@@ -280,10 +301,10 @@ def test_only_prism_arbitrates_and_the_baselines_never_build_the_work():
 def test_only_prism_takes_memory_from_other_models():
     starved = [_m("a", has_work=True, has_new_work=True)]
     assert PrismPolicy().next_taker(None, starved) == "a"
-    assert PrismPolicy().last_resort(starved[0], frozenset({"a"}), "a") is not None
+    assert PrismPolicy().last_resort(starved[0], frozenset({"a"}), "a", 0.0) is not None
     for baseline in (StaticPolicy(), SwapPolicy()):
         assert baseline.next_taker(None, starved) is None
-        assert baseline.last_resort(starved[0], frozenset({"a"}), None) is None
+        assert baseline.last_resort(starved[0], frozenset({"a"}), None, 0.0) is None
 
 
 def test_only_swap_limits_whose_turn_it_is_and_only_it_reads_the_states():
