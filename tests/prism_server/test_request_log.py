@@ -4,6 +4,7 @@ response id, tokens, TTFT, where its time went, its preemptions), and the metric
 from __future__ import annotations
 
 import json
+import signal
 import time
 from pathlib import Path
 
@@ -185,3 +186,36 @@ def test_preempted_requests_log_their_recomputed_tokens(tmp_path):
     finally:
         srv.close()
     srv.engine.check_integrity()
+
+
+@pytest.mark.slow  # a server process: its start-up takes a few seconds
+def test_serve_takes_the_request_log_flag_and_a_client_id_names_the_line(tmp_path):
+    """serve --request-log PATH: the line of a request is there once the server has stopped,
+    named by the response id the client chose (X-Request-Id); an empty path is refused."""
+    from prism_server.server_args import ConfigError, load_server_args
+    from tests.prism_server.test_cli import prism, startup_lines, url_of
+
+    with pytest.raises(ConfigError, match="request_log must be a file path"):
+        load_server_args(None, ["m=dummy:tiny-llama"], request_log="")
+    cfg = tmp_path / "prism.toml"
+    cfg.write_text("port = 0\n[[models]]\nname = 'm'\nsource = 'dummy:tiny-llama'\n")
+    path = tmp_path / "requests.jsonl"
+    p = prism("serve", "--config", str(cfg), "--request-log", str(path))
+    try:
+        url = url_of(startup_lines(p))
+        r = httpx.post(
+            url + "/v1/completions",
+            json={"model": "m", "prompt": "x", "max_tokens": 3, "ignore_eos": True},
+            headers={"X-Request-Id": "client-42"},
+            timeout=60,
+        )
+        assert r.status_code == 200 and r.json()["id"] == "client-42"
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=60) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+        p.communicate()
+    [line] = lines(path)
+    assert line["id"] == "client-42" and line["model"] == "m" and line["output_tokens"] == 3
+    assert set(line) == FIELDS and line["finish_reason"] == "length"
