@@ -44,6 +44,9 @@ class ServerArgs:
     cors_origins: tuple[str, ...] = ()
     access_log: bool = True  # one line per request: method, path, status, model, tokens, time
     log_format: str = "text"  # or "json": one object per line
+    # a file that gets one JSON line per request as it ends: its response id, tokens, TTFT,
+    # where its time went, its preemptions (docs/API.md); None: no request log
+    request_log: str | None = None
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self):
@@ -61,6 +64,8 @@ class ServerArgs:
             raise ValueError("cors_origins must not hold empty origins")
         if self.log_format not in ("text", "json"):
             raise ValueError(f"log_format must be text or json, got {self.log_format!r}")
+        if self.request_log is not None and not self.request_log:
+            raise ValueError("request_log must be a file path")
 
     @property
     def models(self) -> tuple[ModelSpec, ...]:

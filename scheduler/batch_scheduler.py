@@ -96,6 +96,7 @@ class BatchScheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.recomputed_tokens = 0  # since start: computed tokens preemptions threw away
         self.prefix_queries = self.prefix_hits = 0  # prompt tokens of new requests / found cached
         self.tokens_computed = 0  # since start: tokens whose K/V the steps computed
         self.admitting = True  # False while the model drains: waiting requests stay queued
@@ -228,7 +229,9 @@ class BatchScheduler:
 
     def _preempt(self, req: Request) -> None:
         self._release(req)
-        req.num_computed_tokens = 0
+        lost, req.num_computed_tokens = req.num_computed_tokens, 0  # computed again later
+        req.recomputed_tokens += lost
+        self.recomputed_tokens += lost
         req.num_preemptions += 1
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)

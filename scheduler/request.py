@@ -17,6 +17,21 @@ MAX_GAP_SLOS = 4.0
 TPOT_MARGIN = 0.05
 PENDING = -1  # a reserved token slot: sampled by a step on the device, not read yet
 
+# where a request's time goes, in seconds (Request.waits): before its first token, waiting for
+# its model's activation, for KV pages, behind other models' steps, behind its own model's
+# requests, then its own prefill; after it, its model's steps, other models' steps, and waiting
+# to be recomputed after a preemption
+WAIT_CAUSES = (
+    "activation",
+    "kv",
+    "other_models",
+    "queue",
+    "prefill",
+    "decode",
+    "decode_other_models",
+    "preempted",
+)
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -55,6 +70,12 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens the prefix cache held (not computed)
     # with the first token, if asked for: one per prompt token after the first
     prompt_logprobs: list[TokenLogprob] | None = None
+    # with the final output (finished): where its time went (WAIT_CAUSES -> seconds), when its
+    # first token was sampled (None: never), its preemptions and the tokens they threw away
+    waits: dict[str, float] | None = None
+    first_token_time: float | None = None
+    num_preemptions: int = 0
+    recomputed_tokens: int = 0
 
 
 @dataclass(eq=False)
@@ -74,6 +95,7 @@ class Request:
     block_table: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    recomputed_tokens: int = 0  # computed tokens its preemptions threw away
     first_scheduled_time: float | None = None  # when the batch scheduler first admitted it
     priority: int = 0  # lower goes first among equal deadlines (vLLM's convention)
     ttft_slo: float | None = None  # seconds; set when its model queues it
@@ -82,9 +104,21 @@ class Request:
     last_token_time: float | None = None  # when its latest output token was sampled
     # params.prompt_logprobs: each prompt token's logprob after the first, as prefill computes them
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # seconds by cause (WAIT_CAUSES) from arrival to `charged_until`
+    waits: dict[str, float] = field(default_factory=lambda: dict.fromkeys(WAIT_CAUSES, 0.0))
+    charged_until: float = 0.0  # set to arrival_time
 
     def __post_init__(self):
         self.all_token_ids = list(self.prompt_token_ids) + self.output_token_ids
+        self.charged_until = self.arrival_time
+
+    def charge(self, cause: str, now: float) -> None:
+        """The time since the last charge (since arrival, at first) up to `now` went to `cause`
+        (a WAIT_CAUSES key); a `now` before the last charge adds nothing."""
+        dt = now - self.charged_until
+        if dt > 0.0:
+            self.waits[cause] += dt
+            self.charged_until = now
 
     @property
     def num_prompt_tokens(self) -> int:

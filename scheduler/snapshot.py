@@ -88,6 +88,7 @@ class ModelSnapshot:
     # a model split over several devices: the weight bytes of its shards on the other devices,
     # (device, bytes); weight_bytes counts them too
     shard_weight_bytes: tuple[tuple[str, int], ...] = ()
+    recomputed_tokens: int = 0  # computed tokens preemptions threw away, since load
 
     @property
     def kv_blocks_held(self) -> int:

@@ -65,6 +65,12 @@ def _serve_flags(p: argparse.ArgumentParser) -> None:
         help="write one JSON line per step to PATH.<device> (a scheduling diagnostic)",
     )
     p.add_argument(
+        "--request-log",
+        metavar="PATH",
+        help="append one JSON line per request to PATH as it ends: its response id, tokens, "
+        "TTFT, where its time went, its preemptions",
+    )
+    p.add_argument(
         "--slo-file",
         help="per-model TTFT / TPOT SLOs, JSON {model: {ttft_s, tpot_s}} (as `bench standalone` "
         "writes them), over the config's",
@@ -171,6 +177,7 @@ def serve(args: argparse.Namespace) -> int:
             cors_origins=tuple(args.cors_origins) if args.cors_origins else None,
             access_log=args.access_log,
             log_format=args.log_format,
+            request_log=args.request_log,
         )
         logs.configure(sargs.log_format)
         from dataclasses import replace

@@ -23,6 +23,7 @@ from prism_server.engine.device_memory import DeviceMemory
 from prism_server.engine.model_runner import DeviceResources
 from prism_server.engine.model_worker import ModelWorker
 from prism_server.engine.step_trace import StepTrace
+from prism_server.engine.wait_causes import charge_device
 from scheduler.balloon import admitting, may_activate
 from scheduler.latency_model import StepShape
 from scheduler.policy import POLICIES, Policy
@@ -73,6 +74,7 @@ class DeviceWorker:
         # room for its shards); set by the engine once every device exists
         self.peers: dict[str, DeviceWorker] = {}
         self._launched: set[str] = set()  # the models whose step this engine step launched
+        self._stepped: set[str] = set()  # the models whose step ran in this engine step
         self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = False
@@ -173,6 +175,7 @@ class DeviceWorker:
         runs while the other models step."""
         now = time.monotonic()
         self._launched = set()
+        self._stepped = set()
         serving: list[ModelWorker] = []
         starved: list[ModelWorker] = []  # new work that waits for memory
         turn = self.policy.turn(self.memory.states)  # the offloaded models that may activate
@@ -221,6 +224,12 @@ class DeviceWorker:
         self.memory.relieve(serving, starved, now)  # models blocked on memory: the balloon
         if not ran:  # no step to hide it behind: the last tokens' text now
             self.flush_outputs()
+        # where each request's time went since its last charge (the idle wait before this step
+        # included); models that admit nothing while another's new work waits count as blocked
+        blocked = self.memory.starved
+        if frozen:
+            blocked = blocked | {m for m in self.models if m not in frozen}
+        charge_device(self.models.values(), self._stepped, blocked, time.monotonic())
         return ran
 
     def flush_outputs(self, launched: frozenset[str] | set[str] = frozenset()) -> None:
@@ -244,6 +253,7 @@ class DeviceWorker:
         last, self._last_step_end = self._last_step_end, end if ran else None
         if not ran:
             return False
+        self._stepped.add(m.name)
         self.steps += 1
         self.step_seconds += end - start
         if last is not None:

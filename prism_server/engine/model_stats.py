@@ -83,6 +83,7 @@ class ModelStats:
             num_running=len(s.running),
             num_waiting=len(s.waiting),
             num_preemptions=s.num_preemptions,
+            recomputed_tokens=s.recomputed_tokens,
             prefix_cache_queries=s.prefix_queries,
             prefix_cache_hits=s.prefix_hits,
             kv_blocks_prefix_idle=a.num_idle_blocks,

@@ -1,10 +1,13 @@
 """Turns one step's sampled tokens into request updates and output deltas: stop conditions,
-incremental text, stop strings (held back until they cannot be the start of a stop string)."""
+incremental text, stop strings (held back until they cannot be the start of a stop string). A
+request's final output carries its account: where its time went, its preemptions."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
+from prism_server.engine import wait_causes
 from prism_server.engine.detokenizer import IncrementalDetokenizer, find_stop
 from scheduler.request import FinishReason, Request, RequestOutput, TokenLogprob
 
@@ -83,7 +86,7 @@ class OutputProcessor:
             req.finish_reason = reason
             del self._texts[req.request_id]
         first = req.num_output_tokens == 1
-        return RequestOutput(
+        out = RequestOutput(
             request_id=req.request_id,
             new_token_ids=[tok],
             new_text=delta,
@@ -100,12 +103,12 @@ class OutputProcessor:
                 else None
             ),
         )
+        return _closed(req, out) if reason is not None else out
 
     def final(self, req: Request, reason: FinishReason, error: str | None = None) -> RequestOutput:
         """The closing delta of a request finished outside sampling (abort, error)."""
         self._texts.pop(req.request_id, None)
-        req.finish_reason = reason
-        return RequestOutput(
+        out = RequestOutput(
             req.request_id,
             [],
             "",
@@ -116,3 +119,17 @@ class OutputProcessor:
             req.num_output_tokens,
             error,
         )
+        closed = _closed(req, out)  # by its state before it ends
+        req.finish_reason = reason
+        return closed
+
+
+def _closed(req: Request, out: RequestOutput) -> RequestOutput:
+    """out, the final output of req, with req's account: its time charged up to now (its last
+    interval by its state), its first token's time, its preemptions."""
+    wait_causes.charge(req, wait_causes.closing_cause(req), time.monotonic())
+    out.waits = dict(req.waits)
+    out.first_token_time = req.first_token_time
+    out.num_preemptions = req.num_preemptions
+    out.recomputed_tokens = req.recomputed_tokens
+    return out

@@ -33,7 +33,7 @@ _HANDLER_GRACE_S = 1.0
 
 
 def build_app(engine: Engine, args: ServerArgs) -> web.Application:
-    frontend = Frontend(engine, args.max_queued_requests)
+    frontend = Frontend(engine, args.max_queued_requests, args.request_log)
     hosts = allowed_host_names(args.host, args.allowed_hosts)
     app = web.Application(
         middlewares=middlewares(
@@ -121,6 +121,7 @@ async def serve(
         if not await frontend.drain(_ABORT_GRACE_S):
             log.warning("%d requests did not end after their abort", frontend.in_flight)
     await runner.cleanup()
+    frontend.close()
 
 
 @dataclass

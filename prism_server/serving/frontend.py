@@ -1,6 +1,7 @@
 """The frontend: the event loop's side of the engine. It admits requests (queue bounds, draining),
 hands them to the engine, streams their outputs back through a thread-safe handoff, aborts those
-whose client went away, and records request metrics. The event loop never waits on model work."""
+whose client went away, and records request metrics and the request log. The event loop never
+waits on model work."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from prism_server.engine.engine import Engine
 from prism_server.served_model import ServedModel
 from prism_server.serving.metrics import Metrics
 from prism_server.serving.protocol import APIError
+from prism_server.serving.request_log import RequestLog, record
 from scheduler.request import RequestOutput
 from scheduler.sampling_params import SamplingParams
 
@@ -30,10 +32,12 @@ def overloaded(message: str) -> APIError:
 
 
 class Frontend:
-    def __init__(self, engine: Engine, max_queued_requests: int):
+    def __init__(self, engine: Engine, max_queued_requests: int, request_log: str | None = None):
+        """request_log: the file that gets a JSON line per request that ends (None: none)."""
         self.engine = engine
         self.metrics = Metrics(engine.snapshots, engine.plan_view)
         self.max_queued = max_queued_requests
+        self.request_log = RequestLog(request_log) if request_log is not None else None
         self._queued: dict[str, int] = defaultdict(int)  # accepted, no output yet, per model
         self._open: set[RequestStream] = set()  # accepted, not yet released
         self.in_flight = 0
@@ -101,6 +105,21 @@ class Frontend:
         if self.in_flight == 0:
             self._idle.set()
 
+    def _ended(self, stream: RequestStream, out: RequestOutput) -> None:
+        """A request's final output arrived (whether or not its client still listens): where
+        its time went, to the metrics and the request log."""
+        if out.waits:
+            self.metrics.waited(stream.model, out.waits)
+        if self.request_log is not None and stream.response_id is not None:
+            self.request_log.write(
+                record(stream.response_id, stream.model, out, stream.arrival, stream.index)
+            )
+
+    def close(self) -> None:
+        """At shutdown, after the last request ended: the request log's file."""
+        if self.request_log is not None:
+            self.request_log.close()
+
     def abort_all(self) -> None:
         """Abort every request in flight (the shutdown deadline): each still ends through its
         stream, with finish_reason abort."""
@@ -135,6 +154,9 @@ class RequestStream:
         self.ready = asyncio.Event()  # set at the first output
         self.finished = False
         self.closed = False
+        # the response the client sees: its id and this request's choice in it (None: the only)
+        self.response_id: str | None = None
+        self.index: int | None = None
 
     @property
     def has_output(self) -> bool:
@@ -143,6 +165,8 @@ class RequestStream:
     def _put(self, out: RequestOutput) -> None:
         self.ready.set()
         self.queue.put_nowait(out)
+        if out.finished:
+            self.owner._ended(self, out)
 
     def sink(self, out: RequestOutput) -> None:  # engine thread
         if self.loop.is_closed():  # the server is gone (shutdown): nobody is listening

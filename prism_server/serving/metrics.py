@@ -159,6 +159,11 @@ class _SnapshotCollector:
             "Requests preempted (their KV freed, recomputed later), since load (vLLM's name).",
             labels=lm,
         )
+        recomputed = CounterMetricFamily(
+            "prism:recomputed_tokens",
+            "Computed tokens that preemptions threw away (computed again later), since load.",
+            labels=lm,
+        )
         queries = CounterMetricFamily(
             "prism:prefix_cache_queries",
             "Prompt tokens of new requests looked up in the prefix cache (vLLM's name).",
@@ -184,6 +189,7 @@ class _SnapshotCollector:
                     est_error.add_metric([name], lat.error)
                 deferred.add_metric([name], m.num_deferred)
                 preemptions.add_metric([name], m.num_preemptions)
+                recomputed.add_metric([name], m.recomputed_tokens)
                 queries.add_metric([name], m.prefix_cache_queries)
                 hits.add_metric([name], m.prefix_cache_hits)
                 mbytes.add_metric(
@@ -226,7 +232,7 @@ class _SnapshotCollector:
         yield from (running, waiting, usage, pages, mbytes, resident, state, pool, pbytes)
         yield from (activations, evictions, act_seconds, act_bytes, weight_pages, since)
         yield from (policy, estimate, est_error, deferred, deadlines, moved, queries, hits)
-        yield preemptions
+        yield from (preemptions, recomputed)
         view = self.plan() if self.plan is not None else None
         if view is not None:
             kvpr = GaugeMetricFamily(
@@ -325,6 +331,13 @@ class Metrics:
             lm + ["reason"],
             registry=r,
         )
+        self.wait_seconds = Counter(
+            "prism:request_wait_seconds",
+            "Seconds of ended requests by where they went (activation, kv, other_models, queue, "
+            "prefill, decode, decode_other_models, preempted).",
+            lm + ["cause"],
+            registry=r,
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -344,6 +357,11 @@ class Metrics:
             if ttft_slo_ms:
                 met = ttft * 1000 <= ttft_slo_ms
                 self.slo.labels(model, "ttft", "met" if met else "missed").inc()
+
+    def waited(self, model: str, waits: dict[str, float]) -> None:
+        """A request ended: its seconds by cause (scheduler.request.WAIT_CAUSES)."""
+        for cause, seconds in waits.items():
+            self.wait_seconds.labels(model, cause).inc(max(seconds, 0.0))
 
     def tokens(self, model: str, n: int, gap: float | None) -> None:
         """n tokens arrived, `gap` seconds after the previous ones (None for the first)."""

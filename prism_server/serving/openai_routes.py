@@ -121,10 +121,10 @@ class OpenAIRoutes:
         max_tokens = serving.check(served, len(ids), req.requested_max_tokens)
         tool_format = served.tool_format if req.calls_tools else None
         grammar = await serving.compile_grammar(served, req, tool_format, served.thinks)
-        choices = serving.submit_choices(
-            self.frontend, served, [ids], [max_tokens], req, req.num_logprobs, grammar
-        )
         rid = serving.response_id(request, "chatcmpl")
+        choices = serving.submit_choices(
+            self.frontend, served, [ids], [max_tokens], req, req.num_logprobs, grammar, rid
+        )
         fmt = LogprobFormatter(served.tokenizer)
         shapes = ChatShapes(
             rid,
@@ -149,10 +149,10 @@ class OpenAIRoutes:
         prompts = await serving.off_loop(lambda: [encode(p) for p in raw])
         max_tokens = [serving.check(served, len(p), req.requested_max_tokens) for p in prompts]
         grammar = await serving.compile_grammar(served, req)
-        choices = serving.submit_choices(
-            self.frontend, served, prompts, max_tokens, req, req.logprobs, grammar
-        )
         rid = serving.response_id(request, "cmpl")
+        choices = serving.submit_choices(
+            self.frontend, served, prompts, max_tokens, req, req.logprobs, grammar, rid
+        )
         fmt = LogprobFormatter(served.tokenizer)
         # echo: the prompt as sent (text as it came, token ids decoded; no BOS added)
         echo = [(p if isinstance(p, str) else served.decode(p)) if req.echo else "" for p in raw]

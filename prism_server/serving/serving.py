@@ -147,9 +147,11 @@ def submit_choices(
     req,
     logprobs: int | None,
     grammar=None,
+    response_id: str | None = None,
 ) -> list[Choice]:
     """n choices per prompt, submitted together: all accepted, or none (503 frees the rest).
-    grammar: the compiled structured output (`compile_grammar`), None for free text."""
+    grammar: the compiled structured output (`compile_grammar`), None for free text;
+    response_id: the id of the response (`response_id`), what the request log names them by."""
     frontend.check_batch(served, len(prompts) * req.n)
     try:
         served.check_params(req.sampling_params(max_tokens[0], logprobs))
@@ -161,6 +163,9 @@ def submit_choices(
             for j in range(req.n):
                 params = req.sampling_params(max_tokens[p_i], logprobs, index=j, grammar=grammar)
                 stream = frontend.submit(served, ids, params)
+                stream.response_id = response_id
+                if len(prompts) * req.n > 1:
+                    stream.index = p_i * req.n + j
                 completion = Completion(ids, arrival_time=stream.arrival)
                 choices.append(Choice(p_i * req.n + j, stream, completion))
     except BaseException:
