@@ -102,6 +102,11 @@ def test_the_workload_command_writes_what_the_converters_give(tmp_path, capsys):
     )
     got = read_csv(out)
     assert len(got) == len(want) > 0
+    # the activity it prints is on the trace's own minutes: the 30 of the window, not 3
+    act = activity(got, ["x", "y"], 60.0, 0.1, 1800)
+    assert "(1800 s, 30 minutes)" in text and act.windows == 30
+    assert f"models idle per minute {100 * act.idle_mean:.0f}%" in text
+    assert f"active set changes per hour: {act.changes_per_hour:.0f}" in text
     assert all(
         (a.model, a.prompt_len, a.output_len) == (b.model, b.prompt_len, b.output_len)
         and abs(a.arrival_s - b.arrival_s) < 1e-5
