@@ -5,6 +5,8 @@ The synthetic generator makes shifting bursty groups, the pattern production mul
 show: at any time a small active set of models receives requests (gamma inter-arrival times with a
 coefficient of variation above 1, so requests come in bursts), the set changes several times an
 hour, and popularity within it is skewed (Zipf), so most models sit idle most of the time.
+`activity` measures that pattern in any workload, on the trace's own time: the models idle per
+minute and the active-set changes per hour.
 
 Pure Python over rows: nothing here imports the engine.
 """
