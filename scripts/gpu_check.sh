@@ -49,6 +49,7 @@
 # in steps-POLICY.jsonl; STEP_TRACE=0: none). A sweep.json in the bench directory is the start:
 # its SLOs (measured standalone by the first call) are reused, the new runs merged in. BENCH
 # picks the set-up (default docs/bench/h200; its prism.toml, workload.csv, sweep.json);
+# SLO_FILE gives the SLOs instead (model -> {ttft_s, tpot_s}, e.g. docs/bench/fleet24/slos.json);
 # BUDGET_S (default 520) bounds the time; STOP_EARLY=1 ends a run once it cannot keep 99%.
 # DETACH=1 starts the sweep in its own session (it outlives the command while the machine stays
 # warm); `--collect WAIT_S` in a later command waits for it and leaves $OUT/sweep.tgz.
@@ -106,7 +107,7 @@ if [ "$mode" = "--sweep" ]; then
       --workload "$bench/workload.csv" --config "$config" --out "$out" \
       --policies "$p" --scales "$3" --refine 1 --standalone-requests 5 \
       --sample-interval 0.5 --budget-s "${BUDGET_S:-520}" --startup-timeout 300 \
-      ${STOP_EARLY:+--stop-early} 2>&1 | tee "$out/sweep-$p.log"
+      ${STOP_EARLY:+--stop-early} ${SLO_FILE:+--slo-file "$SLO_FILE"} 2>&1 | tee "$out/sweep-$p.log"
     tail -5 "$out/server-$p.log"
   done
   exit 0

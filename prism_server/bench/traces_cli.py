@@ -161,13 +161,22 @@ def length_pairs(name: str, root: Path) -> list[tuple[int, int]]:
     return [(r.prompt_len, r.output_len) for r in rows]
 
 
-def describe(rows: list[wl.Row], models: list[str]) -> str:
+def describe(
+    rows: list[wl.Row], models: list[str], time_scale: float = 1.0, span_s: float | None = None
+) -> str:
+    """The workload in a few lines: requests and rate as replayed, how the models take turns on
+    the trace's own time (the arrivals are that x `time_scale`; `span_s`: the trace time the
+    window covers, else up to the last arrival), each model's requests and mean lengths."""
     span = rows[-1].arrival_s
     per = {m: sum(r.model == m for r in rows) for m in models}
-    bucket = max(span / 20, 1e-9)
+    act = wl.activity(rows, models, 60.0, time_scale, span_s)
+    trace_span = span_s if span_s is not None else span / time_scale
+    changes = "n/a" if act.changes_per_hour is None else f"{act.changes_per_hour:.0f}"
     lines = [
-        f"{len(rows)} requests over {span:.1f} s ({len(rows) / max(span, 1e-9):.2f} req/s); "
-        f"models idle per 1/20 of the span: {100 * wl.idle_fraction(rows, models, bucket):.0f}%",
+        f"{len(rows)} requests over {span:.1f} s ({len(rows) / max(span, 1e-9):.2f} req/s)",
+        f"on the trace's time ({trace_span:.0f} s, {act.windows} minutes): models idle per "
+        f"minute {100 * act.idle_mean:.0f}% (min {100 * act.idle_min:.0f}%, max "
+        f"{100 * act.idle_max:.0f}%); active set changes per hour: {changes}",
     ]
     for m in models:
         mine = [r for r in rows if r.model == m]
@@ -187,6 +196,7 @@ def run_workload_command(args: argparse.Namespace) -> int:
     wl.write_csv(rows, args.out)
     for model, stream in mapping.items():
         print(f"{model} <- {stream}")
-    print(describe(rows, list(mapping)))
+    # bursty: generated on [0, duration); the traces: the window [start, start + duration)
+    print(describe(rows, list(mapping), args.time_scale, args.duration_s))
     print(f"wrote {args.out}")
     return 0

@@ -5,6 +5,8 @@ The synthetic generator makes shifting bursty groups, the pattern production mul
 show: at any time a small active set of models receives requests (gamma inter-arrival times with a
 coefficient of variation above 1, so requests come in bursts), the set changes several times an
 hour, and popularity within it is skewed (Zipf), so most models sit idle most of the time.
+`activity` measures that pattern in any workload, on the trace's own time: the models idle per
+minute and the active-set changes per hour.
 
 Pure Python over rows: nothing here imports the engine.
 """
@@ -194,3 +196,75 @@ def idle_fraction(rows: Sequence[Row], models: Sequence[str], bucket_s: float) -
     for r in rows:
         busy[int(r.arrival_s // bucket_s)].add(r.model)
     return sum(1 - len(b) / len(models) for b in busy) / n
+
+
+# ---- activity statistics on the trace's own time ----------------------------------------------
+def active_sets(
+    rows: Sequence[Row],
+    models: Sequence[str],
+    window_s: float = 60.0,
+    time_scale: float = 1.0,
+    span_s: float | None = None,
+) -> list[frozenset[str]]:
+    """The models of `models` with a request in each window of `window_s` seconds of the trace's
+    own time, from 0 on. The rows' arrivals are the trace's times x `time_scale` (the factor of
+    `scale_time`, so 1/60 when an hour was compressed into a minute): arrival / time_scale is the
+    trace's time. The windows cover [0, span_s) of trace time, or up to the last arrival."""
+    if window_s <= 0 or time_scale <= 0:
+        raise ValueError("the window and the time scale must be positive")
+    if not models:
+        raise ValueError("name at least one model")
+    wanted = set(models)
+    times = [(r.arrival_s / time_scale, r.model) for r in rows if r.model in wanted]
+    if span_s is None:  # through the window of the last arrival
+        n = int(max((t for t, _ in times), default=0.0) // window_s) + 1
+    elif span_s > 0:
+        n = math.ceil(span_s / window_s)
+    else:
+        raise ValueError("the span must be positive")
+    sets: list[set[str]] = [set() for _ in range(n)]
+    for t, model in times:
+        i = int(t // window_s)
+        if i < n:  # past span_s: left out
+            sets[i].add(model)
+    return [frozenset(s) for s in sets]
+
+
+@dataclass(frozen=True)
+class Activity:
+    """How a workload's models take turns, on the trace's own time: the fraction of models idle
+    (no request) per window, its mean, min and max over the windows, and the active-set changes
+    per hour (models that become active plus those that become idle between consecutive windows,
+    summed, per hour of trace time; None with a single window)."""
+
+    window_s: float
+    windows: int
+    idle_mean: float
+    idle_min: float
+    idle_max: float
+    changes: int
+    changes_per_hour: float | None
+
+
+def activity(
+    rows: Sequence[Row],
+    models: Sequence[str],
+    window_s: float = 60.0,
+    time_scale: float = 1.0,
+    span_s: float | None = None,
+) -> Activity:
+    """The idle fractions and active-set changes of `active_sets` (same arguments: rows already
+    compressed by `time_scale`, windows of `window_s` seconds of trace time)."""
+    sets = active_sets(rows, models, window_s, time_scale, span_s)
+    idle = [1.0 - len(s) / len(set(models)) for s in sets]
+    changes = sum(len(a ^ b) for a, b in zip(sets, sets[1:]))
+    per_hour = changes * 3600.0 / (window_s * (len(sets) - 1)) if len(sets) > 1 else None
+    return Activity(
+        window_s=window_s,
+        windows=len(sets),
+        idle_mean=sum(idle) / len(idle),
+        idle_min=min(idle),
+        idle_max=max(idle),
+        changes=changes,
+        changes_per_hour=per_hour,
+    )

@@ -1,5 +1,6 @@
-"""Bench workloads: the CSV round trip, scaling, the Azure converter on the real trace, and the
-synthetic generator's burstiness, shifting groups and idle models."""
+"""Bench workloads: the CSV round trip, scaling, the Azure converter on the real trace, the
+synthetic generator's burstiness, shifting groups and idle models, and the activity statistics
+(idle models per minute, active-set changes per hour) on the trace's own time."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import pytest
 
 from prism_server.bench.workload import (
     Row,
+    active_sets,
+    activity,
     bursty_groups,
     clamp_lengths,
     from_azure,
@@ -99,6 +102,11 @@ def test_the_workload_command_writes_what_the_converters_give(tmp_path, capsys):
     )
     got = read_csv(out)
     assert len(got) == len(want) > 0
+    # the activity it prints is on the trace's own minutes: the 30 of the window, not 3
+    act = activity(got, ["x", "y"], 60.0, 0.1, 1800)
+    assert "(1800 s, 30 minutes)" in text and act.windows == 30
+    assert f"models idle per minute {100 * act.idle_mean:.0f}%" in text
+    assert f"active set changes per hour: {act.changes_per_hour:.0f}" in text
     assert all(
         (a.model, a.prompt_len, a.output_len) == (b.model, b.prompt_len, b.output_len)
         and abs(a.arrival_s - b.arrival_s) < 1e-5
@@ -205,3 +213,58 @@ def test_the_workload_command_takes_a_servegen_stream_with_mooncake_lengths(tmp_
     assert statistics.median(r.prompt_len for r in arrivals) < 2000
     azure = length_pairs("azure-code", root)
     assert len(azure) == 8819 and statistics.mean(o for _, o in azure) < 40
+
+
+def _minutes(spec: dict[str, list[int]], time_scale: float = 1.0) -> list[Row]:
+    """Rows from model -> the minutes of trace time it has a request in (at mid-minute)."""
+    rows = [Row((60 * m + 30) * time_scale, name, 10, 5) for name, ms in spec.items() for m in ms]
+    return sorted(rows, key=lambda r: r.arrival_s)
+
+
+def test_active_sets_and_changes_per_hour_on_hand_made_rows():
+    models = ["a", "b", "c", "d"]
+    # minute:   0      1      2      3
+    # active: {a,b}  {a,c}   {}   {a,b,c}   (d never)
+    rows = _minutes({"a": [0, 1, 3], "b": [0, 3], "c": [1, 3]})
+    rows.append(Row(61.0, "a", 10, 5))  # a second request in a window changes nothing
+    rows.append(Row(65.0, "other", 10, 5))  # a model not named is not counted
+    sets = active_sets(rows, models)
+    assert sets == [{"a", "b"}, {"a", "c"}, set(), {"a", "b", "c"}]
+    act = activity(rows, models)
+    # changes: 0->1: b idle, c active (2); 1->2: a, c idle (2); 2->3: a, b, c active (3)
+    assert act.windows == 4 and act.changes == 7
+    assert act.changes_per_hour == pytest.approx(7 * 60 / 3)  # 3 transitions of one minute
+    idle = [0.5, 0.5, 1.0, 0.25]
+    assert act.idle_mean == pytest.approx(sum(idle) / 4)
+    assert (act.idle_min, act.idle_max) == (0.25, 1.0)
+
+
+def test_activity_is_measured_on_the_trace_time_before_compression():
+    models = ["a", "b", "c"]
+    spec = {"a": [0, 2, 4], "b": [1, 2], "c": [5]}
+    trace = activity(_minutes(spec), models)
+    # the same requests compressed 60x: one trace minute is a second of replay
+    fast = _minutes(spec, time_scale=1 / 60)
+    assert activity(fast, models, time_scale=1 / 60) == trace
+    # {a} {b} {a,b} {} {a} {c}: 2 + 1 + 2 + 1 + 2 changes
+    assert trace.windows == 6 and trace.changes == 8
+    # read as if uncompressed, all of it is one window: nothing would change
+    assert activity(fast, models).windows == 1 and activity(fast, models).changes_per_hour is None
+    # a span past the last arrival adds idle minutes (a trailing one: c goes idle); one shorter
+    # leaves the later requests out
+    longer = activity(_minutes(spec), models, span_s=420)
+    assert longer.windows == 7 and longer.changes == trace.changes + 1
+    assert longer.idle_max == 1.0
+    assert active_sets(_minutes(spec), models, span_s=120) == [{"a"}, {"b"}]
+    # wider windows: two minutes each
+    assert active_sets(_minutes(spec), models, window_s=120) == [{"a", "b"}, {"a", "b"}, {"a", "c"}]
+
+
+def test_activity_rejects_bad_arguments():
+    rows = [Row(0.0, "a", 1, 1)]
+    for kw in ({"window_s": 0}, {"time_scale": -1.0}, {"span_s": 0.0}):
+        with pytest.raises(ValueError):
+            activity(rows, ["a"], **kw)
+    with pytest.raises(ValueError):
+        activity(rows, [])
+    assert activity([], ["a"]).idle_mean == 1.0  # no request: every model idle
