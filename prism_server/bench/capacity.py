@@ -120,9 +120,10 @@ async def run_capacity(
             try:
                 e, _, _ = await sweep_policy(pcfg, policy, sub, out, slos, deadline, tag=tag)
             except RuntimeError as err:  # the server did not start: it cannot hold n models
-                first = str(err).splitlines()[0]
-                log.warning("%s with %d models: %s", policy, n, first)
-                entry["points"].append(_point(n, models, None, cfg.target, error=first))
+                said = [x.strip() for x in str(err).splitlines() if x.strip()]
+                why = said[-1] if said else "the server did not start"  # the log's last line
+                log.warning("%s with %d models: %s", policy, n, why)
+                entry["points"].append(_point(n, models, None, cfg.target, error=why))
                 break
             if not e["runs"]:  # the time budget
                 entry["stopped"] = e["stopped"]
