@@ -6,9 +6,9 @@ models with a pool that holds about a third of the fleet."""
 from __future__ import annotations
 
 import json
-import tomllib
 
 import pytest
+import tomllib
 
 from prism_server.bench.capacity import capacity_of, model_counts
 from prism_server.bench.causes import CAUSES, cause, collect, join, read_log
