@@ -417,3 +417,55 @@ def test_the_capacity_sweep_adds_models_until_attainment_falls(tmp_path, capsys)
     assert list(lines["prism/capacity"].get_xdata()) == [6]
     assert list(lines["static/no-start"].get_xdata()) == [6]
     assert lines["target"].get_ydata()[0] == pytest.approx(80.0)
+
+
+@pytest.mark.slow
+def test_static_runs_on_the_busiest_models_that_fit_and_prism_is_compared_there(tmp_path, capsys):
+    from prism_server.bench.workload import write_csv
+    from prism_server.cli.main import main
+
+    (tmp_path / "fleet.toml").write_text(_fleet_toml())
+    # m3 and m1 are the busiest: the pool holds two models with their KV beside
+    rows = _fleet_rows()
+    rows += [Row(0.05 + 0.4 * k, "m3", 10, 4) for k in range(3)]
+    rows += [Row(0.25 + 0.5 * k, "m1", 10, 4) for k in range(2)]
+    rows.sort(key=lambda r: r.arrival_s)
+    write_csv(rows, tmp_path / "w.csv")
+    out = tmp_path / "out"
+    args = ["bench", "sweep", "--workload", str(tmp_path / "w.csv"), "--config"]
+    args += [str(tmp_path / "fleet.toml"), "--out", str(out), "--policies", "prism,static"]
+    args += ["--scales", "1", "--slo", "10,2", "--static-subset", "auto", "--settle", "0.1"]
+    args += ["--no-plots", "--no-request-log"]
+    assert main(args) == 0
+    sweep = json.loads((out / "sweep.json").read_text())
+    cfg = sweep["config"]
+    assert cfg["slo_source"] == "fixed: TTFT 10 s, TPOT 2 s for every model"
+    assert cfg["slos"] == {f"m{i}": {"ttft_s": 10.0, "tpot_s": 2.0} for i in range(6)}
+    prism, static = sweep["policies"]["prism"], sweep["policies"]["static"]
+    # the sizes came from prism's server of the whole fleet: six models, a pool of ~10 pages
+    fleet = prism["fleet"]
+    assert set(fleet["models"]) == {f"m{i}" for i in range(6)}
+    assert fleet["page_bytes"] == 262144 and fleet["pool_bytes"] <= 2621440
+    sub = static["subset"]
+    assert sub["models"] == ["m1", "m3"] and sub["of"] == 6 and sub["how"] == "auto"
+    derived = tomllib.loads((out / "static-subset.toml").read_text())
+    assert [m["name"] for m in derived["models"]] == ["m1", "m3"]
+    assert derived["engine"] == tomllib.loads(_fleet_toml())["engine"]
+    (srun,) = static["runs"]
+    assert {r["model"] for r in srun["requests"]} == {"m1", "m3"}
+    assert len(srun["requests"]) == sub["requests"] == sum(r.model in ("m1", "m3") for r in rows)
+    (prun,) = prism["runs"]
+    assert len(prun["requests"]) == len(rows) and prun["activations"] > 0
+    for run in (prun, srun):
+        assert sum(run["miss_causes"].values()) == _missed(run)
+    r = sweep["ratios"]["prism/static"]
+    assert r["on_subset"] and r["ref_attainment"] == [[1.0, 1.0]]
+    md = (out / "sweep.md").read_text()
+    row = next(x for x in md.splitlines() if x.startswith("| static |"))
+    assert "on 2 of 6 models (subset: m1, m3)" in row and "on the subset" in row
+    assert "SLOs fixed: TTFT 10 s, TPOT 2 s for every model" in md.splitlines()[0]
+    # the same runs under an SLO nothing meets
+    capsys.readouterr()
+    assert main(["bench", "report-slo", str(out), "--slo", "0.000001,2"]) == 0
+    alt = capsys.readouterr().out
+    assert "| prism | x1: 100.0% | x1: 0.0% | none |" in alt
