@@ -9,6 +9,9 @@ matplotlib is imported here, at the top, so that importing this module is what f
 (the sweep catches that ImportError and leaves the plots for later); `prism_server.bench` does not
 import this module. Imports nothing of the engine.
 
+`figure_capacity(capacity)` draws a capacity sweep (capacity.py): attainment against the number
+of models served.
+
     python -m prism_server.bench.plots SWEEP.json OUT_DIR
 """
 

@@ -5,6 +5,12 @@ every run, the status samples, the residency timelines), one markdown table and 
 
 The policies may be swept in separate invocations into the same directory (one per device call,
 say): each merges its policy into the directory's sweep.json and reuses its SLOs.
+
+SLOs: k x each model's standalone p99, given per model, or fixed (the same for every model).
+Each server writes a request log (`--request-log`) that every run joins by response id: each
+request's waits and preemptions, each missed request's cause (causes.py). The static policy may
+serve only part of the fleet (`static_subset`, fleet.py): the busiest models that fit its pool,
+with a config that holds only them and their rows of the workload.
 """
 
 from __future__ import annotations

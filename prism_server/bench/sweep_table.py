@@ -1,5 +1,8 @@
 """The sweep's markdown: one row per policy (sustained rate, prism's ratio to it, attainment per
-scale, moves, activation waits), then each policy's per-model table at its sustained scale."""
+scale, moves, activation waits, missed requests by cause, preemptions, the engine's busy time),
+then each policy's per-model table at its sustained scale; and the runs' attainment under other
+SLOs, from their recorded requests. A policy that served a subset of the fleet is compared with
+prism on that subset's requests."""
 
 from __future__ import annotations
 
@@ -79,7 +82,7 @@ def table(sweep: dict) -> str:
         f"| policy | sustained rate req/s (scale) at {100 * target:g}%, SLOs {source} "
         "| prism ÷ policy | attainment per scale | activations / evictions | waited for "
         "activation: requests, TTFT p99 s | missed: causes | preemptions / recomputed tokens "
-        "| GPU busy |",
+        "| engine busy |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     notes = []
