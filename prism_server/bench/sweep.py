@@ -394,10 +394,13 @@ def slo_source(cfg: SweepConfig) -> str:
     return "given" if cfg.slos else f"standalone x {cfg.k:g}"
 
 
-async def static_subset(cfg: SweepConfig, rows: Sequence[Row], out: Path, known: dict) -> dict:
+async def static_subset(
+    cfg: SweepConfig, rows: Sequence[Row], out: Path, known: dict, drop: Sequence[str] = ()
+) -> dict:
     """The models the static policy serves and the config that holds only them (written into
     `out`): cfg.static_subset's names, or ("auto") the busiest that fit the pool, sized by a
-    server of the full config (`known`: a policy entry's recorded fleet, else a probe)."""
+    server of the full config (`known`: a policy entry's recorded fleet, else a probe), less
+    the models in `drop`."""
     if not cfg.server_config:
         raise ValueError("a static subset is cut from the config: give --config")
     names = model_names(cfg.server_config)
@@ -407,6 +410,7 @@ async def static_subset(cfg: SweepConfig, rows: Sequence[Row], out: Path, known:
         fleet = await probe_fleet(cfg, out)
     if cfg.static_subset == "auto":
         models = pick_subset(fleet, rows, names, block_sizes(cfg.server_config))
+        models = [m for m in models if m not in set(drop)]
         if not models:
             raise ValueError("no model fits the pool with its minimal KV: no static subset")
     else:
@@ -464,7 +468,7 @@ async def run_sweep(cfg: SweepConfig, rows: Sequence[Row]) -> dict:
         policies.remove("static")  # the SLOs are measured on the whole fleet first
         policies.append("static")
     for policy in policies:
-        prows, pcfg, subset = rows, cfg, None
+        prows, pcfg, subset, known = rows, cfg, None, {}
         before = sweep["policies"].get(policy, {})
         if policy == "static" and cfg.static_subset:
             full = [p for p in sweep["policies"].values() if p.get("fleet") and not p.get("subset")]
@@ -475,17 +479,31 @@ async def run_sweep(cfg: SweepConfig, rows: Sequence[Row]) -> dict:
         same_slos = slos is not None and slos == sweep.get("config", {}).get("slos")
         same_models = (before.get("subset") or {}).get("models") == (subset or {}).get("models")
         earlier = before.get("runs", []) if same_slos and same_models else []
-        entry, slos, measured = await sweep_policy(
-            pcfg,
-            policy,
-            prows,
-            out,
-            slos,
-            deadline,
-            # after each run: a sweep cut short keeps what it measured (plots at the end)
-            progress=lambda e, s, a, p=policy, sub=subset: merge(p, e, s, a, False, sub),
-            earlier=earlier,
-        )
+        dropped: list[str] = []
+        while True:
+            try:
+                entry, slos, measured = await sweep_policy(
+                    pcfg,
+                    policy,
+                    prows,
+                    out,
+                    slos,
+                    deadline,
+                    # after each run: a sweep cut short keeps what it measured (plots at the end)
+                    progress=lambda e, s, a, p=policy, sub=subset: merge(p, e, s, a, False, sub),
+                    earlier=earlier,
+                )
+                break
+            except RuntimeError as e:  # sizes that were estimated (offloaded models) fell short
+                short = "MemoryError" in str(e) or "out of memory" in str(e).lower()
+                if not (short and subset and subset["how"] == "auto" and len(subset["models"]) > 1):
+                    raise
+                counts = {m: sum(r.model == m for r in prows) for m in subset["models"]}
+                dropped.append(min(subset["models"], key=lambda m: (counts[m], m)))
+                log.warning("static did not start on %s; without %s", subset["models"], dropped[-1])
+                subset = await static_subset(cfg, rows, out, known, dropped)
+                prows = rows_of(rows, subset["models"])
+                pcfg, earlier = replace(cfg, server_config=subset["config"]), []
         alone = measured or alone
         merge(policy, entry, slos, measured, cfg.plots, subset)
     return sweep
