@@ -469,3 +469,28 @@ def test_static_runs_on_the_busiest_models_that_fit_and_prism_is_compared_there(
     assert main(["bench", "report-slo", str(out), "--slo", "0.000001,2"]) == 0
     alt = capsys.readouterr().out
     assert "| prism | x1: 100.0% | x1: 0.0% | none |" in alt
+
+
+def test_bad_subsets_configs_and_slos_are_refused_before_any_server_starts(tmp_path, capsys):
+    from prism_server.bench.workload import write_csv
+    from prism_server.cli.main import main
+
+    (tmp_path / "fleet.toml").write_text(_fleet_toml(3))
+    (tmp_path / "kv.toml").write_text(FLEET_TOML)
+    write_csv(_fleet_rows(3), tmp_path / "w.csv")
+    base = ["bench", "sweep", "--workload", str(tmp_path / "w.csv"), "--out", str(tmp_path / "o")]
+    sweep = [*base, "--config", str(tmp_path / "fleet.toml"), "--policies", "static"]
+    assert main([*sweep, "--slo", "1,0.1", "--static-subset", "m0,nope"]) == 2
+    assert "the config has no models ['nope']" in capsys.readouterr().err
+    assert main([*base, "--policies", "static", "--slo", "1,0.1", "--static-subset", "auto"]) == 2
+    assert "give --config" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([*sweep, "--slo", "1"])
+    assert "TTFT_S,TPOT_S" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([*sweep, "--slo", "1,0.1", "--slo-file", "x.json"])
+    cap = ["bench", "capacity", "--workload", str(tmp_path / "w.csv"), "--out", str(tmp_path / "c")]
+    assert main([*cap, "--config", str(tmp_path / "kv.toml"), "--slo", "1,0.1"]) == 2
+    assert "set pool_budget_bytes" in capsys.readouterr().err
+    assert main([*cap, "--config", str(tmp_path / "fleet.toml"), "--start", "4"]) == 2
+    assert "only 3 models" in capsys.readouterr().err
