@@ -28,7 +28,7 @@ from prism_server.bench.sweep import (
     slo_source,
     sweep_policy,
 )
-from prism_server.bench.sweep_table import causes_cell
+from prism_server.bench.sweep_table import busy_cell, causes_cell
 from prism_server.bench.workload import Row
 
 log = logging.getLogger(__name__)
@@ -150,8 +150,9 @@ def table(cap: dict) -> str:
         f"each run at x{cfg['scale']:g} the workload's rate of its models; models added in "
         "config order.\n",
         f"| policy | models at {100 * target:g}% (of {total}) | attainment per n "
-        "| activations / evictions per n | missed: causes per n | preemptions per n |",
-        "|---|---|---|---|---|---|",
+        "| activations / evictions per n | missed: causes per n | preemptions per n "
+        "| engine busy per n |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name, e in cap["policies"].items():
         pts = e["points"]
@@ -160,7 +161,7 @@ def table(cap: dict) -> str:
         kept = str(got) if got is not None else f"< {first}"
         if e.get("stopped"):
             kept += f" ({e['stopped']})"
-        att, moves, causes, pre = [], [], [], []
+        att, moves, causes, pre, busy = [], [], [], [], []
         for p in pts:
             run = p["run"]
             if run is None:
@@ -177,8 +178,10 @@ def table(cap: dict) -> str:
                 causes.append(f"n={p['n']}: {causes_cell(run)}")
             if "preemptions" in run:
                 pre.append(f"n={p['n']}: {run['preemptions']}")
+            if run.get("engine"):
+                busy.append(f"n={p['n']}: {busy_cell(run)}")
         cells = [", ".join(x) or "-" for x in (att, moves)]
-        cells += ["; ".join(causes) or "none", ", ".join(pre) or "-"]
+        cells += ["; ".join(causes) or "none", ", ".join(pre) or "-", ", ".join(busy) or "-"]
         lines.append(f"| {name} | {kept} | " + " | ".join(cells) + " |")
     fails = [
         f"{name} with {p['n']} models: {p['error']}"

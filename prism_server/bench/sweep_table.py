@@ -125,7 +125,7 @@ def table(sweep: dict) -> str:
         )
         lines.append(
             f"| {name} | {rate} | {ratio} | {per_scale} | {moves} | {waited} | "
-            f"{causes_cell(shown)} | {_preemptions(shown)} | {_busy(shown)} |"
+            f"{causes_cell(shown)} | {_preemptions(shown)} | {busy_cell(shown)} |"
         )
     out = ["\n".join(lines)]
     if notes:
@@ -186,7 +186,7 @@ def _preemptions(run: dict | None) -> str:
     return f"{run['preemptions']} / {run['recomputed_tokens']}"
 
 
-def _busy(run: dict | None) -> str:
+def busy_cell(run: dict | None) -> str:
     """The engine's busy fraction over the run, per device."""
     eng = (run or {}).get("engine") or {}
     return ", ".join(f"{100 * e['busy']:.0f}%" for _, e in sorted(eng.items())) or "-"
