@@ -8,6 +8,10 @@ capacity is the largest n below every failing one. A server that cannot start wi
 Each n's server gets a derived config (the [[models]] tables of the first n models, the rest of
 the config as it was) written into the output directory, with its own request log; capacity.json
 holds every run's record (as a sweep's), capacity.md the table and capacity.png the plot.
+
+The policies may run in separate invocations into the same directory (one per device call):
+each keeps the other policies' results when the SLOs, the scale, the models and the counts are
+the same, and reuses the SLOs measured before.
 """
 
 from __future__ import annotations
@@ -88,7 +92,10 @@ async def run_capacity(
         raise ValueError("the workload has no rows for the config's models")
     counts = model_counts(len(names), start, step)
     deadline = time.monotonic() + cfg.budget_s if cfg.budget_s else None
-    slos, alone = cfg.slos, None
+    old = load(out)
+    slos, alone, source = cfg.slos, None, slo_source(cfg)
+    if slos is None and old:  # the SLOs an earlier invocation measured
+        slos, alone, source = old["config"]["slos"], old["standalone"], old["config"]["slo_source"]
     if slos is None:  # each model alone on a server of the whole config
         alone = await measure_standalone(cfg, "prism", rows, out / "server-standalone.log")
         slos = slos_from(alone, cfg.k)
@@ -103,11 +110,17 @@ async def run_capacity(
             "counts": counts,
             "models": names,
             "slos": slos,
-            "slo_source": slo_source(cfg),
+            "slo_source": source,
         },
         "standalone": alone,
         "policies": {},
     }
+    same = old and all(
+        old["config"].get(k) == result["config"][k]
+        for k in ("slos", "scale", "models", "counts", "target", "workload")
+    )
+    kept = {p: e for p, e in (old["policies"] if same else {}).items() if p not in cfg.policies}
+    result["policies"].update(kept)
     for policy in cfg.policies:
         entry = {"capacity": None, "stopped": None, "points": []}
         result["policies"][policy] = entry
@@ -194,7 +207,16 @@ def table(cap: dict) -> str:
     return "\n".join(lines)
 
 
+def load(out: Path) -> dict | None:
+    """The directory's capacity.json (None: none yet)."""
+    path = out / "capacity.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
 def write(cap: dict, out: Path, plots: bool = True) -> list[Path]:
+    order = [p for p in ("prism", "static", "swap") if p in cap["policies"]]
+    order += [p for p in cap["policies"] if p not in order]
+    cap["policies"] = {p: cap["policies"][p] for p in order}
     (out / "capacity.json").write_text(json.dumps(cap))
     (out / "capacity.md").write_text(table(cap) + "\n")
     written = [out / "capacity.json", out / "capacity.md"]

@@ -375,11 +375,15 @@ def test_the_capacity_sweep_adds_models_until_attainment_falls(tmp_path, capsys)
     (tmp_path / "slos.json").write_text(json.dumps(slos))
     out = tmp_path / "out"
     args = ["bench", "capacity", "--workload", str(tmp_path / "w.csv"), "--config"]
-    args += [str(tmp_path / "fleet.toml"), "--out", str(out), "--policies", "prism,static"]
+    args += [str(tmp_path / "fleet.toml"), "--out", str(out)]
     args += ["--start", "2", "--step", "4", "--target", "0.8", "--slo-file"]
     args += [str(tmp_path / "slos.json"), "--no-server-slos", "--settle", "0.1", "--no-request-log"]
-    assert main(args) == 0
+    # one policy an invocation (as on a device, a call each): the second keeps the first's
+    assert main([*args, "--policies", "static", "--no-plots"]) == 0
+    first = json.loads((out / "capacity.json").read_text())["policies"]["static"]
+    assert main([*args, "--policies", "prism"]) == 0
     cap = json.loads((out / "capacity.json").read_text())
+    assert list(cap["policies"]) == ["prism", "static"] and cap["policies"]["static"] == first
     assert cap["config"]["counts"] == [2, 6] and cap["config"]["slo_source"] == "given"
     prism, static = cap["policies"]["prism"], cap["policies"]["static"]
     # prism serves all six on a pool that holds two, moving weights; static holds only two
