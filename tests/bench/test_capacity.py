@@ -11,7 +11,7 @@ import pytest
 import tomllib
 
 from prism_server.bench.capacity import capacity_of, model_counts
-from prism_server.bench.causes import CAUSES, cause, collect, join, read_log
+from prism_server.bench.causes import CAUSES, TTFT_WAITS, cause, collect, join, read_log
 from prism_server.bench.fleet import (
     derive_config,
     dumps_toml,
@@ -377,7 +377,7 @@ def test_the_capacity_sweep_adds_models_until_attainment_falls(tmp_path, capsys)
     args = ["bench", "capacity", "--workload", str(tmp_path / "w.csv"), "--config"]
     args += [str(tmp_path / "fleet.toml"), "--out", str(out)]
     args += ["--start", "2", "--step", "4", "--target", "0.8", "--slo-file"]
-    args += [str(tmp_path / "slos.json"), "--no-server-slos", "--settle", "0.1", "--no-request-log"]
+    args += [str(tmp_path / "slos.json"), "--no-server-slos", "--settle", "0.1"]
     # one policy an invocation (as on a device, a call each): the second keeps the first's
     assert main([*args, "--policies", "static", "--no-plots"]) == 0
     first = json.loads((out / "capacity.json").read_text())["policies"]["static"]
@@ -404,10 +404,19 @@ def test_the_capacity_sweep_adds_models_until_attainment_falls(tmp_path, capsys)
             assert p["models"] == [f"m{i}" for i in range(p["n"])]
             assert sum(run["miss_causes"].values()) == _missed(run)
             assert (out / f"server-{name}-n{p['n']}.log").exists()
+            # the server's log named every request: its waits, its preemptions
+            assert run["logged_requests"] == len(run["requests"])
+            assert all(r["waits"] is not None for r in run["requests"])
+            assert run["preemptions"] == sum(r["preemptions"] for r in run["requests"])
             assert all(r["error"] is None for r in run["requests"])
     last = prism["points"][1]["run"]
     assert _missed(last) == 4 and last["report"]["models"]["m5"]["attainment"] == 0.0
     assert {r["model"] for r in last["requests"] if r["cause"]} == {"m5"}
+    # m5's misses are TTFT misses: each gets the largest of its waits before its first token
+    for r in last["requests"]:
+        if r["cause"]:
+            assert r["cause"] == max(TTFT_WAITS, key=lambda k: r["waits"][k])
+    assert sum(last["miss_causes"].values()) == 4 and "unknown" not in last["miss_causes"]
     derived = tomllib.loads((out / "config-n2.toml").read_text())
     assert [m["name"] for m in derived["models"]] == ["m0", "m1"]
     md = (out / "capacity.md").read_text()
@@ -439,7 +448,7 @@ def test_static_runs_on_the_busiest_models_that_fit_and_prism_is_compared_there(
     args = ["bench", "sweep", "--workload", str(tmp_path / "w.csv"), "--config"]
     args += [str(tmp_path / "fleet.toml"), "--out", str(out), "--policies", "prism,static"]
     args += ["--scales", "1", "--slo", "10,2", "--static-subset", "auto", "--settle", "0.1"]
-    args += ["--no-plots", "--no-request-log"]
+    args += ["--no-plots"]
     assert main(args) == 0
     sweep = json.loads((out / "sweep.json").read_text())
     cfg = sweep["config"]
@@ -462,6 +471,10 @@ def test_static_runs_on_the_busiest_models_that_fit_and_prism_is_compared_there(
     assert len(prun["requests"]) == len(rows) and prun["activations"] > 0
     for run in (prun, srun):
         assert sum(run["miss_causes"].values()) == _missed(run)
+        assert run["logged_requests"] == len(run["requests"])
+    assert (out / "requests-prism.jsonl").exists() and (out / "requests-static.jsonl").exists()
+    # prism's requests of models it had to activate waited for it, in the server's account
+    assert sum(r["waits"]["activation"] for r in prun["requests"]) > 0
     r = sweep["ratios"]["prism/static"]
     assert r["on_subset"] and r["ref_attainment"] == [[1.0, 1.0]]
     md = (out / "sweep.md").read_text()
