@@ -4,6 +4,9 @@ bench run         replay a workload against a running server; the per-model tabl
 bench standalone  each model alone at low load: p99 TTFT / TPOT, and SLOs = k x those
 bench sweep       per policy: start a server, replay at rising rate scales, find the rate
                   kept at 99% SLO attainment; sweep.json, sweep.md and the plots
+bench capacity    per policy: serve the config's first n models for rising n, find the most
+                  kept at 99% SLO attainment; capacity.json, capacity.md and the plot
+bench report-slo  a sweep's runs under other SLOs, from their recorded requests
 bench workload    write a workload CSV from a public trace or the bursty-groups generator
 bench plot        the plots of a sweep directory
 """
@@ -38,6 +41,60 @@ def _floats(text: str) -> list[float]:
     return vals
 
 
+def _slo_pair(text: str) -> tuple[float, float]:
+    vals = _floats(text)
+    if len(vals) != 2:
+        raise argparse.ArgumentTypeError(f"expected TTFT_S,TPOT_S (seconds): {text!r}")
+    return vals[0], vals[1]
+
+
+def _slo_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_mutually_exclusive_group()
+    g.add_argument(
+        "--slo",
+        type=_slo_pair,
+        metavar="TTFT_S,TPOT_S",
+        help="fixed SLOs, the same for every model (e.g. 1.5,0.08; no standalone run)",
+    )
+    g.add_argument("--slo-file", help="JSON: model -> {ttft_s, tpot_s} (no standalone run)")
+    p.add_argument("--k", type=float, default=5.0, help="SLO = k x standalone p99")
+    p.add_argument("--standalone-requests", type=int, default=10)
+    p.add_argument(
+        "--standalone-max-output", type=int, default=64, help="output cap while measuring alone"
+    )
+
+
+def _server_flags(p: argparse.ArgumentParser) -> None:
+    """What the servers a sweep starts and its runs share."""
+    p.add_argument("--target", type=float, default=0.99, help="joint SLO attainment to keep")
+    p.add_argument(
+        "--budget-s", type=float, help="wall-clock limit: runs that would end past it are skipped"
+    )
+    p.add_argument(
+        "--stop-early",
+        action="store_true",
+        help="end a run once more requests missed their SLOs than the target allows",
+    )
+    p.add_argument("--sample-interval", type=float, default=0.25, help="status poll, seconds")
+    p.add_argument("--startup-timeout", type=float, default=900.0)
+    p.add_argument("--settle", type=float, default=1.0, help="quiet seconds between runs")
+    p.add_argument("--no-plots", action="store_true")
+    p.add_argument(
+        "--no-server-slos",
+        action="store_true",
+        help="do not pass the SLOs to the servers (they derive per-request deadlines)",
+    )
+    p.add_argument(
+        "--no-request-log",
+        action="store_true",
+        help="start the servers without --request-log (no waits, preemptions or miss causes)",
+    )
+    p.add_argument("--api-key")
+    p.add_argument(
+        "--server-arg", action="append", default=[], help="one more server flag (repeatable)"
+    )
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="bench_command", required=True)
 
@@ -69,36 +126,35 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--policies", default="prism,static,swap", help="comma-separated (default: all three)"
     )
     w.add_argument("--scales", type=_floats, default=[1.0, 2.0, 4.0], help="e.g. 0.5,1,2,4")
-    w.add_argument("--target", type=float, default=0.99, help="joint SLO attainment to keep")
     w.add_argument("--refine", type=int, default=0, help="bisection steps after the scales")
     w.add_argument("--keep-going", type=int, default=0, help="scales tried after a failure")
-    w.add_argument("--k", type=float, default=5.0, help="SLO = k x standalone p99")
-    w.add_argument("--standalone-requests", type=int, default=10)
     w.add_argument(
-        "--standalone-max-output", type=int, default=64, help="output cap while measuring alone"
+        "--static-subset",
+        help="static serves part of the fleet: `auto` (the busiest models that fit its pool, "
+        "sized by a server of the whole config) or model names, comma-separated",
     )
-    w.add_argument(
-        "--budget-s", type=float, help="wall-clock limit: runs that would end past it are skipped"
+    _slo_flags(w)
+    _server_flags(w)
+
+    c = sub.add_parser("capacity", help="every policy over rising numbers of models")
+    _workload_flag(c)
+    c.add_argument("--config", required=True, help="the fleet's TOML; models added in its order")
+    c.add_argument("--out", required=True, help="directory for capacity.json, .md, .png")
+    c.add_argument(
+        "--policies", default="prism,static,swap", help="comma-separated (default: all three)"
     )
-    w.add_argument(
-        "--stop-early",
-        action="store_true",
-        help="end a run once more requests missed their SLOs than the target allows",
-    )
-    w.add_argument("--slo-file", help="JSON: model -> {ttft_s, tpot_s} (no standalone run)")
-    w.add_argument("--sample-interval", type=float, default=0.25, help="status poll, seconds")
-    w.add_argument("--startup-timeout", type=float, default=900.0)
-    w.add_argument("--settle", type=float, default=1.0, help="quiet seconds between runs")
-    w.add_argument("--no-plots", action="store_true")
-    w.add_argument(
-        "--no-server-slos",
-        action="store_true",
-        help="do not pass the SLOs to the servers (they derive per-request deadlines)",
-    )
-    w.add_argument("--api-key")
-    w.add_argument(
-        "--server-arg", action="append", default=[], help="one more server flag (repeatable)"
-    )
+    c.add_argument("--scale", type=float, default=1.0, help="each run at this x the rate")
+    c.add_argument("--start", type=int, default=1, help="the first number of models")
+    c.add_argument("--step", type=int, default=1, help="models added each time")
+    _slo_flags(c)
+    _server_flags(c)
+
+    rs = sub.add_parser("report-slo", help="a sweep's runs under other SLOs")
+    rs.add_argument("dir", help="the sweep's directory (its sweep.json)")
+    g = rs.add_mutually_exclusive_group(required=True)
+    g.add_argument("--slo", type=_slo_pair, metavar="TTFT_S,TPOT_S", help="the same for all")
+    g.add_argument("--slo-file", help="JSON: model -> {ttft_s, tpot_s}")
+    rs.add_argument("--markdown", help="write the table here")
 
     pl = sub.add_parser("plot", help="the plots of a sweep directory")
     pl.add_argument("dir")
@@ -186,29 +242,38 @@ def _standalone(args) -> int:
     return 0
 
 
-def _sweep(args) -> int:
-    from prism_server.bench.sweep import SweepConfig, run_sweep
-    from prism_server.bench.sweep_table import table
+def _slos(args, rows) -> dict[str, dict] | None:
+    """--slo for every model of the rows, or --slo-file; None: measure them."""
+    if getattr(args, "slo", None):
+        ttft, tpot = args.slo
+        return {m: {"ttft_s": ttft, "tpot_s": tpot} for m in sorted({r.model for r in rows})}
+    return _slo_file(args.slo_file) if args.slo_file else None
 
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+
+def _policies(text: str) -> list[str]:
+    policies = [p.strip() for p in text.split(",") if p.strip()]
     bad = sorted(set(policies) - {"prism", "static", "swap"})
     if bad or not policies:
         raise ValueError(f"--policies: unknown {bad}; choose from prism, static, swap")
-    cfg = SweepConfig(
+    return policies
+
+
+def _sweep_config(args, rows, **more):
+    from prism_server.bench.sweep import SweepConfig
+
+    return SweepConfig(
         workload=args.workload,
         out=args.out,
-        policies=policies,
-        scales=args.scales,
+        policies=_policies(args.policies),
         target=args.target,
         server_config=args.config,
         server_args=args.server_arg,
-        slos=_slo_file(args.slo_file) if args.slo_file else None,
+        slos=_slos(args, rows),
+        fixed_slo=args.slo,
         k=args.k,
         standalone_requests=args.standalone_requests,
         standalone_max_output=args.standalone_max_output,
         budget_s=args.budget_s,
-        refine=args.refine,
-        keep_going=args.keep_going,
         stop_early=args.stop_early,
         sample_interval_s=args.sample_interval,
         startup_timeout_s=args.startup_timeout,
@@ -216,10 +281,60 @@ def _sweep(args) -> int:
         api_key=args.api_key,
         plots=not args.no_plots,
         server_slos=not args.no_server_slos,
+        request_log=not args.no_request_log,
         extra={"command": " ".join(sys.argv)},
+        **more,
     )
-    sweep = asyncio.run(run_sweep(cfg, _rows(args.workload)))
+
+
+def _sweep(args) -> int:
+    from prism_server.bench.sweep import run_sweep
+    from prism_server.bench.sweep_table import table
+
+    rows = _rows(args.workload)
+    subset = (args.static_subset or "").strip() or None
+    if subset and subset != "auto":
+        subset = [m.strip() for m in subset.split(",") if m.strip()]
+    cfg = _sweep_config(
+        args,
+        rows,
+        scales=args.scales,
+        refine=args.refine,
+        keep_going=args.keep_going,
+        static_subset=subset,
+    )
+    sweep = asyncio.run(run_sweep(cfg, rows))
     print(table(sweep))
+    return 0
+
+
+def _capacity(args) -> int:
+    from prism_server.bench.capacity import run_capacity, table
+
+    rows = _rows(args.workload)
+    cfg = _sweep_config(args, rows, scales=[args.scale])
+    cap = asyncio.run(run_capacity(cfg, rows, args.scale, args.start, args.step))
+    print(table(cap))
+    return 0
+
+
+def _report_slo(args) -> int:
+    from prism_server.bench.sweep_table import slo_table
+
+    sweep = _sweep_of(Path(args.dir))
+    models = {
+        r["model"] for p in sweep["policies"].values() for x in p["runs"] for r in x["requests"]
+    }
+    if args.slo:
+        ttft, tpot = args.slo
+        slos = {m: {"ttft_s": ttft, "tpot_s": tpot} for m in models}
+        label = f"fixed: TTFT {ttft:g} s, TPOT {tpot:g} s for every model"
+    else:
+        slos, label = _slo_file(args.slo_file), f"from {args.slo_file}"
+    text = slo_table(sweep, slos, label)
+    print(text)
+    if args.markdown:
+        Path(args.markdown).write_text(text + "\n")
     return 0
 
 
@@ -279,6 +394,8 @@ def run(args: argparse.Namespace) -> int:
         "run": _run,
         "standalone": _standalone,
         "sweep": _sweep,
+        "capacity": _capacity,
+        "report-slo": _report_slo,
         "plot": _plot,
         "simulate": _simulate,
     }.get(args.bench_command)

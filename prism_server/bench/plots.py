@@ -9,6 +9,9 @@ matplotlib is imported here, at the top, so that importing this module is what f
 (the sweep catches that ImportError and leaves the plots for later); `prism_server.bench` does not
 import this module. Imports nothing of the engine.
 
+`figure_capacity(capacity)` draws a capacity sweep (capacity.py): attainment against the number
+of models served.
+
     python -m prism_server.bench.plots SWEEP.json OUT_DIR
 """
 
@@ -438,6 +441,73 @@ def figure_residency(sweep: Mapping[str, Any]) -> Figure:
     return fig
 
 
+def figure_capacity(cap: Mapping[str, Any]) -> Figure:
+    """A capacity sweep: joint attainment (%) against the number of models served, a line per
+    policy (label=policy), the target dashed (gid "target"), each policy's capacity starred
+    (gid "<policy>/capacity"), an n whose server did not start crossed at 0 (gid
+    "<policy>/no-start") and a run stopped early at its upper bound (gid "<policy>/stopped")."""
+    cfg = cap.get("config") or {}
+    policies = list(cap.get("policies") or {})
+    colors = _colors(policies)
+    fig = _figure(figsize=(8, 5))
+    ax = fig.add_subplot()
+    for p in policies:
+        entry = cap["policies"][p]
+        pts = [x for x in entry.get("points") or [] if x.get("run") is not None]
+        xs = [x["n"] for x in pts]
+        ys = [_attainment(x["run"]) for x in pts]
+        ax.plot(xs, ys, marker="o", color=colors[p], label=p, gid=p)
+        cut = [(x["n"], y) for x, y in zip(pts, ys) if x["run"].get("stopped_early")]
+        if cut:
+            _mark(ax, cut, "v", 10, colors[p], f"{p}/stopped")
+        dead = [(x["n"], 0.0) for x in entry.get("points") or [] if x.get("run") is None]
+        if dead:
+            _mark(ax, dead, "X", 10, colors[p], f"{p}/no-start")
+        n = entry.get("capacity")
+        if n is not None:
+            y = next(y for x, y in zip(pts, ys) if x["n"] == n)
+            _mark(ax, [(n, y)], "*", 16, colors[p], f"{p}/capacity")
+            ax.annotate(
+                f"{n} models",
+                (n, y),
+                textcoords="offset points",
+                xytext=(8, -14),
+                ha="left",
+                color=colors[p],
+                fontsize=9,
+            )
+    target = cfg.get("target")
+    if target is not None:
+        ax.axhline(
+            100.0 * target,
+            linestyle="--",
+            color="black",
+            linewidth=1,
+            label=f"target {100 * target:g}%",
+            gid="target",
+        )
+    ax.set_xlabel("models served (the config's first n)")
+    ax.set_ylabel("requests meeting TTFT and TPOT SLOs (%)")
+    scale = cfg.get("scale")
+    ax.set_title(
+        "SLO attainment vs models served"
+        + (f" at x{scale:g} their rate" if scale is not None else "")
+        + " (\u2605 = capacity)"
+    )
+    ax.set_ylim(top=101)
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower left")
+    return fig
+
+
+def save(fig: Figure, path: Path) -> Path:
+    """Writes the figure as PNG and drops its artists."""
+    fig.savefig(path, dpi=DPI)
+    fig.clear()  # no pyplot registry to close it from; drop its artists now
+    return Path(path)
+
+
 FIGURES = {
     "attainment": figure_attainment,
     "memory": figure_memory,
@@ -453,11 +523,7 @@ def plot_sweep(sweep: Mapping[str, Any], out_dir: Path) -> dict[str, Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {}
     for name, make in FIGURES.items():
-        fig = make(sweep)
-        path = out_dir / f"{name}.png"
-        fig.savefig(path, dpi=DPI)
-        fig.clear()  # no pyplot registry to close it from; drop its artists now
-        paths[name] = path
+        paths[name] = save(make(sweep), out_dir / f"{name}.png")
     return paths
 
 

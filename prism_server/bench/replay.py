@@ -31,6 +31,7 @@ class Result:
     status: int = 0
     error: str | None = None
     done: bool = False  # the stream ended (or failed)
+    id: str | None = None  # the response id (the first streamed chunk's "id")
 
     @property
     def ok(self) -> bool:
@@ -113,6 +114,8 @@ async def _one(session, url: str, i: int, row: Row, res: Result, t0: float, key:
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
+                if res.id is None and chunk.get("id"):
+                    res.id = chunk["id"]
                 if "error" in chunk:
                     res.error = str(chunk["error"].get("message"))
                     continue

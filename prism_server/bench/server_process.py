@@ -30,17 +30,28 @@ def _free_port() -> int:
 class ServerProcess:
     """`python -m prism_server` under one policy, its output in a log file."""
 
-    def __init__(self, cfg: SweepConfig, policy: str, log_path: Path, slo_file: Path | None = None):
+    def __init__(
+        self,
+        cfg: SweepConfig,
+        policy: str,
+        log_path: Path,
+        slo_file: Path | None = None,
+        request_log: Path | None = None,
+    ):
+        """request_log: where the server writes a line per request (None: no log)."""
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.cmd = [sys.executable, "-m", "prism_server", "--policy", policy]
         self.cmd += ["--host", "127.0.0.1", "--port", str(self.port)]
         if cfg.server_config:
-            self.cmd += ["--config", cfg.server_config]
+            self.cmd += ["--config", str(cfg.server_config)]
         if cfg.api_key:
             self.cmd += ["--api-key", cfg.api_key]
         if slo_file is not None:
             self.cmd += ["--slo-file", str(slo_file)]
+        if request_log is not None:
+            self.cmd += ["--request-log", str(request_log)]
+        self.request_log = request_log
         self.cmd += list(cfg.server_args)
         self.log_path = log_path
         self.proc: subprocess.Popen | None = None

@@ -5,6 +5,12 @@ every run, the status samples, the residency timelines), one markdown table and 
 
 The policies may be swept in separate invocations into the same directory (one per device call,
 say): each merges its policy into the directory's sweep.json and reuses its SLOs.
+
+SLOs: k x each model's standalone p99, given per model, or fixed (the same for every model).
+Each server writes a request log (`--request-log`) that every run joins by response id: each
+request's waits and preemptions, each missed request's cause (causes.py). The static policy may
+serve only part of the fleet (`static_subset`, fleet.py): the busiest models that fit its pool,
+with a config that holds only them and their rows of the workload.
 """
 
 from __future__ import annotations
@@ -16,9 +22,21 @@ import logging
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+import aiohttp
+
+from prism_server.bench.causes import collect, join, log_size
+from prism_server.bench.fleet import (
+    block_sizes,
+    derive_config,
+    fetch_fleet,
+    kv_budget_set,
+    model_names,
+    pick_subset,
+    rows_of,
+)
 from prism_server.bench.monitor import Monitor, state_at
 from prism_server.bench.replay import EarlyStop, Result, allowed_misses, replay
 from prism_server.bench.report import percentile, report
@@ -40,6 +58,8 @@ class SweepConfig:
     server_config: str | None = None  # TOML for python -m prism_server (the same for all)
     server_args: Sequence[str] = ()  # more flags for it
     slos: dict[str, dict] | None = None  # model -> {"ttft_s", "tpot_s"}; None: standalone x k
+    # the same (TTFT s, TPOT s) for every model (then `slos` holds them per model)
+    fixed_slo: tuple[float, float] | None = None
     k: float = 5.0
     standalone_requests: int = 10
     standalone_max_output: int = 64
@@ -60,6 +80,12 @@ class SweepConfig:
     # end a run as soon as more requests have missed their SLOs than the target allows: the
     # run fails whatever comes after (its attainment is then only bounded from above)
     stop_early: bool = False
+    # the static policy on part of the fleet (it cannot hold all of it): "auto" (the busiest
+    # models that fit its pool, sized by a server of the full config) or the models' names;
+    # None: the whole config
+    static_subset: str | Sequence[str] | None = None
+    # each server writes a line per request (--request-log) that the runs join for miss causes
+    request_log: bool = True
     extra: dict = field(default_factory=dict)  # recorded as is (the machine, the command)
 
 
@@ -68,6 +94,7 @@ def _record(res: Result, waited: bool | None = None) -> dict:
     None: not known)."""
     gaps = res.gaps
     return {
+        "id": res.id,
         "model": res.row.model,
         "prompt_len": res.row.prompt_len,
         "output_len": res.row.output_len,
@@ -98,15 +125,20 @@ async def run_once(
     interval_s: float = 0.25,
     api_key: str | None = None,
     stop_below: float | None = None,
+    request_log: Path | None = None,
 ) -> dict:
     """Replays `rows` at `scale` x their rate, sampling the status; the run's record.
-    stop_below: end the run as soon as its joint attainment can no longer reach this."""
+    stop_below: end the run as soon as its joint attainment can no longer reach this.
+    request_log: the server's request log, whose lines written during the run give each request's
+    waits and preemptions and each missed one its cause."""
     scaled = scale_rate(rows, scale)
     span = max(scaled[-1].arrival_s, 1e-9)
     mon = Monitor(url, 0.0, interval_s, api_key)
     slo = _slo_tuples(slos, {r.model for r in rows})
     stop = None if stop_below is None else EarlyStop(slo, allowed_misses(len(rows), stop_below))
+    offset = log_size(request_log)
     results = await replay(url, scaled, api_key, monitor=mon, stop=stop)
+    lines = await collect(request_log, offset, [r.id for r in results])
     timeline = mon.timeline()
     waited = [  # a request the run stopped before sending waited for nothing
         r.sent > 0 and state_at(timeline.get(r.row.model, []), r.sent) not in (None, "resident")
@@ -130,6 +162,8 @@ async def run_once(
         before = [s for t, s in tl if t <= 0]  # the state at the start, then what changed
         seq = ([[0.0, before[-1]]] if before else []) + [[t, s] for t, s in tl if 0 < t <= duration]
         transitions[model] = seq
+    records = [_record(r, w) for r, w in zip(results, waited)]
+    why = join(records, lines, slo)
     return {
         "scale": scale,
         "rate_rps": base_rate * scale,
@@ -137,6 +171,10 @@ async def run_once(
         "report": rep,
         "activations": acts,
         "evictions": evs,
+        "miss_causes": why["miss_causes"],
+        "preemptions": why["preemptions"],
+        "recomputed_tokens": why["recomputed_tokens"],
+        "logged_requests": why["logged"],
         "activation_wait": {
             "requests": sum(waited),
             "ttft_p50_s": percentile(wait_ttfts, 50),
@@ -144,7 +182,7 @@ async def run_once(
         },
         "engine": mon.engine(),
         "latency": mon.latency,
-        "requests": [_record(r, w) for r, w in zip(results, waited)],
+        "requests": records,
         "samples": mon.samples,
         "transitions": transitions,
         "stopped_early": stopped,
@@ -189,39 +227,41 @@ async def sweep_policy(
     deadline: float | None = None,
     progress=None,
     earlier: Sequence[dict] = (),
+    tag: str | None = None,
 ):
     """Starts the server under `policy`, measures the SLOs (standalone) if none are set yet, runs
     every scale (none that would end past `deadline`, time.monotonic()); returns (policy entry,
     slos, standalone figures or None). progress(entry, slos, standalone) after each run.
     earlier: this policy's runs from a previous sweep under the same SLOs; they stay in the
-    entry (a scale run again replaces its earlier run)."""
+    entry (a scale run again replaces its earlier run). tag: names the server's files in `out`
+    (server-<tag>.log, requests-<tag>.jsonl; default the policy's name). The entry records the
+    pool and the models' sizes the server reported (`fleet`)."""
+    tag = tag or policy
     base_rate = len(rows) / max(rows[-1].arrival_s, 1e-9)
     alone = None
     if slos is None:  # measured on a server of its own, which knows no SLOs yet
-        probe = ServerProcess(cfg, policy, out / f"server-{policy}-standalone.log")
-        probe.start()
-        try:
-            await probe.ready(cfg.startup_timeout_s)
-            alone = await standalone(
-                probe.url, rows, cfg.standalone_requests, cfg.api_key, cfg.standalone_max_output
-            )
-        finally:
-            await asyncio.to_thread(probe.stop)
+        alone = await measure_standalone(cfg, policy, rows, out / f"server-{tag}-standalone.log")
         slos = slos_from(alone, cfg.k)
         log.info("standalone SLOs (k = %g): %s", cfg.k, slos)
     slo_file = None
-    if cfg.server_slos:
-        slo_file = out / "slos.json"
-        slo_file.write_text(json.dumps({"slos": slos}))
-    server = ServerProcess(cfg, policy, out / f"server-{policy}.log", slo_file)
+    if cfg.server_slos:  # the models this server serves (it refuses SLOs of others)
+        served = {r.model for r in rows}
+        slo_file = out / ("slos.json" if tag == policy else f"slos-{tag}.json")
+        slo_file.write_text(json.dumps({"slos": {m: s for m, s in slos.items() if m in served}}))
+    request_log = out / f"requests-{tag}.jsonl" if cfg.request_log else None
+    server = ServerProcess(cfg, policy, out / f"server-{tag}.log", slo_file, request_log)
     server.start()
     try:
         t_start = time.monotonic()
         await server.ready(cfg.startup_timeout_s)
         startup_s = time.monotonic() - t_start
-        log.info("%s: server ready in %.1f s", policy, startup_s)
+        log.info("%s: server ready in %.1f s", tag, startup_s)
         runs: list[dict] = list(earlier)
         entry = {"startup_s": startup_s, "server_exit": None, "stopped": None, "runs": runs}
+        try:
+            entry["fleet"] = await fetch_fleet(server.url, cfg.api_key)
+        except (ValueError, KeyError, aiohttp.ClientError) as e:  # several devices, say
+            log.info("%s: no fleet sizes (%s)", tag, e)
 
         async def one(scale: float) -> dict | None:
             """Runs `scale` unless it would end past the deadline; None if not run."""
@@ -240,9 +280,10 @@ async def sweep_policy(
                 cfg.sample_interval_s,
                 cfg.api_key,
                 stop_below=cfg.target if cfg.stop_early else None,
+                request_log=request_log,
             )
             runs[:] = [r for r in runs if r["scale"] != scale] + [run]
-            _log_run(policy, run)
+            _log_run(tag, run)
             _summarise(entry, cfg.target)
             if progress is not None:
                 progress(entry, slos, alone)
@@ -266,6 +307,31 @@ async def sweep_policy(
     entry["server_exit"] = rc
     _summarise(entry, cfg.target)
     return entry, slos, alone
+
+
+async def measure_standalone(cfg: SweepConfig, policy: str, rows: Sequence[Row], log_path: Path):
+    """Each model of `rows` alone on a server of its own (which knows no SLOs yet)."""
+    probe = ServerProcess(cfg, policy, log_path)
+    probe.start()
+    try:
+        await probe.ready(cfg.startup_timeout_s)
+        return await standalone(
+            probe.url, rows, cfg.standalone_requests, cfg.api_key, cfg.standalone_max_output
+        )
+    finally:
+        await asyncio.to_thread(probe.stop)
+
+
+async def probe_fleet(cfg: SweepConfig, out: Path) -> dict:
+    """The pool and the models' sizes, from a server of the full config under prism (which
+    loads every model, offloading what does not fit)."""
+    probe = ServerProcess(cfg, "prism", out / "server-fleet.log")
+    probe.start()
+    try:
+        await probe.ready(cfg.startup_timeout_s)
+        return await fetch_fleet(probe.url, cfg.api_key)
+    finally:
+        await asyncio.to_thread(probe.stop)
 
 
 def expected_run_s(span_s: float, scale: float, runs: list[dict]) -> float:
@@ -320,6 +386,51 @@ def load_sweep(out: Path) -> dict | None:
     return json.loads(gzip.decompress(packed.read_bytes())) if packed.exists() else None
 
 
+def slo_source(cfg: SweepConfig) -> str:
+    """How the sweep's SLOs were set, as its table says."""
+    if cfg.fixed_slo:
+        ttft, tpot = cfg.fixed_slo
+        return f"fixed: TTFT {ttft:g} s, TPOT {tpot:g} s for every model"
+    return "given" if cfg.slos else f"standalone x {cfg.k:g}"
+
+
+async def static_subset(
+    cfg: SweepConfig, rows: Sequence[Row], out: Path, known: dict, drop: Sequence[str] = ()
+) -> dict:
+    """The models the static policy serves and the config that holds only them (written into
+    `out`): cfg.static_subset's names, or ("auto") the busiest that fit the pool, sized by a
+    server of the full config (`known`: a policy entry's recorded fleet, else a probe), less
+    the models in `drop`."""
+    if not cfg.server_config:
+        raise ValueError("a static subset is cut from the config: give --config")
+    names = model_names(cfg.server_config)
+    fleet = known.get("fleet")
+    need_pool = kv_budget_set(cfg.server_config)
+    if fleet is None and (cfg.static_subset == "auto" or need_pool):
+        fleet = await probe_fleet(cfg, out)
+    if cfg.static_subset == "auto":
+        models = pick_subset(fleet, rows, names, block_sizes(cfg.server_config))
+        models = [m for m in models if m not in set(drop)]
+        if not models:
+            raise ValueError("no model fits the pool with its minimal KV: no static subset")
+    else:
+        models = [m for m in names if m in set(cfg.static_subset)]
+        unknown = sorted(set(cfg.static_subset) - set(names))
+        if unknown:
+            raise ValueError(f"--static-subset: the config has no models {unknown}")
+    path = derive_config(
+        cfg.server_config, models, out / "static-subset.toml", fleet and fleet["pool_bytes"]
+    )
+    log.info("static on %d of %d models: %s (%s)", len(models), len(names), models, path.name)
+    return {
+        "models": models,
+        "of": len(names),
+        "how": "auto" if cfg.static_subset == "auto" else "given",
+        "config": str(path),
+        "requests": len(rows_of(rows, models)),
+    }
+
+
 async def run_sweep(cfg: SweepConfig, rows: Sequence[Row]) -> dict:
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -328,7 +439,9 @@ async def run_sweep(cfg: SweepConfig, rows: Sequence[Row]) -> dict:
     alone = sweep.get("standalone")
     deadline = time.monotonic() + cfg.budget_s if cfg.budget_s else None
 
-    def merge(policy: str, entry: dict, slos, measured, plots: bool) -> None:
+    def merge(policy: str, entry: dict, slos, measured, plots: bool, subset=None) -> None:
+        if subset is not None:
+            entry["subset"] = subset
         sweep["policies"][policy] = entry
         config = asdict(cfg)
         del config["api_key"]  # never written to disk
@@ -337,7 +450,7 @@ async def run_sweep(cfg: SweepConfig, rows: Sequence[Row]) -> dict:
             "slos": slos,
             "slo_source": sweep.get("config", {}).get("slo_source")
             if not cfg.slos and not measured and sweep.get("config")
-            else ("given" if cfg.slos else f"standalone x {cfg.k:g}"),
+            else slo_source(cfg),
             "models": sorted({r.model for r in rows}),
             "requests": len(rows),
             "span_s": rows[-1].arrival_s,
@@ -347,25 +460,52 @@ async def run_sweep(cfg: SweepConfig, rows: Sequence[Row]) -> dict:
         order = [p for p in ("prism", "static", "swap") if p in sweep["policies"]]
         order += [p for p in sweep["policies"] if p not in order]
         sweep["policies"] = {p: sweep["policies"][p] for p in order}
-        sweep["ratios"] = ratios(sweep["policies"])
+        sweep["ratios"] = ratios(sweep["policies"], sweep["config"]["target"], slos)
         write(sweep, out, plots)
 
-    for policy in cfg.policies:
+    policies = list(cfg.policies)
+    if cfg.static_subset and slos is None and "static" in policies[:-1]:
+        policies.remove("static")  # the SLOs are measured on the whole fleet first
+        policies.append("static")
+    for policy in policies:
+        prows, pcfg, subset, known = rows, cfg, None, {}
+        before = sweep["policies"].get(policy, {})
+        if policy == "static" and cfg.static_subset:
+            full = [p for p in sweep["policies"].values() if p.get("fleet") and not p.get("subset")]
+            known = full[0] if full else {}
+            subset = await static_subset(cfg, rows, out, known)
+            prows = rows_of(rows, subset["models"])
+            pcfg = replace(cfg, server_config=subset["config"])
         same_slos = slos is not None and slos == sweep.get("config", {}).get("slos")
-        earlier = sweep["policies"].get(policy, {}).get("runs", []) if same_slos else []
-        entry, slos, measured = await sweep_policy(
-            cfg,
-            policy,
-            rows,
-            out,
-            slos,
-            deadline,
-            # after each run: a sweep cut short keeps what it measured (plots at the end)
-            progress=lambda e, s, a, p=policy: merge(p, e, s, a, plots=False),
-            earlier=earlier,
-        )
+        same_models = (before.get("subset") or {}).get("models") == (subset or {}).get("models")
+        earlier = before.get("runs", []) if same_slos and same_models else []
+        dropped: list[str] = []
+        while True:
+            try:
+                entry, slos, measured = await sweep_policy(
+                    pcfg,
+                    policy,
+                    prows,
+                    out,
+                    slos,
+                    deadline,
+                    # after each run: a sweep cut short keeps what it measured (plots at the end)
+                    progress=lambda e, s, a, p=policy, sub=subset: merge(p, e, s, a, False, sub),
+                    earlier=earlier,
+                )
+                break
+            except RuntimeError as e:  # sizes that were estimated (offloaded models) fell short
+                short = "MemoryError" in str(e) or "out of memory" in str(e).lower()
+                if not (short and subset and subset["how"] == "auto" and len(subset["models"]) > 1):
+                    raise
+                counts = {m: sum(r.model == m for r in prows) for m in subset["models"]}
+                dropped.append(min(subset["models"], key=lambda m: (counts[m], m)))
+                log.warning("static did not start on %s; without %s", subset["models"], dropped[-1])
+                subset = await static_subset(cfg, rows, out, known, dropped)
+                prows = rows_of(rows, subset["models"])
+                pcfg, earlier = replace(cfg, server_config=subset["config"]), []
         alone = measured or alone
-        merge(policy, entry, slos, measured, cfg.plots)
+        merge(policy, entry, slos, measured, cfg.plots, subset)
     return sweep
 
 

@@ -231,6 +231,12 @@ def test_the_sweep_runs_every_policy_and_its_table_and_plots_are_the_data(tmp_pa
                 for r in reqs
             ]
             assert run["report"]["overall"]["attainment"] == pytest.approx(sum(met) / len(met))
+            # the server's request log, joined by response id: every request's line, and each
+            # missed request's cause, exactly the misses
+            assert run["logged_requests"] == len(reqs) and all(r["id"] for r in reqs)
+            assert [r["cause"] is not None for r in reqs] == [not m for m in met]
+            assert sum(run["miss_causes"].values()) == len(met) - sum(met)
+            assert run["preemptions"] == sum(r["preemptions"] for r in reqs)
             assert set(run["report"]["models"]) == set(MODELS)
             assert run["rate_rps"] == pytest.approx(cfg["base_rate_rps"] * run["scale"])
             assert {m for s in run["samples"] for m in s["models"]} == set(MODELS)
