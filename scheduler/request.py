@@ -17,11 +17,12 @@ MAX_GAP_SLOS = 4.0
 TPOT_MARGIN = 0.05
 PENDING = -1  # a reserved token slot: sampled by a step on the device, not read yet
 
-# where a request's time goes, in seconds (Request.waits): before its first token, waiting for
-# its model's activation, for KV pages, behind other models' steps, behind its own model's
-# requests, then its own prefill; after it, its model's steps, other models' steps, and waiting
-# to be recomputed after a preemption
+# where a request's time goes, in seconds (Request.waits): before its first token, waiting while
+# its model is offloaded (for room or its turn to activate), for its activation's copy, for KV
+# pages, behind other models' steps, behind its own model's requests, then its own prefill; after
+# it, its model's steps, other models' steps, and waiting to be recomputed after a preemption
 WAIT_CAUSES = (
+    "offloaded",
     "activation",
     "kv",
     "other_models",

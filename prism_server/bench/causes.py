@@ -3,8 +3,8 @@ line per request when it ends: its response id, where its time went, its preempt
 to the bench's records by response id.
 
 A missed request's cause: an error -> "error", a request the run cut when it stopped early ->
-"stopped"; a TTFT miss -> the largest of its waits before the first token (activation, kv,
-other_models, queue, prefill); a TPOT-only miss -> the largest of its waits after it (decode:
+"stopped"; a TTFT miss -> the largest of its waits before the first token (offloaded, activation,
+kv, other_models, queue, prefill); a TPOT-only miss -> the largest of its waits after it (decode:
 its own decode, decode_other_models: other models' steps, preempted: waiting to be recomputed);
 a request the log has no line for -> "unknown" (a server without the log, or a line not written
 yet). The counts of a run add up to its missed requests. Nothing here imports the engine.
@@ -21,7 +21,7 @@ from pathlib import Path
 
 from prism_server.bench.replay import STOPPED
 
-TTFT_WAITS = ("activation", "kv", "other_models", "queue", "prefill")
+TTFT_WAITS = ("offloaded", "activation", "kv", "other_models", "queue", "prefill")
 TPOT_WAITS = ("decode", "decode_other_models", "preempted")
 CAUSES = (*TTFT_WAITS, *TPOT_WAITS, "error", "stopped", "unknown")
 

@@ -14,6 +14,7 @@ from scheduler.snapshot import Residency
 if TYPE_CHECKING:
     from prism_server.engine.model_worker import ModelWorker
 
+OFFLOADED = "offloaded"
 ACTIVATION = "activation"
 KV = "kv"
 OTHER_MODELS = "other_models"
@@ -32,12 +33,19 @@ def running_cause(req: Request, own_stepped: bool, others_stepped: bool) -> str:
     return DECODE_OTHER_MODELS if others_stepped and not own_stepped else DECODE
 
 
-def waiting_cause(resident: bool, blocked: bool, own_stepped: bool, others_stepped: bool) -> str:
-    """The cause of a waiting request that was never preempted: its model not resident
-    (offloaded, activating, draining); blocked on memory; behind its own model's requests (its
-    model stepped without it); behind other models' steps; else its own queue."""
+def waiting_cause(
+    resident: bool,
+    blocked: bool,
+    own_stepped: bool,
+    others_stepped: bool,
+    activating: bool = False,
+) -> str:
+    """The cause of a waiting request that was never preempted: its model not resident (its
+    activation's copy in flight, else offloaded or draining: waiting for room or its turn);
+    blocked on memory; behind its own model's requests (its model stepped without it); behind
+    other models' steps; else its own queue."""
     if not resident:
-        return ACTIVATION
+        return ACTIVATION if activating else OFFLOADED
     if blocked:
         return KV
     if own_stepped or not others_stepped:
@@ -46,15 +54,20 @@ def waiting_cause(resident: bool, blocked: bool, own_stepped: bool, others_stepp
 
 
 def cause(
-    req: Request, resident: bool, blocked: bool, own_stepped: bool, others_stepped: bool
+    req: Request,
+    resident: bool,
+    blocked: bool,
+    own_stepped: bool,
+    others_stepped: bool,
+    activating: bool = False,
 ) -> str:
     """One request's cause for the interval that ends now: its state, its model's (resident,
-    blocked on memory) and which models stepped (its own, others)."""
+    blocked on memory, activating) and which models stepped (its own, others)."""
     if req.status is RequestStatus.RUNNING:
         return running_cause(req, own_stepped, others_stepped)
     if resident and req.num_preemptions:
         return PREEMPTED
-    return waiting_cause(resident, blocked, own_stepped, others_stepped)
+    return waiting_cause(resident, blocked, own_stepped, others_stepped, activating)
 
 
 def charge(req: Request, why: str, now: float) -> None:
@@ -96,7 +109,8 @@ def charge_device(
                     charge(r, PREFILL if r.first_token_time is None else run, now)
         if s.waiting:
             resident = m.residency is Residency.RESIDENT
-            wait = waiting_cause(resident, s.blocked or m.name in blocked, own, others)
+            activating = m.residency is Residency.ACTIVATING
+            wait = waiting_cause(resident, s.blocked or m.name in blocked, own, others, activating)
             for r in s.waiting:
                 if r.finish_reason is None:
                     charge(r, PREEMPTED if resident and r.num_preemptions else wait, now)

@@ -154,6 +154,7 @@ def _waits(**kw):
     return {
         k: kw.get(k, 0.0)
         for k in (
+            "offloaded",
             "activation",
             "kv",
             "other_models",
@@ -474,7 +475,7 @@ def test_static_runs_on_the_busiest_models_that_fit_and_prism_is_compared_there(
         assert run["logged_requests"] == len(run["requests"])
     assert (out / "requests-prism.jsonl").exists() and (out / "requests-static.jsonl").exists()
     # prism's requests of models it had to activate waited for it, in the server's account
-    assert sum(r["waits"]["activation"] for r in prun["requests"]) > 0
+    assert sum(r["waits"]["offloaded"] + r["waits"]["activation"] for r in prun["requests"]) > 0
     r = sweep["ratios"]["prism/static"]
     assert r["on_subset"] and r["ref_attainment"] == [[1.0, 1.0]]
     md = (out / "sweep.md").read_text()

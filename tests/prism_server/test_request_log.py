@@ -32,7 +32,7 @@ FIELDS = {
     "preemptions",
     "recomputed_tokens",
 }
-BEFORE_FIRST_TOKEN = ("activation", "kv", "other_models", "queue", "prefill")
+BEFORE_FIRST_TOKEN = ("offloaded", "activation", "kv", "other_models", "queue", "prefill")
 
 
 def tiny(name: str, seed: int) -> ModelSpec:
@@ -106,7 +106,8 @@ def test_an_activation_is_logged_under_the_id_the_client_saw(tmp_path):
         assert line["preemptions"] == 0 and line["recomputed_tokens"] == 0
         waits = line["waits"]
         assert set(waits) == set(WAIT_CAUSES) and min(waits.values()) >= 0
-        assert waits["activation"] > 0 and waits["prefill"] > 0 and waits["decode"] > 0
+        moved = waits["offloaded"] + waits["activation"]  # its turn, then the copy
+        assert moved > 0 and waits["prefill"] > 0 and waits["decode"] > 0
         assert srv.engine.model_snapshot("c").activations == 1
         ttft = line["ttft_s"]
         assert 0 < ttft < took
@@ -125,7 +126,9 @@ def test_an_activation_is_logged_under_the_id_the_client_saw(tmp_path):
         two = logged(path, r.json()["id"], n=2)
         assert sorted(x["index"] for x in two) == [0, 1]
         assert all(set(x) == FIELDS | {"index"} and x["model"] == "c" for x in two)
-        assert all(x["waits"]["activation"] == 0 for x in two)  # c is resident now
+        assert all(
+            x["waits"]["activation"] == x["waits"]["offloaded"] == 0 for x in two
+        )  # c is resident now
 
         # a client that goes away mid-stream: its request is aborted, and logged
         long = {"model": "c", "prompt": PROMPTS[0], "max_tokens": 400, "ignore_eos": True}

@@ -21,6 +21,7 @@ def request(
 
 def test_the_causes_are_the_request_logs():
     names = [
+        wc.OFFLOADED,
         wc.ACTIVATION,
         wc.KV,
         wc.OTHER_MODELS,
@@ -33,10 +34,13 @@ def test_the_causes_are_the_request_logs():
     assert tuple(names) == WAIT_CAUSES
 
 
-# (resident, blocked, own model stepped, other models stepped) -> the cause of a waiting request
+# (resident, blocked, own model stepped, other models stepped[, activating]) -> the cause of a
+# waiting request
 WAITING = [
-    ((False, False, False, False), wc.ACTIVATION),  # offloaded, activating or draining
-    ((False, True, False, True), wc.ACTIVATION),  # not resident comes first
+    ((False, False, False, False), wc.OFFLOADED),  # offloaded or draining: room or its turn
+    ((False, False, False, False, True), wc.ACTIVATION),  # its weights' copy in flight
+    ((False, True, False, True), wc.OFFLOADED),  # not resident comes first
+    ((False, True, False, True, True), wc.ACTIVATION),
     ((True, True, True, False), wc.KV),  # its model stepped, but it waits for blocks
     ((True, True, False, True), wc.KV),
     ((True, False, False, True), wc.OTHER_MODELS),
@@ -55,7 +59,8 @@ def test_a_preempted_request_waits_to_be_recomputed_unless_its_model_left():
     r = request(preemptions=1, first_token=100.5)
     assert wc.cause(r, True, True, False, True) == wc.PREEMPTED
     assert wc.cause(r, True, False, True, False) == wc.PREEMPTED
-    assert wc.cause(r, False, False, False, False) == wc.ACTIVATION
+    assert wc.cause(r, False, False, False, False) == wc.OFFLOADED
+    assert wc.cause(r, False, False, False, False, True) == wc.ACTIVATION
 
 
 @pytest.mark.parametrize(
