@@ -333,8 +333,8 @@ class Metrics:
         )
         self.wait_seconds = Counter(
             "prism:request_wait_seconds",
-            "Seconds of ended requests by where they went (activation, kv, other_models, queue, "
-            "prefill, decode, decode_other_models, preempted).",
+            "Seconds of ended requests by where they went (offloaded, activation, kv, "
+            "other_models, queue, prefill, decode, decode_other_models, preempted).",
             lm + ["cause"],
             registry=r,
         )
