@@ -141,7 +141,9 @@ def empty_model(
     return _finish(_empty_model(config, dtype, torch.device(device), place, quantization))
 
 
-def meta_model(config: ModelConfig, dtype: torch.dtype, quantization: str | None = None):
+def meta_model(
+    config: ModelConfig, dtype: torch.dtype, quantization: str | None = None
+) -> CausalLM:
     """The model of `config` on the meta device (no memory): its parameters' names, shapes and
     dtypes as a load would place them (FP8 projections and their scales with "fp8")."""
     check_quantization(quantization)
@@ -226,7 +228,10 @@ def _read_hf_config(path: Path) -> dict:
     file = path / "config.json"
     if not file.is_file():
         raise FileNotFoundError(f"{path} has no config.json (not an HF checkpoint directory)")
-    return json.loads(file.read_text())
+    try:
+        return json.loads(file.read_text())
+    except ValueError as e:
+        raise ValueError(f"{file}: {e}") from e
 
 
 def _parse_config(path: Path, hf_config: dict) -> ModelConfig:
