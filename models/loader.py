@@ -4,6 +4,7 @@
     load_model(ModelSource.parse("/models/x.Q4_K_M.gguf"), cache_root=...)  # converted once
     load_model(ModelSource.parse("dummy:llama-3.1-8b"), dtype=torch.bfloat16, device="cuda")
     load_model(ModelSource.parse("smollm2-135m"), cache_root=...)  # an embedded default (GGUF)
+    load_model(..., quantization="fp8")  # projections in FP8 E4M3 (models.quantization)
 
 The model is built on the meta device and materialized once, in the target dtype on the target
 device (an 8B model never exists in float32 or twice). Settings come in as arguments (this package
@@ -27,9 +28,11 @@ from transformers import PreTrainedTokenizerBase
 from models.config import ModelConfig
 from models.embedded import EMBEDDED_MODELS, resolve_source
 from models.layers.causal_lm import CausalLM
+from models.layers.fp8_linear import Fp8Linear
 from models.layers.rms_norm import RMSNorm
 from models.layers.rotary_embedding import RotaryEmbedding
 from models.presets import get_preset, list_presets
+from models.quantization import check_quantization, checkpoint_fp8, quantize_fp8, quantize_model
 from models.registry import get_model_class
 from models.safetensors_files import iter_safetensors, safetensors_files
 from models.tokenizer import BOS, EOS, PAD, ByteTokenizer, load_tokenizer
@@ -94,19 +97,32 @@ def load_model(
     seed: int = 0,
     cache_root: str | Path | None = None,
     place: Placement | None = None,
+    quantization: str | None = None,
 ) -> LoadedModel:
     """Build the model of `source` with its weights and tokenizer. `seed` only affects dummy;
     `cache_root` (where GGUF conversions are cached) is needed for GGUF sources; `place`, when
     given, provides the parameters' storage (see Placement), else they are allocated on
-    `device`."""
+    `device`. quantization "fp8": the projections' weights in FP8 E4M3 with per-channel scales
+    (quantized here, or as a checkpoint in FP8 holds them); `dtype` stays the compute dtype."""
+    check_quantization(quantization)
     if isinstance(source, str):
         source = ModelSource.parse(source)
     device = torch.device(device)
     if source.kind == "dummy":
-        return _load_dummy(source.path, dtype, device, seed, place)
+        return _load_dummy(source.path, dtype, device, seed, place, quantization)
     path = model_dir(source, cache_root)
-    config = _read_config(path)
-    model = _empty_model(config, dtype, device, place)
+    hf_config = _read_hf_config(path)
+    config = _parse_config(path, hf_config)
+    try:
+        fp8_checkpoint = checkpoint_fp8(hf_config)
+    except ValueError as e:
+        raise ValueError(f"{path / 'config.json'}: {e}") from e
+    if fp8_checkpoint and quantization is None:
+        raise ValueError(
+            f"{path} holds FP8 weights (config.json's quantization_config): serve it with "
+            "quantization = 'fp8'"
+        )
+    model = _empty_model(config, dtype, device, place, quantization)
     files = safetensors_files(path)
     model.load_weights(iter_safetensors(files, desc=f"loading {source.name}"))
     return LoadedModel(_finish(model), load_tokenizer(path), config, source.name)
@@ -117,10 +133,24 @@ def empty_model(
     dtype: torch.dtype,
     device: str | torch.device,
     place: Placement,
+    quantization: str | None = None,
 ) -> CausalLM:
     """A model of `config` whose parameters are the tensors `place` gives, left as they are (a
     model moving to another device, its weights copied in from elsewhere)."""
-    return _finish(_empty_model(config, dtype, torch.device(device), place))
+    check_quantization(quantization)
+    return _finish(_empty_model(config, dtype, torch.device(device), place, quantization))
+
+
+def meta_model(
+    config: ModelConfig, dtype: torch.dtype, quantization: str | None = None
+) -> CausalLM:
+    """The model of `config` on the meta device (no memory): its parameters' names, shapes and
+    dtypes as a load would place them (FP8 projections and their scales with "fp8")."""
+    check_quantization(quantization)
+    cls = get_model_class(config.hf_architecture)
+    with torch.device("meta"):
+        model = cls(config).to(dtype)
+        return quantize_model(model) if quantization else model
 
 
 @dataclass(frozen=True)
@@ -138,6 +168,7 @@ def load_shards(
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
     cache_root: str | Path | None = None,
+    quantization: str | None = None,
 ) -> LoadedShards:
     """The model of `source` split over `devices` (tensor parallelism), each shard's parameters
     in the storage its `places` entry gives. A checkpoint is read whole on the host, then each
@@ -145,6 +176,8 @@ def load_shards(
     model never exists: a 70B-shaped one need not fit the host)."""
     from models.tensor_parallel import copy_shard, shard_config
 
+    if quantization is not None:
+        raise ValueError("FP8 weights are not split over devices (tensor parallelism)")
     if isinstance(source, str):
         source = ModelSource.parse(source)
     degree = len(devices)
@@ -188,13 +221,24 @@ def read_config(source: ModelSource, cache_root: str | Path | None) -> ModelConf
 
 
 def _read_config(path: Path) -> ModelConfig:
+    return _parse_config(path, _read_hf_config(path))
+
+
+def _read_hf_config(path: Path) -> dict:
     file = path / "config.json"
     if not file.is_file():
         raise FileNotFoundError(f"{path} has no config.json (not an HF checkpoint directory)")
     try:
-        return ModelConfig.from_hf(json.loads(file.read_text()))
-    except (ValueError, KeyError, TypeError) as e:
+        return json.loads(file.read_text())
+    except ValueError as e:
         raise ValueError(f"{file}: {e}") from e
+
+
+def _parse_config(path: Path, hf_config: dict) -> ModelConfig:
+    try:
+        return ModelConfig.from_hf(hf_config)
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path / 'config.json'}: {e}") from e
 
 
 # (name, shape, dtype) of every parameter (shared ones once) -> name -> an uninitialized tensor
@@ -204,13 +248,16 @@ Placement = Callable[[list[tuple[str, tuple[int, ...], torch.dtype]]], dict[str,
 
 
 def _empty_model(
-    config: ModelConfig, dtype: torch.dtype, device: torch.device, place: Placement | None = None
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    place: Placement | None = None,
+    quantization: str | None = None,
 ) -> CausalLM:
     """The model with uninitialized parameters of `dtype` on `device` (allocated once, or bound
-    to the tensors `place` gives: built on meta, then assigned, with no change to model code)."""
-    cls = get_model_class(config.hf_architecture)
-    with torch.device("meta"):
-        model = cls(config).to(dtype)
+    to the tensors `place` gives: built on meta, then assigned, with no change to model code).
+    quantization "fp8": its projections are Fp8Linear (FP8 weights, float32 scales)."""
+    model = meta_model(config, dtype, quantization)
     first: dict[int, str] = {}  # id(parameter) -> its first name
     ties = []  # (name, name of the parameter it shares), e.g. lm_head.weight -> embed_tokens
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -263,10 +310,15 @@ def _dummy(preset: str) -> tuple[ModelConfig, ByteTokenizer]:
 
 
 def _load_dummy(
-    preset: str, dtype: torch.dtype, device: torch.device, seed: int, place: Placement | None
+    preset: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int,
+    place: Placement | None,
+    quantization: str | None = None,
 ) -> LoadedModel:
     config, tokenizer = _dummy(preset)
-    model = _empty_model(config, dtype, device, place)
+    model = _empty_model(config, dtype, device, place, quantization)
     init_dummy_weights(model, seed)
     return LoadedModel(_finish(model), tokenizer, config, preset)
 
@@ -276,18 +328,31 @@ def init_dummy_weights(model: nn.Module, seed: int, std: float = DUMMY_STD) -> N
     """Random N(0, std) weights in place, norms at identity (w = 1, or 0 for Gemma's (1 + w)).
 
     Each parameter draws from its own generator, seeded by (seed, name), so a parameter's values
-    do not depend on the others' (same device kind and dtype -> same weights).
+    do not depend on the others' (same device kind and dtype -> same weights). An FP8 weight
+    draws in its layer's compute dtype and is quantized (its scale with it): an FP8 model is
+    its unquantized twin's weights quantized.
     """
     norms = {
         id(m.weight): 0.0 if m.unit_offset else 1.0
         for m in model.modules()
         if isinstance(m, RMSNorm)
     }
+    fp8 = {id(m.weight): m for m in model.modules() if isinstance(m, Fp8Linear)}
+    scales = {id(m.weight_scale) for m in fp8.values()}
     params = list(model.named_parameters())
     for name, p in tqdm(params, desc="dummy weights", disable=True if len(params) < 100 else None):
         if id(p) in norms:
             p.fill_(norms[id(p)])
             continue
+        if id(p) in scales:  # made with its weight
+            continue
         gen = torch.Generator(device=p.device)
         gen.manual_seed(zlib.crc32(f"{seed}/{name}".encode()))  # CPU seeds use 32 bits
+        if id(p) in fp8:
+            layer = fp8[id(p)]
+            w = torch.empty(p.shape, dtype=layer.compute_dtype, device=p.device)
+            q, scale = quantize_fp8(w.normal_(0.0, std, generator=gen))
+            p.copy_(q)
+            layer.weight_scale.copy_(scale)
+            continue
         p.normal_(0.0, std, generator=gen)

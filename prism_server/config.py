@@ -8,6 +8,7 @@ from typing import Literal
 import torch
 from pydantic import ConfigDict
 
+from models.quantization import check_quantization
 from scheduler.batch_scheduler import SchedulerConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -40,6 +41,9 @@ class ModelSpec:
     # hold. Such a model is evicted and activated with every shard at once and never moved to
     # other devices; its steps are eager (not captured in graphs), launched ahead as any model's.
     tensor_parallel: int = 1
+    # "fp8": the projections' weights in FP8 E4M3 with per-output-channel scales (half of bf16's
+    # bytes in the pool, the host copy and each activation); None: the compute dtype's
+    quantization: str | None = None
 
     def __post_init__(self):
         if not self.name or self.name.strip() != self.name:
@@ -62,6 +66,12 @@ class ModelSpec:
                 raise ValueError(f"{name} must be positive")
         if self.drain_timeout_s < 0:
             raise ValueError("drain_timeout_s must be >= 0")
+        check_quantization(self.quantization)
+        if self.quantization is not None and self.tensor_parallel > 1:
+            raise ValueError(
+                f"quantization {self.quantization!r} with tensor_parallel > 1: FP8 weights and "
+                "their scales are not split over devices; serve it on one device"
+            )
 
     def torch_dtype(self, device: torch.device) -> torch.dtype:
         if self.dtype == "auto":

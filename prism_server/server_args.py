@@ -4,6 +4,7 @@ file and command-line flags. A bad value gives a message naming the field."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -86,17 +87,29 @@ def _explain(e: ValidationError, origin: str) -> ConfigError:
     return ConfigError(f"{origin}: " + "; ".join(lines))
 
 
+_OPTION = re.compile(r"[a-z_]+=")  # a model setting after the source: ,key=value
+
+
 def parse_model_flag(flag: str) -> dict:
-    """`name=source` or just `source` (the name is then the source's)."""
-    name, sep, source = flag.partition("=")
+    """`name=source` or just `source` (the name is then the source's), then any model settings
+    as `,key=value` (e.g. `llama=/ckpt/llama,quantization=fp8`; the values are checked as a
+    config file's)."""
+    parts = flag.split(",")
+    cut = len(parts)
+    while cut > 1 and _OPTION.match(parts[cut - 1]):  # a comma inside a path stays in it
+        cut -= 1
+    head = ",".join(parts[:cut])
+    options = dict(p.split("=", 1) for p in parts[cut:])
+    for key in ("name", "source"):
+        if key in options:
+            raise ConfigError(f"--model {flag!r}: {key} is given as NAME=SOURCE, not ,{key}=")
+    name, sep, source = head.partition("=")
     if not sep:
-        return {
-            "name": Path(flag).stem if "/" in flag or flag.endswith(".gguf") else flag,
-            "source": flag,
-        }
+        name = Path(head).stem if "/" in head or head.endswith(".gguf") else head
+        return {"name": name, "source": head, **options}
     if not name or not source:
-        raise ConfigError(f"--model {flag!r}: expected NAME=SOURCE")
-    return {"name": name, "source": source}
+        raise ConfigError(f"--model {flag!r}: expected NAME=SOURCE[,KEY=VALUE...]")
+    return {"name": name, "source": source, **options}
 
 
 def _read(path: str, origin: str, loads, decode_error: type[Exception], kind: str):

@@ -43,7 +43,8 @@ class StepOps:
         activation and residual adds: GEMVs for one row (`gemv`, gemv_layer), small GEMMs for
         at most MAX_ROWS (`small`, small_layer; one row too where the GEMVs are off). The rows
         contiguous, of a GPU's dtype, a whole model (whole: no shards' sums between the
-        projections), SiLU, and the projections' weights row-major, of x's dtype."""
+        projections), SiLU, and the projections plain linears (nn.Linear's forward: not FP8
+        ones, which keep their module) whose weights are row-major, of x's dtype."""
         few = 1 <= x.shape[0] <= SMALL_MAX_ROWS and self.small_config is not None
         if not (
             (self.gemv_takes(x) or few)
@@ -55,7 +56,10 @@ class StepOps:
             return False
         attn, mlp = layer.self_attn, layer.mlp
         projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        return all(p.weight.is_contiguous() and p.weight.dtype == x.dtype for p in projections)
+        return all(
+            _plain_linear(p) and p.weight.is_contiguous() and p.weight.dtype == x.dtype
+            for p in projections
+        )
 
     def gemv_takes(self, x: torch.Tensor) -> bool:
         """Whether a fused layer of x's rows runs as GEMVs (else as small GEMMs)."""
@@ -74,10 +78,20 @@ class StepOps:
 
     def linear(self, linear: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         """linear(x): a small GEMM where one takes it (`small`: at most 16 rows, a row-major
-        weight of x's dtype), else the module itself."""
-        if self.small_config is not None and small_gemm_fits(linear, x):
+        weight of x's dtype; never an FP8 linear), else the module itself."""
+        if self.small_config is not None and _plain_linear(linear) and small_gemm_fits(linear, x):
             return small_gemm(linear, x, self.small_config)
         return linear(x)
+
+
+def _plain_linear(module: torch.nn.Module) -> bool:
+    """Whether module computes nn.Linear's x @ W.T + b over its own weight (an FP8 linear,
+    whose weight is scaled per row, does not)."""
+    return (
+        isinstance(module, torch.nn.Linear)
+        and type(module).forward is torch.nn.Linear.forward
+        and getattr(module, "weight_scale", None) is None
+    )
 
 
 def runs(model: torch.nn.Module) -> bool:

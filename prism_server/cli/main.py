@@ -24,9 +24,10 @@ def _serve_flags(p: argparse.ArgumentParser) -> None:
         "--model",
         action="append",
         dest="models",
-        metavar="NAME=SOURCE",
+        metavar="NAME=SOURCE[,KEY=VALUE...]",
         help="a model to serve (repeatable); SOURCE is an embedded model, a .gguf "
-        "file, an HF directory or dummy:<preset>. Default: the embedded models",
+        "file, an HF directory or dummy:<preset>; then any model settings, e.g. "
+        ",quantization=fp8. Default: the embedded models",
     )
     p.add_argument("--host", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="port (default 8000)")
@@ -100,6 +101,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     g.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     g.add_argument("--dtype", default="auto")
+    g.add_argument("--quantization", choices=["fp8"], help="the projections' weights in FP8 (E4M3)")
     from prism_server.bench.__main__ import add_arguments
 
     add_arguments(sub.add_parser("bench", help="replay a workload against a running server"))
@@ -126,7 +128,9 @@ def generate(args: argparse.Namespace) -> int:
             top_k=args.top_k,
             seed=args.seed,
         )
-        spec = ModelSpec(name=args.model, source=args.model, dtype=args.dtype)
+        spec = ModelSpec(
+            name=args.model, source=args.model, dtype=args.dtype, quantization=args.quantization
+        )
         engine = Engine(EngineConfig(models=(spec,), device=args.device))
     except (ValueError, FileNotFoundError, MissingPackage) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -169,6 +169,7 @@ def _single(spec, dev, settings, placed: _Placement, hosts: list) -> tuple[Model
         seed=spec.seed,
         cache_root=settings.cache_root,
         place=placed.placer(pool, f"{spec.name}/weights", short, make_room=room),
+        quantization=spec.quantization,
     )
     sched = _scheduler_config(spec, settings, loaded.config.max_position_embeddings)
     (weights,) = placed.buffers
@@ -202,6 +203,7 @@ def _sharded(spec, dev, settings, shards, placed: _Placement, hosts: list):
         dtype=dtype,
         seed=spec.seed,
         cache_root=settings.cache_root,
+        quantization=spec.quantization,
     )
     sched = _scheduler_config(spec, settings, loaded.config.max_position_embeddings)
     for wb, device in zip(placed.buffers, devices):
@@ -226,10 +228,10 @@ def _sharded(spec, dev, settings, shards, placed: _Placement, hosts: list):
 
 def _moved(spec, dev, settings, placed: _Placement, old: ModelWorker, host: HostCopy):
     model0 = old.runner.model
-    dtype = next(model0.parameters()).dtype
+    dtype = old.kv.layout.dtype  # the compute dtype (FP8 weights keep their own)
     short = f"{dev.name} has not the pages of {spec.name}'s weights"
     place = placed.placer(dev.pool, f"{spec.name}/weights", short)
-    model = empty_model(model0.config, dtype, dev.device, place)
+    model = empty_model(model0.config, dtype, dev.device, place, spec.quantization)
     host.retarget(dev.device)
     host.load(placed.buffers[0].bytes())
     sched, tok = old.scheduler.config, old.outputs.tokenizer

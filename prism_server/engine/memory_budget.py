@@ -11,8 +11,7 @@ import torch
 from kvpool import CpuBackend, CudaBackend, MemoryBackend, TensorBackend, WeightLayout
 from models.embedded import resolve_source
 from models.layers.causal_lm import weight_bytes as model_weight_bytes
-from models.loader import ModelSource, read_config
-from models.registry import get_model_class
+from models.loader import ModelSource, meta_model, read_config
 from prism_server import envs
 from prism_server.config import ModelSpec
 
@@ -38,12 +37,12 @@ def _meta_model(spec: ModelSpec, device: torch.device):
     """A meta-device build of `spec` (no memory); cached: start-up sizes each model for the host
     budget and for the pool budget."""
     cfg = read_config(ModelSource.parse(resolve_source(spec.source)), envs.gguf_cache_dir())
-    with torch.device("meta"):
-        return get_model_class(cfg.hf_architecture)(cfg).to(spec.torch_dtype(device))
+    return meta_model(cfg, spec.torch_dtype(device), spec.quantization)
 
 
 def weight_bytes(spec: ModelSpec, device: torch.device) -> int:
-    """Parameter bytes of `spec` at its serving dtype, counted on a meta-device build of its
+    """Parameter bytes of `spec` at its serving dtype (FP8 projections and their scales where
+    spec.quantization says so), counted on a meta-device build of its
     config (nothing is allocated or read beyond config.json; a GGUF file is converted, as its
     load would do next anyway)."""
     return model_weight_bytes(_meta_model(spec, device))
