@@ -169,9 +169,9 @@ def _pairs(
         rest = key.removeprefix(_PREFIX)
         if "lora_magnitude_vector" in rest:
             raise AdapterError(f"adapter {name}: DoRA (use_dora) is not supported")
-        if "lora_embedding_" in rest:
-            leaf = rest.split(".lora_embedding_")[0].rpartition(".")[2]
-            _check_target(name, leaf, targets)
+        for part in rest.split("."):  # (lora_embedding_A, a saved lm_head.base_layer, ...)
+            if part in _NOT_LINEAR:
+                _check_target(name, part, targets)
         m = _TENSOR.fullmatch(rest)
         if m is None:
             raise AdapterError(f"adapter {name}: tensor {key!r} is not a LoRA A or B weight")

@@ -21,20 +21,23 @@ ALL = list(SUPPORTED_TARGETS)
 BLOCK = 16  # tokens a block of the test caches
 
 
-def tiny_pair(seed: int = 0, hidden: int = 64) -> tuple[tf.PreTrainedModel, torch.nn.Module]:
-    """A tiny random HF Llama (2 layers) and Prism's model with the same weights."""
+def tiny_pair(
+    seed: int = 0, hidden: int = 64, layers: int = 2
+) -> tuple[tf.PreTrainedModel, torch.nn.Module]:
+    """A tiny random HF Llama and Prism's model with the same weights."""
     torch.manual_seed(seed)
     cfg = tf.LlamaConfig(
         vocab_size=96,
         hidden_size=hidden,
         intermediate_size=96,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         attn_implementation="eager",
     )
     hf = tf.LlamaForCausalLM(cfg).eval()
-    ours = get_model_class(cfg.architectures[0])(ModelConfig.from_hf(hf.config)).eval()
+    config = ModelConfig.from_hf(hf.config)
+    ours = get_model_class(config.hf_architecture)(config).eval()
     ours.load_weights(hf.state_dict().items())
     return hf, ours.requires_grad_(False)
 

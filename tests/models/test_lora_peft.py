@@ -16,6 +16,10 @@ from models.tokenizer import load_tokenizer
 from prism_server import envs
 from tests.models.lora_cases import Request, Spec, greedy, make_adapters, merged_logits
 
+# measured: the module's set-up about 13 s, a case 10-20 s on the 2-core machine (the fast
+# tier's tiny-model cases are tests/models/test_lora.py)
+pytestmark = pytest.mark.slow
+
 NEW_TOKENS = 10
 NEAR_TIE = 1e-3
 LOGIT_TOL = 2e-3  # fp32, the delta as two GEMMs against the merged weight's one
