@@ -58,16 +58,20 @@ class LoraSlots:
     def batch(self, token_slots: Sequence[int], device: torch.device) -> LoraBatch | None:
         """A step's LoRA work: token_slots[i], the slot of the step's token i (NO_ADAPTER: the
         base), on `device`; None when no token has an adapter (the step runs as the base's)."""
-        present = sorted(set(token_slots) - {NO_ADAPTER})
-        if not present:
+        tokens: dict[int, list[int]] = {}  # slot -> its tokens' indices, ascending
+        for i, s in enumerate(token_slots):
+            if s != NO_ADAPTER:
+                tokens.setdefault(s, []).append(i)
+        if not tokens:
             return None
+        present = sorted(tokens)
         for s in present:
             if not 0 <= s < self.num_slots or self._slots[s] is None:
                 raise ValueError(f"tokens of slot {s}, which holds no adapter")
-        sels: list[slice | torch.Tensor] = []
+        sels: list[slice | int] = []
         gathered: list[torch.Tensor] = []  # host index lists, uploaded together
         for s in present:
-            idx = [i for i, v in enumerate(token_slots) if v == s]
+            idx = tokens[s]
             if idx[-1] - idx[0] + 1 == len(idx):
                 sels.append(slice(idx[0], idx[-1] + 1))
             else:

@@ -13,6 +13,7 @@ import torch
 
 from models.attention.base import ForwardContext
 from models.attention.torch_paged import TorchPagedAttention
+from models.config import ModelConfig
 from models.kernels import fused_decode
 from models.kernels.triton_small_gemm import SmallGemmConfig
 from models.lora import (
@@ -25,8 +26,10 @@ from models.lora import (
     lora_targets,
     read_adapter,
 )
+from models.registry import get_model_class
 from tests.models.decode_step import cached_decode_step
 from tests.models.lora_cases import Request, Spec, greedy, make_adapters, merged_logits, tiny_pair
+from tests.models.test_parity import _tiny_hf_model
 
 NEW_TOKENS = 6
 SPECS = {
@@ -64,6 +67,24 @@ def test_logits_equal_peft_merged_at_every_step(tiny, i):
     assert torch.allclose(logits[0], ref, atol=1e-4, rtol=0), float((logits[0] - ref).abs().max())
     base = merged_logits(hf, None, prompt + tokens[0])[len(prompt) - 1 : -1]
     assert float((base - ref).abs().max()) > 0.1  # the adapter matters
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "gemma3"])
+def test_other_families_equal_peft_merged(tmp_path, family):
+    """q/k norm after the projections (qwen3, gemma3), a qkv bias (qwen2), Gemma's layer."""
+    hf = _tiny_hf_model(family)
+    config = ModelConfig.from_hf(hf.config)
+    ours = get_model_class(config.hf_architecture)(config).eval().requires_grad_(False)
+    ours.load_weights(hf.state_dict().items())
+    dirs = make_adapters(hf, {"a": Spec(r=4, alpha=8, std=0.2)}, tmp_path)
+    slots = LoraSlots(ours, num_slots=1)
+    slots.assign(0, read_adapter(dirs["a"], ours).weights)
+    prompt = PROMPTS[0]
+    tokens, logits = greedy(ours, slots, [Request(prompt, 0)], NEW_TOKENS)
+    ref = merged_logits(hf, dirs["a"], prompt + tokens[0])[len(prompt) - 1 : -1]
+    assert torch.allclose(logits[0], ref, atol=1e-4, rtol=0), float((logits[0] - ref).abs().max())
+    base = merged_logits(hf, None, prompt + tokens[0])[len(prompt) - 1 : -1]
+    assert float((base - ref).abs().max()) > 0.1
 
 
 def test_a_step_mixing_adapters_and_the_base_gives_each_request_its_own_tokens(tiny):
