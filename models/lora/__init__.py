@@ -5,7 +5,7 @@ applied to a step's tokens by adapter slot (a step mixes several adapters and th
     weights = adapter.place(place)                         # views into its pooled buffer
     slots = LoraSlots(base, num_slots=8)
     slots.assign(0, weights)
-    ctx = ForwardContext(attn=..., lora=slots.batch([0, 0, -1, 0]))  # -1: the base
+    ctx = ForwardContext(attn=..., lora=slots.batch([0, 0, NO_ADAPTER, 0], device))
 """
 
 from models.lora.adapter import DEFAULT_MAX_RANK, SUPPORTED_TARGETS, AdapterError, read_adapter

@@ -42,6 +42,7 @@ _UNSUPPORTED = {
     "layer_replication": "layer replication (layer_replication)",
     "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens)",
     "fan_in_fan_out": "fan_in_fan_out weights",
+    "target_parameters": "LoRA on parameters (target_parameters)",
 }
 _NOT_LINEAR = ("embed_tokens", "lm_head")  # targets PEFT allows that Prism does not adapt
 
@@ -67,7 +68,7 @@ def read_adapter(
     targets = lora_targets(base)
     _check_config(config, name, max_rank, targets)
     tensors = _read_tensors(path, name)
-    dtype = dtype or next(base.parameters()).dtype
+    dtype = dtype or _activation_dtype(base)
     pairs = _pairs(tensors, name, targets, base)
     use_rslora = bool(config.get("use_rslora", False))
     alpha, alpha_pattern = config.get("lora_alpha", 8), config.get("alpha_pattern") or {}
@@ -91,6 +92,13 @@ def read_adapter(
         targets=tuple(t for t in SUPPORTED_TARGETS if t in present),
         weights=weights,
     )
+
+
+def _activation_dtype(base: nn.Module) -> torch.dtype:
+    """The dtype of the base's activations: its first parameter of a 16 or 32-bit float type
+    (the embedding's; quantized projections have others)."""
+    floats = (torch.float32, torch.bfloat16, torch.float16)
+    return next((p.dtype for p in base.parameters() if p.dtype in floats), torch.float32)
 
 
 def _read_config(path: Path, name: str) -> dict:
@@ -124,6 +132,10 @@ def _check_config(config: dict, name: str, max_rank: int, targets: dict[str, Lor
             raise AdapterError(f"adapter {name}: rank {r!r} is not a positive integer")
         if r > max_rank:
             raise AdapterError(f"adapter {name}: rank {r} exceeds the maximum rank {max_rank}")
+    alphas = [config.get("lora_alpha", 8), *(config.get("alpha_pattern") or {}).values()]
+    for alpha in alphas:
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
+            raise AdapterError(f"adapter {name}: lora_alpha {alpha!r} is not a number")
     modules = config.get("target_modules")
     if isinstance(modules, list):  # (a string is a regex, or all-linear: the tensors tell)
         for m in modules:

@@ -15,8 +15,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from models.layers.merged_linear import MergedLinear
-
 # the HF projections an adapter may target (PEFT's target_modules)
 SUPPORTED_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -41,21 +39,19 @@ class LoraTarget:
 
 def lora_targets(model: nn.Module) -> dict[str, LoraTarget]:
     """The projections of `model` an adapter may target, by HF module path (PEFT's names
-    without their prefix: model.layers.3.self_attn.q_proj)."""
+    without their prefix: model.layers.3.self_attn.q_proj). A projection is any module with
+    in_features and out_features (nn.Linear, or a quantized one), a merged one with `shards`
+    and shard_rows (MergedLinear's form)."""
     targets: dict[str, LoraTarget] = {}
     for name, mod in model.named_modules():
-        if not isinstance(mod, nn.Linear):
+        if not (hasattr(mod, "in_features") and hasattr(mod, "out_features")):
             continue
         parent, _, leaf = name.rpartition(".")
-        shards = list(mod.shards) if isinstance(mod, MergedLinear) else [leaf]
-        for shard in shards:
+        merged = getattr(mod, "shards", None)
+        for shard in list(merged) if merged else [leaf]:
             if shard not in SUPPORTED_TARGETS:
                 continue
-            rows = (
-                mod.shard_rows(shard)
-                if isinstance(mod, MergedLinear)
-                else slice(0, mod.out_features)
-            )
+            rows = mod.shard_rows(shard) if merged else slice(0, mod.out_features)
             path = f"{parent}.{shard}" if parent else shard
             targets[path] = LoraTarget(name, shard, rows, mod.in_features)
     return targets
