@@ -16,8 +16,9 @@ from models.tokenizer import load_tokenizer
 from prism_server import envs
 from tests.models.lora_cases import Request, Spec, greedy, make_adapters, merged_logits
 
-# measured: the module's set-up about 13 s, a case 10-20 s on the 2-core machine (the fast
-# tier's tiny-model cases are tests/models/test_lora.py)
+# measured on the 2-core machine: the module about 35 s when it is idle, minutes when it is
+# shared (as tests/models/test_real_weights.py); the fast tier runs the same paths on tiny
+# models against PEFT (tests/models/test_lora.py)
 pytestmark = pytest.mark.slow
 
 NEW_TOKENS = 10
