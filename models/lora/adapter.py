@@ -64,6 +64,11 @@ def read_adapter(
     AdapterError naming the problem."""
     path = Path(path).expanduser()
     name = name or path.name
+    if not isinstance(base, nn.Module):  # (models.tensor_parallel.TensorParallel)
+        raise AdapterError(
+            f"adapter {name}: its base is split over devices (tensor parallelism), which "
+            "adapters do not run on"
+        )
     config = _read_config(path, name)
     targets = lora_targets(base)
     _check_config(config, name, max_rank, targets)

@@ -259,6 +259,16 @@ def test_an_adapter_of_another_base_is_refused(tmp_path):
         read_adapter(tmp_path / "nowhere", same)
 
 
+def test_a_base_split_over_devices_takes_no_adapter(tiny):
+    from models.tensor_parallel import TensorParallel, host_all_reduce
+
+    _, ours, dirs, _ = tiny
+    cpu = torch.device("cpu")
+    tp = TensorParallel.split(ours, [cpu, cpu], host_all_reduce)
+    with pytest.raises(AdapterError, match="adapter r4: .*tensor parallelism"):
+        read_adapter(dirs["r4"], tp)
+
+
 def _random_weights(model, layers, rank: int, std: float, dtype) -> LoraWeights:
     """A rank-`rank` adapter on every projection of `layers` of `model`, N(0, std) entries."""
     g = torch.Generator().manual_seed(3)
