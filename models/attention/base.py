@@ -19,6 +19,7 @@ from models.attention.upload import host_ints, upload
 if TYPE_CHECKING:
     from models.kernels.fused_decode import StepOps
     from models.layers.rotary_embedding import Rope
+    from models.lora import LoraBatch
 
 
 @dataclass(frozen=True)
@@ -180,12 +181,14 @@ class ForwardContext:
     """Everything a model's forward needs beyond token ids and positions, passed explicitly
     (several models share the process, so there is no global forward context). reduce: for a
     shard of a tensor-parallel model, the sum over the shards of a layer's partial output (None:
-    the model is whole)."""
+    the model is whole). lora: the step's adapter work (models.lora.LoraSlots.batch; None: every
+    token is the base's, and the step runs as it would without adapters)."""
 
     attn: AttentionBackend
     reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
     # a small decode step's layers as chains of Triton kernels (models.kernels.fused_decode)
     step_ops: StepOps | None = None
+    lora: LoraBatch | None = None
 
     @property
     def contiguous_q(self) -> bool:
@@ -194,8 +197,15 @@ class ForwardContext:
         return getattr(self.attn, "contiguous_q", False)
 
     def linear(self, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """module(x), or the step ops' kernel for it (a small step's GEMM: StepOps.linear)."""
-        return module(x) if self.step_ops is None else self.step_ops.linear(module, x)
+        """module(x), or the step ops' kernel for it (a small step's GEMM: StepOps.linear),
+        plus the step's LoRA deltas of the module where it has some."""
+        y = module(x) if self.step_ops is None else self.step_ops.linear(module, x)
+        return y if self.lora is None else self.lora.add(module, x, y)
+
+    def has_lora(self, layer: torch.nn.Module) -> bool:
+        """Whether a module of `layer` has LoRA work in this step (then its projections must go
+        through `linear`)."""
+        return self.lora is not None and self.lora.touches(layer)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """x summed over the model's shards (x itself for a whole model)."""

@@ -110,7 +110,8 @@ def forward(model: torch.nn.Module, input_ids, positions, ctx, ops: StepOps) -> 
     rope = stack.rotary_emb(positions)  # this step's rotary table, shared by every layer
     layers = stack.layers
     for i, layer in enumerate(layers):
-        if ops.takes_layer(layer, x, ctx.reduce is None):
+        # (a layer with LoRA work runs as it is: its projections through ctx.linear)
+        if ops.takes_layer(layer, x, ctx.reduce is None) and not ctx.has_lora(layer):
             if ops.gemv_takes(x):
                 x, residual = gemv_layer(layer, x, residual, rope, ctx, ops)
             else:
