@@ -28,6 +28,8 @@
 #             (default "decode engine activation pool"; about 13 minutes in all, so split them,
 #             e.g. AB="decode engine" then AB="activation pool" on the same warm machine),
 #             AB_ROUNDS the alternations (default 1: before, after); the ratios come last.
+#   abbench   the multi-model bench (BENCH, default docs/bench/fleet24; SLO_FILE) under prism at
+#             one scale (AB_SCALE, default 0.5), .baseline's tree then this one, in one lease
 #   engine    the engine benchmark without its HF and K/V-write sections
 #   ttft      where a lone prompt's TTFT goes
 #   host      a lone prompt's eager step, host against device
@@ -164,6 +166,40 @@ if [ "$mode" = "--decode" ]; then
       done
     done
     python3 scripts/bench_engine.py report-ab "$OUT" | tee "$OUT/ab.txt"
+  fi
+  if part abbench; then
+    # the multi-model bench under prism at one scale, this tree against .baseline's, in one
+    # lease: each side's own bench and server (run from its tree, so `-m prism_server` is it)
+    [ -d .baseline/prism_server ] || { echo "abbench: no baseline tree in .baseline"; exit 1; }
+    bench=$PWD/${BENCH:-docs/bench/fleet24}
+    slo=${SLO_FILE:+$PWD/$SLO_FILE}
+    for side in ${AB_SIDES:-before after}; do
+      tree=$PWD; [ "$side" = before ] && tree=$PWD/.baseline
+      t0=$SECONDS
+      (cd "$tree" && PYTHONPATH=$tree:/tmp/site timeout "${AB_TIMEOUT:-330}" python3 -m prism_server \
+        bench sweep --workload "$bench/workload.csv" --config "$bench/prism.toml" \
+        --out "$OUT/abbench-$side" --policies prism --scales "${AB_SCALE:-0.5}" \
+        ${slo:+--slo-file "$slo"} --sample-interval 0.5 --startup-timeout 300 --no-plots \
+        > "$OUT/abbench-$side.log" 2>&1)
+      echo "abbench $side: rc $?, $((SECONDS - t0)) s"
+      tail -3 "$OUT/abbench-$side/server-prism.log" 2>/dev/null | cut -c1-200
+    done
+    python3 - "$OUT" <<'PY'
+import json, sys
+from pathlib import Path
+for side in ("before", "after"):
+    try:
+        sweep = json.loads((Path(sys.argv[1]) / f"abbench-{side}" / "sweep.json").read_text())
+        run = sweep["policies"]["prism"]["runs"][0]
+    except (OSError, KeyError, IndexError, ValueError) as e:
+        print(f"abbench {side}: no run ({e})")
+        continue
+    o = run["report"]["overall"]
+    met = round(o["attainment"] * o["requests"])
+    print(f"abbench {side}: x{run['scale']:g} attainment {100 * o['attainment']:.1f}% "
+          f"({met} of {o['requests']} met), activations {run['activations']}, "
+          f"evictions {run['evictions']}")
+PY
   fi
   if part engine; then
     t0=$SECONDS
