@@ -15,6 +15,7 @@
 #                                        # activation on every GPU at once, a move between GPUs
 #   bash scripts/gpu_check.sh --decode   # the PARTS below (a change to the model's step)
 #   bash scripts/gpu_check.sh --sweep POLICY SCALES   # the multi-model bench (below)
+#   bash scripts/gpu_check.sh --capacity POLICIES     # models per GPU at 99% (below)
 #   bash scripts/gpu_check.sh --collect WAIT_S        # a detached sweep's results
 #
 # --decode runs the PARTS named (default "tests engine ttft"); one call has 10 minutes, so
@@ -53,8 +54,12 @@
 # picks the set-up (default docs/bench/h200; its prism.toml, workload.csv, sweep.json);
 # SLO_FILE gives the SLOs instead (model -> {ttft_s, tpot_s}, e.g. docs/bench/fleet24/slos.json);
 # BUDGET_S (default 520) bounds the time; STOP_EARLY=1 ends a run once it cannot keep 99%.
-# DETACH=1 starts the sweep in its own session (it outlives the command while the machine stays
-# warm); `--collect WAIT_S` in a later command waits for it and leaves $OUT/sweep.tgz.
+# STATIC_SUBSET=auto: static serves the busiest models that fit its pool (a fleet larger than
+# the pool). --capacity POLICIES: `bench capacity` on BENCH (default docs/bench/fleet24), with
+# SCALE, CAP_START, CAP_STEP (default 1, 4, 4), SLO_FILE, STOP_EARLY, BUDGET_S as above.
+# DETACH=1 starts the sweep (or capacity) in its own session (it outlives the command while the
+# machine stays warm); `--collect WAIT_S` in a later command waits for it and leaves
+# $OUT/sweep.tgz.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/prism-gpu-check}
@@ -73,10 +78,10 @@ if [ "$mode" = "--collect" ]; then
   tar -czf "$OUT/sweep.tgz" -C "$detached" sweep detached.log || echo "no sweep directory yet"
   exit 0
 fi
-if [ "$mode" = "--sweep" ] && [ "${DETACH:-}" = 1 ]; then
+if { [ "$mode" = "--sweep" ] || [ "$mode" = "--capacity" ]; } && [ "${DETACH:-}" = 1 ]; then
   rm -rf "$detached" && mkdir -p "$detached"
   OUT=$detached DETACH= setsid nohup bash -c \
-    "bash scripts/gpu_check.sh --sweep '$2' '$3'; echo \"rc \$?\" > $detached/done" \
+    "bash scripts/gpu_check.sh $mode '$2' '${3:-}'; echo \"rc \$?\" > $detached/done" \
     > "$detached/detached.log" 2>&1 < /dev/null &
   echo "detached sweep started (pid $!); collect with: bash scripts/gpu_check.sh --collect"
   exit 0
@@ -109,9 +114,25 @@ if [ "$mode" = "--sweep" ]; then
       --workload "$bench/workload.csv" --config "$config" --out "$out" \
       --policies "$p" --scales "$3" --refine 1 --standalone-requests 5 \
       --sample-interval 0.5 --budget-s "${BUDGET_S:-520}" --startup-timeout 300 \
-      ${STOP_EARLY:+--stop-early} ${SLO_FILE:+--slo-file "$SLO_FILE"} 2>&1 | tee "$out/sweep-$p.log"
+      ${STOP_EARLY:+--stop-early} ${SLO_FILE:+--slo-file "$SLO_FILE"} \
+      ${STATIC_SUBSET:+--static-subset "$STATIC_SUBSET"} 2>&1 | tee "$out/sweep-$p.log"
     tail -5 "$out/server-$p.log"
   done
+  exit 0
+fi
+if [ "$mode" = "--capacity" ]; then
+  # models per GPU: the set-up's first n models (config order) with their own streams, n from
+  # CAP_START by CAP_STEP, one run each at SCALE, per policy; merged into capacity.json
+  out=$OUT/sweep
+  mkdir -p "$out"
+  bench=${BENCH:-docs/bench/fleet24}
+  [ -f "$bench/capacity.json" ] && cp "$bench/capacity.json" "$out/"
+  python3 -m prism_server bench capacity \
+    --workload "$bench/workload.csv" --config "$bench/prism.toml" --out "$out" \
+    --policies "$2" --scale "${SCALE:-1}" --start "${CAP_START:-4}" --step "${CAP_STEP:-4}" \
+    --sample-interval 0.5 --budget-s "${BUDGET_S:-520}" --startup-timeout 300 \
+    ${STOP_EARLY:+--stop-early} ${SLO_FILE:+--slo-file "$SLO_FILE"} 2>&1 \
+    | tee "$out/capacity-${2//,/-}.log"
   exit 0
 fi
 
