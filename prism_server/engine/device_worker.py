@@ -230,6 +230,9 @@ class DeviceWorker:
                     m, lambda m=m: m.step(now, admit(m, None), while_running=self._hook(m))
                 )
         self.memory.relieve(serving, starved, now)  # models blocked on memory: the balloon
+        for m in self.models.values():  # adapters being unloaded whose last request ended
+            if m.adapters:
+                self._guard(m, m.reap_adapters)
         if not ran:  # no step to hide it behind: the last tokens' text now
             self.flush_outputs()
         # where each request's time went since its last charge (the idle wait before this step

@@ -251,9 +251,9 @@ class ModelWorker(ModelResidency, ModelStats):
         if a is None:
             raise KeyError(name)
         a.unloading.append(done)
-        self._reap_adapters()
+        self.reap_adapters()
 
-    def _reap_adapters(self) -> None:
+    def reap_adapters(self) -> None:
         """Remove the adapters being unloaded whose requests are all done."""
         if not self.adapters:
             return
@@ -268,7 +268,7 @@ class ModelWorker(ModelResidency, ModelStats):
 
     def poll(self) -> None:
         super().poll()
-        self._reap_adapters()
+        self.reap_adapters()
 
     def _offload(self) -> None:
         super()._offload()
