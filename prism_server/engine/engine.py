@@ -290,6 +290,10 @@ class Engine:
         arrival = time.monotonic() if arrival_time is None else arrival_time
         adapter = served.name if served.spec.is_adapter else None
         req = Request(rid, prompt_ids, params, served.eos_token_ids, arrival, sink, adapter)
+        if adapter is not None:  # an adapter's own SLOs (else its base's, set by the worker)
+            spec = served.spec
+            req.ttft_slo = spec.ttft_slo_ms / 1e3 if spec.ttft_slo_ms else None
+            req.tpot_slo = spec.tpot_slo_ms / 1e3 if spec.tpot_slo_ms else None
         model = served.spec.base if adapter is not None else served.name
         self._routes.send(model, Submit(model, req))
         return req
