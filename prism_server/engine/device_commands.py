@@ -106,7 +106,7 @@ def unload_adapter(w: DeviceWorker, cmd: UnloadAdapter) -> None:
 def partition(w: DeviceWorker, cmd: Partition) -> dict[str, int]:
     """The static policy's fixed KV quotas, equal for every model of the device."""
     ws = list(w.models.values())
-    quota = static_quota(w.pool.capacity, [m.weights.num_pages for m in ws])
+    quota = static_quota(w.pool.capacity, [m.weights.num_pages + m.adapter_pages for m in ws])
     if ws and quota < 1:
         raise MemoryError(
             f"the static policy needs every model resident with KV room: the weights of "

@@ -71,6 +71,10 @@ class AdminRoutes:
             await asyncio.shield(asyncio.wrap_future(done))
         except (AdapterError, ValueError) as e:
             raise serving.bad_adapter(e) from None
+        except MemoryError as e:  # a good adapter the pool has no room for now
+            raise APIError(
+                503, str(e), "server_error", param="lora_path", code="insufficient_memory"
+            ) from None
         return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
 
     async def unload_lora(self, request: web.Request) -> web.Response:

@@ -119,6 +119,10 @@ async def resolve(engine: Engine, name: str) -> ServedModel:
         raise APIError(400, str(e), param="model", code="invalid_adapter") from None
     except ValueError:  # loaded meanwhile by another request
         pass
+    except MemoryError as e:
+        raise APIError(
+            503, str(e), "server_error", param="model", code="insufficient_memory"
+        ) from None
     return lookup(engine, name)
 
 

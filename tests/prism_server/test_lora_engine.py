@@ -234,3 +234,22 @@ def test_adapter_entry_fields():
         ModelSpec("a")
     with pytest.raises(ValueError, match="max_loras"):
         EngineConfig(max_loras=0)
+
+
+def test_adapters_from_a_config_file_and_flags(tmp_path):
+    from prism_server.server_args import load_server_args
+
+    toml = tmp_path / "prism.toml"
+    toml.write_text(
+        '[engine]\nmax_loras = 4\nlora_dirs = ["/adapters"]\n'
+        '[[models]]\nname = "llama8b"\nsource = "dummy:tiny-llama"\n'
+        '[[models]]\nname = "sql-helper"\nbase = "llama8b"\nadapter = "/adapters/sql"\n'
+    )
+    args = load_server_args(str(toml))
+    sql = args.models[1]
+    assert (sql.base, sql.adapter, sql.is_adapter) == ("llama8b", "/adapters/sql", True)
+    assert args.engine.max_loras == 4 and args.engine.lora_dirs == ("/adapters",)
+    assert [m.name for m in args.engine.base_models] == ["llama8b"]
+    flags = ["b=dummy:tiny-llama", "chat,base=b,adapter=/adapters/chat"]
+    args = load_server_args(None, flags)
+    assert args.models[1] == ModelSpec("chat", base="b", adapter="/adapters/chat")
