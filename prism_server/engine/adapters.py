@@ -68,6 +68,9 @@ class BaseAdapters:
         self.slots = LoraSlots(base, num_slots)
         self.by_name: dict[str, ServedAdapter] = {}
         self.make_room = make_room  # for an activation the pool has not the free pages of
+        # the last prepare left an adapter waiting for pages (its base is then blocked on memory,
+        # so that the balloon frees some)
+        self.short_of_pages = False
 
     def __contains__(self, name: str) -> bool:
         return name in self.by_name
@@ -172,11 +175,13 @@ class BaseAdapters:
         pages the pool cannot give now, or with no slot left, waits)."""
         want = [n for n in dict.fromkeys(wanted) if n in self.by_name]
         ready: set[str] = set()
+        self.short_of_pages = False
         for name in want:
             a = self.by_name[name]
             if a.slot is None and not self._give_slot(a, ready, running, want):
                 continue
             if not self._activate(a):
+                self.short_of_pages = True
                 continue
             a.last_used = now
             ready.add(name)

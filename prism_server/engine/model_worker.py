@@ -167,6 +167,8 @@ class ModelWorker(ModelResidency, ModelStats):
             self.sync()
         admit = self._admit_adapters(admit, now)
         batch = self.scheduler.schedule(now, admit, token_budget)
+        if self.adapters and self.adapters.short_of_pages:
+            self.scheduler.blocked = True  # an adapter's requests wait for its pages
         if not batch:
             return False
         self.last_used = now

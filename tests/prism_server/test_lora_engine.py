@@ -253,3 +253,41 @@ def test_adapters_from_a_config_file_and_flags(tmp_path):
     flags = ["b=dummy:tiny-llama", "chat,base=b,adapter=/adapters/chat"]
     args = load_server_args(None, flags)
     assert args.models[1] == ModelSpec("chat", base="b", adapter="/adapters/chat")
+
+
+def test_an_adapter_short_of_pages_takes_them_from_an_idle_model(made):
+    """The pool full (an idle model resident, the rest taken): an adapter's request evicts
+    the idle model for its adapter's page (the balloon's order), and runs with its tokens."""
+    import torch
+
+    from kvpool import WeightBuffer, WeightLayout
+
+    ref = made[2]
+    cfg = config(made)
+    other = ModelSpec("other", "dummy:tiny-llama", block_size=4)
+    cfg = EngineConfig(**{**cfg.__dict__, "models": (*cfg.models, other)})
+    with Engine(cfg) as e:
+        run(e, [(None, PROMPTS[None])])
+        w = e.worker
+        for _ in SPECS:  # every adapter evicted: each needs a page again
+            assert w.call(lambda: w.memory.evict_idle_adapter(None))
+        free = e.pool.num_available
+        layout = WeightLayout.pack([("w", (free * PAGE - 4096,), torch.uint8)])
+
+        def fill():
+            wb = WeightBuffer(e.pool, "filler/weights", layout, reclaim=False)
+            assert wb.map() and e.pool.num_available == 0
+            return wb
+
+        filler = w.call(fill)
+        try:
+            (c,) = run(e, [("sql", PROMPTS["sql"])])
+            assert c.error is None and c.token_ids == ref["sql"]
+            snap = w.snapshot_now()
+            assert snap.model("other").residency.value == "offloaded"
+            assert any(m.giver == "other" and m.taker == "base" for m in snap.moves)
+            sql = next(a for a in snap.model("base").adapters if a.name == "sql")
+            assert sql.resident and sql.activations == 1
+        finally:
+            w.call(lambda: (filler.unmap(), filler.close()))
+        owners_whole(e)
