@@ -190,6 +190,7 @@ def test_unloading_lets_the_requests_in_flight_finish_and_frees_the_adapter(made
         e.add_request("sql", PROMPTS["sql"], long, sink)
         while not c.token_ids:  # it runs
             time.sleep(0.005)
+        stale = e.model("sql")  # a handle looked up before the unload (a request in flight)
         gone: Future = e.start_unload_adapter("sql")
         with pytest.raises(ModelNotFound):  # new requests: 404 at once
             e.model("sql")
@@ -199,6 +200,12 @@ def test_unloading_lets_the_requests_in_flight_finish_and_frees_the_adapter(made
         owned = owners_whole(e)
         assert "sql" not in {a.name for a in e.worker.snapshot_now().model("base").adapters}
         assert owned.get("sql/weights", 0) == 0
+        # a request that was looked up before the unload and submitted after: it ends with
+        # the reason, never silently dropped
+        late: queue.SimpleQueue = queue.SimpleQueue()
+        e.submit(stale, PROMPTS["sql"], GREEDY, late.put)
+        out = late.get(timeout=30)
+        assert out.finished and out.error == "the adapter sql is not loaded"
         # loaded again at run time, under its old name: the same tokens
         e.start_load_adapter("sql", made[1]["sql"]).result(timeout=30)
         (again,) = run(e, [("sql", PROMPTS["sql"])])
