@@ -298,3 +298,36 @@ def test_an_adapter_short_of_pages_takes_them_from_an_idle_model(made):
         finally:
             w.call(lambda: (filler.unmap(), filler.close()))
         owners_whole(e)
+
+
+class _CapturedWithoutLora:
+    """Where the decode graphs and piecewise graphs sit in a GPU's runner (captured with no
+    LoRA work, so a step that has some must never reach them); on the CPU there are none: any
+    call is the rule broken."""
+
+    def can_run(self, md) -> bool:
+        return True  # a decode step of any shape would replay a graph
+
+    def fits(self, num_tokens: int) -> bool:
+        return True
+
+    def run(self, *args, **kw):
+        raise AssertionError("a step with LoRA work reached a graph captured without it")
+
+
+def test_a_step_with_lora_work_runs_eagerly_never_in_a_graph(made, steps_ahead):
+    ref = made[2]
+    with Engine(config(made)) as e:
+        w = e.worker
+
+        def graphs():
+            runner = w.models["base"].runner
+            runner.graphs = runner.pieces = _CapturedWithoutLora()
+
+        w.execute(Call(graphs))
+        reqs = [(a, PROMPTS[a]) for a in SPECS]
+        for (adapter, _), c in zip(reqs, run(e, reqs)):
+            assert c.error is None and c.token_ids == ref[adapter], (adapter, c.error)
+        (base,) = run(e, [(None, PROMPTS[None])])  # the base's own steps do go to the graphs
+        assert base.error is not None and "captured without it" in base.error
+        owners_whole(e)
