@@ -21,7 +21,9 @@ class ModelSpec:
     __pydantic_config__ = ConfigDict(extra="forbid")  # config files: unknown keys are errors
 
     name: str
-    source: str  # HF directory, .gguf file, "dummy:<preset>", or an embedded default's name
+    # HF directory, .gguf file, "dummy:<preset>", or an embedded default's name ("" for a LoRA
+    # adapter: its weights are its base's)
+    source: str = ""
     dtype: str = "auto"  # auto = float32 on CPU, bfloat16 on GPU
     max_model_len: int | None = None  # None = the model's own limit, capped at 8192
     block_size: int = 16
@@ -44,10 +46,25 @@ class ModelSpec:
     # "fp8": the projections' weights in FP8 E4M3 with per-output-channel scales (half of bf16's
     # bytes in the pool, the host copy and each activation); None: the compute dtype's
     quantization: str | None = None
+    # a LoRA adapter (PEFT format: adapter_config.json + adapter_model.safetensors) of the
+    # configured model `base`: served by its base's steps, its weights its own few pages
+    base: str | None = None
+    adapter: str | None = None  # the adapter's directory (with base)
 
     def __post_init__(self):
         if not self.name or self.name.strip() != self.name:
             raise ValueError(f"model name {self.name!r} is not valid")
+        if (self.base is None) != (self.adapter is None):
+            raise ValueError(
+                f"model {self.name}: a LoRA adapter names both base and adapter (its directory)"
+            )
+        if self.adapter is not None and self.source:
+            raise ValueError(
+                f"model {self.name}: a LoRA adapter takes no source (its base {self.base!r} "
+                "gives the weights)"
+            )
+        if self.adapter is None and not self.source:
+            raise ValueError(f"model {self.name}: source is required")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
@@ -72,6 +89,10 @@ class ModelSpec:
                 f"quantization {self.quantization!r} with tensor_parallel > 1: FP8 weights and "
                 "their scales are not split over devices; serve it on one device"
             )
+
+    @property
+    def is_adapter(self) -> bool:
+        return self.adapter is not None
 
     def torch_dtype(self, device: torch.device) -> torch.dtype:
         if self.dtype == "auto":
@@ -139,6 +160,13 @@ class EngineConfig:
     step_trace: str | None = None
     # torch's intra-op threads on a CPU device (None: torch's default)
     cpu_threads: int | None = None
+    # LoRA adapters: the slots of each base model (adapters that can run in one step) and the
+    # largest rank accepted
+    max_loras: int = 8
+    max_lora_rank: int = 64
+    # directories searched for an adapter a request names that is not served yet: found as
+    # <dir>/<name> (adapter_config.json inside), it is loaded on that first request
+    lora_dirs: tuple[str, ...] = ()
 
     def __post_init__(self):
         names = [m.name for m in self.models]
@@ -163,6 +191,35 @@ class EngineConfig:
             raise ValueError("cpu_threads must be at least 1")
         if self.step_trace is not None and not self.step_trace:
             raise ValueError("step_trace must be a file path")
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError("max_loras and max_lora_rank must be positive")
+        if any(not d for d in self.lora_dirs):
+            raise ValueError("lora_dirs must not hold empty paths")
+        by_name = {m.name: m for m in self.models}
+        for m in self.models:
+            if m.base is None:
+                continue
+            base = by_name.get(m.base)
+            if base is None:
+                raise ValueError(
+                    f"adapter {m.name}: its base {m.base!r} is not a configured model "
+                    f"(configured: {sorted(n for n, s in by_name.items() if not s.is_adapter)})"
+                )
+            if base.is_adapter:
+                raise ValueError(
+                    f"adapter {m.name}: its base {m.base!r} is itself an adapter; name the base "
+                    "model"
+                )
+            if base.tensor_parallel > 1:
+                raise ValueError(
+                    f"adapter {m.name}: its base {m.base!r} is split over devices "
+                    "(tensor_parallel > 1), which adapters do not run on"
+                )
+
+    @property
+    def base_models(self) -> tuple[ModelSpec, ...]:
+        """The configured models that are not adapters."""
+        return tuple(m for m in self.models if not m.is_adapter)
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

@@ -93,7 +93,7 @@ _OPTION = re.compile(r"[a-z_]+=")  # a model setting after the source: ,key=valu
 def parse_model_flag(flag: str) -> dict:
     """`name=source` or just `source` (the name is then the source's), then any model settings
     as `,key=value` (e.g. `llama=/ckpt/llama,quantization=fp8`; the values are checked as a
-    config file's)."""
+    config file's); a LoRA adapter is `name,base=model,adapter=dir`."""
     parts = flag.split(",")
     cut = len(parts)
     while cut > 1 and _OPTION.match(parts[cut - 1]):  # a comma inside a path stays in it
@@ -104,6 +104,8 @@ def parse_model_flag(flag: str) -> dict:
         if key in options:
             raise ConfigError(f"--model {flag!r}: {key} is given as NAME=SOURCE, not ,{key}=")
     name, sep, source = head.partition("=")
+    if not sep and "adapter" in options:  # a LoRA adapter: NAME,base=MODEL,adapter=DIR
+        return {"name": head, **options}
     if not sep:
         name = Path(head).stem if "/" in head or head.endswith(".gguf") else head
         return {"name": name, "source": head, **options}

@@ -192,6 +192,8 @@ class BatchScheduler:
         that wants its prompt's logprobs: they come from computing every position."""
         if self.prefix is None or req.block_table or req.params.prompt_logprobs is not None:
             return
+        if req.adapter is not None:  # its K/V are its adapter's: cached by token ids they'd lie
+            return
         hit = self.prefix.match(req.all_token_ids, (req.num_tokens - 1) // self.config.block_size)
         req.block_table = hit
         req.num_computed_tokens = len(hit) * self.config.block_size
@@ -272,7 +274,8 @@ class BatchScheduler:
                 continue
             req.num_computed_tokens = c.start + c.num_new
             self.tokens_computed += c.num_new
-            if self.prefix is not None and req.num_computed_tokens // bs > c.start // bs:
+            full = req.num_computed_tokens // bs > c.start // bs
+            if self.prefix is not None and full and req.adapter is None:
                 self.prefix.commit(
                     req.block_table, req.all_token_ids, c.start // bs, req.num_computed_tokens // bs
                 )

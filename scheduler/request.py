@@ -87,6 +87,9 @@ class Request:
     eos_token_ids: frozenset[int]
     arrival_time: float  # when the server accepted it
     sink: Callable[[RequestOutput], None] | None = None
+    # the LoRA adapter of its model it runs with (None: the model itself); its K/V differ from
+    # the model's, so it neither takes nor leaves blocks in the prefix cache
+    adapter: str | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

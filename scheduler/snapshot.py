@@ -45,6 +45,30 @@ class LatencySnapshot:
 
 
 @dataclass(frozen=True)
+class AdapterSnapshot:
+    """A LoRA adapter served by its base's steps (ModelSnapshot.adapters of the base)."""
+
+    name: str
+    base: str
+    path: str
+    rank: int
+    resident: bool  # its weight pages mapped (only while its base is on the device)
+    slot: int | None  # its base's adapter slot (None: none now)
+    weight_bytes: int
+    weight_pages: int  # pool pages mapped for it now
+    num_running: int = 0
+    num_waiting: int = 0
+    requests_total: int = 0
+    activations: int = 0
+    evictions: int = 0
+    last_used: float = 0.0
+
+    @property
+    def num_requests(self) -> int:
+        return self.num_running + self.num_waiting
+
+
+@dataclass(frozen=True)
 class ModelSnapshot:
     name: str
     residency: Residency
@@ -89,6 +113,7 @@ class ModelSnapshot:
     # (device, bytes); weight_bytes counts them too
     shard_weight_bytes: tuple[tuple[str, int], ...] = ()
     recomputed_tokens: int = 0  # computed tokens preemptions threw away, since load
+    adapters: tuple[AdapterSnapshot, ...] = ()  # its LoRA adapters
 
     @property
     def kv_blocks_held(self) -> int:

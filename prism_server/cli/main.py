@@ -27,7 +27,15 @@ def _serve_flags(p: argparse.ArgumentParser) -> None:
         metavar="NAME=SOURCE[,KEY=VALUE...]",
         help="a model to serve (repeatable); SOURCE is an embedded model, a .gguf "
         "file, an HF directory or dummy:<preset>; then any model settings, e.g. "
-        ",quantization=fp8. Default: the embedded models",
+        ",quantization=fp8; a LoRA adapter: NAME,base=MODEL,adapter=DIR. Default: the "
+        "embedded models",
+    )
+    p.add_argument(
+        "--lora-dir",
+        action="append",
+        dest="lora_dirs",
+        metavar="DIR",
+        help="a directory of LoRA adapters (repeatable): a request naming <DIR>/<name> loads it",
     )
     p.add_argument("--host", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="port (default 8000)")
@@ -194,6 +202,9 @@ def serve(args: argparse.Namespace) -> int:
             if getattr(args, field):
                 eng = replace(sargs.engine, **{field: getattr(args, field)})
                 sargs = replace(sargs, engine=eng)
+        if args.lora_dirs:
+            eng = replace(sargs.engine, lora_dirs=tuple(args.lora_dirs))
+            sargs = replace(sargs, engine=eng)
         engine = Engine(sargs.engine, strict=False)  # a broken model must not stop the rest
     except (ConfigError, ValueError, FileNotFoundError, MissingPackage) as e:
         print(f"error: {e}", file=sys.stderr)

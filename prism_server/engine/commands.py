@@ -90,6 +90,32 @@ class Partition:
     done: Future = field(default_factory=Future)
 
 
+# ---- LoRA adapters -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LoadAdapter:
+    """Read the LoRA adapter in directory `path` for the model `base` of this device (checked
+    against its shapes and `max_rank`: models.lora.AdapterError), place its weights in the pool
+    (its own owner) with a host copy, and serve it by the base's steps (`num_slots`: the base's
+    adapter slots, fixed by its first adapter). `done` -> its rank."""
+
+    base: str
+    name: str
+    path: str
+    max_rank: int
+    num_slots: int
+    done: Future = field(default_factory=Future)
+
+
+@dataclass(frozen=True)
+class UnloadAdapter:
+    """Drop an adapter of `base` once its requests have finished (the frontend sends it no new
+    ones): its slot, pages and host copy. `done` resolves once it is gone."""
+
+    base: str
+    name: str
+    done: Future = field(default_factory=Future)
+
+
 # ---- residency -----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Activate:
@@ -183,6 +209,8 @@ Command = (
     | Detach
     | Migrate
     | RemoveModel
+    | LoadAdapter
+    | UnloadAdapter
     | Partition
     | Activate
     | Evict

@@ -8,6 +8,8 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+from models.lora import read_adapter
+from prism_server.engine.adapters import BaseAdapters
 from prism_server.engine.commands import (
     Abort,
     Activate,
@@ -16,6 +18,7 @@ from prism_server.engine.commands import (
     Detach,
     Evict,
     Load,
+    LoadAdapter,
     MakeFree,
     Migrate,
     Partition,
@@ -26,6 +29,7 @@ from prism_server.engine.commands import (
     RemoveModel,
     Submit,
     TransitionRefused,
+    UnloadAdapter,
 )
 from prism_server.engine.loading import Loaded, build_worker
 from prism_server.engine.model_worker import ModelWorker
@@ -62,6 +66,8 @@ def detach(w: DeviceWorker, cmd: Detach) -> tuple[ModelWorker, object] | None:
         return None
     if m.evicted_for not in _LEFT_FOR_ROOM or not _planner_may_move(w):
         return None
+    if m.adapters:  # its adapters' buffers are this pool's: it stays with them
+        return None
     w.models.pop(cmd.model)
     log.info("moving %s from %s to %s", cmd.model, w.name, cmd.dst)
     return m, m.leave_device()
@@ -71,10 +77,36 @@ def migrate(w: DeviceWorker, cmd: Migrate) -> None:
     w.add(build_worker(cmd.spec, w, cmd.settings, moved=(cmd.old, cmd.host))[0])
 
 
+def load_adapter(w: DeviceWorker, cmd: LoadAdapter) -> int:
+    """Read, check and place an adapter of a model of this device (AdapterError: a bad one,
+    nothing placed); -> its rank."""
+    m = w.models.get(cmd.base)
+    if m is None:
+        raise KeyError(f"no model {cmd.base!r} on {w.name}")
+    adapter = read_adapter(cmd.path, m.runner.model, max_rank=cmd.max_rank, name=cmd.name)
+    if m.adapters is None:
+
+        def room(fits) -> list[str]:
+            keep = frozenset({m.name})
+            return w.memory.make_room(fits, time.monotonic(), keep=keep, taker=m.name)
+
+        m.adapters = BaseAdapters(m.runner.model, cmd.num_slots, make_room=room)
+        m.runner.lora = m.adapters
+    m.adapters.add(adapter, w.pool, w.device, on_device=m.residency.on_device)
+    return adapter.rank
+
+
+def unload_adapter(w: DeviceWorker, cmd: UnloadAdapter) -> None:
+    m = w.models.get(cmd.base)
+    if m is None or m.adapters is None or cmd.name not in m.adapters:
+        raise KeyError(f"no adapter {cmd.name!r} of {cmd.base!r} on {w.name}")
+    m.unload_adapter(cmd.name, cmd.done)
+
+
 def partition(w: DeviceWorker, cmd: Partition) -> dict[str, int]:
     """The static policy's fixed KV quotas, equal for every model of the device."""
     ws = list(w.models.values())
-    quota = static_quota(w.pool.capacity, [m.weights.num_pages for m in ws])
+    quota = static_quota(w.pool.capacity, [m.weights.num_pages + m.adapter_pages for m in ws])
     if ws and quota < 1:
         raise MemoryError(
             f"the static policy needs every model resident with KV room: the weights of "
@@ -148,6 +180,8 @@ HANDLERS = {
     Detach: detach,
     Migrate: migrate,
     RemoveModel: lambda w, cmd: w.models.pop(cmd.model).close(),
+    LoadAdapter: load_adapter,
+    UnloadAdapter: unload_adapter,
     Partition: partition,
     Activate: activate,
     Evict: evict,

@@ -33,7 +33,8 @@ def holding(m: ModelWorker) -> ModelState:
         requests=len(m.requests),
         running=len(m.scheduler.running),
         kv_pages=m.kv.allocator.num_mapped_pages,
-        weight_pages=m.weights.num_pages if m.weights is not None else 0,
+        # its adapters' pages go with its own when it is evicted
+        weight_pages=(m.weights.num_pages if m.weights is not None else 0) + m.adapter_pages,
         shard_devices=tuple(m.shard_devices),
     )
 
@@ -117,6 +118,7 @@ class DeviceMemory:
         """Evict m and log the pages it gives up (all it holds) as one move, with the reason."""
         on = m.residency.on_device
         pages = m.kv.allocator.num_mapped_pages + (m.weights.num_pages if on else 0)
+        pages += m.adapter_pages
         m.evict(drain_s)
         m.evicted_for = reason
         if on:
@@ -132,8 +134,12 @@ class DeviceMemory:
         stalled: bool = False,
     ) -> list[str]:
         """Evict idle models in the balloon's order until `fits()` (at most `limit`); returns
-        the evicted names (fits() may still be false when nothing else could go)."""
+        the evicted names (fits() may still be false when nothing else could go). Idle LoRA
+        adapters go first (a few pages each, back in a few MB of copy), unless a limit is set
+        (a last resort: evict_idle_adapter)."""
         evicted: list[str] = []
+        while limit is None and not fits() and self.evict_idle_adapter(taker):
+            pass
         held = [holding(m) for m in self.models.values()]
         for name in balloon.eviction_order(held, keep, stalled):
             if fits() or (limit is not None and len(evicted) >= limit):
@@ -142,6 +148,23 @@ class DeviceMemory:
             evicted.append(name)
             log.info("evicted %s for room", name)
         return evicted
+
+    def evict_idle_adapter(self, taker: str | None) -> bool:
+        """Evict the least recently used resident adapter (of any model) that no request
+        needs, its pages to `taker`; False if there is none."""
+        idle = [
+            (a, m)
+            for m in self.models.values()
+            if m.adapters
+            for a in m.adapters.idle(m.busy_adapters())
+        ]
+        if not idle:
+            return False
+        a, m = min(idle, key=lambda am: am[0].last_used)
+        pages = m.evict_adapter(a.name)
+        self.pool.record_move(a.name, taker, pages, "evict")
+        log.info("evicted adapter %s of %s for room", a.name, m.name)
+        return True
 
     def make_resident(self, m: ModelWorker, now: float, wait: bool = False) -> bool:
         """Start m's activation, evicting idle models if the pool needs their pages; False if
@@ -237,6 +260,8 @@ class DeviceMemory:
             self._ask_for_room(device, 1, m.name, now)
         if short and self.pool.available_to(m.name):
             return  # the page it waits for is on those devices, not here
+        if self.evict_idle_adapter(m.name):  # the cheapest pages first: one move per step
+            return
         if self.make_room(lambda: False, now, resort.keep, m.name, 1, resort.stalled):
             if self.taker is None:  # the pages it freed are its own until it runs: the model
                 self.taker = m.name  # evicted (stalled too) must not take them straight back
@@ -273,7 +298,9 @@ class DeviceMemory:
         a busy one gives up a request when none is idle."""
         stats = self.pool.stats()
         name = self.worker.name
-        if any(n and o.split("/")[0] not in self.models for o, n in stats.owned.items()):
+        mine = set(self.models)
+        mine |= {a for m in self.models.values() if m.adapters for a in m.adapters.by_name}
+        if any(n and o.split("/")[0] not in mine for o, n in stats.owned.items()):
             for device in self.worker.peers:
                 self._ask(device, ReleaseShards(name, now, taker))
 

@@ -17,7 +17,15 @@ import torch
 from kvpool import PagePool
 from models.attention.flashinfer_paged import DEFAULT_KERNELS
 from models.kernels.tuning import KernelConfig
-from prism_server.engine.commands import Activate, Call, CheckIntegrity, Command, Evict, Publish
+from prism_server.engine.commands import (
+    Activate,
+    Call,
+    CheckIntegrity,
+    Command,
+    Evict,
+    Publish,
+    UnloadAdapter,
+)
 from prism_server.engine.device_commands import HANDLERS
 from prism_server.engine.device_memory import DeviceMemory
 from prism_server.engine.model_runner import DeviceResources
@@ -141,7 +149,7 @@ class DeviceWorker:
         if handler is None:
             raise TypeError(f"not a command: {cmd!r}")
         result = handler(self, cmd)
-        if done is not None and not isinstance(cmd, (Activate, Evict)):
+        if done is not None and not isinstance(cmd, (Activate, Evict, UnloadAdapter)):
             done.set_result(result)
 
     def _drain(self) -> None:
@@ -222,6 +230,9 @@ class DeviceWorker:
                     m, lambda m=m: m.step(now, admit(m, None), while_running=self._hook(m))
                 )
         self.memory.relieve(serving, starved, now)  # models blocked on memory: the balloon
+        for m in self.models.values():  # adapters being unloaded whose last request ended
+            if m.adapters:
+                self._guard(m, m.reap_adapters)
         if not ran:  # no step to hide it behind: the last tokens' text now
             self.flush_outputs()
         # where each request's time went since its last charge (the idle wait before this step

@@ -6,8 +6,10 @@ commands. `generate` is the synchronous convenience API."""
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import queue
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -17,6 +19,7 @@ from pathlib import Path
 import torch
 
 from kvpool import PagePool
+from models.lora import AdapterError  # (raised to the frontend: a bad adapter)
 from prism_server import envs
 from prism_server.completion import Completion
 from prism_server.config import EngineConfig, ModelSpec
@@ -26,9 +29,12 @@ from prism_server.engine.commands import (
     Activate,
     Evict,
     Load,
+    LoadAdapter,
     Partition,
     RemoveModel,
     Submit,
+    TransitionRefused,
+    UnloadAdapter,
 )
 from prism_server.engine.control_loop import ControlLoop, PlanView
 from prism_server.engine.device_worker import DeviceWorker
@@ -96,7 +102,13 @@ class Engine:
         self.served: dict[str, ServedModel] = {}  # config order, failed models included
         self._ids = itertools.count()
         self._settings = LoadSettings.of(config, self.policy, self.device)
-        for spec in config.models:
+        # LoRA adapters: each one's base (kept after an unload: a late abort finds its model),
+        # and the loads under way (a second ask for one joins the first)
+        self._bases: dict[str, str] = {}
+        self._adapter_loads: dict[str, Future] = {}
+        self._adapter_lock = threading.Lock()
+        # the base models first: an adapter is placed beside its base
+        for spec in sorted(config.models, key=lambda s: s.is_adapter):
             try:
                 self.load(spec)
             except Exception as e:
@@ -113,6 +125,10 @@ class Engine:
                 raise
             for n, tokens in max_kv.items():
                 self.served[n] = replace(self.served[n], max_kv_tokens=tokens)
+        for n, served in list(self.served.items()):  # an adapter's limits are its base's
+            base = self.served.get(served.spec.base) if served.spec.is_adapter else None
+            if base is not None and not served.failed and not base.failed:
+                self.served[n] = replace(base, spec=served.spec)
         self.control: ControlLoop | None = None
         if self.policy.plan:
             self.control = ControlLoop(self, config.plan_interval_s)
@@ -134,6 +150,8 @@ class Engine:
         at once; it never moves to other devices."""
         if spec.name in self.served:
             raise ValueError(f"a model named {spec.name!r} is already loaded")
+        if spec.is_adapter:
+            return self.start_load_adapter(spec.name, spec.adapter, spec.base, spec).result()
         dev, shards = self._routes.place(
             spec, lambda n: self.model_snapshot(n).weight_bytes, weight_bytes(spec, self.device)
         )
@@ -145,6 +163,98 @@ class Engine:
         self._routes.where[spec.name] = dev
         self.served[spec.name] = served = loaded.served(spec, dev.name)
         return served
+
+    # ---- LoRA adapters ---------------------------------------------------------------------------
+    def start_load_adapter(
+        self, name: str, path: str, base: str | None = None, spec: ModelSpec | None = None
+    ) -> Future:
+        """Load the LoRA adapter in directory `path` as model `name`, served by the steps of
+        `base` (None: the base its adapter_config.json names, or the only base model);
+        thread-safe, returns at once. The future -> its ServedModel, or AdapterError (a bad
+        adapter: nothing served is disturbed), ValueError (a name taken)."""
+        with self._adapter_lock:
+            pending = self._adapter_loads.get(name)
+            if pending is not None:
+                return pending  # (the same name asked twice at once: one load)
+            if name in self.served:
+                raise ValueError(f"a model named {name!r} is already loaded")
+            base = base or self._adapter_base(name, path)
+            served_base = self.served.get(base)
+            if served_base is None or served_base.spec.is_adapter:
+                raise AdapterError(f"adapter {name}: its base {base!r} is not a served model")
+            if served_base.failed:
+                raise AdapterError(f"adapter {name}: its base {base!r} failed to load")
+            spec = spec or ModelSpec(name, base=base, adapter=str(path))
+            cfg = self.config
+            cmd = LoadAdapter(base, name, str(path), cfg.max_lora_rank, cfg.max_loras)
+            out: Future = Future()
+            self._adapter_loads[name] = out
+
+        def loaded(done: Future) -> None:  # (on the engine thread)
+            with self._adapter_lock:
+                self._adapter_loads.pop(name, None)
+                e = done.exception()
+                if e is None:
+                    self._bases[name] = base
+                    self.served[name] = replace(served_base, spec=spec)
+            if e is None:
+                log.info("adapter %s of %s loaded from %s", name, base, path)
+                out.set_result(self.served[name])
+            else:
+                out.set_exception(e)
+
+        cmd.done.add_done_callback(loaded)
+        self._routes.send(base, cmd)
+        return out
+
+    def start_unload_adapter(self, name: str) -> Future:
+        """Stop serving adapter `name`: new requests for it get 404 at once, those accepted
+        finish; thread-safe, returns at once. The future resolves once it is gone (its pages
+        and host copy freed). ModelNotFound if no such adapter."""
+        with self._adapter_lock:
+            served = self.served.get(name)
+            if served is None or not served.spec.is_adapter:
+                raise ModelNotFound(name)
+            del self.served[name]
+        cmd = UnloadAdapter(served.spec.base, name)
+        self._routes.send(served.spec.base, cmd)
+        return cmd.done
+
+    def find_adapter(self, name: str) -> Path | None:
+        """The directory of an adapter called `name` in lora_dirs (<dir>/<name> with an
+        adapter_config.json), or None."""
+        if not name or "/" in name or "\\" in name or name in (".", ".."):
+            return None
+        for d in self.config.lora_dirs:
+            path = Path(d).expanduser() / name
+            if (path / "adapter_config.json").is_file():
+                return path
+        return None
+
+    def _adapter_base(self, name: str, path: str) -> str:
+        """The base of an adapter loaded at run time: the served base model its config's
+        base_model_name_or_path names (by name, or its source's path), else the only one."""
+        bases = {n: s for n, s in self.served.items() if not s.spec.is_adapter and not s.failed}
+        try:
+            cfg = json.loads((Path(path).expanduser() / "adapter_config.json").read_text())
+            named = str(cfg.get("base_model_name_or_path") or "")
+        except (OSError, ValueError, AttributeError):
+            named = ""  # read_adapter names the problem
+        if named:
+            for n, s in bases.items():
+                src = s.spec.source
+                if named in (n, src) or Path(named).name in (n, Path(src).name):
+                    return n
+        if len(bases) == 1:
+            return next(iter(bases))
+        raise AdapterError(
+            f"adapter {name}: which base model it adapts is not known (its "
+            f"base_model_name_or_path is {named!r}; served: {sorted(bases)}); name it"
+        )
+
+    def _device_model(self, name: str) -> str:
+        """The model of the device worker that serves `name` (an adapter's base)."""
+        return self._bases.get(name, name)
 
     # ---- the frontend's side ---------------------------------------------------------------------
     def model(self, name: str) -> ServedModel:
@@ -178,8 +288,14 @@ class Engine:
         internal: never a client's."""
         rid = f"r{next(self._ids)}"
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        req = Request(rid, prompt_ids, params, served.eos_token_ids, arrival, sink)
-        self._routes.send(served.name, Submit(served.name, req))
+        adapter = served.name if served.spec.is_adapter else None
+        req = Request(rid, prompt_ids, params, served.eos_token_ids, arrival, sink, adapter)
+        if adapter is not None:  # an adapter's own SLOs (else its base's, set by the worker)
+            spec = served.spec
+            req.ttft_slo = spec.ttft_slo_ms / 1e3 if spec.ttft_slo_ms else None
+            req.tpot_slo = spec.tpot_slo_ms / 1e3 if spec.tpot_slo_ms else None
+        model = served.spec.base if adapter is not None else served.name
+        self._routes.send(model, Submit(model, req))
         return req
 
     def add_request(
@@ -197,6 +313,7 @@ class Engine:
         return self.submit(served, ids, params, sink)
 
     def abort(self, model: str, request_id: str) -> None:
+        model = self._device_model(model)
         self._routes.send(model, Abort(model, request_id))
 
     def activate(self, name: str) -> float:
@@ -213,14 +330,24 @@ class Engine:
     def start_activate(self, name: str) -> Future:
         """Send a model's activation (thread-safe; returns at once): the future resolves once it
         serves, or with TransitionRefused."""
-        self.model(name)
+        self._not_adapter(self.model(name))
         return self._routes.transition(Activate(name))
 
     def start_evict(self, name: str, drain_s: float | None = None) -> Future:
         """Send a model's eviction (as `evict`; returns at once): the future resolves once it is
         offloaded, or with TransitionRefused (pinned, or activated while it drained)."""
-        drain = self.model(name).spec.drain_timeout_s if drain_s is None else drain_s
+        drain = self._not_adapter(self.model(name)).spec.drain_timeout_s
+        drain = drain if drain_s is None else drain_s
         return self._routes.transition(Evict(name, drain))
+
+    @staticmethod
+    def _not_adapter(served: ServedModel) -> ServedModel:
+        if served.spec.is_adapter:
+            raise TransitionRefused(
+                f"`{served.name}` is a LoRA adapter: it is activated for its requests and "
+                f"evicted with its base `{served.spec.base}` (activate or evict that)"
+            )
+        return served
 
     def migrate(self, name: str, device: str) -> bool:
         """Move an offloaded model to `device` (the planner placed it there): Routes.move. False

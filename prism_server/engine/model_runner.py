@@ -32,6 +32,7 @@ from models.attention.torch_paged import TorchPagedAttention
 from models.attention.upload import host_ints, upload
 from models.kernels.fused_decode import load_step_ops
 from models.kernels.tuning import KernelConfig
+from models.lora import LoraBatch
 from models.tensor_parallel import collective_order
 from prism_server.engine.cuda_graph_runner import DEFAULT_BATCH_SIZES, CudaGraphRunner
 from prism_server.engine.piecewise_graphs import (
@@ -212,6 +213,8 @@ class ModelRunner:
                 model, buckets, device, self.graphs.pool, views, self.graphs.stream
             )
             self.pieces.capture()
+        # the base's LoRA adapters (engine.adapters.BaseAdapters; set when the first is loaded)
+        self.lora = None
         # FlashInfer's plan stages its tables in pinned host buffers that a queued copy reads:
         # the next plan waits for the last one's copies (recorded here), so that the host may
         # plan a step while the previous one is still queued behind another
@@ -257,6 +260,16 @@ class ModelRunner:
         if input_ids is None:
             input_ids = tokens[0]
         spans = _prompt_spans(batch) if scores is not None else []
+        # NOTE: the decode graphs and the piecewise graphs are captured without LoRA work: a
+        # step with some runs eagerly (its adapters' deltas added in each layer's own forward)
+        lora = self.lora.batch(batch, self.device) if self.lora is not None else None
+        if lora is not None:
+            if on_launch is not None:
+                on_launch()
+            hidden = self._forward(input_ids, pos, md, lora=lora)
+            for req, flat, lo, hi in spans:
+                scores.append((req, self._score(hidden[flat : flat + hi - lo], req, lo, hi)))
+            return self.model.compute_logits(hidden[rows]) if last else _no_logits(hidden)
         if not spans and self.graphs is not None and self.graphs.can_run(md):
             logits = self.graphs.run(input_ids, pos, md, self._planned)[rows]
             if on_launch is not None:
@@ -312,12 +325,13 @@ class ModelRunner:
         pos: torch.Tensor,
         md: AttentionMetadata,
         attn: AttentionBackend | None = None,
+        lora: LoraBatch | None = None,
     ) -> torch.Tensor:
         """A step run eagerly -> hidden states [T, hidden]. attn: the step's attention, planned
-        for md (None: the runner's attention factory's)."""
+        for md (None: the runner's attention factory's); lora: the step's adapters' work."""
         if attn is None:
             attn = self.attention(self.kv_cache.layer_views, md)
-        ctx = ForwardContext(attn=attn)
+        ctx = ForwardContext(attn=attn, lora=lora)
         if self._planned is not None:
             self._planned.record()
         return self.model(input_ids, pos, ctx)

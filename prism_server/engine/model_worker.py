@@ -10,6 +10,7 @@ worker in named steps (its KV, its runner with its CUDA graphs, its latency prof
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -20,6 +21,7 @@ import torch
 from kvpool import HostCopy, PagedKV, ShardedKV, WeightBuffer
 from models.attention.upload import tensor_on
 from models.layers.causal_lm import weight_bytes
+from prism_server.engine.adapters import BaseAdapters
 from prism_server.engine.model_runner import DeviceResources, ModelRunner, TensorParallelRunner
 from prism_server.engine.model_stats import ModelStats
 from prism_server.engine.output_processor import OutputProcessor
@@ -29,6 +31,7 @@ from scheduler.arbitrator import ModelWork, model_work
 from scheduler.batch_scheduler import BatchScheduler, ScheduledChunk, SchedulerConfig
 from scheduler.latency_model import StepShape
 from scheduler.request import FinishReason, Request, RequestOutput, TokenLogprob
+from scheduler.snapshot import ModelSnapshot
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +90,9 @@ class ModelWorker(ModelResidency, ModelStats):
         # told of each step once done: (the worker, when it started (perf_counter), shape,
         # estimate, seconds); the device's step trace
         self.on_step: Callable[[ModelWorker, float, StepShape, float, float], None] | None = None
+        # its LoRA adapters (None until the first is loaded): their requests are its own,
+        # tagged with the adapter's name (Request.adapter)
+        self.adapters: BaseAdapters | None = None
 
     @property
     def has_work(self) -> bool:
@@ -99,6 +105,15 @@ class ModelWorker(ModelResidency, ModelStats):
 
     # ---- commands -------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
+        if req.adapter is not None:
+            a = self.adapters.by_name.get(req.adapter) if self.adapters is not None else None
+            if a is None:  # unloaded after the request was accepted: it ends with the reason
+                out = self.outputs.final(
+                    req, FinishReason.ERROR, f"the adapter {req.adapter} is not loaded"
+                )
+                self._emit(req, out)
+                return
+            a.requests_total += 1
         req.priority = req.params.priority
         self.set_slos(req)
         self.requests[req.request_id] = req
@@ -150,7 +165,10 @@ class ModelWorker(ModelResidency, ModelStats):
                 self._step_ahead(prev, follow, while_running)
                 return True
             self.sync()
+        admit = self._admit_adapters(admit, now)
         batch = self.scheduler.schedule(now, admit, token_budget)
+        if self.adapters and self.adapters.short_of_pages:
+            self.scheduler.blocked = True  # an adapter's requests wait for its pages
         if not batch:
             return False
         self.last_used = now
@@ -191,6 +209,80 @@ class ModelWorker(ModelResidency, ModelStats):
         self.scheduler.advance(batch)
         self._publish(sampling, tokens, logprobs, defer=while_running is not None)
         return True
+
+    def _admit_adapters(self, admit: Sequence[str] | None, now: float) -> Sequence[str] | None:
+        """The pick's admission (None: FCFS) less the waiting requests whose adapter cannot run
+        in this step (its pages or a slot not to be had now); their adapters are made ready
+        (resident, in a slot), the running requests' first."""
+        if not self.adapters:
+            return admit
+        s = self.scheduler
+        running = {r.adapter for r in s.running if r.adapter is not None}
+        mine = self.requests
+        order = list(s.waiting) if admit is None else [mine[i] for i in admit if i in mine]
+        wanted = [*running, *(r.adapter for r in order if r.adapter is not None)]
+        if not wanted:
+            return admit
+        ready = self.adapters.prepare(wanted, running, now)
+        if running - ready:  # never: a running request's adapter keeps its pages and slot
+            raise RuntimeError(f"adapters of running requests not ready: {sorted(running - ready)}")
+        if all(r.adapter is None or r.adapter in ready for r in order):
+            return admit
+        return [r.request_id for r in order if r.adapter is None or r.adapter in ready]
+
+    def busy_adapters(self) -> set[str]:
+        """The adapters some request of this model runs with or waits for."""
+        return {r.adapter for r in self.requests.values() if r.adapter is not None}
+
+    @property
+    def adapter_pages(self) -> int:
+        """The pool pages its adapters hold now."""
+        if not self.adapters:
+            return 0
+        return sum(a.buffer.pages.num_mapped_pages for a in self.adapters.by_name.values())
+
+    def evict_adapter(self, name: str) -> int:
+        """Give an idle adapter's pages back (its step in flight read first); -> pages freed."""
+        self.sync()
+        return self.adapters.evict(name)
+
+    def unload_adapter(self, name: str, done) -> None:
+        """Drop an adapter once its requests have finished (at once if it has none); `done`
+        resolves then. New requests for it are refused meanwhile by the frontend."""
+        a = self.adapters.by_name[name] if self.adapters is not None else None
+        if a is None:
+            raise KeyError(name)
+        a.unloading.append(done)
+        self.reap_adapters()
+
+    def reap_adapters(self) -> None:
+        """Remove the adapters being unloaded whose requests are all done."""
+        if not self.adapters:
+            return
+        gone = [a.name for a in self.adapters.by_name.values() if a.unloading]
+        if not gone:
+            return
+        busy = self.busy_adapters()
+        for name in gone:
+            if name not in busy:
+                self.sync()  # no step in flight reads its pages
+                self.adapters.remove(name)
+
+    def poll(self) -> None:
+        super().poll()
+        self.reap_adapters()
+
+    def _offload(self) -> None:
+        super()._offload()
+        if self.adapters:  # an offloaded base holds no page: its adapters' go with its own
+            self.adapters.evict_all()
+
+    def snapshot(self) -> ModelSnapshot:
+        snap = super().snapshot()
+        if not self.adapters:
+            return snap
+        mine = list(self.scheduler.running) + list(self.scheduler.waiting)
+        return dataclasses.replace(snap, adapters=self.adapters.snapshot(self.name, mine))
 
     def _follow(
         self, prev: _InFlight, admit: Sequence[str] | None, token_budget: int | None
@@ -382,6 +474,8 @@ class ModelWorker(ModelResidency, ModelStats):
             assert self.weights.mapped == self.residency.on_device, (self.name, self.residency)
         if not self.serving:
             assert self.kv.allocator.num_mapped_pages == 0, "an offloaded model holds KV pages"
+        if self.adapters is not None:
+            self.adapters.check_integrity(self.residency.on_device)
 
     def inherit(self, old: ModelWorker) -> None:
         """Take over the history of the worker this model had on another device: its latency
@@ -405,6 +499,8 @@ class ModelWorker(ModelResidency, ModelStats):
         self.close_residency()
         for rid in list(self.requests):
             self.abort(rid)
+        if self.adapters is not None:
+            self.adapters.close()
         self.kv.close()
         if self.weights is not None:
             self.weights.close()

@@ -35,7 +35,7 @@ class Frontend:
     def __init__(self, engine: Engine, max_queued_requests: int, request_log: str | None = None):
         """request_log: the file that gets a JSON line per request that ends (None: none)."""
         self.engine = engine
-        self.metrics = Metrics(engine.snapshots, engine.plan_view)
+        self.metrics = Metrics(engine.snapshots, engine.plan_view, engine.config.max_loras)
         self.max_queued = max_queued_requests
         self.request_log = RequestLog(request_log) if request_log is not None else None
         self._queued: dict[str, int] = defaultdict(int)  # accepted, no output yet, per model

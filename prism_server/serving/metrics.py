@@ -6,6 +6,7 @@ engine-thread objects); request metrics are recorded by the frontend as outputs 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 
 from prometheus_client import (
@@ -56,9 +57,12 @@ _LATENCY_BUCKETS = (
 class _SnapshotCollector:
     """Scrape-time gauges from the latest device snapshots."""
 
-    def __init__(self, snapshots: Callable[[], Sequence[DeviceSnapshot]], plan=None):
+    def __init__(
+        self, snapshots: Callable[[], Sequence[DeviceSnapshot]], plan=None, max_loras: int = 0
+    ):
         self.snapshots = snapshots
         self.plan = plan  # () -> the control loop's last PlanView, or None
+        self.max_loras = max_loras  # each base model's adapter slots
 
     def collect(self):
         running = GaugeMetricFamily(
@@ -174,6 +178,17 @@ class _SnapshotCollector:
             "Prompt tokens found in the prefix cache, not computed (vLLM's name).",
             labels=lm,
         )
+        lora = GaugeMetricFamily(
+            "prism:lora_requests_info",
+            "Per base model: its LoRA adapters with running and with waiting requests "
+            "(vLLM's series, labels comma-separated; the value: when it was read, Unix time).",
+            labels=["model_name", "max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+        )
+        adapter_resident = GaugeMetricFamily(
+            "prism:lora_adapter_resident",
+            "1 if the LoRA adapter's weights are in its base's device memory (its pages mapped).",
+            labels=["model_name", "base"],
+        )
         for snap in self.snapshots():
             page = snap.pool.page_bytes
             policy.add_metric([snap.device, snap.policy], 1)
@@ -221,6 +236,20 @@ class _SnapshotCollector:
                 act_seconds.add_metric([name], buckets, m.activation_seconds)
                 act_bytes.add_metric([name], m.bytes_activated)
                 weight_pages.add_metric([name], m.weight_pages)
+                if m.adapters:
+                    busy = [a.name for a in m.adapters if a.num_running]
+                    queued = [a.name for a in m.adapters if a.num_waiting]
+                    labels = [name, str(self.max_loras), ",".join(busy), ",".join(queued)]
+                    lora.add_metric(labels, time.time())
+                for a in m.adapters:  # an adapter: a model_name of its own (its base's counts
+                    running.add_metric([a.name], a.num_running)  # include its requests)
+                    waiting.add_metric([a.name], a.num_waiting)
+                    resident.add_metric([a.name], 1 if a.resident else 0)
+                    weight_pages.add_metric([a.name], a.weight_pages)
+                    mbytes.add_metric([a.name, "weights"], a.weight_pages * page)
+                    activations.add_metric([a.name], a.activations)
+                    evictions.add_metric([a.name], a.evictions)
+                    adapter_resident.add_metric([a.name, name], 1 if a.resident else 0)
             p, dev = snap.pool, snap.device
             pool.add_metric([dev, "capacity"], p.capacity)
             pool.add_metric([dev, "created"], p.created)
@@ -232,7 +261,7 @@ class _SnapshotCollector:
         yield from (running, waiting, usage, pages, mbytes, resident, state, pool, pbytes)
         yield from (activations, evictions, act_seconds, act_bytes, weight_pages, since)
         yield from (policy, estimate, est_error, deferred, deadlines, moved, queries, hits)
-        yield from (preemptions, recomputed)
+        yield from (preemptions, recomputed, lora, adapter_resident)
         view = self.plan() if self.plan is not None else None
         if view is not None:
             kvpr = GaugeMetricFamily(
@@ -256,9 +285,11 @@ class _SnapshotCollector:
 
 
 class Metrics:
-    def __init__(self, snapshots: Callable[[], Sequence[DeviceSnapshot]], plan=None):
+    def __init__(
+        self, snapshots: Callable[[], Sequence[DeviceSnapshot]], plan=None, max_loras: int = 0
+    ):
         self.registry = r = CollectorRegistry()
-        r.register(_SnapshotCollector(snapshots, plan))
+        r.register(_SnapshotCollector(snapshots, plan, max_loras))
         for c in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
             r.register(c)  # the default registry's: the process's CPU, memory, files, GC
         lm = ["model_name"]

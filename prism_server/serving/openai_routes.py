@@ -42,16 +42,36 @@ class OpenAIRoutes:
     def _card(self, served: ServedModel, residency: dict[str, str]) -> dict:
         if served.failed:
             return model_card(served.name, self.created, status="failed", error=served.error)
+        spec = served.spec
+        if spec.is_adapter:  # vLLM's shape: root its directory, parent its base's id
+            return model_card(
+                served.name,
+                self.created,
+                root=spec.adapter,
+                parent=spec.base,
+                max_model_len=served.max_model_len,
+                status=residency.get(served.name, "loading"),
+                policy=self.engine.config.policy,
+            )
         return model_card(
             served.name,
             self.created,
+            root=spec.source,
+            parent=None,
             max_model_len=served.max_model_len,
             status=residency.get(served.name, "loading"),
             policy=self.engine.config.policy,
         )
 
     def _residency(self) -> dict[str, str]:
-        return {m.name: m.residency.value for snap in self.engine.snapshots() for m in snap.models}
+        """Each model's residency; an adapter's: resident (its pages mapped) or offloaded."""
+        out = {}
+        for snap in self.engine.snapshots():
+            for m in snap.models:
+                out[m.name] = m.residency.value
+                for a in m.adapters:
+                    out[a.name] = "resident" if a.resident else "offloaded"
+        return out
 
     async def list_models(self, request: web.Request) -> web.Response:
         """Every configured model, in config order (failed ones included)."""
@@ -113,7 +133,7 @@ class OpenAIRoutes:
     # ---- generation -----------------------------------------------------------------------------
     async def chat(self, request: web.Request) -> web.StreamResponse:
         req = await serving.parse(request, ChatCompletionRequest)
-        served = serving.lookup(self.engine, req.model)
+        served = await serving.resolve(self.engine, req.model)
         messages = req.chat_messages()
         ids = await serving.off_loop(
             lambda: served.encode_chat(messages, True, req.tool_defs(), req.uses_tools)
@@ -138,7 +158,7 @@ class OpenAIRoutes:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         req = await serving.parse(request, CompletionRequest)
-        served = serving.lookup(self.engine, req.model)
+        served = await serving.resolve(self.engine, req.model)
         raw = req.prompts()
         if req.suffix:  # fill in the middle, between each prompt and the suffix
 

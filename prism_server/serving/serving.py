@@ -15,7 +15,7 @@ from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from prism_server.completion import Completion
-from prism_server.engine.engine import Engine
+from prism_server.engine.engine import AdapterError, Engine
 from prism_server.served_model import ModelFailed, ModelNotFound, RequestRejected, ServedModel
 from prism_server.serving.frontend import Frontend, RequestStream, overloaded
 from prism_server.serving.middlewares import MODEL, USAGE, client_request_id
@@ -96,6 +96,34 @@ def lookup(engine: Engine, name: str) -> ServedModel:
         raise APIError(
             503, str(e), "server_error", param="model", code="model_load_failed"
         ) from None
+
+
+def bad_adapter(e: Exception) -> APIError:
+    """An adapter that cannot be served (models.lora's AdapterError, a taken name): 400."""
+    return APIError(400, str(e), param="lora_path", code="invalid_adapter")
+
+
+async def resolve(engine: Engine, name: str) -> ServedModel:
+    """`lookup`, and for a name that is no served model but an adapter's directory in
+    lora_dirs: that adapter loaded first (vLLM's filesystem resolver; 400 if it is bad)."""
+    try:
+        return lookup(engine, name)
+    except APIError as e:
+        path = engine.find_adapter(name) if e.status == 404 else None
+        if path is None:
+            raise
+    try:
+        # shielded: a client that goes away does not cancel the load other requests may wait on
+        await asyncio.shield(asyncio.wrap_future(engine.start_load_adapter(name, str(path))))
+    except AdapterError as e:
+        raise APIError(400, str(e), param="model", code="invalid_adapter") from None
+    except ValueError:  # loaded meanwhile by another request
+        pass
+    except MemoryError as e:
+        raise APIError(
+            503, str(e), "server_error", param="model", code="insufficient_memory"
+        ) from None
+    return lookup(engine, name)
 
 
 def rejected(e: RequestRejected) -> APIError:

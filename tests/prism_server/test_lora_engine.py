@@ -1,0 +1,333 @@
+"""LoRA adapters served by the engine: adapters of a tiny real base (made with peft) named in the
+config, their requests run in their base's steps, each with the tokens the model-level path gives
+it alone (that path is held to HF + PEFT in tests/models/test_lora.py); one step mixes several
+adapters and the base; adapters' weights are pool owners of their own, evicted with their base
+and when idle, brought back for their requests; unloading waits for the requests in flight. Every
+test ends with the pool's and every model's integrity checked, owner by owner."""
+
+from __future__ import annotations
+
+import queue
+import time
+from concurrent.futures import Future
+
+import pytest
+
+from prism_server.completion import Completion
+from prism_server.config import EngineConfig, ModelSpec
+from prism_server.engine.commands import Call
+from prism_server.engine.engine import Engine
+from prism_server.served_model import ModelNotFound
+from scheduler.sampling_params import SamplingParams
+from tests.prism_server.lora_setup import SPECS, make_set, solo_tokens
+
+PAGE = 64 << 10
+NEW = 8
+GREEDY = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
+PROMPTS: dict[str | None, list[int]] = {
+    None: [5, 17, 60, 3, 9],
+    "sql": [8, 8, 1, 90, 4000],
+    "chat": [33, 2, 71, 12],
+    "kv": [64, 3, 5, 1000, 20, 7],
+    "mlp": [1, 2, 3, 4, 5, 6, 7],
+}
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    """(the base's directory, the adapters' directories, each prompt's solo tokens)."""
+    base, dirs, _ = make_set(tmp_path_factory.mktemp("lora-engine"))
+    return base, dirs, solo_tokens(base, dirs, PROMPTS, NEW)
+
+
+def config(made, max_loras: int = 8, **kw) -> EngineConfig:
+    base, dirs, _ = made
+    specs = (ModelSpec("base", str(base), block_size=4),) + tuple(
+        ModelSpec(n, base="base", adapter=str(d)) for n, d in dirs.items()
+    )
+    kw.setdefault("kv_budget_bytes", 64 * PAGE)
+    return EngineConfig(models=specs, device="cpu", page_bytes=PAGE, max_loras=max_loras, **kw)
+
+
+def run(e: Engine, requests: list[tuple[str | None, list[int]]]) -> list[Completion]:
+    """The requests submitted together, each to its adapter (None: the base); waits for all."""
+    done: queue.SimpleQueue = queue.SimpleQueue()
+    out = []
+    for adapter, prompt in requests:
+        c = Completion(prompt, arrival_time=time.monotonic())
+
+        def sink(o, c=c):
+            c.add(o, time.monotonic())
+            if o.finished:
+                done.put(None)
+
+        e.add_request(adapter or "base", prompt, GREEDY, sink)
+        out.append(c)
+    for _ in out:
+        done.get(timeout=60)
+    return out
+
+
+def owners_whole(e: Engine) -> dict[str, int]:
+    """The pool's and each model's integrity, and every adapter's pages as its snapshot says;
+    -> the pool's pages per owner."""
+    e.check_integrity()
+    owned = e.pool.stats().owned
+    for a in e.worker.snapshot_now().model("base").adapters:
+        assert owned.get(f"{a.name}/weights", 0) == a.weight_pages == (1 if a.resident else 0)
+    return owned
+
+
+def record_steps(e: Engine) -> list[list[int]]:
+    """Each eager step's token slots from now on (the base's runner)."""
+    steps: list[list[int]] = []
+
+    def hook():
+        runner = e.worker.models["base"].runner
+        forward = runner._forward
+
+        def recorded(*args, lora=None, **kw):
+            steps.append(lora.token_slots.tolist() if lora is not None else [])
+            return forward(*args, lora=lora, **kw)
+
+        runner._forward = recorded
+
+    e.worker.execute(Call(hook))
+    return steps
+
+
+def test_config_adapters_give_their_solo_tokens_in_steps_mixing_them_with_the_base(
+    made, steps_ahead
+):
+    ref = made[2]
+    with Engine(config(made)) as e:
+        steps = record_steps(e)
+        got = run(e, list(PROMPTS.items()))
+        for (adapter, _), c in zip(PROMPTS.items(), got):
+            assert c.error is None and c.token_ids == ref[adapter], adapter
+        mixed = [set(s) for s in steps if len(set(s) - {-1}) >= 3 and -1 in s]
+        assert mixed, steps  # some step ran 3+ adapters and the base together
+        owned = owners_whole(e)
+        assert {f"{n}/weights" for n in SPECS} <= set(owned)
+        # an adapter's requests never share the prefix cache with the base's or another's
+        again = run(e, [("sql", PROMPTS["sql"]), (None, PROMPTS["sql"])])
+        assert again[0].token_ids == ref["sql"]
+        assert again[1].token_ids != ref["sql"]
+        owners_whole(e)
+
+
+def test_more_adapters_with_work_than_slots_take_turns(made, steps_ahead):
+    """Two slots, four adapters with two requests each: each request its solo tokens."""
+    ref = made[2]
+    with Engine(config(made, max_loras=2)) as e:
+        reqs = [(a, PROMPTS[a]) for a in SPECS] * 2
+        for (adapter, _), c in zip(reqs, run(e, reqs)):
+            assert c.error is None and c.token_ids == ref[adapter], adapter
+        slots = [a.slot for a in e.worker.snapshot_now().model("base").adapters]
+        assert sorted(s for s in slots if s is not None) == [0, 1]
+        owners_whole(e)
+
+
+def test_evicting_the_base_frees_every_page_of_its_adapters_and_they_come_back(made):
+    ref = made[2]
+    with Engine(config(made)) as e:
+        run(e, [(a, PROMPTS[a]) for a in SPECS])
+        before = owners_whole(e)
+        assert all(before[f"{a}/weights"] == 1 for a in SPECS)
+        e.evict("base")
+        owned = owners_whole(e)
+        assert owned["base/weights"] == owned["base"] == 0
+        assert all(owned[f"{a}/weights"] == 0 for a in SPECS)
+        assert e.pool.stats().free + sum(owned.values()) >= sum(before.values())
+        snap = e.worker.snapshot_now().model("base")
+        assert not any(a.resident for a in snap.adapters)
+        # an adapter's request brings its base back, then the adapter
+        (c,) = run(e, [("chat", PROMPTS["chat"])])
+        assert c.token_ids == ref["chat"]
+        snap = e.worker.snapshot_now().model("base")
+        assert snap.residency.value == "resident"
+        by_name = {a.name: a for a in snap.adapters}
+        assert by_name["chat"].resident and by_name["chat"].activations == 1
+        assert not by_name["sql"].resident  # idle: stays offloaded
+        owners_whole(e)
+
+
+def test_idle_adapters_are_evicted_first_for_room_and_come_back(made):
+    """The pool's room is made from idle adapters before any model: each gives its page back
+    (a PageMove logged), then its next request activates it again, tokens unchanged."""
+    ref = made[2]
+    with Engine(config(made)) as e:
+        run(e, [(a, PROMPTS[a]) for a in SPECS])
+        w = e.worker
+        free = e.pool.num_available
+        need = free + 2  # two pages more than the pool has free
+        evicted = w.call(lambda: w.memory.make_room(lambda: e.pool.num_available >= need, 0.0))
+        assert evicted == []  # no model went: two idle adapters were enough
+        snap = w.snapshot_now()
+        assert snap.model("base").residency.value == "resident"
+        gone = [a.name for a in snap.model("base").adapters if not a.resident]
+        assert len(gone) == 2
+        assert [m.giver for m in snap.moves[-2:]] == gone
+        reqs = [(a, PROMPTS[a]) for a in gone]
+        for (adapter, _), c in zip(reqs, run(e, reqs)):
+            assert c.token_ids == ref[adapter]
+        assert all(a.resident for a in w.snapshot_now().model("base").adapters)
+        owners_whole(e)
+
+
+def test_unloading_lets_the_requests_in_flight_finish_and_frees_the_adapter(made, steps_ahead):
+    ref = made[2]
+    long = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    with Engine(config(made)) as e:
+        done: queue.SimpleQueue = queue.SimpleQueue()
+        c = Completion(PROMPTS["sql"], arrival_time=time.monotonic())
+
+        def sink(o):
+            c.add(o, time.monotonic())
+            if o.finished:
+                done.put(None)
+
+        e.add_request("sql", PROMPTS["sql"], long, sink)
+        while not c.token_ids:  # it runs
+            time.sleep(0.005)
+        stale = e.model("sql")  # a handle looked up before the unload (a request in flight)
+        gone: Future = e.start_unload_adapter("sql")
+        with pytest.raises(ModelNotFound):  # new requests: 404 at once
+            e.model("sql")
+        done.get(timeout=60)
+        gone.result(timeout=30)
+        assert c.error is None and len(c.token_ids) == 40 and c.token_ids[:NEW] == ref["sql"]
+        owned = owners_whole(e)
+        assert "sql" not in {a.name for a in e.worker.snapshot_now().model("base").adapters}
+        assert owned.get("sql/weights", 0) == 0
+        # a request that was looked up before the unload and submitted after: it ends with
+        # the reason, never silently dropped
+        late: queue.SimpleQueue = queue.SimpleQueue()
+        e.submit(stale, PROMPTS["sql"], GREEDY, late.put)
+        out = late.get(timeout=30)
+        assert out.finished and out.error == "the adapter sql is not loaded"
+        # loaded again at run time, under its old name: the same tokens
+        e.start_load_adapter("sql", made[1]["sql"]).result(timeout=30)
+        (again,) = run(e, [("sql", PROMPTS["sql"])])
+        assert again.token_ids == ref["sql"]
+        owners_whole(e)
+
+
+@pytest.mark.parametrize(
+    "models, error",
+    [
+        ((ModelSpec("a", base="nope", adapter="/x"),), "its base 'nope' is not a configured"),
+        (
+            (
+                ModelSpec("b", "dummy:tiny-llama"),
+                ModelSpec("a1", base="b", adapter="/x"),
+                ModelSpec("a2", base="a1", adapter="/y"),
+            ),
+            "is itself an adapter",
+        ),
+    ],
+)
+def test_adapter_entries_are_checked(models, error):
+    with pytest.raises(ValueError, match=error):
+        EngineConfig(models=models)
+
+
+def test_adapter_entry_fields():
+    with pytest.raises(ValueError, match="takes no source"):
+        ModelSpec("a", "dummy:tiny-llama", base="b", adapter="/x")
+    with pytest.raises(ValueError, match="names both base and adapter"):
+        ModelSpec("a", base="b")
+    with pytest.raises(ValueError, match="source is required"):
+        ModelSpec("a")
+    with pytest.raises(ValueError, match="max_loras"):
+        EngineConfig(max_loras=0)
+
+
+def test_adapters_from_a_config_file_and_flags(tmp_path):
+    from prism_server.server_args import load_server_args
+
+    toml = tmp_path / "prism.toml"
+    toml.write_text(
+        '[engine]\nmax_loras = 4\nlora_dirs = ["/adapters"]\n'
+        '[[models]]\nname = "llama8b"\nsource = "dummy:tiny-llama"\n'
+        '[[models]]\nname = "sql-helper"\nbase = "llama8b"\nadapter = "/adapters/sql"\n'
+    )
+    args = load_server_args(str(toml))
+    sql = args.models[1]
+    assert (sql.base, sql.adapter, sql.is_adapter) == ("llama8b", "/adapters/sql", True)
+    assert args.engine.max_loras == 4 and args.engine.lora_dirs == ("/adapters",)
+    assert [m.name for m in args.engine.base_models] == ["llama8b"]
+    flags = ["b=dummy:tiny-llama", "chat,base=b,adapter=/adapters/chat"]
+    args = load_server_args(None, flags)
+    assert args.models[1] == ModelSpec("chat", base="b", adapter="/adapters/chat")
+
+
+def test_an_adapter_short_of_pages_takes_them_from_an_idle_model(made):
+    """The pool full (an idle model resident, the rest taken): an adapter's request evicts
+    the idle model for its adapter's page (the balloon's order), and runs with its tokens."""
+    import torch
+
+    from kvpool import WeightBuffer, WeightLayout
+
+    ref = made[2]
+    cfg = config(made)
+    other = ModelSpec("other", "dummy:tiny-llama", block_size=4)
+    cfg = EngineConfig(**{**cfg.__dict__, "models": (*cfg.models, other)})
+    with Engine(cfg) as e:
+        run(e, [(None, PROMPTS[None])])
+        w = e.worker
+        for _ in SPECS:  # every adapter evicted: each needs a page again
+            assert w.call(lambda: w.memory.evict_idle_adapter(None))
+        free = e.pool.num_available
+        layout = WeightLayout.pack([("w", (free * PAGE - 4096,), torch.uint8)])
+
+        def fill():
+            wb = WeightBuffer(e.pool, "filler/weights", layout, reclaim=False)
+            assert wb.map() and e.pool.num_available == 0
+            return wb
+
+        filler = w.call(fill)
+        try:
+            (c,) = run(e, [("sql", PROMPTS["sql"])])
+            assert c.error is None and c.token_ids == ref["sql"]
+            snap = w.snapshot_now()
+            assert snap.model("other").residency.value == "offloaded"
+            assert any(m.giver == "other" and m.taker == "base" for m in snap.moves)
+            sql = next(a for a in snap.model("base").adapters if a.name == "sql")
+            assert sql.resident and sql.activations == 1
+        finally:
+            w.call(lambda: (filler.unmap(), filler.close()))
+        owners_whole(e)
+
+
+class _CapturedWithoutLora:
+    """Where the decode graphs and piecewise graphs sit in a GPU's runner (captured with no
+    LoRA work, so a step that has some must never reach them); on the CPU there are none: any
+    call is the rule broken."""
+
+    def can_run(self, md) -> bool:
+        return True  # a decode step of any shape would replay a graph
+
+    def fits(self, num_tokens: int) -> bool:
+        return True
+
+    def run(self, *args, **kw):
+        raise AssertionError("a step with LoRA work reached a graph captured without it")
+
+
+def test_a_step_with_lora_work_runs_eagerly_never_in_a_graph(made, steps_ahead):
+    ref = made[2]
+    with Engine(config(made)) as e:
+        w = e.worker
+
+        def graphs():
+            runner = w.models["base"].runner
+            runner.graphs = runner.pieces = _CapturedWithoutLora()
+
+        w.execute(Call(graphs))
+        reqs = [(a, PROMPTS[a]) for a in SPECS]
+        for (adapter, _), c in zip(reqs, run(e, reqs)):
+            assert c.error is None and c.token_ids == ref[adapter], (adapter, c.error)
+        (base,) = run(e, [(None, PROMPTS[None])])  # the base's own steps do go to the graphs
+        assert base.error is not None and "captured without it" in base.error
+        owners_whole(e)
