@@ -184,6 +184,11 @@ class Engine:
                 raise AdapterError(f"adapter {name}: its base {base!r} is not a served model")
             if served_base.failed:
                 raise AdapterError(f"adapter {name}: its base {base!r} failed to load")
+            if served_base.spec.tensor_parallel > 1:
+                raise AdapterError(
+                    f"adapter {name}: its base {base!r} is split over devices "
+                    "(tensor_parallel > 1), which adapters do not run on"
+                )
             spec = spec or ModelSpec(name, base=base, adapter=str(path))
             cfg = self.config
             cmd = LoadAdapter(base, name, str(path), cfg.max_lora_rank, cfg.max_loras)

@@ -391,6 +391,7 @@ class TensorParallelRunner(ModelRunner):
         self.block_size = kv.layout.block_size
         self.graphs = None
         self.pieces = None
+        self.lora = None  # (adapters do not run on a split model)
         self._planned = None  # one event per shard instead
         self._plans = [torch.cuda.Event() if d.type == "cuda" else None for d in tp.devices]
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from models.lora import AdapterError
 from prism_server.config import EngineConfig, ModelSpec
 from prism_server.engine.commands import TransitionRefused
 from prism_server.engine.engine import Engine
@@ -77,6 +78,16 @@ def test_a_pinned_split_model_is_never_evicted(tmp_path):
     with _engine(path, 2, 2, pinned=True) as e:
         with pytest.raises(TransitionRefused, match="pinned"):
             e.evict("m")
+        e.check_integrity()
+
+
+def test_an_adapter_of_a_split_model_is_refused_and_the_model_serves_on(tmp_path):
+    path = _save_hf_dir(tmp_path, _tiny_hf_llama())
+    with _engine(path, 2, 2) as e:
+        with pytest.raises(AdapterError, match="split over devices"):
+            e.start_load_adapter("a", str(tmp_path / "a"), "m").result()
+        assert "a" not in e.served
+        assert len(e.generate("m", PROMPTS[:1], PARAMS)[0].token_ids) == 12
         e.check_integrity()
 
 
