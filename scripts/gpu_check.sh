@@ -43,6 +43,10 @@
 #             KERNELS_ARGS adds arguments (--decode-only: no prefill)
 #   choices   decode under the kernel tables of CHOICES in one process, beside the GPU's own
 #             table, in ROUNDS (default 2) interleaved rounds, medians and ratios last
+#   lora      the LoRA benchmark (bench_lora.py): an 8B base's decode TPOT at batch 32 with 1, 8
+#             and 32 distinct rank-16 adapters against the base alone, an adapter's activation
+#             against the H2D copy of its bytes, 500 adapters registered; LORA_ARGS adds
+#             arguments (e.g. "--register 100 --distinct 1,32"); its table follows the last one
 #
 # --sweep POLICY SCALES: the multi-model bench on one GPU (docs/bench/h200: twelve dummy models, a
 # ServeGen workload), one policy per call (a call's limit), e.g.
@@ -246,6 +250,8 @@ PY
       --rounds "${ROUNDS:-2}" --json "$OUT/choices.json" 2>&1 | tee "$OUT/choices.log" \
       | grep -E "^   \[|^   choice:|^   (default|/)|through FlashInfer|plainly|norms and act|Error"
   fi
+  part lora && timeout "${LORA_TIMEOUT:-560}" python3 scripts/bench_lora.py ${LORA_ARGS:-} \
+    --json "$OUT/lora.json" 2>&1 | tee "$OUT/lora.log" | grep -E "^==|^   |Error"
   if part kernels; then
     if [ -z "${KERNELS+x}" ]; then  # the default tables: a setting each, beside the GPU's
       mkdir -p "$OUT/kernels"
@@ -330,6 +336,7 @@ bash scripts/fi_kernels.sh pack "$aot" "$FLASHINFER_WORKSPACE_BASE/.cache/flashi
 echo
 python3 scripts/bench_engine.py report "$OUT/pool.json" "$OUT/engine.json" "$OUT/pytest.log" \
   "$OUT/gptfast.json" | tee "$OUT/table.txt"
+[ -f "$OUT/lora.json" ] && python3 scripts/bench_lora.py report "$OUT/lora.json" | tee -a "$OUT/table.txt"
 
 # A device call returns few files: the logs and figures travel in one archive, beside the
 # kernel parts.

@@ -3,8 +3,9 @@
 
 Per device: every model's memory (weights, KV in use, KV kept free, idle prefix cache), its
 residency, request rate (the planner's), queue, SLO attainment over the last minute, activations
-and evictions; the pool; the latest events. `--watch` redraws it every second; `--json` prints the
-status document for scripts.
+and evictions, with a row under it per LoRA adapter (rank, slot, pages, residency, queue,
+activations, evictions); the pool; the latest events. `--watch` redraws it every second;
+`--json` prints the status document for scripts.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import time
 import urllib.error
 import urllib.request
 
+from rich import box
 from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
@@ -66,12 +68,12 @@ def attainment(slo: dict) -> str:
 
 
 def model_rows(dev: dict, rates: dict) -> list[list[str]]:
-    """One row per model of a device: the table's cells, as text."""
+    """One row per model of a device, each followed by a row per LoRA adapter of it: the
+    table's cells, as text."""
     page = dev["pool"]["page_bytes"]
     rows = []
     for m in dev["models"]:
         recent = m.get("slo_last_minute", {})
-        rate = rates.get(m["name"])
         rows.append(
             [
                 m["name"],
@@ -82,30 +84,59 @@ def model_rows(dev: dict, rates: dict) -> list[list[str]]:
                 size(m.get("prefix_idle_bytes", 0)),
                 str(m["num_running"]),
                 str(m["num_waiting"]),
-                "-" if rate is None else f"{rate:.2f}",
+                rate(rates.get(m["name"])),
                 attainment(recent.get("ttft", {})),
                 attainment(recent.get("tpot", {})),
                 str(m["activations"]),
                 str(m["evictions"]),
             ]
         )
+        rows += [adapter_row(a, rates) for a in m.get("adapters", ())]
     return rows
 
 
-COLUMNS = (
+ADAPTER_MARK = "└─"  # an adapter's row, under its base's (no space: the name never folds off it)
+
+
+def adapter_row(a: dict, rates: dict) -> list[str]:
+    """An adapter's cells: its rank and slot under its state, its pool bytes as its weights; it
+    has no KV or SLO figures of its own (its requests' are its base's)."""
+    slot = "" if a["slot"] is None else f" slot {a['slot']}"
+    return [
+        f"{ADAPTER_MARK}{a['name']}",
+        f"{a['residency']}\nr{a['rank']}{slot}",
+        size(a["weight_pool_bytes"]),
+        "-",
+        "-",
+        "-",
+        str(a["num_running"]),
+        str(a["num_waiting"]),
+        rate(rates.get(a["name"])),
+        "-",
+        "-",
+        str(a["activations"]),
+        str(a["evictions"]),
+    ]
+
+
+def rate(r: float | None) -> str:
+    return "-" if r is None else f"{r:.2f}"
+
+
+COLUMNS = (  # short: the table fits a terminal of 100 columns without folding a figure
     "model",
     "state",
     "weights",
-    "KV in use",
+    "KV used",
     "KV free",
-    "prefix cache",
-    "running",
-    "waiting",
+    "prefix",
+    "run",
+    "wait",
     "req/s",
     "TTFT 1m",
     "TPOT 1m",
-    "activations",
-    "evictions",
+    "act",
+    "evict",
 )
 
 
@@ -130,11 +161,18 @@ def render(doc: dict, events: int = 8):
                 f"{size(pool['capacity_pages'] * page)}"
             ),
             title_justify="left",
+            # no rules between the columns: 13 fit in 120 terminal columns
+            box=box.SIMPLE_HEAD,
+            collapse_padding=True,
+            pad_edge=False,
         )
         for c in COLUMNS:
-            t.add_column(c, justify="left" if c in ("model", "state") else "right")
+            if c == "model":  # a long name folds, whole
+                t.add_column(c, overflow="fold")
+            else:
+                t.add_column(c, justify="left" if c == "state" else "right")
         for row in model_rows(dev, rates):
-            style = STATE_STYLE.get(row[1], "")
+            style = STATE_STYLE.get(row[1].split("\n")[0], "")
             t.add_row(row[0], Text(row[1], style=style), *row[2:])
         parts.append(t)
     for f in doc.get("failed", []):

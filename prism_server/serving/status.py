@@ -4,13 +4,24 @@ Built from the devices' published snapshots and the control loop's last plan onl
 engine thread's live objects). Times are the server's monotonic clock; `time` is its value now,
 so a client maps them onto its own clock with one offset.
 
+A model's `adapters` are its LoRA adapters, a row each (served by its steps: the base's
+`num_running` and `num_waiting` count their requests too). An adapter's `residency` is
+`resident` (its weight pages mapped, `weight_pool_bytes` of them) or `offloaded` (in its host
+copy only), as /v1/models says; `slot` is its base's adapter slot, null while it has none;
+`weight_bytes` its size.
+
     {"object": "status", "time": 1234.5, "policy": "prism",
      "devices": [{"device": "cuda:0", "seq": 812, "time": ..., "policy": "prism",
                   "pool": {"page_bytes", "capacity_pages", "created_pages", "free_pages",
                            "owned_pages", "capacity_bytes"},
                   "models": [{"name", "residency", "weight_bytes", "kv_bytes", "kv_used_bytes",
                               "num_running", "num_waiting", "activations", "evictions",
-                              "transitions": [[time, state], ...], "slo": {...}, ...}],
+                              "transitions": [[time, state], ...], "slo": {...}, ...,
+                              "adapters": [{"name", "base", "path", "rank", "slot",
+                                            "residency", "num_running", "num_waiting",
+                                            "requests_total", "activations", "evictions",
+                                            "weight_bytes", "weight_pool_bytes",
+                                            "last_used"}, ...]}],
                   "moves": [{"seq", "time", "giver", "taker", "pages", "reason"}, ...],
                   "moved": [{"giver", "taker", "reason", "pages"}, ...],
                   "engine": {"steps", "step_seconds", "host_seconds", "step_overhead_s"}}],
@@ -25,11 +36,31 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from scheduler.snapshot import DeviceSnapshot, ModelSnapshot
+from scheduler.snapshot import AdapterSnapshot, DeviceSnapshot, ModelSnapshot
+
+
+def _adapter(a: AdapterSnapshot, page_bytes: int) -> dict:
+    return {
+        "name": a.name,
+        "base": a.base,
+        "path": a.path,
+        "rank": a.rank,
+        "slot": a.slot,
+        "residency": "resident" if a.resident else "offloaded",
+        "num_running": a.num_running,
+        "num_waiting": a.num_waiting,
+        "requests_total": a.requests_total,
+        "activations": a.activations,
+        "evictions": a.evictions,
+        "weight_bytes": a.weight_bytes,
+        "weight_pool_bytes": a.weight_pages * page_bytes,
+        "last_used": a.last_used,
+    }
 
 
 def _model(m: ModelSnapshot, page_bytes: int) -> dict:
     d = dataclasses.asdict(m)
+    d["adapters"] = [_adapter(a, page_bytes) for a in m.adapters]
     d["residency"] = m.residency.value
     d["transitions"] = [[t, s.value] for t, s in m.transitions]
     d["slo"] = {k: {"met": met, "missed": missed} for k, met, missed in m.slo_met}

@@ -1,7 +1,8 @@
 """The dashboard in headless Chromium (Debian's, driven with Playwright): the page loads with no
 console errors, its charts carry the running models' names, a model's memory line falls when it
-is evicted and rises when it is activated again, and a screenshot under load is kept as a test
-artifact (tests/artifacts/dashboard.png)."""
+is evicted and rises when it is activated again, the models table has each LoRA adapter's row
+under its base's, and a screenshot under load is kept as a test artifact
+(tests/artifacts/dashboard.png)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ import pytest
 from prism_server.config import EngineConfig, ModelSpec
 from prism_server.engine.engine import Engine
 from prism_server.serving.app import serve_in_thread
+from tests.models.lora_cases import Spec, make_adapters
+from tests.prism_server.lora_setup import tiny_base
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed")
@@ -154,6 +157,49 @@ def test_each_device_gets_its_own_memory_chart(page):
             "#memory svg polygon", "els => [...new Set(els.map(e => e.dataset.model))]"
         )
         assert devices == ["cpu:0", "cpu:1"] and sorted(models) == list("abcd")
+        assert errors == []
+    finally:
+        pg.close()
+        s.close()
+
+
+def test_the_models_table_has_each_adapter_under_its_base(page, tmp_path):
+    """A base with two adapters (one slot): their rows follow the base's, marked as its, with
+    their rank, slot, residency and requests."""
+    base, hf = tiny_base(tmp_path)
+    specs = {"sql": Spec(r=4), "kv": Spec(r=2, targets=("k_proj", "v_proj"))}
+    dirs = make_adapters(hf, specs, tmp_path / "lora")
+    models = (ModelSpec("base", str(base), block_size=4),) + tuple(
+        ModelSpec(n, base="base", adapter=str(d)) for n, d in dirs.items()
+    )
+    cfg = EngineConfig(models=models, device="cpu", max_loras=1, page_bytes=64 << 10)
+    s = serve_in_thread(Engine(cfg))
+    pg = page.context.browser.new_page()
+    try:
+        errors = []
+        pg.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+        for name in ("kv", "sql"):  # sql last: it holds the slot
+            body = {"model": name, "prompt": [5, 6, 7], "max_tokens": 2}
+            assert httpx.post(f"{s.url}/v1/completions", json=body, timeout=60).status_code == 200
+        pg.goto(f"{s.url}/dashboard")
+        pg.wait_for_function("window.prismDashboard && window.prismDashboard.polls >= 2")
+        rows = pg.eval_on_selector_all(
+            "#models tbody tr",
+            """els => els.map(e => ({model: e.dataset.model, of: e.dataset.adapterOf || null,
+                adapter: e.classList.contains("adapter"),
+                cells: [...e.children].map(c => c.textContent)}))""",
+        )
+        assert [(r["model"], r["of"], r["adapter"]) for r in rows] == [
+            ("base", None, False),
+            ("sql", "base", True),
+            ("kv", "base", True),
+        ]
+        sql, kv = rows[1]["cells"], rows[2]["cells"]
+        assert sql[:3] == ["↳ sql", "LoRA of base · r4 · slot 0", "resident"]
+        assert kv[:3] == ["↳ kv", "LoRA of base · r2 · no slot", "resident"]
+        assert sql[5:8] == ["0", "0", "1"] and kv[7] == "1"  # running, waiting, requests
+        assert rows[0]["cells"][7] == "2"  # the base's requests count its adapters'
+        assert "2 adapter(s)" in pg.inner_text("#summary")
         assert errors == []
     finally:
         pg.close()

@@ -1,6 +1,7 @@
 // Prism's dashboard: polls /v1/status once a second and draws, in plain SVG, the memory each
 // model holds on each device over time (stacked), request rates, the residency timeline, SLO
-// attainment over the last minute and the latest page moves. No libraries, no network beyond
+// attainment over the last minute, the models (a row each, their LoRA adapters' rows under them)
+// and the latest page moves. No libraries, no network beyond
 // the server. The API key, if the server has one, comes from the page's #key=... fragment.
 "use strict";
 
@@ -235,6 +236,40 @@ function drawSlo(container) {
   container.appendChild(table);
 }
 
+// a row per model of every device, each followed by its LoRA adapters' rows (marked as its)
+function drawModels(tbody, doc) {
+  tbody.replaceChildren();
+  const row = (cells, cls) => {
+    const tr = document.createElement("tr");
+    if (cls) tr.className = cls;
+    for (const v of cells) {
+      const td = document.createElement("td");
+      td.textContent = v;
+      tr.appendChild(td);
+    }
+    tbody.appendChild(tr);
+    return tr;
+  };
+  for (const d of doc.devices) {
+    const page = d.pool.page_bytes;
+    for (const m of d.models) {
+      const tr = row([m.name, d.device, m.residency, size(m.weight_pages * page),
+        size(m.kv_bytes), m.num_running, m.num_waiting, m.requests_total, m.activations,
+        m.evictions]);
+      tr.dataset.model = m.name;
+      for (const a of m.adapters || []) {
+        const slot = a.slot === null ? "no slot" : `slot ${a.slot}`;
+        const ar = row([`↳ ${a.name}`, `LoRA of ${m.name} · r${a.rank} · ${slot}`, a.residency,
+          size(a.weight_pool_bytes), "–", a.num_running, a.num_waiting, a.requests_total,
+          a.activations, a.evictions], "adapter");
+        ar.dataset.model = a.name;
+        ar.dataset.adapterOf = m.name;
+        ar.title = `${a.name}: ${size(a.weight_bytes)} of weights, from ${a.path}`;
+      }
+    }
+  }
+}
+
 function drawMoves(tbody, doc) {
   tbody.replaceChildren();
   for (const e of doc.events.filter((e) => e.kind === "move").slice(0, 12)) {
@@ -261,13 +296,17 @@ async function poll() {
       state.samples.shift();
     }
     const models = doc.devices.reduce((n, d) => n + d.models.length, 0);
+    const adapters = doc.devices.reduce(
+      (n, d) => n + d.models.reduce((k, m) => k + (m.adapters || []).length, 0), 0);
     document.getElementById("summary").textContent =
-      `policy ${doc.policy} · ${doc.devices.length} device(s) · ${models} model(s)`;
+      `policy ${doc.policy} · ${doc.devices.length} device(s) · ${models} model(s)` +
+      (adapters ? ` · ${adapters} adapter(s)` : "");
     document.getElementById("error").textContent = "";
     drawMemory(document.getElementById("memory"));
     drawRates(document.getElementById("rates"));
     drawResidency(document.getElementById("residency"));
     drawSlo(document.getElementById("slo"));
+    drawModels(document.querySelector("#models tbody"), doc);
     drawMoves(document.querySelector("#moves tbody"), doc);
     state.polls = (state.polls || 0) + 1;
   } catch (e) {
