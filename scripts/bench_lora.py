@@ -37,10 +37,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from models.config import ModelConfig  # noqa: E402
-from models.lora import lora_targets  # noqa: E402
+from models.lora.synthetic import write_adapters  # noqa: E402
 from models.presets import get_preset  # noqa: E402
-from models.registry import get_model_class  # noqa: E402
 from prism_server.config import EngineConfig, ModelSpec  # noqa: E402
 from prism_server.engine.commands import Call  # noqa: E402
 from prism_server.engine.engine import Engine  # noqa: E402
@@ -49,45 +47,6 @@ from scripts.bench_engine import fmt, get, load, ratio  # noqa: E402
 
 MiB = 1 << 20
 BASE = "m"
-
-
-# --- adapters ----------------------------------------------------------------------------------
-
-
-def write_adapters(root: Path, preset: str, n: int, rank: int, seed: int = 0) -> list[Path]:
-    """`n` adapters of rank `rank` for the preset's model on every projection, in the PEFT format
-    (adapter_config.json + adapter_model.safetensors, the preset's dtype) under root/a<i>."""
-    from safetensors.torch import save_file
-
-    cfg = ModelConfig.from_hf(get_preset(preset))
-    with torch.device("meta"):  # the projections' paths and shapes, no memory
-        targets = lora_targets(get_model_class(cfg.hf_architecture)(cfg))
-    dtype = cfg.dtype if cfg.dtype in (torch.float32, torch.bfloat16) else torch.float32
-    gen = torch.Generator().manual_seed(seed)
-    dirs = []
-    for i in range(n):
-        tensors = {}
-        for path, t in targets.items():
-            key = f"base_model.model.{path}"
-            # [r, in] and [out, r]: the delta's scale near the base's (std 1/sqrt(in) each)
-            a = torch.randn(rank, t.in_features, generator=gen) / t.in_features**0.5
-            b = torch.randn(t.out_features, rank, generator=gen) / rank**0.5
-            tensors[f"{key}.lora_A.weight"] = a.to(dtype)
-            tensors[f"{key}.lora_B.weight"] = b.to(dtype)
-        d = root / f"a{i}"
-        d.mkdir(parents=True)
-        save_file(tensors, str(d / "adapter_model.safetensors"))
-        config = {
-            "peft_type": "LORA",
-            "r": rank,
-            "lora_alpha": 2 * rank,
-            "target_modules": sorted({t.shard for t in targets.values()}),
-            "bias": "none",
-            "base_model_name_or_path": BASE,
-        }
-        (d / "adapter_config.json").write_text(json.dumps(config))
-        dirs.append(d)
-    return dirs
 
 
 # --- measuring -----------------------------------------------------------------------------------
@@ -295,7 +254,8 @@ def main(argv: list[str] | None = None) -> dict:
     vocab = get_preset(args.preset)["vocab_size"]
     with tempfile.TemporaryDirectory(prefix="bench-lora-") as tmp:
         t = time.perf_counter()
-        dirs = write_adapters(Path(tmp), args.preset, max(args.distinct), args.rank)
+        names = [f"a{i}" for i in range(max(args.distinct))]
+        dirs = write_adapters(Path(tmp), args.preset, names, args.rank)
         print(
             f"== {len(dirs)} adapters of rank {args.rank} written ({time.perf_counter() - t:.1f} s)"
         )

@@ -1,5 +1,6 @@
 """Command line: `python -m prism_server [serve] ...`, `python -m prism_server generate ...`,
-`python -m prism_server bench ...` and `python -m prism_server status ...`."""
+`python -m prism_server bench ...`, `python -m prism_server status ...` and
+`python -m prism_server make-adapters ...`."""
 
 from __future__ import annotations
 
@@ -110,6 +111,14 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     g.add_argument("--dtype", default="auto")
     g.add_argument("--quantization", choices=["fp8"], help="the projections' weights in FP8 (E4M3)")
+    a = sub.add_parser(
+        "make-adapters", help="write synthetic LoRA adapters of a dummy base (for benchmarks)"
+    )
+    a.add_argument("--preset", required=True, help="the base's preset (dummy:<preset>)")
+    a.add_argument("--names", required=True, help="e.g. ft000,ft001 or 'ft{000..099}'")
+    a.add_argument("--rank", type=int, default=16)
+    a.add_argument("--seed", type=int, default=0, help="the first adapter's (then +1 each)")
+    a.add_argument("--out", required=True, help="the directory of the adapters' directories")
     from prism_server.bench.__main__ import add_arguments
 
     add_arguments(sub.add_parser("bench", help="replay a workload against a running server"))
@@ -253,6 +262,26 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def make_adapters(args: argparse.Namespace) -> int:
+    from models.lora.synthetic import names_arg, write_adapters
+    from models.presets import PRESETS
+
+    if args.preset not in PRESETS:
+        print(f"error: no preset {args.preset!r} (presets: {', '.join(PRESETS)})", file=sys.stderr)
+        return 2
+    try:
+        names = names_arg(args.names)
+        t = time.perf_counter()
+        dirs = write_adapters(args.out, args.preset, names, args.rank, args.seed)
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(
+        f"{len(dirs)} adapters of rank {args.rank} in {args.out} ({time.perf_counter() - t:.1f} s)"
+    )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "generate":
@@ -261,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
         from prism_server.bench.__main__ import run
 
         return run(args)
+    if args.command == "make-adapters":
+        return make_adapters(args)
     if args.command == "status":
         from prism_server.cli import status
 
