@@ -149,6 +149,8 @@ def _step_ops(device: torch.device, resources: DeviceResources | None):
             "%s: one-row decode graphs run their layers as Triton GEMVs (tiling %s%s)",
             device, ops.gemv_config, ", SiLU * up out of gate_up's" if ops.glu else "",
         )  # fmt: skip
+    if ops is not None and not ops.fp8:
+        log.info("%s: FP8 projections keep their module in decode graphs (no E4M3 here)", device)
     if ops is not None and ops.small_config is not None:
         log.info(
             "%s: decode graphs of at most 16 sequences run their layers as Triton's small GEMMs "
