@@ -4,6 +4,7 @@ is judged by, measured in the same run. One command a part:
     python3 scripts/bench_engine.py speed [--json out.json] [--skip-hf] [--skip-append]
     python3 scripts/bench_engine.py speed --speed-only [--decode-only]      # decode and prefill
     python3 scripts/bench_engine.py speed --choices "a.json b.json" [--rounds 2]
+    python3 scripts/bench_engine.py fp8 [--json out.json] [--sides "bf16 fp8"]
     python3 scripts/bench_engine.py ab --tree .baseline --label before --batches 1,16,64
     python3 scripts/bench_engine.py ttft [--device cpu --model tiny-llama]
     python3 scripts/bench_engine.py host [--tokens 1024]
@@ -19,6 +20,10 @@ is judged by, measured in the same run. One command a part:
   where a step's time goes (graph replay, kernels by kind); K/V writes. `--choices`: decode
   under kernel tables (JSON files of the kernel-config form, docs/CONFIG.md) beside the GPU's
   own table, one engine at a time in this process, in rounds (ABC ABC), medians and ratios.
+- fp8: the 8B shape with FP8 weights beside bf16, one run: activation against the H2D floor of
+  its bytes, decode TPOT at batch 1 and 16 against the HBM floor of its weights (FP8 bytes and
+  scales) and K/V, prefill at 1k and 8k in TFLOP/s against the card's FP8 (and bf16) matmul
+  rate measured here (torch._scaled_mm of a large square GEMM).
 - ab: decode TPOT of one source tree (`--tree`), through the engine API every tree shares.
 - ttft: where a lone prompt's TTFT goes (to its first step, the steps, the output).
 - host: the launch cost of each kind of call, and a lone prompt's eager step, host against
@@ -848,6 +853,165 @@ def main_speed() -> None:
         save("kv_write", kv_write())
     save("errors", RESULTS["errors"])
     print(json.dumps(RESULTS["errors"]))
+
+
+# --- fp8 ---------------------------------------------------------------------------------------
+
+FP8_BATCHES = ((1, 64), (16, 32))  # (sequences, tokens each): decode runs of the fp8 command
+FP8_SIDES = ("bf16", "fp8")  # the model's weights: bf16, or FP8 (ModelSpec.quantization)
+
+
+def fp8_matmul_tflops(n: int = 8192) -> float:
+    """The card's FP8 matmul rate (TFLOP/s): torch._scaled_mm of an n^3 GEMM, E4M3 operands
+    with row-wise float32 scales, bf16 out (what an FP8 model's prefill runs)."""
+    a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
+    sa = torch.ones(n, 1, device="cuda")
+    sb = torch.ones(1, n, device="cuda")
+    ms = cuda_time_ms(
+        lambda: torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+    )
+    return 2 * n**3 / ms / 1e9
+
+
+def prefill_flops(cfg, n: int) -> int:
+    """A prompt of n tokens' FLOPs, from the shape (FP8 halves the weight bytes, not the
+    products): 2 * the projections' weights * n, the LM head of the last token, causal QK^T
+    and PV."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    layer = h * (q + 2 * kv) + q * h + 3 * h * inter  # qkv, o, gate_up, down
+    flops = 2 * cfg.num_layers * layer * n + 2 * h * cfg.vocab_size
+    return flops + 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * n * n
+
+
+def decode_floor_ms(weight_bytes: int, kv_bytes: int, hbm_gbs: float) -> float:
+    """A decode step's HBM floor (ms): its weights (FP8 bytes and scales for an FP8 model) and
+    its K/V read once at the copy rate (the GPU check's report's floor)."""
+    return (weight_bytes + kv_bytes) / (hbm_gbs * 1e9) * 1e3
+
+
+def fp8_side(quantization: str | None, hbm_gbs: float, h2d_gbs: float, repeats: int) -> dict:
+    """One side of the fp8 command: the 8B shape with `quantization`'s weights in an engine of
+    its own: activation from the host copy (median of `repeats`) beside the H2D floor of its
+    bytes; decode TPOT (FP8_BATCHES, 1k-token prompts) beside its HBM floor; prefill 1k and 8k
+    (TTFT, TFLOP/s)."""
+    cfg = EngineConfig(
+        models=(spec(quantization=quantization),),
+        device="cuda",
+        kv_budget_bytes=16 * GiB,
+        enable_prefix_caching=False,
+    )
+    with Engine(cfg) as e:
+        wb = weight_bytes(e)
+        model_cfg = e.worker.models["m"].runner.model.config
+        took = []
+        for _ in range(repeats):
+            e.evict("m")
+            took.append(e.activate("m"))
+        out: dict = {
+            "weight_bytes": wb,
+            "activation": {"median_s": statistics.median(took), "floor_s": wb / (h2d_gbs * 1e9)},
+        }
+        run_batch(e, [prompt(64, 0), prompt(64, 1)], 4)  # warm-up
+        for b, n in FP8_BATCHES:
+            run = run_batch(e, [prompt(DECODE_PROMPT, 100 + i) for i in range(b)], n)
+            kv = kv_bytes_a_step(model_cfg, b, n)
+            out[f"decode_b{b}"] = {
+                **run, "kv_bytes_a_step": kv, "floor_ms": decode_floor_ms(wb, kv, hbm_gbs)
+            }  # fmt: skip
+        for n in (1024, 8192):
+            ttft = statistics.median(lone(e, prompt(n, 7 + r)) for r in range(repeats))
+            rate = prefill_flops(model_cfg, n) / (ttft / 1e3) / 1e12
+            out[f"prefill_{n}"] = {"ttft_ms": ttft, "tflops": rate}
+        e.check_integrity()
+    return out
+
+
+def fp8_rows(results: dict) -> list[tuple[str, ...]]:
+    """The fp8 command's table: (figure, then each side's value beside its reference)."""
+    ceil, sides = results["ceilings"], results["sides"]
+    rate = {"bf16": ceil.get("matmul_tflops"), "fp8": ceil.get("fp8_matmul_tflops")}
+    rows = [("", *sides)]
+
+    def cells(f) -> tuple[str, ...]:
+        return tuple(f(side, sides[side]) if sides[side] else "-" for side in sides)
+
+    def beside(ms: float, floor_ms: float, digits: int) -> str:
+        return f"{ms:.{digits}f} ms (floor {floor_ms:.{digits}f}, x{ms / floor_ms:.2f})"
+
+    def act(side, r):
+        a = r["activation"]
+        return beside(a["median_s"] * 1e3, a["floor_s"] * 1e3, 0)
+
+    rows.append(("weights", *cells(lambda side, r: f"{r['weight_bytes'] / GiB:.2f} GiB")))
+    rows.append(("activation", *cells(act)))
+    for b, _ in FP8_BATCHES:
+
+        def tpot(side, r, b=b):
+            d = r[f"decode_b{b}"]
+            return beside(d["tpot_ms"], d["floor_ms"], 2)
+
+        rows.append((f"decode B={b} TPOT", *cells(tpot)))
+    for n in (1024, 8192):
+
+        def tflops(side, r, n=n):
+            t = r[f"prefill_{n}"]["tflops"]
+            of = f", {t / rate[side]:.0%} of {side}'s {rate[side]:.0f}" if rate[side] else ""
+            return f"{t:.0f} TFLOP/s{of}"
+
+        rows.append((f"prefill {n // 1024}k", *cells(tflops)))
+    return rows
+
+
+def main_fp8() -> None:
+    """FP8 against bf16 on the GPU, the 8B shape (dummy weights), one engine a side in turn,
+    every reference measured in this run: the copy rate and the bf16 matmul rate (`ceilings`),
+    the FP8 matmul rate (torch._scaled_mm, 8192^3), the pinned H2D rate. Per side: activation
+    against its bytes over the H2D rate; decode TPOT at batch 1 and 16 (1k-token prompts)
+    against its weight bytes and K/V over the copy rate; prefill 1k and 8k in TFLOP/s against
+    the matmul rate of its kind.
+
+        python3 scripts/bench_engine.py fp8 [--json out.json] [--sides "bf16 fp8"]
+    """
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--sides", default=" ".join(FP8_SIDES), help="of: bf16 fp8")
+    ap.add_argument("--repeats", type=int, default=3, help="activations, prompts a prefill size")
+    args = ap.parse_args()
+    sides = args.sides.split()
+    if not sides or set(sides) - set(FP8_SIDES):
+        ap.error(f"--sides: some of {' '.join(FP8_SIDES)}, got {args.sides!r}")
+    from scripts.bench_lifecycle import h2d_gbs
+
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    logging.getLogger("prism_server.engine.model_runner").setLevel(logging.INFO)
+
+    def save(key: str, value) -> None:
+        RESULTS[key] = value
+        if args.json:
+            args.json.write_text(json.dumps(RESULTS, indent=1, default=str))
+
+    save("device", torch.cuda.get_device_name())
+    ceil = ceilings() or {}
+    ceil["fp8_matmul_tflops"] = section("fp8 matmul")(fp8_matmul_tflops)()
+    ceil["h2d_gbs"] = section("h2d")(h2d_gbs)()
+    save("ceilings", ceil)
+    fp8_rate, h2d = ceil["fp8_matmul_tflops"] or 0, ceil["h2d_gbs"] or 0
+    print(f"   FP8 matmul {fp8_rate:.0f} TFLOP/s (_scaled_mm, 8192^3), H2D {h2d:.1f} GB/s")
+    RESULTS["sides"] = {}
+    for side in sides:
+        quantization = "fp8" if side == "fp8" else None
+        got = section(f"{side} 8B")(fp8_side)(
+            quantization, ceil.get("hbm_gbs"), ceil["h2d_gbs"], args.repeats
+        )
+        RESULTS["sides"][side] = got
+        save("sides", RESULTS["sides"])
+        gc.collect()
+        torch.cuda.empty_cache()
+    for row in fp8_rows(RESULTS):
+        print(" | ".join(f"{c:<44}" if i else f"{c:<18}" for i, c in enumerate(row)))
+    save("errors", RESULTS["errors"])
 
 
 # --- ab ----------------------------------------------------------------------------------------
@@ -1762,6 +1926,7 @@ def main_report_ab() -> None:
 
 COMMANDS = {
     "speed": main_speed,
+    "fp8": main_fp8,
     "ab": main_ab,
     "ttft": main_ttft,
     "host": main_host,

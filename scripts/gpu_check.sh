@@ -35,6 +35,8 @@
 #   ttft      where a lone prompt's TTFT goes
 #   host      a lone prompt's eager step, host against device
 #   peer      the gpt-fast-style decode of the same model at batch 1 and 16 (bench_peer.py)
+#   fp8       the 8B shape with FP8 weights beside bf16 (bench_engine.py fp8): activation, decode
+#             TPOT at batch 1 and 16, prefill 1k and 8k, each against its floor or matmul rate
 #   gemv, smallgemm, attn   the kernel benchmark's parts (GEMV_CONFIGS, SMALL_GEMM_CONFIGS,
 #             ATTN_CONFIGS: the tilings tried)
 #   kernels   decode and prefill under each kernel table of KERNELS (JSON files of the kernel
@@ -147,7 +149,8 @@ if [ "$mode" = "--decode" ]; then
     # the model's GPU tests that exist in this tree
     files=
     for f in fused_ops_gpu sampling_gpu launch_ahead_gpu piecewise_graphs gpu_vs_cpu cuda_graphs \
-      flashinfer_attention upload_gpu triton_ops_gpu triton_gemv_gpu triton_small_gemm_gpu; do
+      flashinfer_attention upload_gpu triton_ops_gpu triton_gemv_gpu triton_small_gemm_gpu \
+      fp8_gpu; do
       [ -f "tests/gpu/test_$f.py" ] && files="$files tests/gpu/test_$f.py"
     done
     timeout "${TESTS_TIMEOUT:-420}" python3 -m pytest -m gpu -q -rs -p no:cacheprovider --durations=8 \
@@ -237,6 +240,8 @@ PY
   part ttft && timeout 120 python3 scripts/bench_engine.py ttft --json "$OUT/ttft.json" 2>&1 | tail -3
   part host && timeout 150 python3 scripts/bench_engine.py host --json "$OUT/host.json" \
     2>&1 | grep -v "^prism_server" | tail -60
+  part fp8 && timeout "${FP8_TIMEOUT:-560}" python3 scripts/bench_engine.py fp8 \
+    --json "$OUT/fp8.json" 2>&1 | tee "$OUT/fp8.log" | grep -E "^== |^   |\||Error"
   part gemv && timeout 200 python3 scripts/bench_kernels.py gemv \
     ${GEMV_CONFIGS:+--configs "$GEMV_CONFIGS"} --json "$OUT/gemv.json" 2>&1 | tail -10
   part attn && timeout 300 python3 scripts/bench_kernels.py attn \

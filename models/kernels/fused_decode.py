@@ -5,6 +5,9 @@ sequences runs its model through `forward` where the kernels are built and check
 device (`load_step_ops`) and the model is a stack of pre-norm layers (`runs`): the choice is
 made once, when the graph is captured; the model files keep their one plain forward.
 
+An FP8 model's projections (E4M3 weights, a float32 scale a row) take the same kernels, their
+weights read as they are, where the FP8 kernels were checked on the device too (`fp8`).
+
 The stack's layers are read by their names (HF's: input_layernorm, self_attn.qkv_proj, o_proj,
 post_attention_layernorm, mlp.gate_up_proj, down_proj); this module imports no model."""
 
@@ -13,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from models.kernels.triton_gemv import GemvConfig, gemv, gemv_reference
-from models.kernels.triton_ops import triton_runs_on
+from models.kernels.triton_ops import fp8_row_scale, triton_runs_on
 from models.kernels.triton_small_gemm import MAX_ROWS as SMALL_MAX_ROWS
 from models.kernels.triton_small_gemm import (
     Normed,
@@ -32,19 +35,26 @@ class StepOps:
     (at most 16; None: cuBLAS's). With GEMVs of two rows a program or more, gate_up's GEMV
     makes SiLU * up from its outputs and the down GEMV is a plain one (`glu`); a tiling of one
     row a program cannot pair a gate row with its up row, and the down GEMV computes the
-    activation from gate_up's outputs."""
+    activation from gate_up's outputs. fp8: FP8 projections take the kernels too (else they
+    keep their module)."""
 
-    def __init__(self, gemv: GemvConfig | None = None, small: SmallGemmConfig | None = None):
+    def __init__(
+        self,
+        gemv: GemvConfig | None = None,
+        small: SmallGemmConfig | None = None,
+        fp8: bool = False,
+    ):
         self.gemv_config, self.small_config = gemv, small
         self.glu = gemv is not None and gemv.block_n >= 2
+        self.fp8 = fp8
 
     def takes_layer(self, layer: torch.nn.Module, x: torch.Tensor, whole: bool) -> bool:
         """Whether a decoder layer's step runs as a chain of kernels that carry its norms,
         activation and residual adds: GEMVs for one row (`gemv`, gemv_layer), small GEMMs for
         at most MAX_ROWS (`small`, small_layer; one row too where the GEMVs are off). The rows
         contiguous, of a GPU's dtype, a whole model (whole: no shards' sums between the
-        projections), SiLU, and the projections plain linears (nn.Linear's forward: not FP8
-        ones, which keep their module) whose weights are row-major, of x's dtype."""
+        projections), SiLU, and the projections row-major linears of x's dtype: nn.Linear's,
+        or FP8 ones of that compute dtype where `fp8`."""
         few = 1 <= x.shape[0] <= SMALL_MAX_ROWS and self.small_config is not None
         if not (
             (self.gemv_takes(x) or few)
@@ -56,9 +66,18 @@ class StepOps:
             return False
         attn, mlp = layer.self_attn, layer.mlp
         projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        return all(
-            _plain_linear(p) and p.weight.is_contiguous() and p.weight.dtype == x.dtype
-            for p in projections
+        return all(self._takes(p, x.dtype) for p in projections)
+
+    def _takes(self, linear: torch.nn.Module, dtype: torch.dtype) -> bool:
+        """Whether a projection of inputs of `dtype` runs the kernels: a plain linear of that
+        weight dtype, or an FP8 one of that compute dtype (where `fp8`); its weight row-major."""
+        if _plain_linear(linear):
+            return linear.weight.is_contiguous() and linear.weight.dtype == dtype
+        return (
+            self.fp8
+            and fp8_row_scale(linear) is not None
+            and getattr(linear, "compute_dtype", None) == dtype
+            and linear.weight.is_contiguous()
         )
 
     def gemv_takes(self, x: torch.Tensor) -> bool:
@@ -78,8 +97,13 @@ class StepOps:
 
     def linear(self, linear: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         """linear(x): a small GEMM where one takes it (`small`: at most 16 rows, a row-major
-        weight of x's dtype; never an FP8 linear), else the module itself."""
-        if self.small_config is not None and _plain_linear(linear) and small_gemm_fits(linear, x):
+        weight of x's dtype, or an FP8 one where `fp8`), else the module itself."""
+        fp8 = self.fp8 and fp8_row_scale(linear) is not None
+        if (
+            self.small_config is not None
+            and (_plain_linear(linear) or fp8)
+            and small_gemm_fits(linear, x)
+        ):
             return small_gemm(linear, x, self.small_config)
         return linear(x)
 
@@ -181,7 +205,9 @@ def load_step_ops(
     device: torch.device, gemv: GemvConfig | None = None, small: SmallGemmConfig | None = None
 ) -> tuple[StepOps | None, str | None]:
     """The step kernels for `device`, built and checked there against the torch reference (the
-    GEMVs' kinds with `gemv`; the small GEMM's with `small`), or None and why not."""
+    GEMVs' kinds with `gemv`; the small GEMM's with `small`), or None and why not. FP8
+    projections take them where their FP8 checks pass too (`StepOps.fp8`; Triton converts
+    E4M3 on compute capability 8.9 and later)."""
     if gemv is None and small is None:
         return None, "no GEMV or small GEMM tiling"
     if not triton_runs_on(device):
@@ -200,6 +226,13 @@ def load_step_ops(
                 raise RuntimeError(f"{name} differs from the reference")
     except Exception as e:  # noqa: BLE001 (kernels that do not build or run here: go without)
         return None, f"its kernels failed ({type(e).__name__}: {str(e)[:200]})"
+    try:
+        ops.fp8 = True
+        for name, out, ref in _fp8_checks(ops, g, device, dtype):
+            if not torch.allclose(out.float(), ref.float(), rtol=2e-2, atol=2e-2):
+                raise RuntimeError(f"{name} differs from the reference")
+    except Exception:  # noqa: BLE001 (no E4M3 here: FP8 layers keep their module)
+        ops.fp8 = False
     return ops, None
 
 
@@ -239,6 +272,37 @@ def _gemv_checks(ops: StepOps, g: torch.Generator, device: torch.device, dtype: 
     if ops.glu:
         got = ops.project(lin, x, norm=norm, glu=True)
         checks.append(("GEMV making SiLU * up", got, gemv_reference(lin, x, norm=norm, glu=True)))
+    return checks
+
+
+class _Fp8Check(torch.nn.Module):
+    """An FP8 linear for the load-time checks: `linear`'s weight quantized per row as
+    models.quantization does (amax / 448), what the kernels read of an FP8 projection."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        w = linear.weight.float()
+        s = w.abs().amax(dim=1).clamp(min=1e-12) / torch.finfo(torch.float8_e4m3fn).max
+        self.weight = (w / s[:, None]).to(torch.float8_e4m3fn)
+        self.weight_scale, self.bias = s, linear.bias
+        self.compute_dtype = linear.weight.dtype
+
+
+def _fp8_checks(ops: StepOps, g: torch.Generator, device: torch.device, dtype: torch.dtype):
+    """(name, the kernel's result, the reference's) for an FP8 linear of `check_width` columns:
+    a GEMV after a norm (with `gemv`), a small GEMM of 5 rows with a bias (with `small`)."""
+    k = check_width(device)
+    lin = _Fp8Check(_check_linear(k, 256, g, device, dtype, bias=True))
+    norm = (torch.randn(k, generator=g, device=device).to(dtype), 1e-5)
+    checks = []
+    if ops.gemv_config is not None:
+        x = torch.randn(1, k, generator=g, device=device).to(dtype)
+        checks.append(("FP8 GEMV after a norm", ops.project(lin, x, norm=norm),
+                       gemv_reference(lin, x, norm=norm)))  # fmt: skip
+    if ops.small_config is not None:
+        x = torch.randn(5, k, generator=g, device=device).to(dtype)
+        checks.append(("FP8 small GEMM of 5 rows", ops.linear(lin, x),
+                       small_gemm_reference(lin, x)))  # fmt: skip
     return checks
 
 

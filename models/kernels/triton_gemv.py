@@ -16,7 +16,11 @@ gate_up(norm(residual)) -> h = down(silu(.)): four kernels and the attention, wh
 Numerics as the unfused chain's: sums in fp32; the normalized row, the activation, each
 projection's output and each add rounded to the model's dtype where that chain rounds them.
 
-Runs under Triton's interpreter too (the CPU tests).
+An FP8 linear (E4M3 weight, a float32 scale a row: models.layers.fp8_linear) runs the same
+programs: its weight loads convert E4M3 in registers, half the bytes of bf16 streamed, and each
+row's sum is multiplied by its scale before the bias (`SCALE`).
+
+Runs under Triton's interpreter too (the CPU tests; it loads E4M3 exactly).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from models.kernels.triton_ops import _pow2, interpreting
+from models.kernels.triton_ops import _pow2, fp8_row_scale, interpreting
 
 
 @dataclass(frozen=True)
@@ -71,10 +75,10 @@ def _build(interpret: bool):
 
     @triton.jit(do_not_specialize=["n", "eps"])
     def gemv_kernel(
-        w_ptr, x_ptr, h_ptr, nw_ptr, b_ptr, out_ptr, n, eps,
+        w_ptr, x_ptr, h_ptr, nw_ptr, b_ptr, s_ptr, out_ptr, n, eps,
         K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         PRO: tl.constexpr, INTO: tl.constexpr, HAS_H: tl.constexpr, BIAS: tl.constexpr,
-        UNROLL: tl.constexpr, GLU: tl.constexpr,
+        UNROLL: tl.constexpr, GLU: tl.constexpr, SCALE: tl.constexpr,
     ):  # fmt: skip
         # program i: out[rows] (op)= W[rows, :] @ x, rows = i * BLOCK_N + [0, BLOCK_N); with GLU
         # (W: gate rows, then n up rows), out[i * BLOCK_N / 2 + j] = silu(gate_j) * up_j, the
@@ -122,6 +126,8 @@ def _build(interpret: bool):
             w = tl.load(w_at, mask=wm, other=0.0, eviction_policy="evict_first")
             acc += w.to(tl.float32) * xv[None, :]
         y = tl.sum(acc, 1)
+        if SCALE:  # an FP8 weight's rows: their scales
+            y *= tl.load(s_ptr + rows, mask=rm, other=0.0)
         if BIAS:
             y += tl.load(b_ptr + rows, mask=rm, other=0.0).to(tl.float32)
         y = y.to(dt)
@@ -153,7 +159,8 @@ def gemv(
     glu: bool = False,
     config: GemvConfig = GemvConfig(),
 ) -> torch.Tensor:
-    """linear(x) for one row x [1, K] (or [1, 2K] with silu), with the ops beside it:
+    """linear(x) for one row x [1, K] (or [1, 2K] with silu), with the ops beside it (linear:
+    an nn.Linear of x's dtype, or an FP8 linear of that compute dtype, `fp8_row_scale`):
 
     - norm=(weight, eps): linear(rmsnorm(x + h) * weight) (h: [1, K] or None);
     - silu: linear(silu(x[:, :K]) * x[:, K:]);
@@ -174,17 +181,17 @@ def gemv(
         n //= 2  # the outputs: one a gate row and its up row
     out = into if into is not None else torch.empty(1, n, dtype=x.dtype, device=x.device)
     nw, eps = norm if norm is not None else (x, 0.0)
-    bias = linear.bias
+    bias, scale = linear.bias, fp8_row_scale(linear)
     c = config
     block_k = min(c.block_k, _pow2(k))
     pro = PRO_NORM if norm is not None else PRO_SILU if silu else PRO_NONE
     outputs_a_program = c.block_n // 2 if glu else c.block_n
     _build(interpreting())[(-(-n // outputs_a_program),)](
-        w, x, h if h is not None else x, nw, bias if bias is not None else w, out,
-        n, float(eps),
+        w, x, h if h is not None else x, nw, bias if bias is not None else w,
+        scale if scale is not None else w, out, n, float(eps),
         K=k, BLOCK_N=c.block_n, BLOCK_K=block_k, PRO=pro, INTO=into is not None,
         HAS_H=h is not None, BIAS=bias is not None,
-        UNROLL=c.unroll, GLU=glu, num_warps=c.warps, num_stages=1,
+        UNROLL=c.unroll, GLU=glu, SCALE=scale is not None, num_warps=c.warps, num_stages=1,
     )  # fmt: skip
     return out
 
@@ -209,7 +216,7 @@ def gemv_reference(
     elif silu:
         g, u = x.float().chunk(2, dim=-1)
         x = (torch.nn.functional.silu(g) * u).to(dt)
-    y = torch.nn.functional.linear(x, linear.weight, linear.bias)
+    y = linear_reference(linear, x)
     if glu:
         g, u = y.float().chunk(2, dim=-1)
         return (torch.nn.functional.silu(g) * u).to(dt)
@@ -221,3 +228,15 @@ def gemv_reference(
         r = (r.float() + h.reshape(rows, -1).float()).to(dt)
     into.copy_((r.float() + y.float()).to(dt).reshape(into.shape))
     return into
+
+
+def linear_reference(linear: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """linear(x) through torch ops: nn.Linear's, or an FP8 linear's sums in fp32 over its
+    dequantized weight, scaled by row, the bias added, rounded once to x's dtype."""
+    scale = fp8_row_scale(linear)
+    if scale is None:
+        return torch.nn.functional.linear(x, linear.weight, linear.bias)
+    y = torch.nn.functional.linear(x.float(), linear.weight.float()) * scale
+    if linear.bias is not None:
+        y = y + linear.bias.float()
+    return y.to(x.dtype)

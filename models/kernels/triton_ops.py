@@ -73,6 +73,18 @@ def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+def fp8_row_scale(linear: torch.nn.Module) -> torch.Tensor | None:
+    """An FP8 linear's scales, one float32 a weight row ([N], contiguous), which the GEMVs and
+    small GEMMs multiply into their sums (their weight loads convert E4M3 in registers); None
+    for a linear of any other weight."""
+    w, s = getattr(linear, "weight", None), getattr(linear, "weight_scale", None)
+    if not isinstance(w, torch.Tensor) or w.dtype != torch.float8_e4m3fn or w.dim() != 2:
+        return None
+    if not isinstance(s, torch.Tensor) or s.dtype != torch.float32 or s.shape != w.shape[:1]:
+        return None
+    return s if s.is_contiguous() else None
+
+
 def _kernels():
     return _build_kernels(interpreting())
 

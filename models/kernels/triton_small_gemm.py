@@ -27,6 +27,10 @@ Numerics: x times the norm's weight is rounded to the model's dtype before the p
 the unfused chain rounds the normalized row (a rounding at another scale: the same error
 bound); everything else is rounded where the chain rounds it.
 
+An FP8 linear (E4M3 weight, a float32 scale a row) runs the same programs: each tile of W is
+converted to x's dtype in registers before its product (the weight's bytes halved; the sums as
+for a bf16 weight of those values) and the sums are scaled by row before the bias (`SCALE`).
+
 Runs under Triton's interpreter too (the CPU tests), its products in fp32 there (the
 interpreter has no bf16 arithmetic), as for fp32 weights anywhere.
 """
@@ -38,7 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
-from models.kernels.triton_ops import _pow2, interpreting
+from models.kernels.triton_ops import _pow2, fp8_row_scale, interpreting
 
 MAX_ROWS = 16  # the rows of x a launch takes (tl.dot's smallest tile)
 
@@ -118,11 +122,12 @@ def _build(interpret: bool):
 
     @triton.jit(do_not_specialize=["m", "n", "parts", "eps"])
     def small_gemm_kernel(
-        x_ptr, w_ptr, b_ptr, out_ptr, sq_ptr, nw_ptr, xs_ptr, sq_out_ptr,
+        x_ptr, w_ptr, b_ptr, s_ptr, out_ptr, sq_ptr, nw_ptr, xs_ptr, sq_out_ptr,
         m, n, sx, so, sxs, parts, eps,
         K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         EVEN_K: tl.constexpr, BIAS: tl.constexpr, DOT_F32: tl.constexpr, PRE: tl.constexpr,
         INTO: tl.constexpr, NEXT: tl.constexpr, GLU: tl.constexpr, PARTS_BLOCK: tl.constexpr,
+        SCALE: tl.constexpr,
     ):  # fmt: skip
         # program i: out[:m, cols] = x[:m] @ W[cols]^T, cols = i * BLOCK_N + [0, BLOCK_N); with
         # GLU, out[:m, cols] = silu(x W[cols]^T) * (x W[n + cols]^T), cols = i * BLOCK_N / 2 +
@@ -155,6 +160,8 @@ def _build(interpret: bool):
             xt = tl.load(x_rows + kk[:, None], mask=xm, other=0.0)  # [BLOCK_K, BLOCK_M]
             if DOT_F32:  # the interpreter: no bf16 arithmetic, exact fp32 products
                 acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
+            elif SCALE:  # E4M3 -> x's dtype: exact
+                acc = tl.dot(w.to(xt.dtype), xt, acc)
             else:
                 acc = tl.dot(w, xt, acc)
         if PRE:  # x: rows scaled by the norm's weight; 1 / rms of each from its parts' squares
@@ -167,6 +174,8 @@ def _build(interpret: bool):
                 total += tl.sum(part, 0)
             inv = 1.0 / tl.sqrt(total / K + eps)
             acc = acc * inv[None, :]
+        if SCALE:  # an FP8 weight's rows: their scales
+            acc = acc * tl.load(s_ptr + rows, mask=cm, other=0.0)[:, None]
         if BIAS:
             acc += tl.load(b_ptr + rows, mask=cm, other=0.0).to(tl.float32)[:, None]
         y = acc.to(dt)
@@ -242,15 +251,20 @@ def prenorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> Normed:
 
 def fits(linear: torch.nn.Module, x: torch.Tensor) -> bool:
     """Whether small_gemm takes linear(x): a linear whose forward is nn.Linear's (a subclass
-    that computes something else keeps its own), a row-major weight of x's dtype, x [M, K] with
-    1 <= M <= MAX_ROWS and unit column stride."""
+    that computes something else keeps its own) of a weight of x's dtype, or an FP8 linear
+    (`fp8_row_scale`) of x's compute dtype; its weight row-major, x [M, K] with 1 <= M <=
+    MAX_ROWS and unit column stride."""
     w = getattr(linear, "weight", None)
-    return (
+    plain = (
         isinstance(linear, torch.nn.Linear)
         and type(linear).forward is torch.nn.Linear.forward
         and isinstance(w, torch.Tensor)
-        and w.dim() == 2
         and w.dtype == x.dtype
+    )
+    fp8 = fp8_row_scale(linear) is not None and getattr(linear, "compute_dtype", None) == x.dtype
+    return (
+        (plain or fp8)
+        and w.dim() == 2
         and w.stride(1) == 1
         and w.stride(0) == w.shape[1]
         and x.dim() == 2
@@ -278,7 +292,7 @@ def small_gemm(
     normed = x if isinstance(x, Normed) else None
     x = normed.rows if normed is not None else x
     assert fits(linear, x), "small_gemm takes a row-major linear and at most 16 rows"
-    w, bias = linear.weight, linear.bias
+    w, bias, scale = linear.weight, linear.bias, fp8_row_scale(linear)
     n, k = w.shape
     m = x.shape[0]
     assert into is None or (into.stride(1) == 1 and into.shape == (m, n) and not glu)
@@ -301,14 +315,15 @@ def small_gemm(
     nw = norm[0] if norm is not None else x
     block_k = min(c.block_k, max(16, _pow2(k)))
     _build(interpreting())[0][(grid,)](
-        x, w, bias if bias is not None else w, out, sq, nw,
+        x, w, bias if bias is not None else w, scale if scale is not None else w, out, sq, nw,
         nxt.rows if nxt is not None else x, nxt.squares if nxt is not None else sq,
         m, n, x.stride(0), out.stride(0), nxt.rows.stride(0) if nxt is not None else 0,
         sq.shape[0] if normed is not None else 0, normed.eps if normed is not None else 0.0,
         K=k, BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
         BIAS=bias is not None, DOT_F32=interpreting() or x.dtype == torch.float32,
         PRE=normed is not None, INTO=into is not None, NEXT=nxt is not None, GLU=glu,
-        PARTS_BLOCK=PARTS_BLOCK, num_warps=c.warps, num_stages=c.stages,
+        PARTS_BLOCK=PARTS_BLOCK, SCALE=scale is not None, num_warps=c.warps,
+        num_stages=c.stages,
     )  # fmt: skip
     return nxt if nxt is not None else out
 
@@ -332,6 +347,9 @@ def small_gemm_reference(
         inv = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
         x = (x.float() * weight.float()).to(dt)
     y = torch.nn.functional.linear(x.float(), linear.weight.float()) * inv
+    scale = fp8_row_scale(linear)
+    if scale is not None:
+        y = y * scale
     if linear.bias is not None:
         y = y + linear.bias.float()
     y = y.to(dt)

@@ -43,7 +43,13 @@ class KernelConfig:
     - small_gemm: decode graphs of at most 16 sequences run each Llama layer as four Triton
       small GEMMs under this tiling (None: cuBLAS's GEMMs).
     - piecewise_max_tokens: the largest step replayed through piecewise graphs (each bucket past
-      512 tokens, one every 256, costs capture time and graph memory)."""
+      512 tokens, one every 256, costs capture time and graph memory).
+    - fp8_scaled_mm_min_rows: an FP8 model's projections (models.layers.fp8_linear) run
+      torch._scaled_mm, the activations quantized per token, for steps of at least this many
+      rows on a GPU that runs it (compute capability 8.9 or more; bf16); smaller steps, and
+      every step elsewhere, the dequantized weight (None: always). Decode graphs whose layers
+      run the GEMVs or small GEMMs above read the FP8 weights there instead, whatever this
+      says."""
 
     prefill_backend: str = "auto"
     prefill_backend_min_tokens: int = 1024
@@ -56,6 +62,7 @@ class KernelConfig:
     gemv: GemvConfig | None = GemvConfig()
     small_gemm: SmallGemmConfig | None = SmallGemmConfig()
     piecewise_max_tokens: int = 1024
+    fp8_scaled_mm_min_rows: int | None = 1
 
     def __post_init__(self):
         def refuse(key: str, want: str):
@@ -75,6 +82,9 @@ class KernelConfig:
                 refuse(key, f"an integer >= {least}")
         if not _is_int(self.triton_max_splits) or not 1 <= self.triton_max_splits <= SPLITS_LIMIT:
             refuse("triton_max_splits", f"an integer from 1 to {SPLITS_LIMIT}")
+        rows = self.fp8_scaled_mm_min_rows
+        if rows is not None and (not _is_int(rows) or rows < 1):
+            refuse("fp8_scaled_mm_min_rows", "an integer >= 1 or null")
         if self.triton_warps not in WARPS:
             refuse("triton_warps", "1, 2, 4 or 8")
         dense = self.triton_dense

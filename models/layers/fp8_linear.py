@@ -2,10 +2,24 @@
 
 Its parameters are what the model's weight buffer holds (1 byte a weight, 4 a row): `weight`
 [N, K] float8_e4m3fn, `weight_scale` [N] float32, `bias` [N] in the compute dtype or None. The
-matmul is one function, `fp8_linear`, the place where an FP8 GEMM kernel takes over.
+matmul is one function, `fp8_linear`, which takes one of two paths:
+
+- `fp8_scaled_mm`: the activations quantized to E4M3 per token (a row's amax / 448, float32
+  scales [T, 1]) and torch._scaled_mm's FP8 GEMM with row-wise scales on both sides: the
+  tensor cores' FP8 rate, the weight read once at 1 byte a value. A layer takes it for steps
+  of at least `scaled_mm_min_rows` rows, set by `use_scaled_mm` where it runs (a CUDA device
+  of compute capability 8.9 or more, bf16, K and N multiples of 16);
+- the dequantized weight: exact (every E4M3 value is a bf16/fp16/fp32 value) and slow on a
+  GPU (the weight read, a bf16 copy written and read again); every other step, and always
+  off a GPU.
+
+Small decode steps on a GPU run neither: their graphs' Triton GEMVs and small GEMMs read the
+FP8 weight as it is (models.kernels.fused_decode).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -13,16 +27,31 @@ from torch import nn
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448.0
+# a token's smallest activation scale (an all-zero row's: its values stay 0)
+_MIN_SCALE = 1e-12
 
 
 def fp8_linear(
-    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    scaled_mm_min_rows: int | None = None,
 ) -> torch.Tensor:
     """x [T, K] (compute dtype) @ (weight [N, K] fp8 * scale [N, 1]).T (+ bias) -> [T, N] in x's
-    dtype. Dequantizes the weight to x's dtype (exact: every E4M3 value is a bf16/fp16/fp32
-    value) and applies the per-row scale to the output columns (y[:, n] = (x @ q[n]) * s[n])."""
-    # NOTE: the one seam for FP8 kernels (torch._scaled_mm with per-token activation scales,
-    # FP8 GEMV for decode): on any other device this is correct and slower than bf16.
+    dtype: `fp8_scaled_mm` for at least scaled_mm_min_rows rows of bf16 (the caller knows it
+    runs: `scaled_mm_takes`), else the dequantized weight's linear."""
+    rows = x.shape[0]
+    if scaled_mm_min_rows is not None and rows >= scaled_mm_min_rows and x.dtype == torch.bfloat16:
+        return fp8_scaled_mm(x, weight, scale, bias)
+    return fp8_dequant_linear(x, weight, scale, bias)
+
+
+def fp8_dequant_linear(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """fp8_linear through the weight dequantized to x's dtype: the per-row scale applied to the
+    output columns (y[:, n] = (x @ q[n]) * s[n])."""
     y = F.linear(x, weight.to(x.dtype))
     y.mul_(scale)  # computed in float32, stored in x's dtype
     if bias is not None:
@@ -30,10 +59,65 @@ def fp8_linear(
     return y
 
 
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] -> (xq [T, K] float8_e4m3fn, scale [T, 1] float32), x ~= xq * scale: each row
+    (token) scaled by its amax / 448, so that its largest value lands on 448."""
+    amax = torch.linalg.vector_norm(x, float("inf"), dim=1, keepdim=True)  # exact, x's dtype
+    s = amax.float().clamp_(min=_MIN_SCALE) / FP8_MAX
+    # NOTE: |x / s| <= 448 up to fp32's rounding, which rounds to 448 in E4M3: no clamp
+    return (x / s).to(FP8_DTYPE), s
+
+
+def fp8_scaled_mm(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """fp8_linear through torch._scaled_mm: x quantized per token (`quantize_rows`), the FP8
+    product summed in fp32 and scaled by both rows' scales, the bias added, in x's dtype. A
+    token's rounding adds at most 2**-4 of each |x| (E4M3's step) to the dequantized path's
+    error. On a GPU: bf16 x, K and N multiples of 16 (`scaled_mm_takes`)."""
+    xq, xs = quantize_rows(x)
+    # weight.t(): [K, N] column-major, the layout _scaled_mm takes for its second operand
+    return torch._scaled_mm(
+        xq, weight.t(), scale_a=xs, scale_b=scale[None, :], bias=bias, out_dtype=x.dtype
+    )
+
+
+@functools.cache
+def scaled_mm_runs(device: torch.device) -> bool:
+    """Whether `device` runs torch._scaled_mm with row-wise scales: CUDA of compute capability
+    8.9 (Ada) or more, asked once a device."""
+    if device.type != "cuda":
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def scaled_mm_takes(layer: Fp8Linear, runs: bool) -> bool:
+    """Whether a layer's matmul can run fp8_scaled_mm where it `runs` (scaled_mm_runs): a bf16
+    layer (the row-wise kernels' output) of K and N multiples of 16 (_scaled_mm's operands)."""
+    n, k = layer.weight.shape
+    return runs and layer.compute_dtype == torch.bfloat16 and n % 16 == 0 and k % 16 == 0
+
+
+def use_scaled_mm(model: nn.Module, device: torch.device, min_rows: int | None) -> int:
+    """Sets each Fp8Linear of model on `device` to run fp8_scaled_mm for steps of at least
+    min_rows rows (None: never) where it can (`scaled_mm_takes`), the dequantized path
+    otherwise; the layers that take it. Decided once here, so that a step asks no device."""
+    runs = min_rows is not None and scaled_mm_runs(device)
+    taken = 0
+    for m in model.modules():
+        if isinstance(m, Fp8Linear):
+            m.scaled_mm_min_rows = min_rows if scaled_mm_takes(m, runs) else None
+            taken += m.scaled_mm_min_rows is not None
+    return taken
+
+
 class Fp8Linear(nn.Module):
     """An FP8 linear of `in_features` -> `out_features`; `shards` (HF projection name -> rows,
     in stacking order) when it is a merged projection (q/k/v, gate/up): the loader writes each
-    HF tensor (and its scale) into shard_rows(shard)."""
+    HF tensor (and its scale) into shard_rows(shard). scaled_mm_min_rows: the fewest rows of a
+    step that runs torch._scaled_mm (None: none; `use_scaled_mm` sets it)."""
+
+    scaled_mm_min_rows: int | None = None
 
     def __init__(
         self,
@@ -86,7 +170,7 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in_features] -> [T, out_features]
-        return fp8_linear(x, self.weight, self.weight_scale, self.bias)
+        return fp8_linear(x, self.weight, self.weight_scale, self.bias, self.scaled_mm_min_rows)
 
     def extra_repr(self) -> str:
         s = f"in_features={self.in_features}, out_features={self.out_features}, fp8 e4m3"

@@ -32,6 +32,7 @@ from models.attention.torch_paged import TorchPagedAttention
 from models.attention.upload import host_ints, upload
 from models.kernels.fused_decode import load_step_ops
 from models.kernels.tuning import KernelConfig
+from models.layers.fp8_linear import use_scaled_mm
 from models.lora import LoraBatch
 from models.tensor_parallel import collective_order
 from prism_server.engine.cuda_graph_runner import DEFAULT_BATCH_SIZES, CudaGraphRunner
@@ -148,6 +149,8 @@ def _step_ops(device: torch.device, resources: DeviceResources | None):
             "%s: one-row decode graphs run their layers as Triton GEMVs (tiling %s%s)",
             device, ops.gemv_config, ", SiLU * up out of gate_up's" if ops.glu else "",
         )  # fmt: skip
+    if ops is not None and not ops.fp8:
+        log.info("%s: FP8 projections keep their module in decode graphs (no E4M3 here)", device)
     if ops is not None and ops.small_config is not None:
         log.info(
             "%s: decode graphs of at most 16 sequences run their layers as Triton's small GEMMs "
@@ -180,6 +183,13 @@ class ModelRunner:
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
+        # an FP8 model's larger steps through _scaled_mm where it runs (before any capture)
+        kernels = resources.kernels if resources is not None else DEFAULT_KERNELS
+        if use_scaled_mm(model, device, kernels.fp8_scaled_mm_min_rows):
+            log.info(
+                "%s: FP8 projections run torch._scaled_mm for steps of %d rows or more",
+                device, kernels.fp8_scaled_mm_min_rows,
+            )  # fmt: skip
         self.attention = attention or default_attention(model, kv_cache, device, resources)
         self.block_size = kv_cache.layout.block_size
         self.graphs: CudaGraphRunner | None = None

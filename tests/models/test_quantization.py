@@ -15,10 +15,6 @@ from safetensors.torch import load_file, save_file
 from models.attention.base import AttentionMetadata, ForwardContext, SeqChunk
 from models.attention.torch_paged import TorchPagedAttention
 from models.config import ModelConfig
-from models.kernels import fused_decode
-from models.kernels.fused_decode import StepOps
-from models.kernels.triton_gemv import GemvConfig
-from models.kernels.triton_small_gemm import SmallGemmConfig
 from models.layers.causal_lm import weight_bytes
 from models.layers.fp8_linear import FP8_DTYPE, Fp8Linear, fp8_linear
 from models.layers.merged_linear import MergedLinear
@@ -126,55 +122,6 @@ def test_fp8_linear_is_the_dequantized_linear(dtype):
     assert got.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(got.float(), ref, rtol=tol, atol=tol)
-
-
-def test_fp8_layers_never_take_the_fused_decode_kernels():
-    """The decode programs read plain bf16 weights: an FP8 layer runs its own module."""
-    cfg = ModelConfig.from_hf(get_preset("tiny-llama"))
-    plain = load_model("dummy:tiny-llama", dtype=torch.bfloat16).model
-    fp8 = load_model("dummy:tiny-llama", dtype=torch.bfloat16, quantization="fp8").model
-    ops = StepOps(GemvConfig(), SmallGemmConfig())
-    x = torch.randn(1, cfg.hidden_size, dtype=torch.bfloat16)
-    assert ops.takes_layer(plain.model.layers[0], x, whole=True)  # the same layer, bf16: taken
-    assert not ops.takes_layer(fp8.model.layers[0], x, whole=True)
-    assert not ops.takes_layer(fp8.model.layers[0], x.expand(4, -1).contiguous(), whole=True)
-    o_proj = fp8.model.layers[0].self_attn.o_proj
-    assert isinstance(o_proj, Fp8Linear)
-    assert ops.linear(o_proj, x).equal(o_proj(x))  # the module itself, not a Triton GEMM
-
-
-@pytest.mark.parametrize("rows", [1, 3])
-@torch.no_grad()
-def test_a_fused_decode_step_of_an_fp8_model_is_its_own_forward(rows):
-    """A decode graph's step through fused_decode.forward (GEMVs and small GEMMs on): no FP8
-    layer or projection is handed to a Triton kernel, and the step is the model's forward."""
-    lm = load_model("dummy:tiny-llama", dtype=torch.bfloat16, quantization="fp8")
-    cfg, cpu = lm.config, torch.device("cpu")
-    caches = [
-        torch.zeros(3, 2, 4, cfg.num_kv_heads, cfg.head_dim, dtype=torch.bfloat16)
-        for _ in range(cfg.num_layers)
-    ]
-    prompt = AttentionMetadata.build([SeqChunk(0, 5, [1, 2])], 4, cpu)
-    ctx = ForwardContext(attn=TorchPagedAttention(caches, prompt))
-    lm.model(torch.tensor(PROMPT[:5]), torch.arange(5), ctx)
-    saved = [c.clone() for c in caches]
-    step = AttentionMetadata.build([SeqChunk(5, rows, [1, 2])], 4, cpu)
-    ids, pos = torch.tensor([42, 7, 8][:rows]), torch.arange(5, 5 + rows)
-    plain = lm.model(ids, pos, ForwardContext(attn=TorchPagedAttention(caches, step)))
-    kernels = []
-
-    class Counting(StepOps):
-        def project(self, linear, x, **ops):
-            kernels.append(linear)
-            return super().project(linear, x, **ops)
-
-    for c, s in zip(caches, saved):
-        c.copy_(s)
-    ops = Counting(GemvConfig(), SmallGemmConfig(16, 32))
-    ctx = ForwardContext(attn=TorchPagedAttention(caches, step), step_ops=ops)
-    got = fused_decode.forward(lm.model, ids, pos, ctx, ops)
-    assert kernels == []
-    assert got.equal(plain)
 
 
 # ---------------------------------------------------------------- FP8 models built by Prism

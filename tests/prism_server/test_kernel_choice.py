@@ -37,6 +37,7 @@ def test_default_json_holds_every_setting_at_the_dataclass_defaults():
     assert (k.triton_waves, k.triton_warps, k.triton_dense) == (2, 4, (2, 2))
     assert k.gemv == GemvConfig(2, 2048, 4, 2) and k.small_gemm == SmallGemmConfig()
     assert k.piecewise_max_tokens == 1024
+    assert k.fp8_scaled_mm_min_rows == 1  # _scaled_mm for every FP8 step outside the GEMVs
     # the chosen backend from 1024 query tokens a step; fa2 below
     assert [k.prefill_backend_for(n) for n in (1, 1023, 1024)] == ["fa2", "fa2", "auto"]
 
@@ -66,11 +67,13 @@ def test_an_override_goes_over_the_gpus_table(tmp_path):
             "gemv": [16, 256],
             "small_gemm": "16:64/32:128",
             "piecewise_max_tokens": 2048,
+            "fp8_scaled_mm_min_rows": None,
         },
     )
     k = load_kernel_config("NVIDIA H200", path)
     assert (k.prefill_backend, k.decode_backend_max_batch, k.triton_dense) == ("fa3", 64, None)
     assert k.gemv == GemvConfig(16, 256) and k.piecewise_max_tokens == 2048
+    assert k.fp8_scaled_mm_min_rows is None  # null: FP8 steps keep the dequantized weight
     assert k.small_gemm == SmallGemmConfig(16, 64, wide=SmallGemmConfig(32, 128))
     # the run may be named in an override too; unnamed settings keep the GPU's
     k = load_kernel_config("NVIDIA H200", _override(tmp_path, {"triton_stages": 1}, run=True))
@@ -96,6 +99,8 @@ def test_an_override_goes_over_the_gpus_table(tmp_path):
         ({"small_gemm": "16:64/"}, "small_gemm: small GEMM config '16:64/'"),
         ({"small_gemm": 1}, "small_gemm: 1"),
         ({"piecewise_max_tokens": 4}, "piecewise_max_tokens: 4, want an integer >= 8"),
+        ({"fp8_scaled_mm_min_rows": 0}, "fp8_scaled_mm_min_rows: 0, want an integer >= 1"),
+        ({"fp8_scaled_mm_min_rows": True}, "fp8_scaled_mm_min_rows: True"),
     ],
 )
 def test_a_bad_setting_is_refused_with_its_name(tmp_path, settings, match):
