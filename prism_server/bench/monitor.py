@@ -114,9 +114,10 @@ class Monitor:
         return acts, evs
 
     def engine(self) -> dict[str, dict]:
-        """Per device, between the first and the last poll: the model steps run, the fraction
-        of the time spent in them (busy), and the host time between back-to-back steps (mean
-        per step, and as a fraction of the time)."""
+        """Per device, between the first and the last poll: the model steps run, the time
+        spent in them (step_seconds: the device's busy seconds) and its fraction of the time
+        (busy), and the host time between back-to-back steps (mean per step, and as a fraction
+        of the time)."""
         if len(self.engines) < 2:
             return {}
         (t0, first), (t1, last) = self.engines[0], self.engines[-1]
@@ -128,6 +129,7 @@ class Monitor:
             host = e["host_seconds"] - b.get("host_seconds", 0.0)
             out[dev] = {
                 "steps": steps,
+                "step_seconds": e["step_seconds"] - b.get("step_seconds", 0.0),
                 "busy": (e["step_seconds"] - b.get("step_seconds", 0.0)) / wall,
                 "host": host / wall,
                 "host_per_step_s": host / steps if steps else None,

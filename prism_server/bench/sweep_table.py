@@ -187,9 +187,15 @@ def _preemptions(run: dict | None) -> str:
 
 
 def busy_cell(run: dict | None) -> str:
-    """The engine's busy fraction over the run, per device."""
+    """The engine's busy fraction over the run, per device, and its busy seconds per 1,000
+    requests served (GPU-seconds per 1k requests: what serving the workload costs)."""
     eng = (run or {}).get("engine") or {}
-    return ", ".join(f"{100 * e['busy']:.0f}%" for _, e in sorted(eng.items())) or "-"
+    cell = ", ".join(f"{100 * e['busy']:.0f}%" for _, e in sorted(eng.items())) or "-"
+    served = ((run or {}).get("report") or {}).get("overall", {}).get("requests")
+    busy_s = sum(e.get("step_seconds", 0.0) for e in eng.values())
+    if served and busy_s:
+        cell += f" ({1000 * busy_s / served:.1f} s / 1k req)"
+    return cell
 
 
 def _attainment(run: dict) -> str:

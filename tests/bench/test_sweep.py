@@ -22,6 +22,7 @@ from prism_server.bench.plots import (
 )
 from prism_server.bench.standalone import pick, slos_from, standalone
 from prism_server.bench.sweep import expected_run_s, passed, run_once, sustained
+from prism_server.bench.sweep_table import busy_cell
 from prism_server.bench.workload import Row, write_csv
 from prism_server.cli.main import main
 from prism_server.config import EngineConfig, ModelSpec
@@ -111,6 +112,10 @@ def test_the_monitor_sees_activations_and_which_requests_waited_for_one():
     assert eng["steps"] >= 3 * 6 and 1 <= seen["steps"] <= eng["steps"]
     assert 0 < seen["busy"] <= 1 and 0 <= seen["host"] <= 1 and seen["busy"] + seen["host"] <= 1
     assert seen["host_per_step_s"] is not None and seen["host_per_step_s"] < 0.05
+    assert 0 < seen["step_seconds"] <= eng["step_seconds"]
+    cell = busy_cell(run)  # the busy fraction and the busy seconds per 1,000 requests served
+    per_1k = 1000 * seen["step_seconds"] / run["report"]["overall"]["requests"]
+    assert cell == f"{100 * seen['busy']:.0f}% ({per_1k:.1f} s / 1k req)"
     assert eng["step_seconds"] > 0 and 0 <= eng["step_overhead_s"] < 0.05
 
 
