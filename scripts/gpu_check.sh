@@ -63,6 +63,8 @@
 # STATIC_SUBSET=auto: static serves the busiest models that fit its pool (a fleet larger than
 # the pool). --capacity POLICIES: `bench capacity` on BENCH (default docs/bench/fleet24), with
 # SCALE, CAP_START, CAP_STEP (default 1, 4, 4), SLO_FILE, STOP_EARLY, BUDGET_S as above.
+# CONFIG and WORKLOAD name another config and workload of the set-up (e.g. docs/bench/lora100's
+# merged.toml and workload-merged.csv); a set-up's adapters.args makes its LoRA adapters first.
 # DETACH=1 starts the sweep (or capacity) in its own session (it outlives the command while the
 # machine stays warm); `--collect WAIT_S` in a later command waits for it and leaves
 # $OUT/sweep.tgz.
@@ -103,21 +105,31 @@ aot=/tmp/site/flashinfer/data/aot
 bash scripts/fi_kernels.sh unpack "$aot"
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.mem --format=csv,noheader
 
+# a set-up of LoRA adapters (docs/bench/lora100) names their making in adapters.args: written
+# once a machine (make-adapters keeps those already there)
+make_adapters() {
+  if [ -f "$1/adapters.args" ]; then
+    # shellcheck disable=SC2046  # (the file's words are the arguments; its braces stay literal)
+    python3 -m prism_server make-adapters $(cat "$1/adapters.args")
+  fi
+}
+
 if [ "$mode" = "--sweep" ]; then
   out=$OUT/sweep
   mkdir -p "$out"
   bench=${BENCH:-docs/bench/h200}
   [ -f "$bench/sweep.json" ] && cp "$bench/sweep.json" "$out/"
+  make_adapters "$bench"
   # policies in turn (comma-separated), each on its own server, merged into one sweep.json; the
   # server's config is the set-up's, with the step trace on (the [engine] table's step_trace)
   for p in ${2//,/ }; do
-    config=$bench/prism.toml
+    config=$bench/${CONFIG:-prism.toml}
     if [ "${STEP_TRACE:-1}" != 0 ]; then
       config=$out/prism-$p.toml
-      sed "/^\[engine\]/a step_trace = \"$out/steps-$p.jsonl\"" "$bench/prism.toml" > "$config"
+      sed "/^\[engine\]/a step_trace = \"$out/steps-$p.jsonl\"" "$bench/${CONFIG:-prism.toml}" > "$config"
     fi
     python3 -m prism_server bench sweep \
-      --workload "$bench/workload.csv" --config "$config" --out "$out" \
+      --workload "$bench/${WORKLOAD:-workload.csv}" --config "$config" --out "$out" \
       --policies "$p" --scales "$3" --refine 1 --standalone-requests 5 \
       --sample-interval 0.5 --budget-s "${BUDGET_S:-520}" --startup-timeout 300 \
       ${STOP_EARLY:+--stop-early} ${SLO_FILE:+--slo-file "$SLO_FILE"} \
@@ -133,8 +145,9 @@ if [ "$mode" = "--capacity" ]; then
   mkdir -p "$out"
   bench=${BENCH:-docs/bench/fleet24}
   [ -f "$bench/capacity.json" ] && cp "$bench/capacity.json" "$out/"
+  make_adapters "$bench"
   python3 -m prism_server bench capacity \
-    --workload "$bench/workload.csv" --config "$bench/prism.toml" --out "$out" \
+    --workload "$bench/${WORKLOAD:-workload.csv}" --config "$bench/${CONFIG:-prism.toml}" --out "$out" \
     --policies "$2" --scale "${SCALE:-1}" --start "${CAP_START:-4}" --step "${CAP_STEP:-4}" \
     --sample-interval 0.5 --budget-s "${BUDGET_S:-520}" --startup-timeout 300 \
     ${STOP_EARLY:+--stop-early} ${SLO_FILE:+--slo-file "$SLO_FILE"} 2>&1 \

@@ -60,6 +60,8 @@ class Monitor:
                     "waiting": m["num_waiting"],
                 }
                 counts[name] = (m["activations"], m["evictions"])
+                for a in m.get("adapters", ()):  # its LoRA adapters' moves count as its own
+                    counts[a["name"]] = (a["activations"], a["evictions"])
                 lat = m.get("latency") or {}
                 if lat.get("coefficients"):
                     self.latency[name] = {
@@ -105,7 +107,8 @@ class Monitor:
         }
 
     def moved(self) -> tuple[int, int]:
-        """Activations and evictions between the first and the last poll, over all models."""
+        """Activations and evictions between the first and the last poll, over all models and
+        LoRA adapters."""
         if len(self.counts) < 2:
             return 0, 0
         first, last = self.counts[0], self.counts[-1]
