@@ -174,7 +174,7 @@ def test_a_base_with_8_adapters_replays_mixed_decodes_with_the_eager_tokens():
     work is the torch GEMMs."""
     cfg, cpu_model = tiny_model(num_attention_heads=8)
     model = on_gpu(cpu_model)
-    pool = cuda_pool(pages=48)
+    pool = cuda_pool(pages=64)
     g = torch.Generator().manual_seed(4)
     weights = [random_weights(model, RANKS[i], g, std=0.05, dtype=torch.bfloat16) for i in range(8)]
     graphed = model_engine("graphed", cfg, model, pool, graphs=True)
