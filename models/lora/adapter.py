@@ -73,7 +73,7 @@ def read_adapter(
     targets = lora_targets(base)
     _check_config(config, name, max_rank, targets)
     tensors = _read_tensors(path, name)
-    dtype = dtype or _activation_dtype(base)
+    dtype = dtype or activation_dtype(base)
     pairs = _pairs(tensors, name, targets, base)
     use_rslora = bool(config.get("use_rslora", False))
     alpha, alpha_pattern = config.get("lora_alpha", 8), config.get("alpha_pattern") or {}
@@ -99,7 +99,7 @@ def read_adapter(
     )
 
 
-def _activation_dtype(base: nn.Module) -> torch.dtype:
+def activation_dtype(base: nn.Module) -> torch.dtype:
     """The dtype of the base's activations: its first parameter of a 16 or 32-bit float type
     (the embedding's; quantized projections have others)."""
     floats = (torch.float32, torch.bfloat16, torch.float16)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvpool import HostCopy, WeightBuffer, WeightLayout
-from models.lora import NO_ADAPTER, LoraAdapter, LoraBatch, LoraSlots, LoraWeights
+from models.lora import DEFAULT_MAX_RANK, NO_ADAPTER, LoraAdapter, LoraSlots, LoraWeights
 from scheduler.request import RequestStatus
 from scheduler.snapshot import AdapterSnapshot
 
@@ -62,10 +62,17 @@ class ServedAdapter:
 
 
 class BaseAdapters:
-    """The adapters of one base model (its LoraSlots with `num_slots` slots)."""
+    """The adapters of one base model (its LoraSlots with `num_slots` slots, of adapters of
+    rank at most `max_rank`)."""
 
-    def __init__(self, base: torch.nn.Module, num_slots: int, make_room: MakeRoom | None = None):
-        self.slots = LoraSlots(base, num_slots)
+    def __init__(
+        self,
+        base: torch.nn.Module,
+        num_slots: int,
+        make_room: MakeRoom | None = None,
+        max_rank: int = DEFAULT_MAX_RANK,
+    ):
+        self.slots = LoraSlots(base, num_slots, max_rank)
         self.by_name: dict[str, ServedAdapter] = {}
         self.make_room = make_room  # for an activation the pool has not the free pages of
         # the last prepare left an adapter waiting for pages (its base is then blocked on memory,
@@ -207,9 +214,9 @@ class BaseAdapters:
         return True
 
     # ---- a step ---------------------------------------------------------------------------------
-    def batch(self, chunks: Sequence[ScheduledChunk], device: torch.device) -> LoraBatch | None:
-        """The step's LoRA work: each chunk's tokens with its request's adapter's slot; None
-        when no chunk has an adapter."""
+    def token_slots(self, chunks: Sequence[ScheduledChunk]) -> list[int] | None:
+        """Each of the step's tokens' adapter slot (NO_ADAPTER: the base's), chunk by chunk;
+        None when no chunk has an adapter."""
         if not any(c.request.adapter is not None for c in chunks):
             return None
         token_slots: list[int] = []
@@ -219,7 +226,7 @@ class BaseAdapters:
             if slot is None:
                 raise RuntimeError(f"adapter {name} runs with no slot")
             token_slots += [slot] * c.num_new
-        return self.slots.batch(token_slots, device)
+        return token_slots
 
     # ---- state ----------------------------------------------------------------------------------
     def snapshot(self, base: str, requests: Iterable[Request]) -> tuple[AdapterSnapshot, ...]:

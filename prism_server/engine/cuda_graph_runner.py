@@ -6,6 +6,12 @@ decodes replays the smallest captured size >= b, padded rows reading and writing
 refilled outside the graph before each replay. The KV cache's addresses never change (pages are
 mapped and unmapped under a fixed virtual range), so the graphs stay valid while the model's pages
 come and go.
+
+A base with LoRA adapters whose slots run the LoRA kernels (LoraSlots.kernels) has a second set
+of decode graphs, each captured the first time a step of its size has LoRA work: the same
+forward with the kernels' deltas over a static LoRA input (models.lora.LoraGraphInput: the
+step's tokens grouped by slot, NO_ADAPTER for the base's and the padded rows), refilled before
+each replay. Steps of the base's tokens alone keep replaying the graphs without LoRA work.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import torch
 from models.attention.base import AttentionMetadata, ForwardContext, SeqChunk
 from models.kernels import fused_decode
 from models.kernels.fused_decode import STEP_OPS_MAX_BATCH, StepOps
+from models.lora import LoraBatch, LoraGraphInput, LoraSlots
 
 log = logging.getLogger(__name__)
 
@@ -65,12 +72,16 @@ class GraphBuffers:
     input_ids: torch.Tensor  # [max_bs] int64
     positions: torch.Tensor  # [max_bs] int64
     logits: dict[int, torch.Tensor] = field(default_factory=dict)  # bs -> [bs, vocab] fp32
+    # the LoRA graphs' static LoRA input (made with the first of them)
+    lora: LoraGraphInput | None = None
 
 
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
     attn: GraphAttention
+    logits: torch.Tensor  # [bs, vocab] fp32: its static output
+    lora: LoraBatch | None = None  # the LoRA work it was captured with
 
 
 @contextlib.contextmanager
@@ -118,6 +129,8 @@ class CudaGraphRunner:
             positions=torch.zeros(n, dtype=torch.long, device=device),
         )
         self.graphs: dict[int, _Graph] = {}
+        self.lora_graphs: dict[int, _Graph] = {}  # bs -> its graph with LoRA work
+        self._lora_slots: LoraSlots | None = None  # the slots the LoRA graphs read
 
     @property
     def max_batch_size(self) -> int:
@@ -129,38 +142,67 @@ class CudaGraphRunner:
         outputs (logits) outlive a replay, so graphs sharing the pool never see each other's
         live data. Each size is warmed up first on the capture stream (kernels chosen, the
         stream's cuBLAS workspace made), after the work queued before on the current one."""
+        self.graphs.update(self._capture(self.batch_sizes, None))
+        log.info("captured decode graphs for batch sizes %s", self.batch_sizes)
+
+    def _capture(self, sizes: Sequence[int], lora: LoraGraphInput | None) -> dict[int, _Graph]:
+        """Graphs of `sizes`, with the LoRA work of `lora` (None: none)."""
+        graphs = {}
+        if lora is not None:
+            lora.fill([])  # the warm-ups read no adapter's weights (some may be evicted)
         pool = self.pool
         stream = self.stream or capture_stream(self.device)
         outer = torch.cuda.current_stream(self.device)
         stream.wait_stream(outer)
         with gc_paused(), torch.cuda.stream(stream):
-            for bs in reversed(self.batch_sizes):
+            for bs in sorted(sizes, reverse=True):
                 attn = self.attention(self.kv_views, bs, self.max_blocks)
                 null_rows = [SeqChunk(0, 1, [0])] * bs  # one-token sequences in the null block
                 md = AttentionMetadata.build(null_rows, self._block_size(), self.device)
                 attn.plan(md)
-                self._forward(bs, attn)  # warm-up
+                work = lora.batch(bs) if lora is not None else None
+                self._forward(bs, attn, work)  # warm-up
                 stream.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 # NOTE: thread_local: the engine thread may be stepping other models meanwhile.
                 with torch.cuda.graph(
                     graph, pool=pool, stream=stream, capture_error_mode="thread_local"
                 ):
-                    self.buffers.logits[bs] = self._forward(bs, attn)
+                    logits = self._forward(bs, attn, work)
+                if lora is None:
+                    self.buffers.logits[bs] = logits
                 pool = graph.pool()
-                self.graphs[bs] = _Graph(graph, attn)
+                graphs[bs] = _Graph(graph, attn, logits, work)
         self.pool = pool  # the pool they were captured into (other graphs of the model share it)
         outer.wait_stream(stream)
         torch.cuda.synchronize(self.device)
-        log.info("captured decode graphs for batch sizes %s", self.batch_sizes)
+        return graphs
+
+    def takes_lora(self, slots: LoraSlots) -> bool:
+        """Whether decode steps with the LoRA work of `slots` can replay graphs here (their
+        LoRA work is the kernels')."""
+        return slots.kernels
+
+    def _lora_graph(self, slots: LoraSlots, bs: int) -> _Graph:
+        """The graph of size bs with `slots`' LoRA work, captured now if it is not yet."""
+        if self._lora_slots is not slots:  # (a base has one LoraSlots: made once)
+            self.lora_graphs.clear()
+            self.buffers.lora = slots.graph_input(self.max_batch_size)
+            self._lora_slots = slots
+        if bs not in self.lora_graphs:
+            self.lora_graphs.update(self._capture([bs], self.buffers.lora))
+            log.info("captured the decode graph of batch size %d with LoRA work", bs)
+        return self.lora_graphs[bs]
 
     def _block_size(self) -> int:
         return self.kv_views[0].shape[2]
 
-    def _forward(self, bs: int, attn: GraphAttention) -> torch.Tensor:
+    def _forward(self, bs: int, attn: GraphAttention, lora: LoraBatch | None) -> torch.Tensor:
         attn.prepare()
         ops = self.step_ops if bs <= STEP_OPS_MAX_BATCH else None
-        ctx = ForwardContext(attn=attn, step_ops=ops)
+        # (with LoRA work every layer an adapter may target runs its own forward, the deltas
+        # added in ForwardContext.linear: fused_decode leaves such layers alone)
+        ctx = ForwardContext(attn=attn, step_ops=ops, lora=lora)
         ids, positions = self.buffers.input_ids[:bs], self.buffers.positions[:bs]
         if ops is not None and fused_decode.runs(self.model):  # its layers as GEMV/GEMM chains
             hidden = fused_decode.forward(self.model, ids, positions, ctx, ops)
@@ -182,16 +224,24 @@ class CudaGraphRunner:
         positions: torch.Tensor,
         md: AttentionMetadata,
         planned: torch.cuda.Event | None = None,
+        lora: tuple[LoraSlots, Sequence[int]] | None = None,
     ) -> torch.Tensor:
         """One decode step of md.num_seqs tokens -> logits [num_seqs, vocab] (a view of the
         graph's static output: valid until the next replay). planned: recorded once the plan's
-        copies are queued, before the replay."""
+        copies are queued, before the replay. lora: the base's slots and each token's slot
+        (NO_ADAPTER: the base's; `takes_lora`), for a step with LoRA work."""
         b = md.num_seqs
-        g = self.graphs[self._size_for(b)]
+        size = self._size_for(b)
+        if lora is None:
+            g = self.graphs[size]
+        else:
+            slots, token_slots = lora
+            g = self._lora_graph(slots, size)
+            self.buffers.lora.fill(token_slots)
         self.buffers.input_ids[:b].copy_(input_ids)
         self.buffers.positions[:b].copy_(positions)
         g.attn.plan(md)
         if planned is not None:
             planned.record()
         g.graph.replay()
-        return self.buffers.logits[g.attn.batch_size][:b]
+        return g.logits[:b]

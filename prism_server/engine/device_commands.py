@@ -90,7 +90,9 @@ def load_adapter(w: DeviceWorker, cmd: LoadAdapter) -> int:
             keep = frozenset({m.name})
             return w.memory.make_room(fits, time.monotonic(), keep=keep, taker=m.name)
 
-        m.adapters = BaseAdapters(m.runner.model, cmd.num_slots, make_room=room)
+        m.adapters = BaseAdapters(
+            m.runner.model, cmd.num_slots, make_room=room, max_rank=cmd.max_rank
+        )
         m.runner.lora = m.adapters
     m.adapters.add(adapter, w.pool, w.device, on_device=m.residency.on_device)
     return adapter.rank

@@ -2,7 +2,8 @@
 
 Attention: FlashInfer on CUDA when it imports, else the pure-torch reference (CPU, or a GPU
 without FlashInfer). Decode steps replay CUDA graphs (captured here, after load) when the backend
-supports them; everything else runs eagerly.
+supports them, those with LoRA work too where the LoRA kernels run (graphs with it captured at
+their first such step); other steps replay piecewise graphs, or run eagerly (with LoRA work).
 """
 
 from __future__ import annotations
@@ -270,18 +271,28 @@ class ModelRunner:
         if input_ids is None:
             input_ids = tokens[0]
         spans = _prompt_spans(batch) if scores is not None else []
-        # NOTE: the decode graphs and the piecewise graphs are captured without LoRA work: a
-        # step with some runs eagerly (its adapters' deltas added in each layer's own forward)
-        lora = self.lora.batch(batch, self.device) if self.lora is not None else None
-        if lora is not None:
+        token_slots = self.lora.token_slots(batch) if self.lora is not None else None
+        graphs = self.graphs if not spans and self.graphs is not None else None
+        if token_slots is not None:
+            # a decode step with LoRA work replays a decode graph with it where the slots run
+            # the LoRA kernels; NOTE: the piecewise graphs are captured without LoRA work, so
+            # any other step with some runs eagerly (the deltas added in each layer's forward)
+            slots = self.lora.slots
+            if graphs is not None and graphs.can_run(md) and graphs.takes_lora(slots):
+                lora_step = (slots, token_slots)
+                logits = graphs.run(input_ids, pos, md, self._planned, lora_step)[rows]
+                if on_launch is not None:
+                    on_launch()
+                return logits
+            lora = slots.batch(token_slots, self.device)
             if on_launch is not None:
                 on_launch()
             hidden = self._forward(input_ids, pos, md, lora=lora)
             for req, flat, lo, hi in spans:
                 scores.append((req, self._score(hidden[flat : flat + hi - lo], req, lo, hi)))
             return self.model.compute_logits(hidden[rows]) if last else _no_logits(hidden)
-        if not spans and self.graphs is not None and self.graphs.can_run(md):
-            logits = self.graphs.run(input_ids, pos, md, self._planned)[rows]
+        if graphs is not None and graphs.can_run(md):
+            logits = graphs.run(input_ids, pos, md, self._planned)[rows]
             if on_launch is not None:
                 on_launch()
             return logits

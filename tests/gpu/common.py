@@ -121,12 +121,19 @@ def tiny_cpu_worker(name: str = "m") -> ModelWorker:
     return model_engine(name, cfg, model, PagePool(backend, page, 40 * page, precreate=8))
 
 
-def start(me: ModelWorker, prompt_ids: list[list[int]], max_tokens: int) -> list[Request]:
+def start(
+    me: ModelWorker,
+    prompt_ids: list[list[int]],
+    max_tokens: int,
+    adapters: list[str | None] | None = None,
+) -> list[Request]:
+    """adapters: each prompt's LoRA adapter of the model (None: the model's own)."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     reqs = []
-    for p in prompt_ids:
+    for i, p in enumerate(prompt_ids):
         errors: list[str] = []
         r = Request(f"r{next(_ids)}", list(p), params, frozenset(), 0.0)
+        r.adapter = adapters[i] if adapters is not None else None
         r.sink = lambda out, errors=errors: errors.append(out.error) if out.error else None
         r.errors = errors
         me.add(r)
@@ -135,11 +142,15 @@ def start(me: ModelWorker, prompt_ids: list[list[int]], max_tokens: int) -> list
 
 
 def greedy(
-    me: ModelWorker, prompt_ids: list[list[int]], max_tokens: int
+    me: ModelWorker,
+    prompt_ids: list[list[int]],
+    max_tokens: int,
+    adapters: list[str | None] | None = None,
 ) -> tuple[list[list[int]], list[torch.Tensor]]:
-    """Runs the prompts as one batch to completion; returns each one's tokens and the logits
-    [max_tokens, vocab] (float32, host) it sampled them from."""
-    reqs = start(me, prompt_ids, max_tokens)
+    """Runs the prompts as one batch to completion (each with its adapter in `adapters`);
+    returns each one's tokens and the logits [max_tokens, vocab] (float32, host) it sampled
+    them from."""
+    reqs = start(me, prompt_ids, max_tokens, adapters)
     log = {r.request_id: [] for r in reqs}
     sample = me.sampler.sample
 

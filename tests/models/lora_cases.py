@@ -14,7 +14,15 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from models.attention.base import AttentionMetadata, ForwardContext, SeqChunk
 from models.attention.torch_paged import TorchPagedAttention
 from models.config import ModelConfig
-from models.lora import NO_ADAPTER, SUPPORTED_TARGETS, LoraSlots
+from models.lora import (
+    NO_ADAPTER,
+    SUPPORTED_TARGETS,
+    LoraModule,
+    LoraShard,
+    LoraSlots,
+    LoraWeights,
+    lora_targets,
+)
 from models.registry import get_model_class
 
 ALL = list(SUPPORTED_TARGETS)
@@ -149,3 +157,30 @@ def greedy(
             out[i].append(int(lg.argmax()))
             logits[i].append(lg)
     return out, [torch.stack(lg) for lg in logits]
+
+
+def random_weights(
+    model: torch.nn.Module,
+    rank_of: dict[str, int],
+    gen: torch.Generator,
+    std: float = 0.3,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> LoraWeights:
+    """An adapter of N(0, std) entries on every projection of `model` whose HF name has a rank
+    in `rank_of` (q_proj: 4, ...; absent or 0: left alone), its tensors on `device`."""
+    by_module: dict[str, list] = {}
+    for t in lora_targets(model).values():
+        if rank_of.get(t.shard, 0):
+            by_module.setdefault(t.module, []).append(t)
+    modules = {}
+    for name, ts in by_module.items():
+        ranks = [rank_of[t.shard] for t in ts]
+        a = torch.randn(sum(ranks), ts[0].in_features, generator=gen) * std
+        shards, off = [], 0
+        for t, r in zip(ts, ranks):
+            b = torch.randn(t.out_features, r, generator=gen) * std
+            shards.append(LoraShard(t.shard, t.rows, slice(off, off + r), b.to(dtype).to(device)))
+            off += r
+        modules[name] = LoraModule(a.to(dtype).to(device), tuple(shards))
+    return LoraWeights(modules)

@@ -16,14 +16,16 @@ import torch
 
 import prism_server.engine.cuda_graph_runner as cgr
 import prism_server.engine.piecewise_graphs as pg
-from models.attention.base import AttentionMetadata, SeqChunk
+from models.attention.base import AttentionMetadata, ForwardContext, SeqChunk
 from models.attention.kv_write import KVSlots, RowsWriter
 from models.attention.table_decode import TableDecodeGraphAttention
 from models.attention.torch_paged import TorchPagedAttention
 from models.kernels.fused_decode import StepOps
 from models.kernels.triton_gemv import GemvConfig
+from models.lora import LoraSlots
 from prism_server.engine.cuda_graph_runner import CudaGraphRunner
 from tests.gpu.common import cpu_kv, tiny_model
+from tests.models.lora_cases import random_weights
 
 pytestmark = pytest.mark.slow  # measured: over 20 s a module on the 2-core machine
 
@@ -203,5 +205,93 @@ def test_small_decode_graphs_run_the_fused_decode_forward(no_cuda_graphs, monkey
     with torch.inference_mode():
         runner.capture()
     assert sorted(fused) == [1, 1, 16, 16]  # a warm-up and a capture each; 32 its own forward
+    kv.check_integrity()
+    kv.close()
+
+
+def _torch_decode(q, cache, tables, seq_lens, spec):
+    """The table-reading decode kernel's result through torch ops (no window, no cap)."""
+    out = torch.empty_like(q)  # [B, Hq, D]
+    block, heads = cache.shape[2], cache.shape[3]
+    for b in range(q.shape[0]):
+        n = int(seq_lens[b])
+        blocks = tables[b, : -(-n // block)].long()
+        k, v = (cache[blocks, i].reshape(-1, heads, q.shape[2])[:n] for i in (0, 1))
+        k, v = (t.repeat_interleave(q.shape[1] // heads, dim=1) for t in (k, v))
+        p = torch.softmax(torch.einsum("hd,nhd->hn", q[b].float(), k.float()) * spec.scale, -1)
+        out[b] = torch.einsum("hn,nhd->hd", p, v.float()).to(q.dtype)
+    return out
+
+
+def test_decode_graphs_with_lora_work_are_captured_at_first_use_over_a_static_input(
+    no_cuda_graphs,
+):
+    """A base whose slots run the LoRA kernels (here under Triton's interpreter): its first
+    decode step with LoRA work captures the graph of its size with the kernels' work, once; a
+    step of the base alone replays the graph without; before each replay the static LoRA input
+    holds the step's slots (the padded rows none), and the captured forward over the static
+    inputs, rerun (a replay), gives the logits of the eager forward with the torch GEMMs."""
+    cfg, model = tiny_model()
+    kv = cpu_kv(cfg)
+    writer = functools.partial(RowsWriter.from_slots, block_size=16)
+    runner = CudaGraphRunner(
+        model,
+        kv.layer_views,
+        lambda views, bs, max_blocks: TableDecodeGraphAttention(
+            _torch_decode, views, bs, max_blocks, writer
+        ),
+        (1, 4),
+        8,
+        CPU,
+    )
+    g = torch.Generator().manual_seed(5)
+    ker = LoraSlots(model, num_slots=3, max_rank=8, kernels=True)
+    ref = LoraSlots(model, num_slots=3, max_rank=8, kernels=False)
+    ranks = [{"q_proj": 4, "v_proj": 8, "down_proj": 8}, {"k_proj": 2, "gate_proj": 6, "o_proj": 8}]
+    for slot, r in zip((2, 0), ranks):
+        w = random_weights(model, r, g, std=0.2)
+        ker.assign(slot, w)
+        ref.assign(slot, w)
+    prompts = [[5, 6, 7], [9, 10], [11, 12, 13, 14]]
+    tables = [kv.allocator.allocate(1) for _ in prompts]
+    with torch.inference_mode():
+        runner.capture()
+        for p, blocks in zip(prompts, tables):  # the prompts' K/V in the cache
+            md = AttentionMetadata.build([SeqChunk(0, len(p), blocks)], 16, CPU)
+            model(
+                torch.tensor(p),
+                torch.arange(len(p)),
+                ForwardContext(TorchPagedAttention(kv.layer_views, md)),
+            )
+        plain = runner.graphs[4]
+        steps = [[2, -1, 0], [0, 0, 2], [-1, -1, -1]]
+        for n, token_slots in enumerate(steps):
+            chunks = [SeqChunk(len(p) + n, 1, t) for p, t in zip(prompts, tables)]
+            md = AttentionMetadata.build(chunks, 16, CPU)
+            ids = torch.tensor([40 + n, 50 + n, 60 + n])
+            pos = torch.tensor([c.num_computed for c in chunks])
+            lora = (ker, token_slots) if set(token_slots) != {-1} else None
+            runner.run(ids, pos, md, lora=lora)
+            assert list(runner.lora_graphs) == [4]  # captured at the first step, kept
+            g4 = runner.lora_graphs[4]
+            if lora is None:
+                assert runner.buffers.lora.buf[:4].tolist() == steps[1] + [-1]  # left as it was
+                continue
+            assert g4.lora.token_slots.tolist() == token_slots + [-1]
+            replayed = runner._forward(4, g4.attn, g4.lora)[:3]
+            ctx = ForwardContext(
+                TorchPagedAttention(kv.layer_views, md), lora=ref.batch(token_slots, CPU)
+            )
+            want = model.compute_logits(model(ids, pos, ctx))
+            assert torch.allclose(replayed, want, atol=1e-4, rtol=0), float(
+                (replayed - want).abs().max()
+            )
+            without = model.compute_logits(
+                model(ids, pos, ForwardContext(TorchPagedAttention(kv.layer_views, md)))
+            )
+            assert float((without - want).abs().max()) > 1e-2  # the adapters matter
+        assert runner.graphs[4] is plain and set(runner.graphs) == {1, 4}
+    for blocks in tables:
+        kv.allocator.free(blocks)
     kv.check_integrity()
     kv.close()

@@ -13,6 +13,7 @@ from concurrent.futures import Future
 
 import pytest
 
+from models.attention.base import ForwardContext
 from prism_server.completion import Completion
 from prism_server.config import EngineConfig, ModelSpec
 from prism_server.engine.commands import Call
@@ -300,34 +301,79 @@ def test_an_adapter_short_of_pages_takes_them_from_an_idle_model(made):
         owners_whole(e)
 
 
-class _CapturedWithoutLora:
-    """Where the decode graphs and piecewise graphs sit in a GPU's runner (captured with no
-    LoRA work, so a step that has some must never reach them); on the CPU there are none: any
-    call is the rule broken."""
+class _GraphsTakingLora:
+    """A GPU runner's decode graphs, stood in for on the CPU (where a base's slots run the torch
+    GEMMs, not the kernels a real graph captures): a "replay" runs the step eagerly with the
+    LoRA work its static input would hold, and records the token slots it was handed (None: a
+    replay of a graph without LoRA work)."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        self.replays: list[list[int] | None] = []
 
     def can_run(self, md) -> bool:
-        return True  # a decode step of any shape would replay a graph
+        return md.is_decode_only
+
+    def takes_lora(self, slots) -> bool:
+        return slots is self.runner.lora.slots
+
+    def run(self, input_ids, positions, md, planned=None, lora=None):
+        self.replays.append(None if lora is None else list(lora[1]))
+        work = None if lora is None else lora[0].batch(lora[1], input_ids.device)
+        r = self.runner
+        ctx = ForwardContext(attn=r.attention(r.kv_cache.layer_views, md), lora=work)
+        return r.model.compute_logits(r.model(input_ids, positions, ctx))
+
+
+class _NoPieces:
+    """Piecewise graphs, captured without LoRA work: a step with some must never reach them."""
 
     def fits(self, num_tokens: int) -> bool:
         return True
 
     def run(self, *args, **kw):
-        raise AssertionError("a step with LoRA work reached a graph captured without it")
+        raise AssertionError("a step with LoRA work reached piecewise graphs captured without it")
 
 
-def test_a_step_with_lora_work_runs_eagerly_never_in_a_graph(made, steps_ahead):
+def test_decode_steps_with_lora_work_replay_graphs_and_prefills_run_eagerly(made, steps_ahead):
+    """Decode steps mixing adapters and the base go to the decode graphs with each token's
+    slot (the base's NO_ADAPTER), the base's own decode steps to them without LoRA work; steps
+    with LoRA work that are not decodes run eagerly, never in a piecewise graph; every request
+    gets its solo tokens."""
     ref = made[2]
     with Engine(config(made)) as e:
         w = e.worker
+        graphs: list[_GraphsTakingLora] = []
+        eager: list[tuple[bool, bool]] = []  # (a decode step, with LoRA work)
 
-        def graphs():
+        def stand_ins():
             runner = w.models["base"].runner
-            runner.graphs = runner.pieces = _CapturedWithoutLora()
+            graphs.append(_GraphsTakingLora(runner))
+            runner.graphs, runner.pieces = graphs[0], _NoPieces()
+            forward = runner._forward
 
-        w.execute(Call(graphs))
-        reqs = [(a, PROMPTS[a]) for a in SPECS]
-        for (adapter, _), c in zip(reqs, run(e, reqs)):
+            def recorded(input_ids, pos, md, *args, lora=None, **kw):
+                eager.append((md.is_decode_only, lora is not None))
+                return forward(input_ids, pos, md, *args, lora=lora, **kw)
+
+            runner._forward = recorded
+
+        (warm,) = run(e, [("sql", PROMPTS["sql"])])  # (the adapters: loaded, runner made)
+        assert warm.token_ids == ref["sql"]
+        w.execute(Call(stand_ins))
+        got = run(e, list(PROMPTS.items()))
+        for (adapter, _), c in zip(PROMPTS.items(), got):
             assert c.error is None and c.token_ids == ref[adapter], (adapter, c.error)
-        (base,) = run(e, [(None, PROMPTS[None])])  # the base's own steps do go to the graphs
-        assert base.error is not None and "captured without it" in base.error
+        replays = graphs[0].replays
+        slots = {a.name: a.slot for a in w.snapshot_now().model("base").adapters}
+        mixed = [r for r in replays if r is not None and -1 in r and len(set(r) - {-1}) >= 3]
+        assert mixed, replays  # decodes of 3+ adapters and the base in one graph replay
+        for r in replays:  # one token a sequence: each of an adapter's slot or the base's
+            assert r is None or set(r) <= set(slots.values()) | {-1}
+        assert eager and all(not decode and lora for decode, lora in eager), eager
+        n = len(replays)
+        w.execute(Call(lambda: setattr(w.models["base"].runner, "pieces", None)))
+        (base,) = run(e, [(None, PROMPTS[None])])  # the base's alone
+        assert base.error is None and base.token_ids == ref[None]
+        assert len(replays) > n and all(r is None for r in replays[n:])
         owners_whole(e)

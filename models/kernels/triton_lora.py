@@ -1,0 +1,264 @@
+"""A step's LoRA deltas as two Triton kernels a module, whatever its mix of adapters and tokens.
+
+For a module with shards j (q/k/v of qkv_proj, gate/up of gate_up_proj, or one), each token t of
+adapter slot s gets y[t, rows_j] += (x[t] @ A_s[offs_j : offs_j + r_sj].T) @ B_sj.T, where A_s
+stacks the shards' A's ([sum of ranks, K]) and B_sj is [rows_j, r_sj] (scaling folded in):
+
+- `shrink`: h[p, j, :r_sj] = x[t] @ A_s[offs_j ...].T, fp32 sums, split over K in `splits`
+  parts (partial sums [splits, T, J, R], added by the expand, so no atomics: the same result
+  every run);
+- `expand`: y[t, rows_j] += round(round(sum of h's parts) @ B_sj.T), rounded where the per-slot
+  torch GEMMs (models.lora.batch) round.
+
+Both are driven by the step's tokens grouped by slot on the device (`TokenGroups`): a program
+takes one tile of up to block_m tokens of one slot (Punica's SGMV and BGMV in one form: a
+prefill's segment fills tiles, a decode step's one token of a slot is a tile of one row),
+gathering their rows of x and scattering into y by index, so tokens of a slot need not be
+contiguous and slots come in any order; tokens of no adapter (-1) are in no tile. Program ids
+past a slot's tokens, a slot of no tokens or a shard the slot's adapter leaves alone (rank 0)
+return at once: a launch's grid depends only on its sizes, so a CUDA graph replays it over
+whatever groups the static buffers hold.
+
+The weights are read where they lie: each module's table row of a slot holds A_s's address and
+each shard's B's address, rank and first row of A (models.lora.tables), so assigning a slot
+writes a row of addresses and copies no weights. Ranks are masked up to rank_block (a power of
+2 >= 16, the base's largest rank rounded up).
+
+Runs under Triton's interpreter too (the CPU tests), its products in fp32 there. The tilings are
+fixed defaults, not tuned yet on a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from models.kernels.triton_ops import _pow2, interpreting, sm_count
+
+NO_SLOT = -1
+BLOCK_N = 64  # expand: output rows a program
+BLOCK_K = 128  # shrink: columns of x a loop step
+MAX_SPLITS = 16  # shrink: most parts of K
+
+
+@dataclass(frozen=True)
+class TokenGroups:
+    """A step's tokens grouped by adapter slot, on the device: `buf` int32 [2 C + 2 S + 1] holds
+
+    - token_slots [C]: each token's slot (-1: none, and every row past the step's tokens),
+    - order [C]: the indices of the tokens with a slot, by slot, ascending within one,
+    - starts [S + 1]: slot s's tokens are order[starts[s] : starts[s + 1]],
+    - lanes [S]: the slots with tokens, ascending, then -1,
+
+    C the capacity (the step's tokens, or a graph's largest batch), S the slot count. A launch
+    covers `lanes` lanes of `m_tiles` tiles of block_m tokens."""
+
+    buf: torch.Tensor
+    capacity: int
+    num_slots: int
+    lanes: int
+    block_m: int
+    m_tiles: int
+
+    @property
+    def token_slots(self) -> torch.Tensor:
+        return self.buf[: self.capacity]
+
+
+def pack_groups(token_slots: Sequence[int], num_slots: int, capacity: int) -> tuple[list, int, int]:
+    """TokenGroups' buffer on the host for `token_slots` (at most `capacity` of them, each in
+    [0, num_slots) or -1); -> (its values, the slots with tokens, the most tokens of a slot)."""
+    if len(token_slots) > capacity:
+        raise ValueError(f"{len(token_slots)} tokens past the capacity {capacity}")
+    by_slot: list[list[int]] = [[] for _ in range(num_slots)]
+    for i, s in enumerate(token_slots):
+        if s != NO_SLOT:
+            by_slot[s].append(i)
+    order: list[int] = []
+    starts = [0]
+    for idx in by_slot:
+        order += idx
+        starts.append(len(order))
+    present = [s for s in range(num_slots) if by_slot[s]]
+    pad = capacity - len(token_slots)
+    values = list(token_slots) + [NO_SLOT] * pad
+    values += order + [0] * (capacity - len(order))
+    values += starts + present + [NO_SLOT] * (num_slots - len(present))
+    return values, len(present), max(map(len, by_slot), default=0)
+
+
+def block_m_for(tokens: int) -> int:
+    """The tile of tokens for a slot of at most `tokens` (16 .. 64: tl.dot's least, and a
+    prefill's segment's tile)."""
+    return min(64, max(16, _pow2(tokens)))
+
+
+def _splits(k: int, tiles: int, shards: int, device: torch.device) -> int:
+    """The parts of K for a shrink of `tiles` token tiles at least: about two programs an SM,
+    each part at least a loop step."""
+    want = -(-2 * sm_count(device) // (tiles * shards))
+    return max(1, min(MAX_SPLITS, k // BLOCK_K, want))
+
+
+@functools.cache
+def _build(interpret: bool):
+    # NOTE: Triton decides at decoration whether a kernel is interpreted, hence one build each
+    import triton
+    import triton.language as tl
+
+    @triton.jit(do_not_specialize=["cap", "sx", "st"])
+    def shrink_kernel(
+        x_ptr, table_ptr, groups_ptr, h_ptr, cap, sx, st,
+        K: tl.constexpr, K_PART: tl.constexpr, S: tl.constexpr, M_TILES: tl.constexpr,
+        J: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+        DOT_F32: tl.constexpr,
+    ):  # fmt: skip
+        # program (lane * M_TILES + m, shard j, part q): h[q, p, j, :] for the tokens p of tile
+        # m of the lane's slot, over columns [q * K_PART, (q + 1) * K_PART) of K
+        lane = tl.program_id(0) // M_TILES
+        m = tl.program_id(0) % M_TILES
+        j = tl.program_id(1)
+        q = tl.program_id(2)
+        slot = tl.load(groups_ptr + 2 * cap + S + 1 + lane)
+        if slot >= 0:
+            start = tl.load(groups_ptr + 2 * cap + slot)
+            count = tl.load(groups_ptr + 2 * cap + slot + 1) - start
+            rank = tl.load(table_ptr + slot * st + 2 + 3 * j).to(tl.int32)
+            if (m * BLOCK_M < count) & (rank > 0):
+                dt = x_ptr.dtype.element_ty
+                a_ptr = tl.load(table_ptr + slot * st).to(tl.pointer_type(dt))
+                off = tl.load(table_ptr + slot * st + 3 + 3 * j).to(tl.int32)
+                pi = m * BLOCK_M + tl.arange(0, BLOCK_M)
+                pm = pi < count
+                tok = tl.load(groups_ptr + cap + start + pi, mask=pm, other=0).to(tl.int64)
+                r = tl.arange(0, R)
+                rm = r < rank
+                acc = tl.zeros([BLOCK_M, R], dtype=tl.float32)
+                k_lo = q * K_PART
+                for k0 in range(0, K_PART, BLOCK_K):
+                    kk = k_lo + k0 + tl.arange(0, BLOCK_K)
+                    km = kk < K
+                    xt = tl.load(
+                        x_ptr + tok[:, None] * sx + kk[None, :],
+                        mask=pm[:, None] & km[None, :],
+                        other=0.0,
+                    )  # [BLOCK_M, BLOCK_K]
+                    at = tl.load(
+                        a_ptr + (off + r)[None, :].to(tl.int64) * K + kk[:, None],
+                        mask=rm[None, :] & km[:, None],
+                        other=0.0,
+                    )  # [BLOCK_K, R]: A's rows of the shard, transposed
+                    if DOT_F32:  # the interpreter (no bf16 arithmetic), or fp32 weights
+                        acc = tl.dot(xt.to(tl.float32), at.to(tl.float32), acc,
+                                     input_precision="ieee")  # fmt: skip
+                    else:
+                        acc = tl.dot(xt, at, acc)
+                pos = start + pi  # the tokens' places in `order`: h's rows
+                h_at = h_ptr + ((q * cap + pos[:, None]) * J + j) * R + r[None, :]
+                tl.store(h_at, acc, mask=pm[:, None] & rm[None, :])
+
+    @triton.jit(do_not_specialize=["cap", "sy", "st"])
+    def expand_kernel(
+        h_ptr, y_ptr, table_ptr, bounds_ptr, groups_ptr, cap, sy, st,
+        PARTS: tl.constexpr, S: tl.constexpr, M_TILES: tl.constexpr, J: tl.constexpr,
+        R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
+    ):  # fmt: skip
+        # program (lane * M_TILES + m, shard j, n): y[t, row0_j + n * BLOCK_N + i] of the tokens
+        # t of tile m of the lane's slot. Each (token, row) is one program's: a token is in one
+        # slot's tiles, once
+        lane = tl.program_id(0) // M_TILES
+        m = tl.program_id(0) % M_TILES
+        j = tl.program_id(1)
+        n = tl.program_id(2)
+        slot = tl.load(groups_ptr + 2 * cap + S + 1 + lane)
+        if slot >= 0:
+            start = tl.load(groups_ptr + 2 * cap + slot)
+            count = tl.load(groups_ptr + 2 * cap + slot + 1) - start
+            rank = tl.load(table_ptr + slot * st + 2 + 3 * j).to(tl.int32)
+            row0 = tl.load(bounds_ptr + j)
+            rows = tl.load(bounds_ptr + j + 1) - row0
+            if (m * BLOCK_M < count) & (rank > 0) & (n * BLOCK_N < rows):
+                dt = y_ptr.dtype.element_ty
+                b_ptr = tl.load(table_ptr + slot * st + 1 + 3 * j).to(tl.pointer_type(dt))
+                pi = m * BLOCK_M + tl.arange(0, BLOCK_M)
+                pm = pi < count
+                tok = tl.load(groups_ptr + cap + start + pi, mask=pm, other=0).to(tl.int64)
+                r = tl.arange(0, R)
+                rm = r < rank
+                hm = pm[:, None] & rm[None, :]
+                h_at = h_ptr + (((start + pi)[:, None]) * J + j) * R + r[None, :]
+                h = tl.zeros([BLOCK_M, R], dtype=tl.float32)
+                for q in range(PARTS):
+                    h += tl.load(h_at + q * cap * J * R, mask=hm, other=0.0)
+                h = h.to(dt)  # rounded as the shrink's GEMM rounds its output
+                i = n * BLOCK_N + tl.arange(0, BLOCK_N)
+                im = i < rows
+                bt = tl.load(
+                    b_ptr + i[None, :].to(tl.int64) * rank + r[:, None],
+                    mask=rm[:, None] & im[None, :],
+                    other=0.0,
+                )  # [R, BLOCK_N]: B's rows, transposed
+                if DOT_F32:
+                    d = tl.dot(h.to(tl.float32), bt.to(tl.float32), input_precision="ieee")
+                else:
+                    d = tl.dot(h, bt)
+                ym = pm[:, None] & im[None, :]
+                y_at = y_ptr + tok[:, None] * sy + (row0 + i)[None, :]
+                yv = tl.load(y_at, mask=ym, other=0.0)
+                out = yv.to(tl.float32) + d.to(dt).to(tl.float32)  # rounded as torch's add_
+                tl.store(y_at, out.to(dt), mask=ym)
+
+    return shrink_kernel, expand_kernel
+
+
+def shrink(
+    x: torch.Tensor, table: torch.Tensor, groups: TokenGroups, shards: int, rank_block: int
+) -> torch.Tensor:
+    """The shrink of one module: x [T, K] (T <= groups.capacity, rows unit-strided); table
+    [S, 1 + 3 shards] int64 (models.lora.tables); -> the partial sums [parts, capacity, shards,
+    rank_block] fp32 (row p: token order[p]; columns past a slot's rank, and rows of no
+    token, unwritten)."""
+    t, k = x.shape
+    assert x.stride(1) == 1 and table.stride(1) == 1 and table.shape[0] == groups.num_slots
+    assert t <= groups.capacity and rank_block >= 16 and rank_block & (rank_block - 1) == 0
+    tiles = -(-t // groups.block_m)
+    parts = _splits(k, tiles, shards, x.device)
+    per_part = -(-k // parts)
+    k_part = -(-per_part // BLOCK_K) * BLOCK_K  # whole loop steps
+    h = torch.empty(
+        parts, groups.capacity, shards, rank_block, dtype=torch.float32, device=x.device
+    )
+    kernel, _ = _build(interpreting())
+    kernel[(groups.lanes * groups.m_tiles, shards, parts)](
+        x, table, groups.buf, h, groups.capacity, x.stride(0), table.stride(0),
+        K=k, K_PART=k_part, S=groups.num_slots, M_TILES=groups.m_tiles, J=shards,
+        R=rank_block, BLOCK_M=groups.block_m, BLOCK_K=BLOCK_K,
+        DOT_F32=interpreting() or x.dtype == torch.float32, num_warps=4,
+    )  # fmt: skip
+    return h
+
+
+def expand(
+    h: torch.Tensor,
+    y: torch.Tensor,
+    table: torch.Tensor,
+    bounds: torch.Tensor,
+    groups: TokenGroups,
+    widest: int,
+) -> torch.Tensor:
+    """y [T, out] (rows unit-strided) += the expand of shrink's partial sums h, in place: shard
+    j's outputs are y's columns bounds[j] .. bounds[j + 1] (bounds: int32 [shards + 1] on the
+    device; widest: the most columns of a shard)."""
+    parts, cap, shards, rank_block = h.shape
+    assert cap == groups.capacity and y.stride(1) == 1 and bounds.numel() >= shards + 1
+    _, kernel = _build(interpreting())
+    kernel[(groups.lanes * groups.m_tiles, shards, -(-widest // BLOCK_N))](
+        h, y, table, bounds, groups.buf, cap, y.stride(0), table.stride(0),
+        PARTS=parts, S=groups.num_slots, M_TILES=groups.m_tiles, J=shards, R=rank_block,
+        BLOCK_M=groups.block_m, BLOCK_N=BLOCK_N,
+        DOT_F32=interpreting() or y.dtype == torch.float32, num_warps=4,
+    )  # fmt: skip
+    return y
