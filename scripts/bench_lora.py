@@ -10,7 +10,8 @@ reference it is judged by, measured in the same run:
 
 - decode: TPOT at batch `--batch` (32) with 1, 8 and 32 distinct adapters (request i names
   adapter i mod n) against the base alone at the same batch (target: 32 distinct within +15%).
-  A step with adapter work runs eagerly for now (no CUDA graph), the base alone does not.
+  Decode steps with adapter work replay decode graphs of their own (captured at their first
+  step of each size: the warm-up step captures them), the base's steps the plain ones.
 - activation: an idle adapter evicted, its activation (pages mapped, host copy -> pages) timed,
   against the host-to-device copy of its bytes from pinned memory (target: 2 ms for rank 16 on
   an 8B base).
