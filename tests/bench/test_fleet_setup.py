@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import shlex
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -88,3 +89,13 @@ def test_the_workload_and_slos_name_exactly_the_configs_models(args):
     slo = apply_slo_file(args, str(SETUP / "slos.json"))
     assert {(m.ttft_slo_ms, m.tpot_slo_ms) for m in slo.models} == {(1500.0, 80.0)}
     assert [m.name for m in slo.models] == names
+
+
+def test_the_fp8_fleet_is_the_same_fleet_in_fp8(args):
+    fp8 = load_server_args(str(SETUP / "prism-fp8.toml"))
+    assert fp8.engine.pool_budget_bytes == args.engine.pool_budget_bytes
+    assert fp8.engine.host_budget_bytes == args.engine.host_budget_bytes
+    assert [replace(m, quantization=None) for m in fp8.models] == list(args.models)
+    assert {m.quantization for m in fp8.models} == {"fp8"}
+    total = sum(weight_bytes(m, torch.device("cuda")) for m in fp8.models)
+    assert total / GIB == pytest.approx(62.6, abs=0.1)  # the header's figure, 1.12x the pool
