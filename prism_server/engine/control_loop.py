@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from prism_server.engine.commands import PlanEvict, Prefetch
 from prism_server.engine.model_stats import SLO_SCALE
 from scheduler.planner import DeviceCapacity, ModelDemand, Placement, RateTracker, plan
+from scheduler.snapshot import ModelSnapshot
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,18 @@ class PlanView:
     placement: Placement
     rates: dict[str, float]  # requests/s
     demand: dict[str, float]  # rate / TTFT SLO
+    weights: dict[str, float]  # the bytes each model's placement holds (its adapters' too)
+
+
+def adapter_bytes(m: ModelSnapshot, page_bytes: int) -> int:
+    """The pool bytes of a base's LoRA adapters that its placement must hold beside its own
+    weights: those resident or with requests (they run only on its device, in its steps), each
+    in whole pages. The planner sees a base and its adapters as one model: their steps are one."""
+    return sum(
+        -(-a.weight_bytes // page_bytes) * page_bytes
+        for a in m.adapters
+        if a.resident or a.num_requests
+    )
 
 
 class ControlLoop:
@@ -86,10 +99,11 @@ class ControlLoop:
                 if new > 0:
                     self.rates.observe(m.name, now, new)
                 slo = m.ttft_slo_s or max(SLO_SCALE * m.latency.prefill_1k_s, 1e-3)
+                own = m.weight_bytes - sum(b for _, b in m.shard_weight_bytes)
                 models.append(
                     ModelDemand(
                         m.name,
-                        max(m.weight_bytes - sum(b for _, b in m.shard_weight_bytes), 1),
+                        max(own + adapter_bytes(m, snap.pool.page_bytes), 1),
                         slo,
                         self.rates.rate(m.name, now),
                         last_used=m.last_used,
@@ -121,5 +135,6 @@ class ControlLoop:
             placement,
             {x.name: x.rate for x in models},
             {x.name: x.demand for x in models},
+            {x.name: x.weight_bytes for x in models},
         )
         return self.last

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 
+from models.lora.synthetic import write_adapters
 from prism_server.config import EngineConfig, ModelSpec
 from prism_server.engine.engine import Engine
 from scheduler.sampling_params import SamplingParams
@@ -16,8 +17,11 @@ PARAMS = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 
 
 def _engine() -> Engine:
+    # the same TTFT SLO for both (else each is a multiple of its profiled prefill time, which a
+    # loaded machine can skew until the demand of the busier model reads lower)
     specs = tuple(
-        ModelSpec(n, "dummy:tiny-llama", block_size=4, seed=i) for i, n in enumerate("ab")
+        ModelSpec(n, "dummy:tiny-llama", block_size=4, seed=i, ttft_slo_ms=1000.0)
+        for i, n in enumerate("ab")
     )
     return Engine(
         EngineConfig(
@@ -95,3 +99,27 @@ def test_the_plan_is_in_metrics_and_baselines_run_no_planner():
     )
     with Engine(cfg) as e:
         assert e.control is None and e.plan_view() is None
+
+
+def test_the_plan_holds_a_bases_active_adapters_with_its_weights(tmp_path):
+    """A base's adapters with work or pages count in its placement's bytes, a page each at
+    least (they run only in its steps, on its device); idle ones evicted count for nothing."""
+    (a_dir,) = write_adapters(tmp_path, "tiny-llama", ["ft"], rank=4)
+    specs = (
+        ModelSpec("base", "dummy:tiny-llama", block_size=4),
+        ModelSpec("ft", base="base", adapter=str(a_dir)),
+    )
+    cfg = EngineConfig(models=specs, device="cpu", page_bytes=PAGE, plan_interval_s=3600.0)
+    with Engine(cfg) as e:
+        base = e.model_snapshot("base")
+        (ft,) = base.adapters
+        pages = -(-ft.weight_bytes // PAGE)
+        e.generate("ft", [[5, 6, 7]], PARAMS)
+        view = e.control.tick(time.monotonic())
+        assert e.model_snapshot("base").adapters[0].resident
+        assert view.weights == {"base": base.weight_bytes + pages * PAGE}
+        w = e.workers[0]
+        assert w.call(lambda: w.memory.evict_idle_adapter(None))  # idle: its pages go back
+        view = e.control.tick(time.monotonic())
+        assert view.weights == {"base": base.weight_bytes}
+        e.check_integrity()
