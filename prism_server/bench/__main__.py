@@ -204,7 +204,7 @@ def _rows(path: str):
 def _run(args) -> int:
     from prism_server.bench.replay import replay
     from prism_server.bench.report import markdown, report
-    from prism_server.bench.sweep import _record
+    from prism_server.bench.sweep_run import _record
 
     rows = scale_rate(_rows(args.workload), args.rate_scale)
     if args.slo_file:

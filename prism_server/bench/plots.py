@@ -3,11 +3,11 @@ policy, memory per model over time, TTFT CDFs, and each model's residency timeli
 
 Every plot is a `figure_<name>(sweep) -> Figure` that a test can read back: the artists carry
 labels and gids (attainment and CDF lines `label=policy`, memory layers `label="<model> weights"`
-/ `"<model> KV"`, residency bars `gid="<policy>/<model>/<state>"`). The pure helpers the figures
-use (`showcase_run`, `residency_segments`, `memory_series`, `ttft_cdf`) are checked directly.
-matplotlib is imported here, at the top, so that importing this module is what fails without it
-(the sweep catches that ImportError and leaves the plots for later); `prism_server.bench` does not
-import this module. Imports nothing of the engine.
+/ `"<model> KV"`, residency bars `gid="<policy>/<model>/<state>"`). What the figures draw is
+computed in plot_data.py (`residency_segments`, `memory_series`, `ttft_cdf`, ...), checked
+directly. matplotlib is imported here, at the top, so that importing this module is what fails
+without it (the sweep catches that ImportError and leaves the plots for later);
+`prism_server.bench` does not import this module. Imports nothing of the engine.
 
 `figure_capacity(capacity)` draws a capacity sweep (capacity.py): attainment against the number
 of models served.
@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import math
 import sys
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,12 +29,22 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
+from prism_server.bench.plot_data import (
+    attainment_pct,
+    cdf_runs,
+    memory_series,
+    model_names,
+    policy_names,
+    residency_segments,
+    run_caption,
+    run_transitions,
+    ttft_cdf,
+)
 from prism_server.bench.report import showcase_run
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
-GIB = 2**30
 DPI = 110
 
 # Residency state -> bar colour; offloaded is drawn as nothing (the gap between bars).
@@ -46,145 +56,6 @@ STATE_COLORS = {
 }
 UNDRAWN_STATES = frozenset({"offloaded"})
 _OTHER_STATE_COLOR = "tab:gray"
-
-
-# ---- pure helpers --------------------------------------------------------------------------------
-def residency_segments(
-    transitions: Sequence[Sequence[Any]], duration_s: float
-) -> list[tuple[float, float, str]]:
-    """(start, length, state) over [0, duration_s] from [[t, state], ...] (each t the time the
-    state was entered): the first state also covers [0, t0), the last lasts to duration_s;
-    consecutive equal states are merged and zero-length segments dropped."""
-    entries = sorted(((float(t), str(s)) for t, s in transitions), key=lambda e: e[0])
-    if not entries or duration_s <= 0:
-        return []
-    raw: list[tuple[float, float, str]] = []
-    for i, (t, state) in enumerate(entries):
-        start = 0.0 if i == 0 else min(max(t, 0.0), duration_s)
-        end = entries[i + 1][0] if i + 1 < len(entries) else duration_s
-        end = min(max(end, 0.0), duration_s)
-        if end > start:
-            raw.append((start, end, state))
-    merged: list[list[Any]] = []
-    for start, end, state in raw:
-        if merged and merged[-1][2] == state:
-            merged[-1][1] = end
-        else:
-            merged.append([start, end, state])
-    return [(s, e - s, st) for s, e, st in merged]
-
-
-def run_transitions(run: Mapping[str, Any], model: str) -> list[list[Any]]:
-    """A model's [[t, state], ...] in a run: its recorded transitions, or when it has none the
-    residency seen in each status sample."""
-    recorded = (run.get("transitions") or {}).get(model)
-    if recorded:
-        return [list(e) for e in recorded]
-    out = []
-    for s in sorted(run.get("samples") or [], key=lambda s: s["t"]):
-        m = (s.get("models") or {}).get(model)
-        if m and m.get("residency"):
-            out.append([s["t"], m["residency"]])
-    return out
-
-
-def memory_series(
-    run: Mapping[str, Any], policy_models: Sequence[str]
-) -> tuple[list[float], dict[str, tuple[list[float], list[float]]]]:
-    """(sample times, {model: (weights GiB, KV GiB) at each time}) from a run's samples, as
-    recorded (a model absent from a sample, or a null size, counts 0)."""
-    samples = sorted(run.get("samples") or [], key=lambda s: s["t"])
-    times = [float(s["t"]) for s in samples]
-    series: dict[str, tuple[list[float], list[float]]] = {}
-    for model in policy_models:
-        w, kv = [], []
-        for s in samples:
-            m = (s.get("models") or {}).get(model) or {}
-            w.append((m.get("weight_bytes") or 0) / GIB)
-            kv.append((m.get("kv_bytes") or 0) / GIB)
-        series[model] = (w, kv)
-    return times, series
-
-
-def ttft_cdf(requests: Iterable[Mapping[str, Any]]) -> tuple[list[float], list[float]]:
-    """xs: the finite TTFTs, sorted; ys[i] = (i + 1) / N over all N requests, so requests with
-    no TTFT (failed) count as infinite and the curve ends at (N - failed) / N."""
-    reqs = list(requests)
-    xs = sorted(
-        float(r["ttft_s"])
-        for r in reqs
-        if r.get("ttft_s") is not None and math.isfinite(r["ttft_s"])
-    )
-    n = len(reqs)
-    return xs, [(i + 1) / n for i in range(len(xs))]
-
-
-def policy_names(sweep: Mapping[str, Any]) -> list[str]:
-    """The policies in the sweep, in the config's order, then any others in the result's."""
-    present = list(sweep.get("policies") or {})
-    order = [p for p in (sweep.get("config") or {}).get("policies") or [] if p in present]
-    return order + [p for p in present if p not in order]
-
-
-def model_names(sweep: Mapping[str, Any], runs: Iterable[Mapping[str, Any] | None] = ()) -> list:
-    """The config's models, then any other model the runs' transitions or samples mention."""
-    models = list((sweep.get("config") or {}).get("models") or [])
-    extra: set[str] = set()
-    for run in runs:
-        if not run:
-            continue
-        extra.update(run.get("transitions") or {})
-        for s in run.get("samples") or []:
-            extra.update(s.get("models") or {})
-    return models + sorted(extra - set(models))
-
-
-def common_scale(sweep: Mapping[str, Any]) -> float | None:
-    """The highest scale that every policy with runs ran, or None."""
-    sets = []
-    for entry in (sweep.get("policies") or {}).values():
-        scales = {round(float(r["scale"]), 9) for r in entry.get("runs") or []}
-        if scales:
-            sets.append(scales)
-    if not sets:
-        return None
-    common = set.intersection(*sets)
-    return max(common) if common else None
-
-
-def cdf_runs(sweep: Mapping[str, Any]) -> tuple[dict[str, dict | None], float | None]:
-    """Per policy the run its TTFT CDF is drawn from: the one at the common highest scale, else
-    (no common scale: None returned as the scale) its showcase run."""
-    scale = common_scale(sweep)
-    out: dict[str, dict | None] = {}
-    for p in policy_names(sweep):
-        entry = sweep["policies"][p]
-        run = None
-        if scale is not None:
-            run = next(
-                (r for r in entry.get("runs") or [] if math.isclose(r["scale"], scale)), None
-            )
-        out[p] = run if run is not None else showcase_run(entry)
-    return out, scale
-
-
-def _attainment(run: Mapping[str, Any]) -> float:
-    """A run's joint attainment (%); a run stopped early, its upper bound."""
-    if run.get("stopped_early"):
-        return 100.0 * run["stopped_early"]["attainment_at_most"]
-    a = ((run.get("report") or {}).get("overall") or {}).get("attainment")
-    return math.nan if a is None else 100.0 * a
-
-
-def _run_caption(run: Mapping[str, Any] | None, entry: Mapping[str, Any]) -> str:
-    if run is None:
-        return "no runs"
-    sustained = entry.get("sustained_scale")
-    if sustained is not None and math.isclose(run["scale"], sustained):
-        why = "sustained"
-    else:
-        why = "none sustained, lowest scale"
-    return f"{run['rate_rps']:.3g} req/s (scale {run['scale']:g}, {why})"
 
 
 # ---- figures -------------------------------------------------------------------------------------
@@ -237,7 +108,7 @@ def figure_attainment(sweep: Mapping[str, Any]) -> Figure:
         entry = sweep["policies"][p]
         runs = sorted(entry.get("runs") or [], key=lambda r: r["rate_rps"])
         xs = [float(r["rate_rps"]) for r in runs]
-        ys = [_attainment(r) for r in runs]
+        ys = [attainment_pct(r) for r in runs]
         ax.plot(xs, ys, marker="o", color=colors[p], label=p, gid=p)
         cut = [(x, y) for x, y, r in zip(xs, ys, runs) if r.get("stopped_early")]
         if cut:  # stopped once the target was out of reach: the point is an upper bound
@@ -247,7 +118,7 @@ def figure_attainment(sweep: Mapping[str, Any]) -> Figure:
             none_passed.append(p)
             continue
         run = showcase_run(entry)
-        y = _attainment(run) if run is not None else (100.0 * target if target else math.nan)
+        y = attainment_pct(run) if run is not None else (100.0 * target if target else math.nan)
         _mark(ax, [(rate, y)], "*", 16, colors[p], f"{p}/sustained")
         ax.annotate(
             f"{rate:.3g} req/s",
@@ -296,7 +167,7 @@ def figure_memory(sweep: Mapping[str, Any]) -> Figure:
     axes = _rows(fig, len(policies), sharey=True)
     for ax, p in zip(axes, policies):
         run = shows[p]
-        ax.set_title(f"{p}: {_run_caption(run, sweep['policies'][p])}", fontsize=10)
+        ax.set_title(f"{p}: {run_caption(run, sweep['policies'][p])}", fontsize=10)
         ax.set_ylabel("GiB")
         times, series = memory_series(run or {}, models)
         if not times:
@@ -404,7 +275,7 @@ def figure_residency(sweep: Mapping[str, Any]) -> Figure:
     seen: set[str] = set()
     for ax, p in zip(axes, policies):
         run = shows[p]
-        ax.set_title(f"{p}: {_run_caption(run, sweep['policies'][p])}", fontsize=10)
+        ax.set_title(f"{p}: {run_caption(run, sweep['policies'][p])}", fontsize=10)
         if run is None:
             _empty(ax, "no runs")
             continue
@@ -455,7 +326,7 @@ def figure_capacity(cap: Mapping[str, Any]) -> Figure:
         entry = cap["policies"][p]
         pts = [x for x in entry.get("points") or [] if x.get("run") is not None]
         xs = [x["n"] for x in pts]
-        ys = [_attainment(x["run"]) for x in pts]
+        ys = [attainment_pct(x["run"]) for x in pts]
         ax.plot(xs, ys, marker="o", color=colors[p], label=p, gid=p)
         cut = [(x["n"], y) for x, y in zip(pts, ys) if x["run"].get("stopped_early")]
         if cut:

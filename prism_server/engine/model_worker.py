@@ -4,13 +4,13 @@ pages of the device's pool), batch scheduler, model runner, sampler and output p
 This file holds the step: schedule -> run -> sample -> postprocess (the text of the tokens, stop
 strings, the output to the client), and launch ahead: a step whose tokens stay on the device
 while the next decode step is launched from them. The residency state machine is in
-residency.py, the SLO accounting and the ModelSnapshot in model_stats.py; worker_build.py makes a
-worker in named steps (its KV, its runner with its CUDA graphs, its latency profile)."""
+residency.py, the SLO accounting and the ModelSnapshot in model_stats.py, what its step does with
+its LoRA adapters in model_adapters.py; worker_build.py makes a worker in named steps (its KV, its
+runner with its CUDA graphs, its latency profile)."""
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -21,7 +21,7 @@ import torch
 from kvpool import HostCopy, PagedKV, ShardedKV, WeightBuffer
 from models.attention.upload import tensor_on
 from models.layers.causal_lm import weight_bytes
-from prism_server.engine.adapters import BaseAdapters
+from prism_server.engine.model_adapters import ModelAdapters
 from prism_server.engine.model_runner import DeviceResources, ModelRunner, TensorParallelRunner
 from prism_server.engine.model_stats import ModelStats
 from prism_server.engine.output_processor import OutputProcessor
@@ -31,14 +31,13 @@ from scheduler.arbitrator import ModelWork, model_work
 from scheduler.batch_scheduler import BatchScheduler, ScheduledChunk, SchedulerConfig
 from scheduler.latency_model import StepShape
 from scheduler.request import FinishReason, Request, RequestOutput, TokenLogprob
-from scheduler.snapshot import ModelSnapshot
 
 log = logging.getLogger(__name__)
 
 
-class ModelWorker(ModelResidency, ModelStats):
-    """One model on a device: its requests, its step and launch ahead. Its residency and its
-    accounting come from its two bases."""
+class ModelWorker(ModelAdapters, ModelResidency, ModelStats):
+    """One model on a device: its requests, its step and launch ahead. Its LoRA adapters, its
+    residency and its accounting come from its three bases."""
 
     def __init__(
         self,
@@ -62,6 +61,7 @@ class ModelWorker(ModelResidency, ModelStats):
         """A worker over a built KV and runner (worker_build.assemble_worker makes both).
         overhead_bytes: the device memory the runner holds outside the pool (attention state,
         graphs, buffers)."""
+        ModelAdapters.__init__(self)
         ModelResidency.__init__(self, weights, host, pinned, keep_alive_s)
         ModelStats.__init__(self, ttft_slo_s, tpot_slo_s)
         self.name, self.device, self.shard_devices = name, device, tuple(shard_devices)
@@ -90,9 +90,6 @@ class ModelWorker(ModelResidency, ModelStats):
         # told of each step once done: (the worker, when it started (perf_counter), shape,
         # estimate, seconds); the device's step trace
         self.on_step: Callable[[ModelWorker, float, StepShape, float, float], None] | None = None
-        # its LoRA adapters (None until the first is loaded): their requests are its own,
-        # tagged with the adapter's name (Request.adapter)
-        self.adapters: BaseAdapters | None = None
 
     @property
     def has_work(self) -> bool:
@@ -105,15 +102,8 @@ class ModelWorker(ModelResidency, ModelStats):
 
     # ---- commands -------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
-        if req.adapter is not None:
-            a = self.adapters.by_name.get(req.adapter) if self.adapters is not None else None
-            if a is None:  # unloaded after the request was accepted: it ends with the reason
-                out = self.outputs.final(
-                    req, FinishReason.ERROR, f"the adapter {req.adapter} is not loaded"
-                )
-                self._emit(req, out)
-                return
-            a.requests_total += 1
+        if req.adapter is not None and not self._accept_adapter(req):
+            return
         req.priority = req.params.priority
         self.set_slos(req)
         self.requests[req.request_id] = req
@@ -209,80 +199,6 @@ class ModelWorker(ModelResidency, ModelStats):
         self.scheduler.advance(batch)
         self._publish(sampling, tokens, logprobs, defer=while_running is not None)
         return True
-
-    def _admit_adapters(self, admit: Sequence[str] | None, now: float) -> Sequence[str] | None:
-        """The pick's admission (None: FCFS) less the waiting requests whose adapter cannot run
-        in this step (its pages or a slot not to be had now); their adapters are made ready
-        (resident, in a slot), the running requests' first."""
-        if not self.adapters:
-            return admit
-        s = self.scheduler
-        running = {r.adapter for r in s.running if r.adapter is not None}
-        mine = self.requests
-        order = list(s.waiting) if admit is None else [mine[i] for i in admit if i in mine]
-        wanted = [*running, *(r.adapter for r in order if r.adapter is not None)]
-        if not wanted:
-            return admit
-        ready = self.adapters.prepare(wanted, running, now)
-        if running - ready:  # never: a running request's adapter keeps its pages and slot
-            raise RuntimeError(f"adapters of running requests not ready: {sorted(running - ready)}")
-        if all(r.adapter is None or r.adapter in ready for r in order):
-            return admit
-        return [r.request_id for r in order if r.adapter is None or r.adapter in ready]
-
-    def busy_adapters(self) -> set[str]:
-        """The adapters some request of this model runs with or waits for."""
-        return {r.adapter for r in self.requests.values() if r.adapter is not None}
-
-    @property
-    def adapter_pages(self) -> int:
-        """The pool pages its adapters hold now."""
-        if not self.adapters:
-            return 0
-        return sum(a.buffer.pages.num_mapped_pages for a in self.adapters.by_name.values())
-
-    def evict_adapter(self, name: str) -> int:
-        """Give an idle adapter's pages back (its step in flight read first); -> pages freed."""
-        self.sync()
-        return self.adapters.evict(name)
-
-    def unload_adapter(self, name: str, done) -> None:
-        """Drop an adapter once its requests have finished (at once if it has none); `done`
-        resolves then. New requests for it are refused meanwhile by the frontend."""
-        a = self.adapters.by_name[name] if self.adapters is not None else None
-        if a is None:
-            raise KeyError(name)
-        a.unloading.append(done)
-        self.reap_adapters()
-
-    def reap_adapters(self) -> None:
-        """Remove the adapters being unloaded whose requests are all done."""
-        if not self.adapters:
-            return
-        gone = [a.name for a in self.adapters.by_name.values() if a.unloading]
-        if not gone:
-            return
-        busy = self.busy_adapters()
-        for name in gone:
-            if name not in busy:
-                self.sync()  # no step in flight reads its pages
-                self.adapters.remove(name)
-
-    def poll(self) -> None:
-        super().poll()
-        self.reap_adapters()
-
-    def _offload(self) -> None:
-        super()._offload()
-        if self.adapters:  # an offloaded base holds no page: its adapters' go with its own
-            self.adapters.evict_all()
-
-    def snapshot(self) -> ModelSnapshot:
-        snap = super().snapshot()
-        if not self.adapters:
-            return snap
-        mine = list(self.scheduler.running) + list(self.scheduler.waiting)
-        return dataclasses.replace(snap, adapters=self.adapters.snapshot(self.name, mine))
 
     def _follow(
         self, prev: _InFlight, admit: Sequence[str] | None, token_budget: int | None

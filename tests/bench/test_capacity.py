@@ -23,7 +23,7 @@ from prism_server.bench.fleet import (
 )
 from prism_server.bench.replay import STOPPED, Result
 from prism_server.bench.report import report
-from prism_server.bench.sweep import _record
+from prism_server.bench.sweep_run import _record
 from prism_server.bench.sweep_table import ratios, slo_table, subset_runs, table
 from prism_server.bench.workload import Row
 

@@ -9,7 +9,7 @@ import asyncio
 import urllib.request
 
 from models.lora.synthetic import write_adapters
-from prism_server.bench.sweep import run_once
+from prism_server.bench.sweep_run import run_once
 from prism_server.bench.workload import Row
 from prism_server.config import EngineConfig, ModelSpec
 from prism_server.engine.engine import Engine

@@ -11,17 +11,15 @@ from pathlib import Path
 
 import pytest
 
+from prism_server.bench.plot_data import memory_series, residency_segments, ttft_cdf
 from prism_server.bench.plots import (
     figure_attainment,
     figure_memory,
     figure_residency,
     figure_ttft_cdf,
-    memory_series,
     plot_sweep,
-    residency_segments,
-    showcase_run,
-    ttft_cdf,
 )
+from prism_server.bench.report import showcase_run
 
 GIB = 2**30
 MODELS = ["a", "b", "c"]

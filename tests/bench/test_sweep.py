@@ -21,7 +21,8 @@ from prism_server.bench.plots import (
     figure_ttft_cdf,
 )
 from prism_server.bench.standalone import pick, slos_from, standalone
-from prism_server.bench.sweep import expected_run_s, passed, run_once, sustained
+from prism_server.bench.sweep import expected_run_s, passed, sustained
+from prism_server.bench.sweep_run import run_once
 from prism_server.bench.sweep_table import busy_cell
 from prism_server.bench.workload import Row, write_csv
 from prism_server.cli.main import main
