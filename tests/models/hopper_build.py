@@ -17,7 +17,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from models.kernels import triton_gemv, triton_ops, triton_small_gemm
+from models.kernels import triton_gemv, triton_lora, triton_ops, triton_small_gemm
 
 HOPPER = GPUTarget("cuda", 90, 32)
 DECODE_TYPES = {
@@ -100,13 +100,16 @@ def decode_builds(share: int = 0, shares: int = 1):
 
 GEMV_TYPES = {
     **dict.fromkeys(("w_ptr", "x_ptr", "h_ptr", "nw_ptr", "b_ptr", "out_ptr"), "*bf16"),
+    "s_ptr": "*fp32",
     "eps": "fp32",
 }
+FP8 = {"w_ptr": "*fp8e4nv"}  # an FP8 linear's weight (its row scales: s_ptr)
 
 
 def gemv_builds():
     """A one-row layer's GEMVs (triton_gemv) for Llama-3.1-8B's shapes; one with a bias, of
-    Qwen2's qkv; and gate_up making SiLU * up (GLU)."""
+    Qwen2's qkv; and gate_up making SiLU * up (GLU); each in bf16 and over FP8 weights with
+    their row scales."""
     fn = triton_gemv._build(False)
     c = triton_gemv.GemvConfig()
     pro_norm, pro_silu = triton_gemv.PRO_NORM, triton_gemv.PRO_SILU
@@ -118,22 +121,25 @@ def gemv_builds():
         ("qkv+bias", 3584, pro_norm, False, True, True),
         ("gate_up+glu", 4096, pro_norm, False, False, False),
     )
-    for name, k, pro, into, has_h, bias in shapes:
+    for (name, k, pro, into, has_h, bias), fp8 in itertools.product(shapes, (False, True)):
         glu = name.endswith("glu")
         const = dict(K=k, BLOCK_N=c.block_n, BLOCK_K=c.block_k, PRO=pro, INTO=into, HAS_H=has_h,
-                     BIAS=bias, UNROLL=c.unroll, GLU=glu)  # fmt: skip
-        b = compile_for_hopper(fn, GEMV_TYPES, const, num_warps=c.warps, num_stages=1)
+                     BIAS=bias, UNROLL=c.unroll, GLU=glu, SCALE=fp8)  # fmt: skip
+        types = {**GEMV_TYPES, **FP8} if fp8 else GEMV_TYPES
+        b = compile_for_hopper(fn, types, const, num_warps=c.warps, num_stages=1)
         ptx = b.asm["ptx"]
         assert "griddepcontrol" not in ptx and "cp.async.bulk.prefetch" not in ptx, name
         # W read 16 bytes a load, the first lines the L2 evicts
         assert re.search(r"ld\.global\.L1::evict_first\.L2::cache_hint\.v4", ptx), name
         assert "createpolicy.fractional.L2::evict_first" in ptx, name
-        yield f"gemv {name}", b
+        if fp8:  # E4M3 widened in registers (cvt), never a bf16 copy of W in memory
+            assert "e4m3" in ptx, name
+        yield f"gemv {name}" + (" fp8" if fp8 else ""), b
 
 
 SMALL_GEMM_TYPES = {
     **dict.fromkeys(("x_ptr", "w_ptr", "b_ptr", "out_ptr", "nw_ptr", "xs_ptr"), "*bf16"),
-    **dict.fromkeys(("sq_ptr", "sq_out_ptr"), "*fp32"),
+    **dict.fromkeys(("sq_ptr", "sq_out_ptr", "s_ptr"), "*fp32"),
     "eps": "fp32",
 }
 
@@ -157,21 +163,52 @@ def small_gemm_builds():
         ("down into the stream", 14336, 4096, False, False, True, False, False),
         ("qkv+bias after the norm", 3584, 4608, True, True, False, False, False),
     )  # fmt: skip
+    fp8_builds = {"qkv", "down", "gate_up making SiLU * up after the norm"}
     for name, k, n, bias, pre, into, nxt, glu in builds:
-        c = default.for_outputs(n)
-        const = dict(K=k, BLOCK_M=triton_small_gemm.MAX_ROWS, BLOCK_N=c.block_n,
-                     BLOCK_K=c.block_k, EVEN_K=k % c.block_k == 0, BIAS=bias, DOT_F32=False,
-                     PRE=pre, INTO=into, NEXT=nxt, GLU=glu,
-                     PARTS_BLOCK=triton_small_gemm.PARTS_BLOCK)  # fmt: skip
-        b = compile_for_hopper(fn, SMALL_GEMM_TYPES, const, num_warps=c.warps, num_stages=c.stages)
-        ptx = b.asm["ptx"]
-        assert re.search(r"\bw?mma\b|mma\.sync|wgmma\.mma_async", ptx), name
-        # W's tiles asynchronous copies, in the loop as before it
-        copies = b.asm["ttgir"].count("async_copy_global_to_local")
-        assert copies == c.stages, (name, copies)
-        yield f"small gemm {name}", b
+        for fp8 in (False, True) if name in fp8_builds else (False,):
+            c = default.for_outputs(n)
+            const = dict(K=k, BLOCK_M=triton_small_gemm.MAX_ROWS, BLOCK_N=c.block_n,
+                         BLOCK_K=c.block_k, EVEN_K=k % c.block_k == 0, BIAS=bias, DOT_F32=False,
+                         PRE=pre, INTO=into, NEXT=nxt, GLU=glu, SCALE=fp8,
+                         PARTS_BLOCK=triton_small_gemm.PARTS_BLOCK)  # fmt: skip
+            types = {**SMALL_GEMM_TYPES, **FP8} if fp8 else SMALL_GEMM_TYPES
+            b = compile_for_hopper(fn, types, const, num_warps=c.warps, num_stages=c.stages)
+            ptx = b.asm["ptx"]
+            assert re.search(r"\bw?mma\b|mma\.sync|wgmma\.mma_async", ptx), name
+            # W's tiles asynchronous copies, in the loop as before it
+            copies = b.asm["ttgir"].count("async_copy_global_to_local")
+            assert copies == c.stages, (name, copies)
+            yield f"small gemm {name}" + (" fp8" if fp8 else ""), b
     const = dict(BLOCK_M=triton_small_gemm.MAX_ROWS, BLOCK_N=triton_small_gemm.PRENORM_BLOCK)
     yield "prenorm", compile_for_hopper(prenorm, SMALL_GEMM_TYPES, const, num_warps=4)
+
+
+LORA_TYPES = {
+    **dict.fromkeys(("x_ptr", "y_ptr"), "*bf16"),
+    "table_ptr": "*i64",
+    **dict.fromkeys(("groups_ptr", "bounds_ptr"), "*i32"),
+    "h_ptr": "*fp32",
+}
+
+
+def lora_builds():
+    """The LoRA shrink and expand (triton_lora) of Llama-3.1-8B's qkv (three shards) and down
+    (one), for a decode step's one-token tiles and a prefill's tiles of 64, ranks to 16 and 64:
+    products on the tensor cores, each slot's weights read through the table's addresses."""
+    shrink, expand = triton_lora._build(False)
+    for (name, k, shards), block_m, rank in itertools.product(
+        (("qkv", 4096, 3), ("down", 14336, 1)), (16, 64), (16, 64)
+    ):
+        const = dict(K=k, K_PART=k, S=8, M_TILES=1, J=shards, R=rank, BLOCK_M=block_m,
+                     BLOCK_K=triton_lora.BLOCK_K, DOT_F32=False)  # fmt: skip
+        b = compile_for_hopper(shrink, LORA_TYPES, const, num_warps=4)
+        assert re.search(r"\bw?mma\b|mma\.sync|wgmma\.mma_async", b.asm["ptx"]), name
+        yield f"lora shrink {name} tiles of {block_m} rank {rank}", b
+        const = dict(PARTS=4, S=8, M_TILES=1, J=shards, R=rank, BLOCK_M=block_m,
+                     BLOCK_N=triton_lora.BLOCK_N, DOT_F32=False)  # fmt: skip
+        b = compile_for_hopper(expand, LORA_TYPES, const, num_warps=4)
+        assert re.search(r"\bw?mma\b|mma\.sync|wgmma\.mma_async", b.asm["ptx"]), name
+        yield f"lora expand {name} tiles of {block_m} rank {rank}", b
 
 
 def build_decode(share: int = 0, shares: int = 1) -> int:
@@ -185,8 +222,8 @@ def build_decode(share: int = 0, shares: int = 1) -> int:
 
 
 def build_others() -> int:
-    """Every other kernel's builds: the rope and K/V write, the GEMVs, the small GEMMs; how
-    many."""
+    """Every other kernel's builds: the rope and K/V write, the GEMVs, the small GEMMs (bf16 and
+    FP8), the LoRA shrink and expand; how many."""
     built = 0
     rope_write = triton_ops._build_kernels(False)[0]
     # a decode's, a prefill's; k and v also out (a piecewise graph's static buffers) or not
@@ -199,7 +236,7 @@ def build_others() -> int:
         assert b.asm["cubin"], name
         print(name)
         built += 1
-    for name, b in small_gemm_builds():
+    for name, b in itertools.chain(small_gemm_builds(), lora_builds()):
         assert b.asm["cubin"], name
         print(name)
         built += 1
