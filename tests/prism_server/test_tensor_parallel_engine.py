@@ -251,8 +251,11 @@ def test_a_busy_split_model_gives_up_a_request_for_the_other_devices_new_work(
         got: list = []
 
         def split_model():
-            got.extend(o.token_ids for o in e.generate("m", PROMPTS, long))
-            done["m"] = time.monotonic()
+            outs = e.generate("m", PROMPTS, long)
+            got.extend(o.token_ids for o in outs)
+            # when its last request finished, stamped on the engine thread (not when this thread
+            # woke: on a loaded machine that can come later than the other model's finish)
+            done["m"] = max(o.finish_time for o in outs)
 
         t = threading.Thread(target=split_model)
         t.start()
@@ -262,8 +265,9 @@ def test_a_busy_split_model_gives_up_a_request_for_the_other_devices_new_work(
         ):
             time.sleep(0.005)  # the split model's KV took the other device's model's room
         assert "m" not in done, "the split model finished before the test could interfere"
-        assert len(e.generate(other, [[5, 6, 7]], PARAMS)[0].token_ids) == 12
-        done[other] = time.monotonic()
+        (out,) = e.generate(other, [[5, 6, 7]], PARAMS)
+        assert len(out.token_ids) == 12
+        done[other] = out.finish_time
         t.join(timeout=120)
         assert done[other] < done["m"]  # served while the split model was busy
         assert got == want
