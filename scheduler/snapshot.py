@@ -56,6 +56,7 @@ class AdapterSnapshot:
     slot: int | None  # its base's adapter slot (None: none now)
     weight_bytes: int
     weight_pages: int  # pool pages mapped for it now
+    activating: bool = False  # its activation's copy in flight (its requests wait)
     num_running: int = 0
     num_waiting: int = 0
     requests_total: int = 0
@@ -66,6 +67,14 @@ class AdapterSnapshot:
     @property
     def num_requests(self) -> int:
         return self.num_running + self.num_waiting
+
+    @property
+    def residency(self) -> str:
+        """As /v1/models and the status view name it: its copy in flight (activating), its
+        pages mapped (resident), or in its host copy only (offloaded)."""
+        if self.activating:
+            return Residency.ACTIVATING.value
+        return (Residency.RESIDENT if self.resident else Residency.OFFLOADED).value
 
 
 @dataclass(frozen=True)

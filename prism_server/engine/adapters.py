@@ -4,7 +4,10 @@ Each adapter's weights are a pool owner of their own (`<adapter>/weights`, a Wei
 host copy, as a model's are; its requests are its base's requests tagged with its name, and the
 base's steps run them. Before a step, every adapter with work is made ready (`prepare`): its pages
 mapped and its host copy loaded (activation), and a slot of the base's LoraSlots given to it
-(a slot held by an adapter with no running request may be taken). An idle adapter may be evicted
+(a slot held by an adapter with no running request may be taken). An activation's copy runs on
+the copy stream (a thread off a GPU) while the engine thread goes on: its adapter is ready at
+the first `prepare` after the copy landed, its requests waiting until then (the base's other
+work runs meanwhile). An idle adapter may be evicted
 (its pages back to the pool); an offloaded base has every adapter evicted. Views of an adapter's
 buffer keep their addresses while it is evicted: its slot needs no re-assignment after an
 activation.
@@ -20,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvpool import HostCopy, WeightBuffer, WeightLayout
+from kvpool import HostCopy, Transfer, WeightBuffer, WeightLayout
 from models.lora import DEFAULT_MAX_RANK, NO_ADAPTER, LoraAdapter, LoraSlots, LoraWeights
 from scheduler.request import RequestStatus
 from scheduler.snapshot import AdapterSnapshot
@@ -49,6 +52,7 @@ class ServedAdapter:
     buffer: WeightBuffer
     host: HostCopy
     slot: int | None = None
+    loading: Transfer | None = None  # its activation's copy, in flight
     last_used: float = 0.0
     requests_total: int = 0
     activations: int = 0
@@ -130,6 +134,7 @@ class BaseAdapters:
     def remove(self, name: str) -> None:
         """Drop an adapter with no request left: its slot, pages and host copy."""
         a = self.by_name.pop(name)
+        self._landed(a)  # (a copy in flight writes into its pages)
         if a.slot is not None:
             self.slots.clear(a.slot)
         a.buffer.close()
@@ -146,6 +151,7 @@ class BaseAdapters:
         a = self.by_name[name]
         if not a.resident:
             return 0
+        self._landed(a)  # a copy in flight lands before its pages go
         pages = a.buffer.num_pages
         a.buffer.unmap()
         a.evictions += 1
@@ -160,7 +166,19 @@ class BaseAdapters:
         out = [a for a in self.by_name.values() if a.resident and a.name not in busy]
         return sorted(out, key=lambda a: a.last_used)
 
-    def _activate(self, a: ServedAdapter) -> bool:
+    @property
+    def loading(self) -> set[str]:
+        """The adapters whose activation's copy is in flight."""
+        return {a.name for a in self.by_name.values() if a.loading is not None}
+
+    def _activate(self, a: ServedAdapter) -> bool | None:
+        """Make `a` resident: True once its weights are on the device, None while its copy is
+        in flight (started here or before), False when the pool has not its pages now."""
+        if a.loading is not None:
+            if not a.loading.done():
+                return None
+            self._landed(a)
+            return True
         if a.resident:
             return True
         if not a.buffer.can_map() and self.make_room is not None:
@@ -168,12 +186,27 @@ class BaseAdapters:
         if not a.buffer.map():
             return False
         try:
-            a.host.load(a.buffer.bytes())  # a few MB: waited for
+            a.loading = a.host.load_async(a.buffer.bytes())
+        except BaseException:
+            a.buffer.unmap()
+            raise
+        if not a.loading.done():
+            return None
+        self._landed(a)
+        return True
+
+    def _landed(self, a: ServedAdapter) -> None:
+        """Wait for a's copy in flight, if any (at once when it is done; the device's stream
+        ordered after it); a copy that failed leaves its pages unmapped and raises."""
+        if a.loading is None:
+            return
+        transfer, a.loading = a.loading, None
+        try:
+            transfer.wait()
         except BaseException:
             a.buffer.unmap()
             raise
         a.activations += 1
-        return True
 
     def prepare(self, wanted: Iterable[str], running: set[str], now: float) -> set[str]:
         """Make the adapters `wanted` (in order: the running requests' first) ready to run:
@@ -187,8 +220,10 @@ class BaseAdapters:
             a = self.by_name[name]
             if a.slot is None and not self._give_slot(a, ready, running, want):
                 continue
-            if not self._activate(a):
+            done = self._activate(a)
+            if done is False:
                 self.short_of_pages = True
+            if not done:  # short of pages, or its copy in flight
                 continue
             a.last_used = now
             ready.add(name)
@@ -243,6 +278,7 @@ class BaseAdapters:
                 path=a.path,
                 rank=a.rank,
                 resident=a.resident,
+                activating=a.loading is not None,
                 slot=a.slot,
                 weight_bytes=a.buffer.nbytes,
                 weight_pages=a.buffer.pages.num_mapped_pages,

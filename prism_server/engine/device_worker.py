@@ -30,6 +30,7 @@ from prism_server.engine.device_commands import HANDLERS
 from prism_server.engine.device_memory import DeviceMemory
 from prism_server.engine.model_runner import DeviceResources
 from prism_server.engine.model_worker import ModelWorker
+from prism_server.engine.residency import TRANSFER_POLL_S
 from prism_server.engine.step_trace import StepTrace
 from prism_server.engine.wait_causes import charge_device
 from scheduler.balloon import admitting, may_activate
@@ -45,10 +46,6 @@ from scheduler.snapshot import (
 
 log = logging.getLogger(__name__)
 
-# How long to sleep when some model has work it cannot schedule yet (blocked on memory), and
-# between polls of an activation's copy when nothing else runs.
-_BLOCKED_POLL_S = 0.005
-_TRANSFER_POLL_S = 0.0005
 _PUBLISH_S = 0.005  # the most a busy device's snapshot lags its state
 
 
@@ -121,7 +118,7 @@ class DeviceWorker:
             self._handle(cmd)
             while not cmd.done.done():
                 self.step()
-                time.sleep(_TRANSFER_POLL_S)
+                time.sleep(TRANSFER_POLL_S)
         return cmd.done.result()
 
     def call(self, fn) -> Any:
@@ -338,11 +335,8 @@ class DeviceWorker:
                 self.publish()
             if ran:
                 continue
-            timeout = None
-            if any(m.residency is Residency.ACTIVATING for m in self.models.values()):
-                timeout = _TRANSFER_POLL_S
-            elif any(m.has_work or m.residency is Residency.DRAINING for m in self.models.values()):
-                timeout = _BLOCKED_POLL_S
+            polls = (m.poll_after() for m in self.models.values())
+            timeout = min(filter(None, polls), default=None)
             if expiry is not None:
                 left = max(expiry - time.monotonic(), 0.0)
                 timeout = left if timeout is None else min(timeout, left)

@@ -70,6 +70,13 @@ class ModelAdapters:
         return {r.adapter for r in self.requests.values() if r.adapter is not None}
 
     @property
+    def adapters_loading(self) -> bool:
+        """Whether an adapter's activation copy is in flight (its requests wait for it)."""
+        return bool(self.adapters) and any(
+            a.loading is not None for a in self.adapters.by_name.values()
+        )
+
+    @property
     def adapter_pages(self) -> int:
         """The pool pages its adapters hold now."""
         if not self.adapters:

@@ -25,12 +25,13 @@ from prism_server.engine.model_adapters import ModelAdapters
 from prism_server.engine.model_runner import DeviceResources, ModelRunner, TensorParallelRunner
 from prism_server.engine.model_stats import ModelStats
 from prism_server.engine.output_processor import OutputProcessor
-from prism_server.engine.residency import ModelResidency
+from prism_server.engine.residency import BLOCKED_POLL_S, TRANSFER_POLL_S, ModelResidency
 from prism_server.engine.sampler import Sampled, Sampler, logprob_list
 from scheduler.arbitrator import ModelWork, model_work
 from scheduler.batch_scheduler import BatchScheduler, ScheduledChunk, SchedulerConfig
 from scheduler.latency_model import StepShape
 from scheduler.request import FinishReason, Request, RequestOutput, TokenLogprob
+from scheduler.snapshot import Residency
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +95,16 @@ class ModelWorker(ModelAdapters, ModelResidency, ModelStats):
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work
+
+    def poll_after(self) -> float | None:
+        """How soon the device's loop must look at this model again when no step ran (None: at
+        its next command): a copy in flight (its activation's, an adapter's) soon; work that
+        cannot be scheduled yet, or a drain, a little later."""
+        if self.residency is Residency.ACTIVATING or self.adapters_loading:
+            return TRANSFER_POLL_S
+        if self.has_work or self.residency is Residency.DRAINING:
+            return BLOCKED_POLL_S
+        return None
 
     @property
     def max_kv_tokens(self) -> int:

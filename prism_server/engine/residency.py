@@ -26,6 +26,10 @@ from scheduler.snapshot import ACTIVATION_BUCKETS, Residency
 log = logging.getLogger(__name__)
 
 TRANSITION_LOG = 64  # residency changes a snapshot carries
+# How soon a device's loop looks again when no step ran: while some model's work cannot be
+# scheduled yet (blocked on memory) or drains, and between polls of a copy in flight
+BLOCKED_POLL_S = 0.005
+TRANSFER_POLL_S = 0.0005
 
 
 class ModelResidency:

@@ -111,6 +111,10 @@ def charge_device(
             resident = m.residency is Residency.RESIDENT
             activating = m.residency is Residency.ACTIVATING
             wait = waiting_cause(resident, s.blocked or m.name in blocked, own, others, activating)
+            loading = m.adapters.loading if m.adapters else ()  # adapters' copies in flight
             for r in s.waiting:
                 if r.finish_reason is None:
-                    charge(r, PREEMPTED if resident and r.num_preemptions else wait, now)
+                    if r.adapter is not None and r.adapter in loading:
+                        charge(r, ACTIVATION, now)  # its adapter's activation
+                    else:
+                        charge(r, PREEMPTED if resident and r.num_preemptions else wait, now)

@@ -70,7 +70,7 @@ class OpenAIRoutes:
             for m in snap.models:
                 out[m.name] = m.residency.value
                 for a in m.adapters:
-                    out[a.name] = "resident" if a.resident else "offloaded"
+                    out[a.name] = a.residency
         return out
 
     async def list_models(self, request: web.Request) -> web.Response:

@@ -46,7 +46,7 @@ def _adapter(a: AdapterSnapshot, page_bytes: int) -> dict:
         "path": a.path,
         "rank": a.rank,
         "slot": a.slot,
-        "residency": "resident" if a.resident else "offloaded",
+        "residency": a.residency,
         "num_running": a.num_running,
         "num_waiting": a.num_waiting,
         "requests_total": a.requests_total,

@@ -8,11 +8,13 @@ test ends with the pool's and every model's integrity checked, owner by owner.""
 from __future__ import annotations
 
 import queue
+import threading
 import time
 from concurrent.futures import Future
 
 import pytest
 
+from kvpool.host_copy import _copy_thread as copier
 from models.attention.base import ForwardContext
 from prism_server.completion import Completion
 from prism_server.config import EngineConfig, ModelSpec
@@ -376,4 +378,57 @@ def test_decode_steps_with_lora_work_replay_graphs_and_prefills_run_eagerly(made
         (base,) = run(e, [(None, PROMPTS[None])])  # the base's alone
         assert base.error is None and base.token_ids == ref[None]
         assert len(replays) > n and all(r is None for r in replays[n:])
+        owners_whole(e)
+
+
+def test_an_adapters_activation_copy_runs_while_its_base_serves_on(made):
+    """An evicted adapter's request starts its copy and waits for it (charged to activation,
+    the adapter `activating` meanwhile) while the base's own request runs; once the copy lands
+    the adapter's request runs with its solo tokens. An adapter evicted with its copy in flight
+    waits for the copy before its pages go."""
+    ref = made[2]
+    adapter = "sql"
+    with Engine(config(made)) as e:
+        run(e, [(adapter, PROMPTS[adapter])])
+        w = e.worker
+        assert w.call(lambda: w.models["base"].evict_adapter(adapter)) == 1
+        gate = threading.Event()
+        copier().submit(gate.wait)  # the copy thread is busy: the adapter's copy queues
+        try:
+            got: dict[str | None, Completion] = {}
+            waits: dict[str | None, dict] = {}
+            finished: queue.SimpleQueue = queue.SimpleQueue()
+            for name in (adapter, None):
+                c = got[name] = Completion(PROMPTS[name], arrival_time=time.monotonic())
+
+                def sink(o, c=c, name=name):
+                    c.add(o, time.monotonic())
+                    if o.finished:
+                        waits[name] = o.waits
+                        finished.put(name)
+
+                e.add_request(name or "base", PROMPTS[name], GREEDY, sink)
+            assert finished.get(timeout=60) is None  # the base's request, while the copy waits
+            (a,) = [x for x in w.snapshot_now().model("base").adapters if x.name == adapter]
+            assert a.activating and a.residency == "activating" and a.num_waiting == 1
+        finally:
+            gate.set()
+        assert finished.get(timeout=60) == adapter
+        assert got[adapter].token_ids == ref[adapter] and got[None].token_ids == ref[None]
+        assert waits[adapter]["activation"] > 0 and waits[None]["activation"] == 0
+        (a,) = [x for x in w.snapshot_now().model("base").adapters if x.name == adapter]
+        assert a.resident and not a.activating and a.activations == 1
+        # evicted while its copy is in flight: the copy lands first, then the pages go
+        assert w.call(lambda: w.models["base"].evict_adapter(adapter)) == 1
+        gate.clear()
+        copier().submit(gate.wait)
+        try:
+            adapters = w.models["base"].adapters
+            started = w.call(lambda: adapters.prepare([adapter], set(), 0.0))
+            assert started == set() and adapters.loading == {adapter}
+            threading.Timer(0.2, gate.set).start()
+            assert w.call(lambda: w.models["base"].evict_adapter(adapter)) == 1
+            assert adapters.loading == set()
+        finally:
+            gate.set()
         owners_whole(e)
