@@ -74,11 +74,15 @@ def edited(src: Path, dst: Path, config: dict | None = None, drop: str | None = 
 
 
 def solo_tokens(
-    base: Path, dirs: dict[str, Path], prompts: dict[str | None, list[int]], n: int
+    base: Path,
+    dirs: dict[str, Path],
+    prompts: dict[str | None, list[int]],
+    n: int,
+    quantization: str | None = None,
 ) -> dict[str | None, list[int]]:
     """Each prompt's greedy tokens alone through the model-level path, with its adapter (None:
-    the base)."""
-    ours = load_model(ModelSource("hf", str(base))).model
+    the base); quantization: the base's (models.quantization)."""
+    ours = load_model(ModelSource("hf", str(base)), quantization=quantization).model
     names = [a for a in prompts if a is not None]
     slots = LoraSlots(ours, num_slots=max(len(names), 1))
     for i, name in enumerate(names):

@@ -11,11 +11,13 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
+from dataclasses import replace
 
 import pytest
 
 from kvpool.host_copy import _copy_thread as copier
 from models.attention.base import ForwardContext
+from models.layers.fp8_linear import Fp8Linear
 from prism_server.completion import Completion
 from prism_server.config import EngineConfig, ModelSpec
 from prism_server.engine.commands import Call
@@ -431,4 +433,21 @@ def test_an_adapters_activation_copy_runs_while_its_base_serves_on(made):
             assert adapters.loading == set()
         finally:
             gate.set()
+        owners_whole(e)
+
+
+def test_adapters_of_an_fp8_base_give_their_solo_tokens(made):
+    """A base served in FP8 (its projections E4M3 in its pages and host copy) runs its adapters'
+    deltas over its FP8 layers: each request, in one batch with the others, gets the tokens the
+    model-level path gives it alone over the same FP8 base."""
+    base, dirs, _ = made
+    want = solo_tokens(base, dirs, PROMPTS, NEW, quantization="fp8")
+    cfg = config(made)
+    specs = (replace(cfg.models[0], quantization="fp8"), *cfg.models[1:])
+    with Engine(replace(cfg, models=specs)) as e:
+        layers = e.worker.models["base"].runner.model.modules()
+        assert sum(isinstance(m, Fp8Linear) for m in layers) == 8  # 2 layers x 4 projections
+        reqs = [(a, PROMPTS[a]) for a in PROMPTS]
+        for (adapter, _), c in zip(reqs, run(e, reqs)):
+            assert c.token_ids == want[adapter], adapter
         owners_whole(e)
