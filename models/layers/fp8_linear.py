@@ -25,6 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.kernels import fp8_quant
+from models.kernels.triton_ops import triton_runs_on
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448.0
 # a token's smallest activation scale (an all-zero row's: its values stay 0)
@@ -75,7 +78,9 @@ def fp8_scaled_mm(
     product summed in fp32 and scaled by both rows' scales, the bias added, in x's dtype. A
     token's rounding adds at most 2**-4 of each |x| (E4M3's step) to the dequantized path's
     error. On a GPU: bf16 x, K and N multiples of 16 (`scaled_mm_takes`)."""
-    xq, xs = quantize_rows(x)
+    # on a GPU one Triton kernel, elsewhere torch's three passes (the same numerics)
+    fused = x.is_cuda and x.stride(1) == 1 and triton_runs_on(x.device)
+    xq, xs = fp8_quant.quantize_rows(x) if fused else quantize_rows(x)
     # weight.t(): [K, N] column-major, the layout _scaled_mm takes for its second operand
     return torch._scaled_mm(
         xq, weight.t(), scale_a=xs, scale_b=scale[None, :], bias=bias, out_dtype=x.dtype

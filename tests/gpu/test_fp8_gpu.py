@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from models.config import ModelConfig
+from models.kernels import fp8_quant
 from models.kernels.triton_gemv import GemvConfig, gemv, gemv_reference
 from models.kernels.triton_small_gemm import (
     SmallGemmConfig,
@@ -81,6 +82,23 @@ def test_the_fp8_matmul_is_the_dequantized_weights_on_the_gpu():
         assert got.dtype == torch.bfloat16
         err = (got.float() - want).abs().max() / want.abs().max()
         assert err < 2e-2, (rows, err.item())
+
+
+@needs_fp8_mm
+@pytest.mark.parametrize("k", [HIDDEN, INTER, 1000])
+def test_the_fused_quantizer_gives_torchs_bytes(k):
+    """The one-kernel per-token quantizer, the GPU's: scales and E4M3 bytes torch's own."""
+    g = torch.Generator(device="cuda").manual_seed(k)
+    x = (
+        torch.randn(33, k, device="cuda", generator=g)
+        * torch.logspace(-3, 1.5, 33, device="cuda")[:, None]
+    )
+    x[1] = 0
+    x = x.bfloat16()
+    want_q, want_s = quantize_rows(x)
+    q, s = fp8_quant.quantize_rows(x)
+    assert torch.equal(s, want_s)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
 
 
 @needs_fp8_mm

@@ -17,7 +17,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from models.kernels import triton_gemv, triton_lora, triton_ops, triton_small_gemm
+from models.kernels import fp8_quant, triton_gemv, triton_lora, triton_ops, triton_small_gemm
 
 HOPPER = GPUTarget("cuda", 90, 32)
 DECODE_TYPES = {
@@ -211,6 +211,22 @@ def lora_builds():
         yield f"lora expand {name} tiles of {block_m} rank {rank}", b
 
 
+QUANT_TYPES = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}
+
+
+def quant_builds():
+    """The per-token FP8 quantizer (fp8_quant) of Llama-3.1-8B's projection inputs (4096 and
+    14336 columns): the quotients correctly rounded, cast to E4M3 to nearest, saturating."""
+    fn = fp8_quant._build(False)
+    for k in (4096, 14336):
+        const = dict(K=k, BLOCK_K=fp8_quant.BLOCK_K, MIN_AMAX=fp8_quant.MIN_AMAX,
+                     FP8_MAX=fp8_quant.FP8_MAX, OUT_F32=False)  # fmt: skip
+        b = compile_for_hopper(fn, QUANT_TYPES, const, num_warps=4)
+        ptx = b.asm["ptx"]
+        assert "div.rn.f32" in ptx and re.search(r"cvt\.rn\.satfinite\.e4m3x2\.f32", ptx), k
+        yield f"fp8 quantizer K={k}", b
+
+
 def build_decode(share: int = 0, shares: int = 1) -> int:
     """The decode kernel's builds (those of `share` modulo `shares`); how many."""
     built = 0
@@ -223,7 +239,7 @@ def build_decode(share: int = 0, shares: int = 1) -> int:
 
 def build_others() -> int:
     """Every other kernel's builds: the rope and K/V write, the GEMVs, the small GEMMs (bf16 and
-    FP8), the LoRA shrink and expand; how many."""
+    FP8), the LoRA shrink and expand, the FP8 quantizer; how many."""
     built = 0
     rope_write = triton_ops._build_kernels(False)[0]
     # a decode's, a prefill's; k and v also out (a piecewise graph's static buffers) or not
@@ -236,7 +252,7 @@ def build_others() -> int:
         assert b.asm["cubin"], name
         print(name)
         built += 1
-    for name, b in itertools.chain(small_gemm_builds(), lora_builds()):
+    for name, b in itertools.chain(small_gemm_builds(), lora_builds(), quant_builds()):
         assert b.asm["cubin"], name
         print(name)
         built += 1

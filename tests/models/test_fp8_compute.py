@@ -11,7 +11,7 @@ import torch
 
 from models.attention.base import AttentionMetadata, ForwardContext, SeqChunk
 from models.attention.torch_paged import TorchPagedAttention
-from models.kernels import fused_decode
+from models.kernels import fp8_quant, fused_decode
 from models.kernels.fused_decode import StepOps
 from models.kernels.triton_gemv import GemvConfig, gemv, gemv_reference
 from models.kernels.triton_small_gemm import (
@@ -62,6 +62,27 @@ def dequantized(layer: Fp8Linear) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- torch._scaled_mm
+
+
+QUANT_CASES = [(6, 200, torch.bfloat16), (3, 3000, torch.bfloat16), (4, 4096, torch.float32)]
+
+
+@pytest.mark.parametrize(("rows", "k", "dtype"), QUANT_CASES)
+def test_the_fused_quantizer_computes_torchs_scales_and_quotients(rows, k, dtype):
+    """The one-kernel quantizer (models.kernels.fp8_quant, a GPU's) under the interpreter: each
+    token's scale and quotient bit for bit torch's, over rows wider than one loop step, an
+    all-zero row and an outlier; the cast (left out here: the interpreter's is wrong) rounds
+    them to torch's E4M3 bytes."""
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, k, generator=g) * torch.logspace(-3, 1.5, rows)[:, None]
+    x[1] = 0
+    x[-1, k // 2] = 500.0
+    x = x.to(dtype)
+    want_q, want_s = quantize_rows(x)
+    q32, s = fp8_quant.quantize_rows(x, out_f32=True)
+    assert torch.equal(s, want_s)
+    assert torch.equal(q32, x.float() / want_s)
+    assert torch.equal(q32.to(FP8_DTYPE).view(torch.uint8), want_q.view(torch.uint8))
 
 
 def test_quantize_rows_scales_each_token_by_its_amax():

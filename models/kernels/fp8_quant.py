@@ -1,0 +1,73 @@
+"""A step's activations quantized to FP8 E4M3 per token in one kernel: each row's amax, its scale
+(amax / 448, at least 1e-12 / 448) and the row divided by it, cast to E4M3. torch takes three
+passes over the activations for the same (the norm, the float32 quotient written, the cast).
+
+The numerics are torch's (models.layers.fp8_linear.quantize_rows): the amax exact, the scale and
+the quotient each one correctly rounded float32 division, the cast to nearest. Runs under
+Triton's interpreter too, where the cast is left out (`OUT_F32`: the interpreter's cast to FP8
+is wrong on the CPU), so the tests check everything before it; tests/models/hopper_build.py
+builds the cast for the GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from models.kernels.triton_ops import _pow2, interpreting
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # E4M3's largest finite value
+MIN_AMAX = 1e-12  # an all-zero row's: its values stay 0
+BLOCK_K = 1024  # columns a loop step
+
+
+@functools.cache
+def _build(interpret: bool):
+    # NOTE: Triton decides at decoration whether a kernel is interpreted, hence one build each
+    import triton
+    import triton.language as tl
+
+    @triton.jit(do_not_specialize=["sx", "sq"])
+    def quantize_rows_kernel(
+        x_ptr, q_ptr, s_ptr, sx, sq,
+        K: tl.constexpr, BLOCK_K: tl.constexpr, MIN_AMAX: tl.constexpr, FP8_MAX: tl.constexpr,
+        OUT_F32: tl.constexpr,
+    ):  # fmt: skip
+        # program r: row r, read twice (its amax, then its quotient; the second read from L2)
+        row = tl.program_id(0).to(tl.int64)
+        peak = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            v = tl.load(x_ptr + row * sx + kk, mask=kk < K, other=0.0).to(tl.float32)
+            peak = tl.maximum(peak, tl.abs(v))
+        s = tl.math.div_rn(tl.maximum(tl.max(peak, 0), MIN_AMAX), FP8_MAX)
+        tl.store(s_ptr + row, s)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            km = kk < K
+            v = tl.load(x_ptr + row * sx + kk, mask=km, other=0.0).to(tl.float32)
+            v = tl.math.div_rn(v, s)  # |v| <= 448: no saturation needed
+            if OUT_F32:
+                tl.store(q_ptr + row * sq + kk, v, mask=km)
+            else:
+                tl.store(q_ptr + row * sq + kk, v.to(tl.float8e4nv), mask=km)
+
+    return quantize_rows_kernel
+
+
+def quantize_rows(x: torch.Tensor, out_f32: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] (rows unit-strided) -> (xq [T, K] float8_e4m3fn, scale [T, 1] float32), x ~=
+    xq * scale. out_f32: xq before its cast, float32 (the interpreter's tests)."""
+    t, k = x.shape
+    assert x.stride(1) == 1, "rows must be unit-strided"
+    q = torch.empty(t, k, dtype=torch.float32 if out_f32 else FP8_DTYPE, device=x.device)
+    scale = torch.empty(t, 1, dtype=torch.float32, device=x.device)
+    if t:
+        _build(interpreting())[(t,)](
+            x, q, scale, x.stride(0), q.stride(0),
+            K=k, BLOCK_K=min(BLOCK_K, _pow2(k)), MIN_AMAX=MIN_AMAX, FP8_MAX=FP8_MAX,
+            OUT_F32=out_f32, num_warps=4,
+        )  # fmt: skip
+    return q, scale
