@@ -56,7 +56,7 @@ ADAPTER = {
         "path": {"type": "string"},
         "rank": {"type": "integer", "minimum": 1},
         "slot": {"type": ["integer", "null"], "minimum": 0},
-        "residency": {"enum": ["resident", "offloaded"]},
+        "residency": {"enum": ["resident", "activating", "offloaded"]},
         "num_running": COUNT,
         "num_waiting": COUNT,
         "requests_total": COUNT,
