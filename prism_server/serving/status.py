@@ -7,8 +7,8 @@ so a client maps them onto its own clock with one offset.
 A model's `adapters` are its LoRA adapters, a row each (served by its steps: the base's
 `num_running` and `num_waiting` count their requests too). An adapter's `residency` is
 `resident` (its weight pages mapped, `weight_pool_bytes` of them), `activating` (its copy
-in flight) or `offloaded` (in its host copy only), as /v1/models says; `slot` is its base's adapter slot, null while it has none;
-`weight_bytes` its size.
+in flight) or `offloaded` (in its host copy only), as /v1/models says; `slot` is its base's
+adapter slot, null while it has none; `weight_bytes` its size.
 
     {"object": "status", "time": 1234.5, "policy": "prism",
      "devices": [{"device": "cuda:0", "seq": 812, "time": ..., "policy": "prism",
