@@ -17,6 +17,7 @@ import math
 import sys
 from collections import Counter
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -190,6 +191,12 @@ def fleet_of(status: Mapping[str, Any]) -> dict:
             }
             for m in dev["models"]
         },
+        # LoRA adapters: served only with their base, in its steps; their own pages each
+        "adapters": {
+            a["name"]: {"base": m["name"], "weight_bytes": a["weight_bytes"]}
+            for m in dev["models"]
+            for a in m.get("adapters", ())
+        },
     }
 
 
@@ -222,13 +229,20 @@ def min_kv_pages(fleet: Mapping[str, Any], model: str, rows: Sequence[Row], bloc
     return max(1, -(-nbytes // fleet["page_bytes"]))
 
 
-def fits(fleet: Mapping[str, Any], models: Sequence[str], min_kv: Mapping[str, int]) -> bool:
-    """Whether `models` fit the pool under static's partition: every model's weights, then what
-    they leave split into equal KV quotas, each at least every model's minimal KV."""
+def fits(
+    fleet: Mapping[str, Any],
+    models: Sequence[str],
+    min_kv: Mapping[str, int],
+    extra: Mapping[str, int] | None = None,
+) -> bool:
+    """Whether `models` fit the pool under static's partition: every model's weights (and its
+    `extra` pages: its adapters'), then what they leave split into equal KV quotas, each at
+    least every model's minimal KV."""
     if not models:
         return True
+    extra = extra or {}
     capacity = fleet["pool_bytes"] // fleet["page_bytes"]
-    left = capacity - sum(weight_pages(fleet, m) for m in models)
+    left = capacity - sum(weight_pages(fleet, m) + extra.get(m, 0) for m in models)
     return left >= 0 and left // len(models) >= max(min_kv[m] for m in models)
 
 
@@ -240,16 +254,27 @@ def pick_subset(
 ) -> list[str]:
     """The busiest models (most requests in `rows`; ties in config `order`) that fit together:
     each in turn joins the subset if the subset still fits with it, else it is skipped. Models
-    without requests are left out. Returned in config order."""
-    counts = Counter(r.model for r in rows)
-    unknown = sorted(set(counts) - set(fleet["models"]))
+    without requests are left out. A LoRA adapter's requests are its base's (it runs in the
+    base's steps), and a base joins with its adapters that have requests, their pages beside
+    its own. Returned in config order."""
+    adapters = fleet.get("adapters", {})
+    base_of = {a: adapters[a]["base"] for a in {r.model for r in rows} if a in adapters}
+    unknown = sorted({r.model for r in rows} - set(fleet["models"]) - set(base_of))
     if unknown:
         raise ValueError(f"the server does not serve {unknown}")
+    # each adapter's rows as its base's (its KV is the base's)
+    rows = [replace(r, model=base_of[r.model]) if r.model in base_of else r for r in rows]
+    counts = Counter(r.model for r in rows)
+    page = fleet["page_bytes"]
+    extra = Counter()
+    for a, b in base_of.items():
+        extra[b] += -(-adapters[a]["weight_bytes"] // page)
     blocks = blocks or {}
     min_kv = {m: min_kv_pages(fleet, m, rows, blocks.get(m, DEFAULT_BLOCK_SIZE)) for m in counts}
     rank = {m: i for i, m in enumerate(order)}
     chosen: list[str] = []
     for m in sorted(counts, key=lambda m: (-counts[m], rank.get(m, len(rank)))):
-        if fits(fleet, [*chosen, m], min_kv):
+        if fits(fleet, [*chosen, m], min_kv, extra):
             chosen.append(m)
+    chosen += [a for a, b in base_of.items() if b in chosen]
     return sorted(chosen, key=lambda m: rank.get(m, len(rank)))

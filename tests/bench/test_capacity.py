@@ -137,6 +137,35 @@ def test_the_subset_is_the_busiest_models_that_fit_with_their_minimal_kv():
         pick_subset(small, [*rows, Row(0.0, "zz", 1, 1)], list("abcde"))
 
 
+def test_a_base_joins_the_subset_with_its_adapters_their_requests_and_pages_its_own():
+    """Adapters run in their base's steps: their requests count as the base's (a busy set of
+    adapters brings a quiet base in), their pages beside its weights, and the base comes with
+    those of them that have requests; an adapter's KV is its base's."""
+    # weights in pages: base 3, solo 4; the adapters 1 page each; pool 10 pages
+    fleet = _fleet({"base": 3 * MIB, "solo": 4 * MIB}, 10)
+    fleet["adapters"] = {
+        n: {"base": "base", "weight_bytes": MIB // 2} for n in ("ft0", "ft1", "ft2")
+    }
+    order = ["base", "solo", "ft0", "ft1", "ft2"]
+    # solo alone is busier than the base alone, the base with its adapters busier still
+    rows = [Row(0.1 * i, "solo", 10, 6) for i in range(4)]
+    rows += [Row(0.1 * i, "ft0", 10, 6) for i in range(3)] + [Row(0.5, "ft1", 10, 6)]
+    rows += [Row(0.6, "base", 10, 6)]
+    # base 3 + ft0 + ft1 (ft2: no requests) = 5, solo 4: 9 pages, 1 left < 2 x 1: solo is out
+    assert pick_subset(fleet, rows, order) == ["base", "ft0", "ft1"]
+    assert pick_subset({**fleet, "pool_bytes": 11 * MIB}, rows, order) == [
+        "base",
+        "solo",
+        "ft0",
+        "ft1",
+    ]
+    # an adapter's long request sizes its base's minimal KV: 40 blocks of 16 at 64 KiB, 3 pages
+    long = [*rows, Row(0.7, "ft1", 600, 40)]
+    assert pick_subset({**fleet, "pool_bytes": 14 * MIB}, long, order) == ["base", "ft0", "ft1"]
+    with pytest.raises(ValueError, match="does not serve"):
+        pick_subset(fleet, [*rows, Row(0.0, "ft9", 1, 1)], order)
+
+
 # ---- the miss causes -----------------------------------------------------------------------------
 def _result(model, sent, ttft, gaps, error=None, rid=None):
     r = Result(Row(sent, model, 8, len(gaps) + 1), sent=sent, error=error, done=True, id=rid)

@@ -6,9 +6,11 @@ back for its first request) and the report has a row per adapter."""
 from __future__ import annotations
 
 import asyncio
+import json
 import urllib.request
 
 from models.lora.synthetic import write_adapters
+from prism_server.bench.fleet import fleet_of
 from prism_server.bench.sweep_run import run_once
 from prism_server.bench.workload import Row
 from prism_server.config import EngineConfig, ModelSpec
@@ -33,7 +35,7 @@ def test_a_replay_over_adapters_counts_their_activations(tmp_path):
         slos = {r.model: {"ttft_s": 30.0, "tpot_s": 30.0} for r in rows}
         run = asyncio.run(run_once(srv.url, rows, slos, 1.0, 2.0, 0.05))
         with urllib.request.urlopen(srv.url + "/v1/status", timeout=10) as r:
-            assert r.status == 200
+            fleet = fleet_of(json.loads(r.read()))
         engine.check_integrity()
     finally:
         srv.close()
@@ -42,3 +44,7 @@ def test_a_replay_over_adapters_counts_their_activations(tmp_path):
     assert set(run["report"]["models"]) == {*ADAPTERS, "base", "other"}
     # the base and each of its adapters came back once at least
     assert run["activations"] >= 1 + len(ADAPTERS)
+    # the fleet as static's subset sizes it: the adapters beside the models, each with its base
+    assert set(fleet["models"]) == {"base", "other"}
+    assert {a: f["base"] for a, f in fleet["adapters"].items()} == dict.fromkeys(ADAPTERS, "base")
+    assert all(f["weight_bytes"] > 0 for f in fleet["adapters"].values())
