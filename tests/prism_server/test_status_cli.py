@@ -242,7 +242,10 @@ def lora_docs(tmp_path_factory):
         docs["idle"] = status(e), e.worker.snapshot_now().model("base")
         submit("sql", 2)
         assert done.get(timeout=60).error is None
-        docs["back"] = status(e), e.worker.snapshot_now().model("base")
+        # published now, after its request ended (the latest snapshot may still be one from
+        # while its copy was in flight: `activating`)
+        snap = e.worker.snapshot_now().model("base")
+        docs["back"] = status(e), snap
         e.check_integrity()
     return docs
 

@@ -148,13 +148,16 @@ def test_the_baselines_serve_a_split_model(tmp_path, policy):
         e.check_integrity()
 
 
-def _mxy(path, pages: int | None = None, policy: str = "prism") -> Engine:
+def _mxy(
+    path, pages: int | None = None, policy: str = "prism", ttft_slo_ms: float | None = None
+) -> Engine:
     """The split model m and two dummies, x and y, over two devices; pages: each pool's
-    capacity (None: the default, room for everything)."""
+    capacity (None: the default, room for everything); ttft_slo_ms: the dummies' (None: a
+    multiple of their profiled prefill)."""
     specs = (
         ModelSpec("m", str(path), block_size=4, tensor_parallel=2),
-        ModelSpec("x", "dummy:tiny-llama", block_size=4),
-        ModelSpec("y", "dummy:tiny-llama", block_size=4, seed=1),
+        ModelSpec("x", "dummy:tiny-llama", block_size=4, ttft_slo_ms=ttft_slo_ms),
+        ModelSpec("y", "dummy:tiny-llama", block_size=4, seed=1, ttft_slo_ms=ttft_slo_ms),
     )
     cfg = EngineConfig(
         models=specs,
@@ -244,7 +247,9 @@ def test_a_busy_split_model_gives_up_a_request_for_the_other_devices_new_work(
         want = [o.token_ids for o in whole.generate("m", PROMPTS, long)]
     where, shard, size = _mxy_layout(path)
     other = next(n for n in "xy" if where[n] != where["m"])  # the model of the other device
-    with _mxy(path, shard + size + 1) as e:
+    # the asker's TTFT deadline far off: new work past it would preempt nothing, and a loaded
+    # machine's activation can outlast a deadline of a few prefills
+    with _mxy(path, shard + size + 1, ttft_slo_ms=60_000.0) as e:
         lead = e.served["m"].device
         there = next(w for w in e.workers if w.name != lead).pool
         done: dict[str, float] = {}
