@@ -109,17 +109,18 @@ def _build(interpret: bool):
     import triton
     import triton.language as tl
 
-    @triton.jit(do_not_specialize=["cap", "sx", "st"])
+    # (the sizes that vary from step to step are plain arguments, not specialized on: a new
+    # prompt length compiles nothing)
+    @triton.jit(do_not_specialize=["cap", "sx", "st", "k_part", "m_tiles"])
     def shrink_kernel(
-        x_ptr, table_ptr, groups_ptr, h_ptr, cap, sx, st,
-        K: tl.constexpr, K_PART: tl.constexpr, S: tl.constexpr, M_TILES: tl.constexpr,
-        J: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-        DOT_F32: tl.constexpr,
+        x_ptr, table_ptr, groups_ptr, h_ptr, cap, sx, st, k_part, m_tiles,
+        K: tl.constexpr, S: tl.constexpr, J: tl.constexpr, R: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
     ):  # fmt: skip
-        # program (lane * M_TILES + m, shard j, part q): h[q, p, j, :] for the tokens p of tile
-        # m of the lane's slot, over columns [q * K_PART, (q + 1) * K_PART) of K
-        lane = tl.program_id(0) // M_TILES
-        m = tl.program_id(0) % M_TILES
+        # program (lane * m_tiles + m, shard j, part q): h[q, p, j, :] for the tokens p of tile
+        # m of the lane's slot, over columns [q * k_part, (q + 1) * k_part) of K
+        lane = tl.program_id(0) // m_tiles
+        m = tl.program_id(0) % m_tiles
         j = tl.program_id(1)
         q = tl.program_id(2)
         slot = tl.load(groups_ptr + 2 * cap + S + 1 + lane)
@@ -137,8 +138,8 @@ def _build(interpret: bool):
                 r = tl.arange(0, R)
                 rm = r < rank
                 acc = tl.zeros([BLOCK_M, R], dtype=tl.float32)
-                k_lo = q * K_PART
-                for k0 in range(0, K_PART, BLOCK_K):
+                k_lo = q * k_part
+                for k0 in range(0, k_part, BLOCK_K):
                     kk = k_lo + k0 + tl.arange(0, BLOCK_K)
                     km = kk < K
                     xt = tl.load(
@@ -160,17 +161,17 @@ def _build(interpret: bool):
                 h_at = h_ptr + ((q * cap + pos[:, None]) * J + j) * R + r[None, :]
                 tl.store(h_at, acc, mask=pm[:, None] & rm[None, :])
 
-    @triton.jit(do_not_specialize=["cap", "sy", "st"])
+    @triton.jit(do_not_specialize=["cap", "sy", "st", "parts", "m_tiles"])
     def expand_kernel(
-        h_ptr, y_ptr, table_ptr, bounds_ptr, groups_ptr, cap, sy, st,
-        PARTS: tl.constexpr, S: tl.constexpr, M_TILES: tl.constexpr, J: tl.constexpr,
-        R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
+        h_ptr, y_ptr, table_ptr, bounds_ptr, groups_ptr, cap, sy, st, parts, m_tiles,
+        S: tl.constexpr, J: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
     ):  # fmt: skip
-        # program (lane * M_TILES + m, shard j, n): y[t, row0_j + n * BLOCK_N + i] of the tokens
+        # program (lane * m_tiles + m, shard j, n): y[t, row0_j + n * BLOCK_N + i] of the tokens
         # t of tile m of the lane's slot. Each (token, row) is one program's: a token is in one
         # slot's tiles, once
-        lane = tl.program_id(0) // M_TILES
-        m = tl.program_id(0) % M_TILES
+        lane = tl.program_id(0) // m_tiles
+        m = tl.program_id(0) % m_tiles
         j = tl.program_id(1)
         n = tl.program_id(2)
         slot = tl.load(groups_ptr + 2 * cap + S + 1 + lane)
@@ -191,7 +192,7 @@ def _build(interpret: bool):
                 hm = pm[:, None] & rm[None, :]
                 h_at = h_ptr + (((start + pi)[:, None]) * J + j) * R + r[None, :]
                 h = tl.zeros([BLOCK_M, R], dtype=tl.float32)
-                for q in range(PARTS):
+                for q in range(parts):
                     h += tl.load(h_at + q * cap * J * R, mask=hm, other=0.0)
                 h = h.to(dt)  # rounded as the shrink's GEMM rounds its output
                 i = n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -233,8 +234,8 @@ def shrink(
     )
     kernel, _ = _build(interpreting())
     kernel[(groups.lanes * groups.m_tiles, shards, parts)](
-        x, table, groups.buf, h, groups.capacity, x.stride(0), table.stride(0),
-        K=k, K_PART=k_part, S=groups.num_slots, M_TILES=groups.m_tiles, J=shards,
+        x, table, groups.buf, h, groups.capacity, x.stride(0), table.stride(0), k_part,
+        groups.m_tiles, K=k, S=groups.num_slots, J=shards,
         R=rank_block, BLOCK_M=groups.block_m, BLOCK_K=BLOCK_K,
         DOT_F32=interpreting() or x.dtype == torch.float32, num_warps=4,
     )  # fmt: skip
@@ -257,7 +258,7 @@ def expand(
     _, kernel = _build(interpreting())
     kernel[(groups.lanes * groups.m_tiles, shards, -(-widest // BLOCK_N))](
         h, y, table, bounds, groups.buf, cap, y.stride(0), table.stride(0),
-        PARTS=parts, S=groups.num_slots, M_TILES=groups.m_tiles, J=shards, R=rank_block,
+        parts, groups.m_tiles, S=groups.num_slots, J=shards, R=rank_block,
         BLOCK_M=groups.block_m, BLOCK_N=BLOCK_N,
         DOT_F32=interpreting() or y.dtype == torch.float32, num_warps=4,
     )  # fmt: skip
