@@ -1017,16 +1017,20 @@ def main_fp8() -> None:
 # --- ab ----------------------------------------------------------------------------------------
 
 
-def ab_run_batch(engine, sampling_params, prompts: list[list[int]], max_tokens: int) -> dict:
-    """All prompts at once to model "m"; TTFT per request, and TPOT = median gap between tokens
-    once every request is decoding (so no prefill shares those steps). `sampling_params` is the
-    tree's SamplingParams class (its module moved between layouts)."""
+def ab_run_batch(
+    engine, sampling_params, prompts: list[list[int]], max_tokens: int, models=None
+) -> dict:
+    """All prompts at once, prompt i to models[i] (None: every one to model "m"); TTFT per
+    request, and TPOT = median gap between tokens once every request is decoding (so no prefill
+    shares those steps). `sampling_params` is the tree's SamplingParams class (its module moved
+    between layouts)."""
+    models = models or ["m"] * len(prompts)
     params = sampling_params(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     times: list[list[float]] = [[] for _ in prompts]
     done: queue.SimpleQueue = queue.SimpleQueue()
     errors: list[str] = []
     t0 = time.perf_counter()
-    for i, p in enumerate(prompts):
+    for i, (model, p) in enumerate(zip(models, prompts)):
 
         def sink(out, i=i):
             if out.new_token_ids:
@@ -1036,7 +1040,7 @@ def ab_run_batch(engine, sampling_params, prompts: list[list[int]], max_tokens: 
             if out.finished:
                 done.put(i)
 
-        engine.add_request("m", p, params, sink)
+        engine.add_request(model, p, params, sink)
     for _ in prompts:
         done.get(timeout=600)
     if errors:
@@ -1047,6 +1051,7 @@ def ab_run_batch(engine, sampling_params, prompts: list[list[int]], max_tokens: 
         "ttft_ms": statistics.mean(ts[0] - t0 for ts in times) * 1e3,
         "tpot_ms": statistics.median(gaps) * 1e3 if gaps else None,
         "gaps": len(gaps),
+        "tokens": sum(len(ts) for ts in times),
     }
 
 

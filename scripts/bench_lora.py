@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import queue
 import random
 import statistics
 import sys
@@ -44,7 +43,7 @@ from prism_server.config import EngineConfig, ModelSpec  # noqa: E402
 from prism_server.engine.commands import Call  # noqa: E402
 from prism_server.engine.engine import Engine  # noqa: E402
 from scheduler.sampling_params import SamplingParams  # noqa: E402
-from scripts.bench_engine import fmt, get, load, ratio  # noqa: E402
+from scripts.bench_engine import ab_run_batch, fmt, get, load, ratio  # noqa: E402
 
 MiB = 1 << 20
 BASE = "m"
@@ -61,33 +60,7 @@ def sync(device: str) -> None:
 def run_batch(engine: Engine, models: list[str], prompts: list[list[int]], tokens: int) -> dict:
     """Request i to models[i], all at once; TTFT per request, and TPOT = the median gap between
     tokens once every request is decoding (no prefill shares those steps)."""
-    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
-    times: list[list[float]] = [[] for _ in prompts]
-    done: queue.SimpleQueue = queue.SimpleQueue()
-    errors: list[str] = []
-    t0 = time.perf_counter()
-    for i, (model, p) in enumerate(zip(models, prompts)):
-
-        def sink(out, i=i):
-            if out.new_token_ids:
-                times[i].append(time.perf_counter())
-            if out.error:
-                errors.append(out.error)
-            if out.finished:
-                done.put(i)
-
-        engine.add_request(model, p, params, sink)
-    for _ in prompts:
-        done.get(timeout=600)
-    if errors:
-        raise RuntimeError(errors[0])
-    t_all = max(ts[0] for ts in times)
-    gaps = [b - a for ts in times for a, b in zip(ts, ts[1:]) if a >= t_all]
-    return {
-        "ttft_ms": statistics.mean(ts[0] - t0 for ts in times) * 1e3,
-        "tpot_ms": statistics.median(gaps) * 1e3 if gaps else None,
-        "tokens": sum(len(ts) for ts in times),
-    }
+    return ab_run_batch(engine, SamplingParams, prompts, tokens, models)
 
 
 def prompt(n: int, seed: int, vocab: int) -> list[int]:
