@@ -64,6 +64,22 @@ def no_cuda_graphs(monkeypatch):
     monkeypatch.setattr(cgr, "capture_stream", lambda device: _NoStream())
 
 
+def table_runner(model, kv, kernel, sizes, **kw) -> CudaGraphRunner:
+    """Decode graphs of `sizes` (at most 8 blocks a sequence) over a table decode `kernel`."""
+    writer = functools.partial(RowsWriter.from_slots, block_size=16)
+    return CudaGraphRunner(
+        model,
+        kv.layer_views,
+        lambda views, bs, max_blocks: TableDecodeGraphAttention(
+            kernel, views, bs, max_blocks, writer
+        ),
+        sizes,
+        8,
+        CPU,
+        **kw,
+    )
+
+
 @pytest.mark.parametrize("fused_rope", [True, False], ids=["rope-write", "rope-then-store"])
 def test_piecewise_capture_builds_a_segment_per_attention_call(
     no_cuda_graphs, fused_rope, monkeypatch
@@ -128,17 +144,7 @@ def test_decode_graphs_hand_the_table_kernel_a_contiguous_query_and_their_tables
         calls.append((q.shape, q.is_contiguous(), tables.shape, seq_lens.shape))
         return torch.zeros_like(q)
 
-    writer = functools.partial(RowsWriter.from_slots, block_size=16)
-    runner = CudaGraphRunner(
-        model,
-        kv.layer_views,
-        lambda views, bs, max_blocks: TableDecodeGraphAttention(
-            kernel, views, bs, max_blocks, writer
-        ),
-        (1, 4),
-        8,
-        CPU,
-    )
+    runner = table_runner(model, kv, kernel, (1, 4))
     with torch.inference_mode():
         runner.capture()
         # each size: a warm-up and a capture, every layer once each
@@ -190,18 +196,7 @@ def test_small_decode_graphs_run_the_fused_decode_forward(no_cuda_graphs, monkey
     def kernel(q, cache, tables, seq_lens, spec):
         return torch.zeros_like(q)
 
-    writer = functools.partial(RowsWriter.from_slots, block_size=16)
-    runner = CudaGraphRunner(
-        model,
-        kv.layer_views,
-        lambda views, bs, max_blocks: TableDecodeGraphAttention(
-            kernel, views, bs, max_blocks, writer
-        ),
-        (1, 16, 32),
-        8,
-        CPU,
-        step_ops=StepOps(gemv=GemvConfig()),
-    )
+    runner = table_runner(model, kv, kernel, (1, 16, 32), step_ops=StepOps(gemv=GemvConfig()))
     with torch.inference_mode():
         runner.capture()
     assert sorted(fused) == [1, 1, 16, 16]  # a warm-up and a capture each; 32 its own forward
@@ -233,17 +228,7 @@ def test_decode_graphs_with_lora_work_are_captured_at_first_use_over_a_static_in
     inputs, rerun (a replay), gives the logits of the eager forward with the torch GEMMs."""
     cfg, model = tiny_model()
     kv = cpu_kv(cfg)
-    writer = functools.partial(RowsWriter.from_slots, block_size=16)
-    runner = CudaGraphRunner(
-        model,
-        kv.layer_views,
-        lambda views, bs, max_blocks: TableDecodeGraphAttention(
-            _torch_decode, views, bs, max_blocks, writer
-        ),
-        (1, 4),
-        8,
-        CPU,
-    )
+    runner = table_runner(model, kv, _torch_decode, (1, 4))
     g = torch.Generator().manual_seed(5)
     ker = LoraSlots(model, num_slots=3, max_rank=8, kernels=True)
     ref = LoraSlots(model, num_slots=3, max_rank=8, kernels=False)
