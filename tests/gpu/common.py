@@ -207,6 +207,21 @@ def agreeing_prefix(a: list[int], b: list[int]) -> int:
     return len(a) if d is None else d
 
 
+def assert_logits_close(
+    ref_tokens: list[list[int]],
+    ref_logits: list[torch.Tensor],
+    tokens: list[list[int]],
+    logits: list[torch.Tensor],
+    bound: float,
+) -> None:
+    """Each sequence's logits within `bound` of the reference's (relative, by norm) up to its
+    first divergent token."""
+    for rt, t, rl, lg in zip(ref_tokens, tokens, ref_logits, logits):
+        k = first_divergence(rt, t) or len(t)
+        rel = (lg[:k] - rl[:k]).norm() / rl[:k].norm()
+        assert rel < bound, float(rel)
+
+
 def assert_no_real_divergence(
     ref_tokens: list[list[int]],
     ref_logits: list[torch.Tensor],

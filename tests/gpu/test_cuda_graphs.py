@@ -13,9 +13,9 @@ from models.kernels.triton_small_gemm import SmallGemmConfig
 from models.kernels.tuning import KernelConfig
 from tests.gpu.common import (
     GPU,
+    assert_logits_close,
     assert_no_real_divergence,
     cuda_pool,
-    first_divergence,
     greedy,
     model_engine,
     on_gpu,
@@ -78,13 +78,10 @@ def test_graph_replay_gives_the_eager_tokens(decode):
         tokens, logits = greedy(graphed, ps, 20)
         same = assert_no_real_divergence(ref_tokens, ref_logits, tokens, tie=0.02)
         assert same >= n // 2, (same, n)
-        for rt, t, rl, lg in zip(ref_tokens, tokens, ref_logits, logits):
-            k = first_divergence(rt, t) or len(t)
-            rel = (lg[:k] - rl[:k]).norm() / rl[:k].norm()
-            # two kernels, rounded apart over 20 steps: FlashInfer vs Triton 0.0100 (H200); the
-            # same kernels both ways: within 1e-2
-            same_kernel = decode == "triton"
-            assert rel < (1e-2 if same_kernel else 2e-2), float(rel)
+        # two kernels, rounded apart over 20 steps: FlashInfer vs Triton 0.0100 (H200); the
+        # same kernels both ways: within 1e-2
+        bound = 1e-2 if decode == "triton" else 2e-2
+        assert_logits_close(ref_tokens, ref_logits, tokens, logits, bound)
     assert replays[0] >= 19 + 1  # the decode steps replayed graphs
     for me in (graphed, eager):
         me.check_integrity()
