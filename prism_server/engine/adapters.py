@@ -174,22 +174,18 @@ class BaseAdapters:
     def _activate(self, a: ServedAdapter) -> bool | None:
         """Make `a` resident: True once its weights are on the device, None while its copy is
         in flight (started here or before), False when the pool has not its pages now."""
-        if a.loading is not None:
-            if not a.loading.done():
-                return None
-            self._landed(a)
-            return True
-        if a.resident:
-            return True
-        if not a.buffer.can_map() and self.make_room is not None:
-            self.make_room(a.buffer.can_map)
-        if not a.buffer.map():
-            return False
-        try:
-            a.loading = a.host.load_async(a.buffer.bytes())
-        except BaseException:
-            a.buffer.unmap()
-            raise
+        if a.loading is None:
+            if a.resident:
+                return True
+            if not a.buffer.can_map() and self.make_room is not None:
+                self.make_room(a.buffer.can_map)
+            if not a.buffer.map():
+                return False
+            try:
+                a.loading = a.host.load_async(a.buffer.bytes())
+            except BaseException:
+                a.buffer.unmap()
+                raise
         if not a.loading.done():
             return None
         self._landed(a)

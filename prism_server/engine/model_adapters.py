@@ -72,9 +72,7 @@ class ModelAdapters:
     @property
     def adapters_loading(self) -> bool:
         """Whether an adapter's activation copy is in flight (its requests wait for it)."""
-        return bool(self.adapters) and any(
-            a.loading is not None for a in self.adapters.by_name.values()
-        )
+        return bool(self.adapters) and bool(self.adapters.loading)
 
     @property
     def adapter_pages(self) -> int:
