@@ -18,8 +18,8 @@ import torch
 from models.kernels.triton_ops import _pow2, interpreting
 
 FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0  # E4M3's largest finite value
-MIN_AMAX = 1e-12  # an all-zero row's: its values stay 0
+FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448.0, E4M3's largest finite value
+MIN_AMAX = 1e-12  # a token's smallest amax (an all-zero row's: its values stay 0)
 BLOCK_K = 1024  # columns a loop step
 
 

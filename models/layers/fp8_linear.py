@@ -26,12 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.kernels import fp8_quant
+from models.kernels.fp8_quant import FP8_DTYPE, FP8_MAX, MIN_AMAX
 from models.kernels.triton_ops import triton_runs_on
-
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448.0
-# a token's smallest activation scale (an all-zero row's: its values stay 0)
-_MIN_SCALE = 1e-12
 
 
 def fp8_linear(
@@ -66,7 +62,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, K] -> (xq [T, K] float8_e4m3fn, scale [T, 1] float32), x ~= xq * scale: each row
     (token) scaled by its amax / 448, so that its largest value lands on 448."""
     amax = torch.linalg.vector_norm(x, float("inf"), dim=1, keepdim=True)  # exact, x's dtype
-    s = amax.float().clamp_(min=_MIN_SCALE) / FP8_MAX
+    s = amax.float().clamp_(min=MIN_AMAX) / FP8_MAX
     # NOTE: |x / s| <= 448 up to fp32's rounding, which rounds to 448 in E4M3: no clamp
     return (x / s).to(FP8_DTYPE), s
 

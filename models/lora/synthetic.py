@@ -18,12 +18,10 @@ from pathlib import Path
 import torch
 
 from models.config import ModelConfig
-from models.lora import lora_targets
+from models.lora.adapter import CONFIG_FILE, WEIGHT_FILES
+from models.lora.weights import lora_targets
 from models.presets import get_preset
 from models.registry import get_model_class
-
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
 
 
 def write_adapter(
@@ -42,7 +40,7 @@ def write_adapter(
         tensors[f"{key}.lora_A.weight"] = a.to(dtype)
         tensors[f"{key}.lora_B.weight"] = b.to(dtype)
     path.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(path / WEIGHTS_FILE))
+    save_file(tensors, str(path / WEIGHT_FILES[0]))
     config = {
         "peft_type": "LORA",
         "r": rank,
