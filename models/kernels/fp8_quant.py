@@ -2,8 +2,9 @@
 (amax / 448, at least 1e-12 / 448) and the row divided by it, cast to E4M3. torch takes three
 passes over the activations for the same (the norm, the float32 quotient written, the cast).
 
-The numerics are torch's (models.layers.fp8_linear.quantize_rows): the amax exact, the scale and
-the quotient each one correctly rounded float32 division, the cast to nearest. Runs under
+The numerics are torch's (models.layers.fp8_linear.quantize_rows): the amax exact, the scale the
+amax times float32's 1/448 (what torch's CUDA division by a scalar computes), the quotient a
+correctly rounded float32 division, the cast to nearest. Runs under
 Triton's interpreter too, where the cast is left out (`OUT_F32`: the interpreter's cast to FP8
 is wrong on the CPU), so the tests check everything before it; tests/models/hopper_build.py
 builds the cast for the GPU.
@@ -42,7 +43,7 @@ def _build(interpret: bool):
             kk = k0 + tl.arange(0, BLOCK_K)
             v = tl.load(x_ptr + row * sx + kk, mask=kk < K, other=0.0).to(tl.float32)
             peak = tl.maximum(peak, tl.abs(v))
-        s = tl.math.div_rn(tl.maximum(tl.max(peak, 0), MIN_AMAX), FP8_MAX)
+        s = tl.maximum(tl.max(peak, 0), MIN_AMAX) * (1.0 / FP8_MAX)  # torch's scalar division
         tl.store(s_ptr + row, s)
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + tl.arange(0, BLOCK_K)

@@ -62,7 +62,9 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, K] -> (xq [T, K] float8_e4m3fn, scale [T, 1] float32), x ~= xq * scale: each row
     (token) scaled by its amax / 448, so that its largest value lands on 448."""
     amax = torch.linalg.vector_norm(x, float("inf"), dim=1, keepdim=True)  # exact, x's dtype
-    s = amax.float().clamp_(min=MIN_AMAX) / FP8_MAX
+    # times the reciprocal, not divided: torch's CUDA division by a scalar is this product, its
+    # CPU one a true division; written out, both devices (and the fused kernel) agree bit for bit
+    s = amax.float().clamp_(min=MIN_AMAX) * (1.0 / FP8_MAX)
     # NOTE: |x / s| <= 448 up to fp32's rounding, which rounds to 448 in E4M3: no clamp
     return (x / s).to(FP8_DTYPE), s
 

@@ -96,7 +96,7 @@ def test_quantize_rows_scales_each_token_by_its_amax():
     assert s.dtype == torch.float32 and s.shape == (6, 1)
     amax = x.float().abs().amax(dim=1, keepdim=True)
     live = amax[:, 0] > 0
-    torch.testing.assert_close(s[live], amax[live] / FP8_MAX, rtol=0, atol=0)
+    torch.testing.assert_close(s[live], amax[live] * (1.0 / FP8_MAX), rtol=0, atol=0)
     assert xq[3].float().eq(0).all() and s[3] > 0  # zeros stay zeros
     # each token's largest value lands on 448, and every value within E4M3's bound
     assert xq[live].float().abs().amax(dim=1).eq(FP8_MAX).all()
