@@ -5,6 +5,7 @@ compiled ahead on a machine without a GPU. One command a part:
     python3 scripts/bench_kernels.py gemv [--configs "8:512:4:2 16:256:4:4"]    # batch 1
     python3 scripts/bench_kernels.py smallgemm [--rows "16 8 4"] [--configs ...] # a few rows
     python3 scripts/bench_kernels.py attn [--batches "1 16"] [--configs ...]     # decode attention
+    python3 scripts/bench_kernels.py lora [--distinct "1 8 32"] [--batch 32]     # LoRA deltas
     python3 scripts/bench_kernels.py prebuild [SHAPE ...]                        # no GPU needed
 
 Each part's --help says what it measures. The tiling that leads is what a kernel table entry
@@ -59,6 +60,8 @@ from models.attention.base import LayerAttention  # noqa: E402
 from models.kernels.triton_gemv import GemvConfig, gemv  # noqa: E402
 from models.kernels.triton_ops import TritonDecodeKernel  # noqa: E402
 from models.kernels.triton_small_gemm import SmallGemmConfig, prenorm, small_gemm  # noqa: E402
+from models.layers.fp8_linear import Fp8Linear, scaled_mm_runs  # noqa: E402
+from models.quantization import quantize_fp8  # noqa: E402
 
 # --- gemv --------------------------------------------------------------------------------------
 
@@ -96,13 +99,25 @@ def graph_ms(fn, runs: int) -> float:
     return statistics.median(times[3:])
 
 
-def linears(n: int, k: int, count: int, dev) -> list[torch.nn.Linear]:
+def linears(n: int, k: int, count: int, dev, fp8: bool = False) -> list[torch.nn.Module]:
+    """`count` projections of n x k, bf16; fp8: their FP8 forms (E4M3, a scale a row), whose
+    forward is torch._scaled_mm's (the cuBLAS reference of an FP8 model's projections)."""
     out = []
     for _ in range(count):
         lin = torch.nn.Linear(k, n, bias=False, device=dev, dtype=torch.bfloat16)
         torch.nn.init.normal_(lin.weight, std=k**-0.5)
+        if fp8:
+            q = Fp8Linear.like(lin).to(dev)
+            q.weight.data, q.weight_scale.data = quantize_fp8(lin.weight.data)
+            q.scaled_mm_min_rows = 1 if scaled_mm_runs(dev) else None
+            lin = q
         out.append(lin)
     return out
+
+
+def weight_size(fp8: bool) -> int:
+    """Bytes a weight element."""
+    return 1 if fp8 else 2
 
 
 @torch.no_grad()
@@ -126,19 +141,20 @@ def main_gemv() -> None:
     ap.add_argument("--configs", default=GEMV_CONFIGS, help="GEMV tilings BN:BK:WARPS:UNROLL")
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--runs", type=int, default=20)
+    ap.add_argument("--fp8", action="store_true", help="FP8 weights (cuBLAS: torch._scaled_mm)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     dev = torch.device("cuda")
-    out: dict = {**gpu_start(dev), "alone": []}
-    gbs = out["hbm_gbs"]
+    out: dict = {**gpu_start(dev), "alone": [], "fp8": args.fp8}
+    gbs, wsize = out["hbm_gbs"], weight_size(args.fp8)
     configs = [GemvConfig.parse(c) for c in args.configs.split()]
-    layers = {name: linears(n, k, args.layers, dev) for name, (n, k) in SHAPES.items()}
+    layers = {name: linears(n, k, args.layers, dev, args.fp8) for name, (n, k) in SHAPES.items()}
     best: dict[str, GemvConfig] = {}
     # 1. each projection alone, cold
     for name, (n, k) in SHAPES.items():
         lins = layers[name]
         x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
-        floor = n * k * 2 / gbs / 1e6 * 1e3  # us
+        floor = n * k * wsize / gbs / 1e6 * 1e3  # us
         cublas = graph_ms(lambda lins=lins, x=x: [lin(x) for lin in lins], args.runs)
         cublas = cublas / len(lins) * 1e3
         row = {"gemm": name, "floor_us": floor, "cublas_us": cublas, "gemv_us": {}}
@@ -209,7 +225,7 @@ def main_gemv() -> None:
         for a, b in zip(got, want):
             rel = float((a.float() - b.float()).norm() / b.float().norm())
             assert rel < 2e-2, f"the GEMV chain is {rel:.3g} off the unfused chain"
-    weight_bytes = sum(n * k * 2 for n, k in SHAPES.values()) * L
+    weight_bytes = sum(n * k * wsize for n, k in SHAPES.values()) * L
     floor = weight_bytes / gbs / 1e6
     chain = {"floor_ms": floor, "layers": L}
     chain["cublas_flashinfer_ms"] = graph_ms(unfused, args.runs)
@@ -323,16 +339,17 @@ def main_smallgemm() -> None:
     ap.add_argument("--configs", default=SMALL_GEMM_CONFIGS, help="tilings BN:BK:WARPS:STAGES")
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--runs", type=int, default=20)
+    ap.add_argument("--fp8", action="store_true", help="FP8 weights (cuBLAS: torch._scaled_mm)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     dev = torch.device("cuda")
-    out: dict = {**gpu_start(dev), "rows": {}}
-    gbs = out["hbm_gbs"]
+    out: dict = {**gpu_start(dev), "rows": {}, "fp8": args.fp8}
+    gbs, wsize = out["hbm_gbs"], weight_size(args.fp8)
     configs = [SmallGemmConfig.parse(c) for c in args.configs.split()]
     rows = [int(r) for r in args.rows.split()]
-    layers = {name: linears(n, k, args.layers, dev) for name, (n, k) in SHAPES.items()}
+    layers = {name: linears(n, k, args.layers, dev, args.fp8) for name, (n, k) in SHAPES.items()}
     L = args.layers
-    weight_bytes = sum(n * k * 2 for n, k in SHAPES.values()) * L
+    weight_bytes = sum(n * k * wsize for n, k in SHAPES.values()) * L
     lead_at_most = None
     for m in sorted(rows, reverse=True):
         per: dict = {"alone": []}
@@ -340,7 +357,7 @@ def main_smallgemm() -> None:
         for name, (n, k) in SHAPES.items():
             lins = layers[name]
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-            floor = n * k * 2 / gbs / 1e6 * 1e3  # us
+            floor = n * k * wsize / gbs / 1e6 * 1e3  # us
             cublas = graph_ms(lambda lins=lins, x=x: [lin(x) for lin in lins], args.runs)
             row = {"gemm": name, "floor_us": floor, "cublas_us": cublas / L * 1e3, "small_us": {}}
             want = lins[0](x)
@@ -695,10 +712,148 @@ def main_prebuild() -> None:
     print(f"{args.bundle}: {len(before) + len(added)} modules, {size:.1f} MiB (+{len(added)})")
 
 
+# --- lora --------------------------------------------------------------------------------------
+
+LORA_MODULES = {  # module -> (columns of its input, its shards' output rows)
+    "qkv_proj": (HIDDEN, (4096, 1024, 1024)),
+    "o_proj": (HIDDEN, (HIDDEN,)),
+    "gate_up_proj": (HIDDEN, (INTER, INTER)),
+    "down_proj": (INTER, (HIDDEN,)),
+}
+
+
+def lora_layers(distinct: int, slots: int, rank: int, layers: int, dev) -> tuple[list, int]:
+    """Per layer and module (LORA_MODULES): (its table [slots, 1 + 3 J] int64 holding `distinct`
+    adapters' random weights in slots 0.., bounds int32 [J + 1], J, widest shard, K, outputs)
+    and the tensors it points at (kept alive); -> (those, one adapter's bytes)."""
+    from models.kernels import triton_lora
+
+    out, keep, size = [], [], 0
+    for _ in range(layers):
+        for k, rows in LORA_MODULES.values():
+            j = len(rows)
+            table = torch.zeros(slots, 1 + 3 * j, dtype=torch.int64)
+            for s in range(distinct):
+                a = torch.randn(j * rank, k, device=dev, dtype=torch.bfloat16) * k**-0.5
+                entry = [a.data_ptr()]
+                keep.append(a)
+                for i, n in enumerate(rows):
+                    b = torch.randn(n, rank, device=dev, dtype=torch.bfloat16) * 0.1
+                    entry += [b.data_ptr(), rank, i * rank]
+                    keep.append(b)
+                table[s] = torch.tensor(entry)
+            size += sum(rank * (k + n) * 2 for n in rows)
+            bounds = torch.tensor([0, *torch.tensor(rows).cumsum(0).tolist()], dtype=torch.int32)
+            out.append((table.to(dev), bounds.to(dev), j, max(rows), k, sum(rows)))
+    assert triton_lora.NO_SLOT == -1
+    return [out, keep], size
+
+
+def lora_run(d: int, args, gbs: float) -> dict:
+    """main_lora's figures (us a step) for `d` distinct adapters."""
+    from models.kernels import triton_lora
+    from models.kernels.triton_lora import TokenGroups, block_m_for, expand, pack_groups, shrink
+
+    dev, b = torch.device("cuda"), args.batch
+    (mods, _keep), one = lora_layers(d, args.slots, args.rank, args.layers, dev)
+    xs = [torch.randn(b, m[4], device=dev, dtype=torch.bfloat16) for m in mods]
+    ys = [torch.zeros(b, m[5], device=dev, dtype=torch.bfloat16) for m in mods]
+    values, present, _ = pack_groups([i % d for i in range(b)], args.slots, b)
+    buf = torch.tensor(values, dtype=torch.int32, device=dev)
+    block_m = block_m_for(min(b, 16))
+
+    def groups(lanes: int) -> TokenGroups:
+        return TokenGroups(buf, b, args.slots, lanes, block_m, -(-b // block_m))
+
+    def chain(g: TokenGroups, do_shrink=True, do_expand=True, hs=None):
+        def run():
+            for i, (table, bounds, j, widest, _, _) in enumerate(mods):
+                h = shrink(xs[i], table, g, j, 16) if do_shrink else hs[i]
+                if do_expand:
+                    expand(h, ys[i], table, bounds, g, widest)
+
+        return run
+
+    def result(fn) -> list[torch.Tensor]:
+        for y in ys:
+            y.zero_()
+        fn()
+        return [y.clone() for y in ys]
+
+    full = groups(args.slots)
+    want = result(chain(full))
+    hs = [shrink(xs[i], m[0], full, m[2], 16) for i, m in enumerate(mods)]
+    row = {"floor_us": d * one / gbs / 1e3}
+    variants = {
+        "graph (every slot's lane)": (full, {}),
+        "shrink alone": (full, {"do_expand": False}),
+        "expand alone": (full, {"do_shrink": False, "hs": hs}),
+        "lanes of the slots with tokens": (groups(present), {}),
+    }
+    for v in args.splits.split():
+        variants[f"shrink parts <= {v}"] = (full, {"splits": int(v)})
+    for v in args.block_n.split():
+        variants[f"expand tile {v}"] = (full, {"block_n": int(v)})
+    defaults = (triton_lora.MAX_SPLITS, triton_lora.BLOCK_N)
+    try:
+        for name, (g, opts) in variants.items():
+            triton_lora.MAX_SPLITS = opts.pop("splits", defaults[0])
+            triton_lora.BLOCK_N = opts.pop("block_n", defaults[1])
+            fn = chain(g, **opts)
+            if not opts:  # the same deltas as the default
+                for a, w in zip(result(fn), want):
+                    torch.testing.assert_close(a, w, rtol=2e-2, atol=2e-2)
+            row[name] = graph_ms(fn, args.runs) * 1e3
+    finally:
+        triton_lora.MAX_SPLITS, triton_lora.BLOCK_N = defaults
+    return row
+
+
+@torch.no_grad()
+def main_lora() -> None:
+    """A decode step's LoRA deltas alone: the shrink and expand kernels of every module of
+    Llama-3.1-8B's `--layers` layers (q/k/v, o, gate/up, down; rank `--rank`), `--batch` tokens
+    spread over 1, 8 .. `--distinct` adapters in `--slots` slots, one CUDA graph, against the
+    floor of reading the adapters' bytes (over a copy's rate), in the same run:
+
+    - as the engine's decode graphs run them (a program grid over every slot's lane);
+    - shrink alone and expand alone (where the time goes);
+    - a grid over the slots that hold tokens only (what idle lanes cost);
+    - other splits of K in the shrink (`--splits`) and output tiles in the expand (`--block-n`).
+
+        python3 scripts/bench_kernels.py lora [--distinct "1 8 32"] [--batch 32]
+    """
+    ap = argparse.ArgumentParser(description=main_lora.__doc__.split("\n\n")[0])
+    ap.add_argument("--distinct", default="1 8 32", help="adapters among the batch's tokens")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--slots", type=int, default=32)
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--splits", default="4 1", help="most parts of K in the shrink, beside 16")
+    ap.add_argument("--block-n", default="128 256", help="expand tiles beside 64")
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--runs", type=int, default=20)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    out: dict = {**gpu_start(dev), "batch": args.batch, "slots": args.slots, "runs": {}}
+    gbs = out["hbm_gbs"]
+    for d in (int(v) for v in args.distinct.split()):
+        row = out["runs"][d] = lora_run(d, args, gbs)
+        print(
+            f"B={args.batch}, {d} distinct rank-{args.rank} adapters, {args.layers} layers: floor "
+            f"{row['floor_us']:.0f} us; "
+            + "; ".join(f"{k} {v:.0f} us" for k, v in row.items() if k != "floor_us"),
+            flush=True,
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+
+
 COMMANDS = {
     "gemv": main_gemv,
     "smallgemm": main_smallgemm,
     "attn": main_attn,
+    "lora": main_lora,
     "prebuild": main_prebuild,
 }
 
