@@ -35,18 +35,20 @@ class StepOps:
     (at most 16; None: cuBLAS's). With GEMVs of two rows a program or more, gate_up's GEMV
     makes SiLU * up from its outputs and the down GEMV is a plain one (`glu`); a tiling of one
     row a program cannot pair a gate row with its up row, and the down GEMV computes the
-    activation from gate_up's outputs. fp8: FP8 projections take the kernels too (else they
-    keep their module)."""
+    activation from gate_up's outputs. fp8: FP8 projections take the GEMVs too (else they
+    keep their module); fp8_small: and the small GEMMs (else steps of more than one row keep
+    their module: torch._scaled_mm)."""
 
     def __init__(
         self,
         gemv: GemvConfig | None = None,
         small: SmallGemmConfig | None = None,
         fp8: bool = False,
+        fp8_small: bool = False,
     ):
         self.gemv_config, self.small_config = gemv, small
         self.glu = gemv is not None and gemv.block_n >= 2
-        self.fp8 = fp8
+        self.fp8, self.fp8_small = fp8, fp8_small
 
     def takes_layer(self, layer: torch.nn.Module, x: torch.Tensor, whole: bool) -> bool:
         """Whether a decoder layer's step runs as a chain of kernels that carry its norms,
@@ -54,10 +56,11 @@ class StepOps:
         at most MAX_ROWS (`small`, small_layer; one row too where the GEMVs are off). The rows
         contiguous, of a GPU's dtype, a whole model (whole: no shards' sums between the
         projections), SiLU, and the projections row-major linears of x's dtype: nn.Linear's,
-        or FP8 ones of that compute dtype where `fp8`."""
+        or FP8 ones of that compute dtype where `fp8` (and `fp8_small`, for small GEMMs)."""
         few = 1 <= x.shape[0] <= SMALL_MAX_ROWS and self.small_config is not None
+        gemv = self.gemv_takes(x)
         if not (
-            (self.gemv_takes(x) or few)
+            (gemv or few)
             and whole
             and x.is_contiguous()
             and x.dtype in (torch.bfloat16, torch.float16)
@@ -66,15 +69,17 @@ class StepOps:
             return False
         attn, mlp = layer.self_attn, layer.mlp
         projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        return all(self._takes(p, x.dtype) for p in projections)
+        return all(self._takes(p, x.dtype, gemv) for p in projections)
 
-    def _takes(self, linear: torch.nn.Module, dtype: torch.dtype) -> bool:
-        """Whether a projection of inputs of `dtype` runs the kernels: a plain linear of that
-        weight dtype, or an FP8 one of that compute dtype (where `fp8`); its weight row-major."""
+    def _takes(self, linear: torch.nn.Module, dtype: torch.dtype, gemv: bool) -> bool:
+        """Whether a projection of inputs of `dtype` runs the kernels (GEMVs where `gemv`): a
+        plain linear of that weight dtype, or an FP8 one of that compute dtype (where `fp8`,
+        and `fp8_small` for small GEMMs); its weight row-major."""
         if _plain_linear(linear):
             return linear.weight.is_contiguous() and linear.weight.dtype == dtype
         return (
             self.fp8
+            and (gemv or self.fp8_small)
             and fp8_row_scale(linear) is not None
             and getattr(linear, "compute_dtype", None) == dtype
             and linear.weight.is_contiguous()
@@ -97,8 +102,8 @@ class StepOps:
 
     def linear(self, linear: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         """linear(x): a small GEMM where one takes it (`small`: at most 16 rows, a row-major
-        weight of x's dtype, or an FP8 one where `fp8`), else the module itself."""
-        fp8 = self.fp8 and fp8_row_scale(linear) is not None
+        weight of x's dtype, or an FP8 one where `fp8` and `fp8_small`), else the module."""
+        fp8 = self.fp8 and self.fp8_small and fp8_row_scale(linear) is not None
         if (
             self.small_config is not None
             and (_plain_linear(linear) or fp8)
@@ -202,17 +207,20 @@ STEP_OPS_MAX_BATCH = 16  # decode graphs of at most this many sequences take the
 
 
 def load_step_ops(
-    device: torch.device, gemv: GemvConfig | None = None, small: SmallGemmConfig | None = None
+    device: torch.device,
+    gemv: GemvConfig | None = None,
+    small: SmallGemmConfig | None = None,
+    fp8_small: bool = False,
 ) -> tuple[StepOps | None, str | None]:
     """The step kernels for `device`, built and checked there against the torch reference (the
     GEMVs' kinds with `gemv`; the small GEMM's with `small`), or None and why not. FP8
     projections take them where their FP8 checks pass too (`StepOps.fp8`; Triton converts
-    E4M3 on compute capability 8.9 and later)."""
+    E4M3 on compute capability 8.9 and later), the small GEMMs only where `fp8_small`."""
     if gemv is None and small is None:
         return None, "no GEMV or small GEMM tiling"
     if not triton_runs_on(device):
         return None, "Triton does not run here"
-    ops = StepOps(gemv, small)
+    ops = StepOps(gemv, small, fp8_small=fp8_small)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     try:
         g = torch.Generator(device=device).manual_seed(0)

@@ -49,7 +49,10 @@ class KernelConfig:
       rows on a GPU that runs it (compute capability 8.9 or more; bf16); smaller steps, and
       every step elsewhere, the dequantized weight (None: always). Decode graphs whose layers
       run the GEMVs or small GEMMs above read the FP8 weights there instead, whatever this
-      says."""
+      says.
+    - fp8_small_gemm: an FP8 model's decode graphs of 2 to 16 sequences run the small GEMMs
+      above too (False: its projections' own path, torch._scaled_mm). One-row graphs run the
+      GEMVs either way."""
 
     prefill_backend: str = "auto"
     prefill_backend_min_tokens: int = 1024
@@ -63,6 +66,7 @@ class KernelConfig:
     small_gemm: SmallGemmConfig | None = SmallGemmConfig()
     piecewise_max_tokens: int = 1024
     fp8_scaled_mm_min_rows: int | None = 1
+    fp8_small_gemm: bool = False
 
     def __post_init__(self):
         def refuse(key: str, want: str):
@@ -85,6 +89,8 @@ class KernelConfig:
         rows = self.fp8_scaled_mm_min_rows
         if rows is not None and (not _is_int(rows) or rows < 1):
             refuse("fp8_scaled_mm_min_rows", "an integer >= 1 or null")
+        if not isinstance(self.fp8_small_gemm, bool):
+            refuse("fp8_small_gemm", "true or false")
         if self.triton_warps not in WARPS:
             refuse("triton_warps", "1, 2, 4 or 8")
         dense = self.triton_dense

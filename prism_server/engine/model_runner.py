@@ -142,7 +142,7 @@ def _step_ops(device: torch.device, resources: DeviceResources | None):
     k = resources.kernels if resources is not None else None
     if k is None or (k.gemv is None and k.small_gemm is None):
         return None
-    ops, why = load_step_ops(device, gemv=k.gemv, small=k.small_gemm)
+    ops, why = load_step_ops(device, gemv=k.gemv, small=k.small_gemm, fp8_small=k.fp8_small_gemm)
     if ops is None:
         log.warning("%s: decode graphs keep cuBLAS's GEMMs: %s", device, why)
     elif ops.gemv_config is not None:
@@ -152,6 +152,8 @@ def _step_ops(device: torch.device, resources: DeviceResources | None):
         )  # fmt: skip
     if ops is not None and not ops.fp8:
         log.info("%s: FP8 projections keep their module in decode graphs (no E4M3 here)", device)
+    elif ops is not None and ops.small_config is not None and not ops.fp8_small:
+        log.info("%s: FP8 projections of decode graphs past one row keep their module", device)
     if ops is not None and ops.small_config is not None:
         log.info(
             "%s: decode graphs of at most 16 sequences run their layers as Triton's small GEMMs "

@@ -213,18 +213,19 @@ def tiny_fp8_model(seed: int = 0):
 @needs_fp8_mm
 def test_an_fp8_models_decode_graphs_give_the_eager_tokens():
     """Decode graphs of 1, 3 (padded to 4) and 16 rows whose layers run the FP8 GEMVs and small
-    GEMMs, against the eager engine's steps over the dequantized weights (no _scaled_mm on
-    either side: the weights alone are FP8)."""
+    GEMMs (`fp8_small_gemm`), against the eager engine's steps over the dequantized weights (no
+    _scaled_mm on either side: the weights alone are FP8)."""
     cfg, model = tiny_fp8_model()
     _, eager_model = tiny_fp8_model()  # a model each: a runner sets its layers' paths
     pool = cuda_pool(pages=8)
     kernels = KernelConfig(gemv=GemvConfig(), small_gemm=SmallGemmConfig(),
-                           fp8_scaled_mm_min_rows=None)  # fmt: skip
+                           fp8_scaled_mm_min_rows=None, fp8_small_gemm=True)  # fmt: skip
     graphed = model_engine("graphed", cfg, model, pool, graphs=True, kernels=kernels)
     eager = model_engine("eager", cfg, eager_model, pool, graphs=False)
     use_scaled_mm(eager_model, torch.device("cuda"), None)
     assert graphed.runner.graphs is not None and eager.runner.graphs is None
-    assert graphed.runner.graphs.step_ops.fp8  # the FP8 kernels passed their checks here
+    ops = graphed.runner.graphs.step_ops
+    assert ops.fp8 and ops.fp8_small  # the FP8 kernels passed their checks here
     for n in (1, 3, 16):
         ps = prompts(n, seed=n)
         ref_tokens, ref_logits = greedy(eager, ps, 20)

@@ -261,8 +261,9 @@ def test_the_fp8_small_gemm_is_the_dequantized_chain(kind, m):
 
 
 def test_fp8_layers_take_the_fused_decode_kernels_where_checked():
-    """A decode graph's step ops take FP8 projections where their FP8 checks passed (`fp8`);
-    otherwise an FP8 layer keeps its module."""
+    """A decode graph's step ops take FP8 projections where their FP8 checks passed (`fp8`):
+    one row's GEMVs always, the small GEMMs of more rows where `fp8_small`; otherwise an FP8
+    layer keeps its module."""
     bf16 = load_model("dummy:tiny-llama", dtype=torch.bfloat16).model
     fp8 = load_model("dummy:tiny-llama", dtype=torch.bfloat16, quantization="fp8").model
     x = torch.randn(1, 64, dtype=torch.bfloat16)
@@ -271,13 +272,15 @@ def test_fp8_layers_take_the_fused_decode_kernels_where_checked():
         xs = x.expand(rows, -1).contiguous()
         assert StepOps(GemvConfig(), SmallGemmConfig()).takes_layer(bf16.model.layers[0], xs, True)
         assert not StepOps(GemvConfig(), SmallGemmConfig()).takes_layer(layer, xs, True)
-        assert StepOps(GemvConfig(), SmallGemmConfig(), fp8=True).takes_layer(layer, xs, True)
-        assert not StepOps(GemvConfig(), SmallGemmConfig(), fp8=True).takes_layer(
-            layer, xs.float(), True
-        )  # float32 rows: not a GPU's dtype
+        both = StepOps(GemvConfig(), SmallGemmConfig(), fp8=True, fp8_small=True)
+        assert both.takes_layer(layer, xs, True)
+        assert not both.takes_layer(layer, xs.float(), True)  # float32: not a GPU's dtype
+        gemvs = StepOps(GemvConfig(), SmallGemmConfig(), fp8=True)
+        assert gemvs.takes_layer(layer, xs, True) == (rows == 1)
     o_proj = layer.self_attn.o_proj
     assert StepOps(small=SmallGemmConfig(), fp8=False).linear(o_proj, x).equal(o_proj(x))
-    got = StepOps(small=SmallGemmConfig(16, 32), fp8=True).linear(o_proj, x)
+    assert StepOps(small=SmallGemmConfig(), fp8=True).linear(o_proj, x).equal(o_proj(x))
+    got = StepOps(small=SmallGemmConfig(16, 32), fp8=True, fp8_small=True).linear(o_proj, x)
     assert not got.equal(o_proj(x))  # a small GEMM's one rounding, not the module's two
     torch.testing.assert_close(got.float(), o_proj(x).float(), rtol=2e-2, atol=2e-2)
 
@@ -313,7 +316,7 @@ def test_a_fused_decode_step_of_an_fp8_model_is_its_own_forward(rows):
         kernels.clear()
         for c, s in zip(caches, saved):
             c.copy_(s)
-        ops = Counting(GemvConfig(8, 64), SmallGemmConfig(16, 32), fp8=fp8)
+        ops = Counting(GemvConfig(8, 64), SmallGemmConfig(16, 32), fp8=fp8, fp8_small=fp8)
         ctx = ForwardContext(attn=TorchPagedAttention(caches, step), step_ops=ops)
         got = fused_decode.forward(lm.model, ids, pos, ctx, ops)
         if not fp8:

@@ -38,6 +38,7 @@ def test_default_json_holds_every_setting_at_the_dataclass_defaults():
     assert k.gemv == GemvConfig(2, 2048, 4, 2) and k.small_gemm == SmallGemmConfig()
     assert k.piecewise_max_tokens == 1024
     assert k.fp8_scaled_mm_min_rows == 1  # _scaled_mm for every FP8 step outside the GEMVs
+    assert not k.fp8_small_gemm  # an FP8 model's small steps: _scaled_mm, not the small GEMMs
     # the chosen backend from 1024 query tokens a step; fa2 below
     assert [k.prefill_backend_for(n) for n in (1, 1023, 1024)] == ["fa2", "fa2", "auto"]
 
@@ -101,6 +102,7 @@ def test_an_override_goes_over_the_gpus_table(tmp_path):
         ({"piecewise_max_tokens": 4}, "piecewise_max_tokens: 4, want an integer >= 8"),
         ({"fp8_scaled_mm_min_rows": 0}, "fp8_scaled_mm_min_rows: 0, want an integer >= 1"),
         ({"fp8_scaled_mm_min_rows": True}, "fp8_scaled_mm_min_rows: True"),
+        ({"fp8_small_gemm": 1}, "fp8_small_gemm: 1, want true or false"),
     ],
 )
 def test_a_bad_setting_is_refused_with_its_name(tmp_path, settings, match):
