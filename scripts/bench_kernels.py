@@ -761,18 +761,24 @@ def lora_layers(distinct: int, slots: int, rank: int, layers: int, dev) -> tuple
 def lora_run(d: int, args, gbs: float) -> dict:
     """main_lora's figures (us a step) for `d` distinct adapters."""
     from models.kernels import triton_lora
-    from models.kernels.triton_lora import TokenGroups, block_m_for, expand, pack_groups, shrink
+    from models.kernels.triton_lora import (
+        DECODE_BLOCK_M,
+        TokenGroups,
+        expand,
+        max_tiles,
+        pack_groups,
+        shrink,
+    )
 
     dev, b = torch.device("cuda"), args.batch
     (mods, _keep), one = lora_layers(d, args.slots, args.rank, args.layers, dev)
     xs = [torch.randn(b, m[4], device=dev, dtype=torch.bfloat16) for m in mods]
     ys = [torch.zeros(b, m[5], device=dev, dtype=torch.bfloat16) for m in mods]
-    values, present, _ = pack_groups([i % d for i in range(b)], args.slots, b)
+    values, tiles, _ = pack_groups([i % d for i in range(b)], args.slots, b, DECODE_BLOCK_M)
     buf = torch.tensor(values, dtype=torch.int32, device=dev)
-    block_m = block_m_for(min(b, 16))
 
-    def groups(lanes: int) -> TokenGroups:
-        return TokenGroups(buf, b, args.slots, lanes, block_m, -(-b // block_m))
+    def groups(tiles: int) -> TokenGroups:
+        return TokenGroups(buf, b, args.slots, DECODE_BLOCK_M, tiles)
 
     def chain(g: TokenGroups, do_shrink=True, do_expand=True, hs=None):
         def run():
@@ -789,15 +795,16 @@ def lora_run(d: int, args, gbs: float) -> dict:
         fn()
         return [y.clone() for y in ys]
 
-    full = groups(args.slots)
+    full = groups(min(1 << (tiles - 1).bit_length(), max_tiles(b, args.slots, DECODE_BLOCK_M)))
     want = result(chain(full))
     hs = [shrink(xs[i], m[0], full, m[2], 16) for i, m in enumerate(mods)]
     row = {"floor_us": d * one / gbs / 1e3}
     variants = {
-        "graph (every slot's lane)": (full, {}),
+        "graph (tiles to a power of 2)": (full, {}),
         "shrink alone": (full, {"do_expand": False}),
         "expand alone": (full, {"do_shrink": False, "hs": hs}),
-        "lanes of the slots with tokens": (groups(present), {}),
+        "the step's tiles": (groups(tiles), {}),
+        "every tile a batch can have": (groups(max_tiles(b, args.slots, DECODE_BLOCK_M)), {}),
     }
     for v in args.splits.split():
         variants[f"shrink parts <= {v}"] = (full, {"splits": int(v)})
@@ -828,9 +835,11 @@ def main_lora() -> None:
     spread over 1, 8 .. `--distinct` adapters in `--slots` slots, one CUDA graph, against the
     floor of reading the adapters' bytes (over a copy's rate), in the same run:
 
-    - as the engine's decode graphs run them (a program grid over every slot's lane);
+    - as the engine's decode graphs run them (a grid over the step's tiles rounded up to a
+      power of 2);
     - shrink alone and expand alone (where the time goes);
-    - a grid over the slots that hold tokens only (what idle lanes cost);
+    - a grid over the step's tiles exactly, and over every tile a batch can have (what idle
+      programs cost);
     - other splits of K in the shrink (`--splits`), its loop steps (`--block-k`) and output
       tiles in the expand (`--block-n`).
 

@@ -14,18 +14,20 @@ Both are driven by the step's tokens grouped by slot on the device (`TokenGroups
 takes one tile of up to block_m tokens of one slot (Punica's SGMV and BGMV in one form: a
 prefill's segment fills tiles, a decode step's one token of a slot is a tile of one row),
 gathering their rows of x and scattering into y by index, so tokens of a slot need not be
-contiguous and slots come in any order; tokens of no adapter (-1) are in no tile. Program ids
-past a slot's tokens, a slot of no tokens or a shard the slot's adapter leaves alone (rank 0)
+contiguous and slots come in any order; tokens of no adapter (-1) are in no tile. The tiles are
+listed densely, so a launch covers just the step's tiles; a decode graph covers a power of 2 of
+them at least (the runner keeps a graph for each), so few of its programs find no tile, and
+those, and programs of a shard the tile's adapter leaves alone (rank 0) or past a shard's rows,
 return at once: a launch's grid depends only on its sizes, so a CUDA graph replays it over
-whatever groups the static buffers hold.
+whatever tiles the static buffers hold.
 
 The weights are read where they lie: each module's table row of a slot holds A_s's address and
 each shard's B's address, rank and first row of A (models.lora.tables), so assigning a slot
 writes a row of addresses and copies no weights. Ranks are masked up to rank_block (a power of
 2 >= 16, the base's largest rank rounded up).
 
-Runs under Triton's interpreter too (the CPU tests), its products in fp32 there. The tilings are
-fixed defaults, not tuned yet on a GPU.
+Runs under Triton's interpreter too (the CPU tests), its products in fp32 there. The tilings
+are the H100's best of those tried (docs/BENCHMARKS.md: `bench_kernels.py lora`).
 """
 
 from __future__ import annotations
@@ -39,55 +41,69 @@ import torch
 from models.kernels.triton_ops import _pow2, interpreting, sm_count
 
 NO_SLOT = -1
-BLOCK_N = 64  # expand: output rows a program
-BLOCK_K = 128  # shrink: columns of x a loop step
+# the H100's best of those tried for a decode step of 32 tokens (bench_kernels.py lora): 128
+# rows an expand program (64: 2458 -> 2052 us a step at one adapter, 4633 -> 4058 at 32), 256
+# columns a shrink step (128: 2469 -> 2252 us at one adapter); K in 16 parts (4: 4020 us)
+BLOCK_N = 128  # expand: output rows a program
+BLOCK_K = 256  # shrink: columns of x a loop step
 MAX_SPLITS = 16  # shrink: most parts of K
+DECODE_BLOCK_M = 16  # a decode graph's tiles (tl.dot's least)
 
 
 @dataclass(frozen=True)
 class TokenGroups:
-    """A step's tokens grouped by adapter slot, on the device: `buf` int32 [2 C + 2 S + 1] holds
+    """A step's tokens grouped by adapter slot, on the device: `buf` int32 [2 C + 3 M] holds
 
     - token_slots [C]: each token's slot (-1: none, and every row past the step's tokens),
     - order [C]: the indices of the tokens with a slot, by slot, ascending within one,
-    - starts [S + 1]: slot s's tokens are order[starts[s] : starts[s + 1]],
-    - lanes [S]: the slots with tokens, ascending, then -1,
+    - tiles [M, 3]: each tile's slot, its first place in `order` and its tokens (at most
+      block_m, of that slot), by slot; then (-1, 0, 0),
 
-    C the capacity (the step's tokens, or a graph's largest batch), S the slot count. A launch
-    covers `lanes` lanes of `m_tiles` tiles of block_m tokens."""
+    C the capacity (the step's tokens, or a graph's largest batch), M = max_tiles(C, S,
+    block_m), S the slot count. A launch covers the first `tiles` tiles."""
 
     buf: torch.Tensor
     capacity: int
     num_slots: int
-    lanes: int
     block_m: int
-    m_tiles: int
+    tiles: int
 
     @property
     def token_slots(self) -> torch.Tensor:
         return self.buf[: self.capacity]
 
 
-def pack_groups(token_slots: Sequence[int], num_slots: int, capacity: int) -> tuple[list, int, int]:
+def max_tiles(capacity: int, num_slots: int, block_m: int) -> int:
+    """The most tiles of `capacity` tokens over `num_slots` slots: a part-filled tile a slot
+    with tokens at most, the rest full."""
+    return min(num_slots, capacity) + capacity // block_m
+
+
+def pack_groups(
+    token_slots: Sequence[int], num_slots: int, capacity: int, block_m: int | None = None
+) -> tuple[list, int, int]:
     """TokenGroups' buffer on the host for `token_slots` (at most `capacity` of them, each in
-    [0, num_slots) or -1); -> (its values, the slots with tokens, the most tokens of a slot)."""
+    [0, num_slots) or -1) in tiles of block_m tokens (None: `block_m_for` the most tokens of
+    a slot); -> (its values, its tiles, block_m)."""
     if len(token_slots) > capacity:
         raise ValueError(f"{len(token_slots)} tokens past the capacity {capacity}")
     by_slot: list[list[int]] = [[] for _ in range(num_slots)]
     for i, s in enumerate(token_slots):
         if s != NO_SLOT:
             by_slot[s].append(i)
+    if block_m is None:
+        block_m = block_m_for(max(map(len, by_slot), default=0))
     order: list[int] = []
-    starts = [0]
-    for idx in by_slot:
+    tiles: list[int] = []
+    for s, idx in enumerate(by_slot):
+        for i in range(0, len(idx), block_m):
+            tiles += [s, len(order) + i, min(block_m, len(idx) - i)]
         order += idx
-        starts.append(len(order))
-    present = [s for s in range(num_slots) if by_slot[s]]
-    pad = capacity - len(token_slots)
-    values = list(token_slots) + [NO_SLOT] * pad
+    most = max_tiles(capacity, num_slots, block_m)
+    values = list(token_slots) + [NO_SLOT] * (capacity - len(token_slots))
     values += order + [0] * (capacity - len(order))
-    values += starts + present + [NO_SLOT] * (num_slots - len(present))
-    return values, len(present), max(map(len, by_slot), default=0)
+    values += tiles + [NO_SLOT, 0, 0] * (most - len(tiles) // 3)
+    return values, len(tiles) // 3, block_m
 
 
 def block_m_for(tokens: int) -> int:
@@ -111,28 +127,27 @@ def _build(interpret: bool):
 
     # (the sizes that vary from step to step are plain arguments, not specialized on: a new
     # prompt length compiles nothing)
-    @triton.jit(do_not_specialize=["cap", "sx", "st", "k_part", "m_tiles"])
+    @triton.jit(do_not_specialize=["cap", "sx", "st", "k_part"])
     def shrink_kernel(
-        x_ptr, table_ptr, groups_ptr, h_ptr, cap, sx, st, k_part, m_tiles,
-        K: tl.constexpr, S: tl.constexpr, J: tl.constexpr, R: tl.constexpr,
+        x_ptr, table_ptr, groups_ptr, h_ptr, cap, sx, st, k_part,
+        K: tl.constexpr, J: tl.constexpr, R: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
     ):  # fmt: skip
-        # program (lane * m_tiles + m, shard j, part q): h[q, p, j, :] for the tokens p of tile
-        # m of the lane's slot, over columns [q * k_part, (q + 1) * k_part) of K
-        lane = tl.program_id(0) // m_tiles
-        m = tl.program_id(0) % m_tiles
+        # program (tile i, shard j, part q): h[q, p, j, :] for the tokens p of tile i, over
+        # columns [q * k_part, (q + 1) * k_part) of K
+        tile = groups_ptr + 2 * cap + 3 * tl.program_id(0)
         j = tl.program_id(1)
         q = tl.program_id(2)
-        slot = tl.load(groups_ptr + 2 * cap + S + 1 + lane)
+        slot = tl.load(tile)
         if slot >= 0:
-            start = tl.load(groups_ptr + 2 * cap + slot)
-            count = tl.load(groups_ptr + 2 * cap + slot + 1) - start
+            start = tl.load(tile + 1)
+            count = tl.load(tile + 2)
             rank = tl.load(table_ptr + slot * st + 2 + 3 * j).to(tl.int32)
-            if (m * BLOCK_M < count) & (rank > 0):
+            if rank > 0:
                 dt = x_ptr.dtype.element_ty
                 a_ptr = tl.load(table_ptr + slot * st).to(tl.pointer_type(dt))
                 off = tl.load(table_ptr + slot * st + 3 + 3 * j).to(tl.int32)
-                pi = m * BLOCK_M + tl.arange(0, BLOCK_M)
+                pi = tl.arange(0, BLOCK_M)
                 pm = pi < count
                 tok = tl.load(groups_ptr + cap + start + pi, mask=pm, other=0).to(tl.int64)
                 r = tl.arange(0, R)
@@ -161,30 +176,28 @@ def _build(interpret: bool):
                 h_at = h_ptr + ((q * cap + pos[:, None]) * J + j) * R + r[None, :]
                 tl.store(h_at, acc, mask=pm[:, None] & rm[None, :])
 
-    @triton.jit(do_not_specialize=["cap", "sy", "st", "parts", "m_tiles"])
+    @triton.jit(do_not_specialize=["cap", "sy", "st", "parts"])
     def expand_kernel(
-        h_ptr, y_ptr, table_ptr, bounds_ptr, groups_ptr, cap, sy, st, parts, m_tiles,
-        S: tl.constexpr, J: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
+        h_ptr, y_ptr, table_ptr, bounds_ptr, groups_ptr, cap, sy, st, parts,
+        J: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        DOT_F32: tl.constexpr,
     ):  # fmt: skip
-        # program (lane * m_tiles + m, shard j, n): y[t, row0_j + n * BLOCK_N + i] of the tokens
-        # t of tile m of the lane's slot. Each (token, row) is one program's: a token is in one
-        # slot's tiles, once
-        lane = tl.program_id(0) // m_tiles
-        m = tl.program_id(0) % m_tiles
+        # program (tile i, shard j, n): y[t, row0_j + n * BLOCK_N + i] of the tokens t of tile
+        # i. Each (token, row) is one program's: a token is in one tile, once
+        tile = groups_ptr + 2 * cap + 3 * tl.program_id(0)
         j = tl.program_id(1)
         n = tl.program_id(2)
-        slot = tl.load(groups_ptr + 2 * cap + S + 1 + lane)
+        slot = tl.load(tile)
         if slot >= 0:
-            start = tl.load(groups_ptr + 2 * cap + slot)
-            count = tl.load(groups_ptr + 2 * cap + slot + 1) - start
+            start = tl.load(tile + 1)
+            count = tl.load(tile + 2)
             rank = tl.load(table_ptr + slot * st + 2 + 3 * j).to(tl.int32)
             row0 = tl.load(bounds_ptr + j)
             rows = tl.load(bounds_ptr + j + 1) - row0
-            if (m * BLOCK_M < count) & (rank > 0) & (n * BLOCK_N < rows):
+            if (rank > 0) & (n * BLOCK_N < rows):
                 dt = y_ptr.dtype.element_ty
                 b_ptr = tl.load(table_ptr + slot * st + 1 + 3 * j).to(tl.pointer_type(dt))
-                pi = m * BLOCK_M + tl.arange(0, BLOCK_M)
+                pi = tl.arange(0, BLOCK_M)
                 pm = pi < count
                 tok = tl.load(groups_ptr + cap + start + pi, mask=pm, other=0).to(tl.int64)
                 r = tl.arange(0, R)
@@ -233,10 +246,9 @@ def shrink(
         parts, groups.capacity, shards, rank_block, dtype=torch.float32, device=x.device
     )
     kernel, _ = _build(interpreting())
-    kernel[(groups.lanes * groups.m_tiles, shards, parts)](
+    kernel[(groups.tiles, shards, parts)](
         x, table, groups.buf, h, groups.capacity, x.stride(0), table.stride(0), k_part,
-        groups.m_tiles, K=k, S=groups.num_slots, J=shards,
-        R=rank_block, BLOCK_M=groups.block_m, BLOCK_K=BLOCK_K,
+        K=k, J=shards, R=rank_block, BLOCK_M=groups.block_m, BLOCK_K=BLOCK_K,
         DOT_F32=interpreting() or x.dtype == torch.float32, num_warps=4,
     )  # fmt: skip
     return h
@@ -256,10 +268,9 @@ def expand(
     parts, cap, shards, rank_block = h.shape
     assert cap == groups.capacity and y.stride(1) == 1 and bounds.numel() >= shards + 1
     _, kernel = _build(interpreting())
-    kernel[(groups.lanes * groups.m_tiles, shards, -(-widest // BLOCK_N))](
-        h, y, table, bounds, groups.buf, cap, y.stride(0), table.stride(0),
-        parts, groups.m_tiles, S=groups.num_slots, J=shards, R=rank_block,
-        BLOCK_M=groups.block_m, BLOCK_N=BLOCK_N,
+    kernel[(groups.tiles, shards, -(-widest // BLOCK_N))](
+        h, y, table, bounds, groups.buf, cap, y.stride(0), table.stride(0), parts,
+        J=shards, R=rank_block, BLOCK_M=groups.block_m, BLOCK_N=BLOCK_N,
         DOT_F32=interpreting() or y.dtype == torch.float32, num_warps=4,
     )  # fmt: skip
     return y

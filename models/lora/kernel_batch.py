@@ -5,19 +5,29 @@ Eagerly (KernelLoraBatch.for_step), the step's tokens grouped by slot are upload
 only the modules its slots' adapters target are touched. A base's decode graphs are captured
 over LoraGraphInput: its static buffer of grouped tokens, refilled before each replay (`fill`:
 NO_ADAPTER for the base's tokens and the padded rows), and a batch touching every module an
-adapter may target, since any slot's adapter may run in a later replay.
+adapter may target, since any slot's adapter may run in a later replay. A graph's launches
+cover a number of tiles (`tiles_for`: a power of 2), so a step replays the graph of its size
+and its tiles.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 
 import torch
 from torch import nn
 
 from models.attention.upload import host_ints, upload
-from models.kernels.triton_lora import TokenGroups, block_m_for, expand, pack_groups, shrink
-from models.lora.batch import LoraBatch
+from models.kernels.triton_lora import (
+    DECODE_BLOCK_M,
+    TokenGroups,
+    expand,
+    max_tiles,
+    pack_groups,
+    shrink,
+)
+from models.lora.batch import NO_ADAPTER, LoraBatch
 from models.lora.tables import LoraTables
 
 
@@ -42,12 +52,9 @@ class KernelLoraBatch(LoraBatch):
         device: torch.device,
     ) -> KernelLoraBatch:
         """An eager step's: its grouped tokens uploaded (one copy)."""
-        values, lanes, most = pack_groups(token_slots, tables.num_slots, len(token_slots))
+        values, tiles, block_m = pack_groups(token_slots, tables.num_slots, len(token_slots))
         (buf,) = upload([host_ints(values, torch.int32)], device)
-        block_m = block_m_for(most)
-        groups = TokenGroups(
-            buf, len(token_slots), tables.num_slots, lanes, block_m, -(-most // block_m)
-        )
+        groups = TokenGroups(buf, len(token_slots), tables.num_slots, block_m, tiles)
         return cls(tables, groups, rank_block, modules)
 
     def touches(self, layer: nn.Module) -> bool:
@@ -70,20 +77,30 @@ class LoraGraphInput:
 
     def __init__(self, tables: LoraTables, rank_block: int, capacity: int):
         self.tables, self.rank_block, self.capacity = tables, rank_block, capacity
-        values, _, _ = pack_groups([], tables.num_slots, capacity)
+        values, _, _ = self._pack([])
         self.buf = torch.tensor(values, dtype=torch.int32).to(tables.device)
 
-    def batch(self, size: int) -> KernelLoraBatch:
-        """The work of a graph of `size` tokens (captured over it): every slot's lane, tiles
-        enough for all `size` tokens in one slot."""
-        s = self.tables.num_slots
-        block_m = block_m_for(min(size, 16))
-        groups = TokenGroups(self.buf, self.capacity, s, s, block_m, -(-size // block_m))
+    def _pack(self, token_slots: Sequence[int]) -> tuple[list, int, int]:
+        return pack_groups(token_slots, self.tables.num_slots, self.capacity, DECODE_BLOCK_M)
+
+    def tiles_for(self, token_slots: Sequence[int], size: int) -> int:
+        """The tiles a graph of `size` tokens launches for these tokens' LoRA work: a power of
+        2 at least theirs (a graph each, few programs idle), at most what `size` tokens can
+        have."""
+        counts = Counter(s for s in token_slots if s != NO_ADAPTER)
+        tiles = sum(-(-c // DECODE_BLOCK_M) for c in counts.values())
+        most = max_tiles(size, self.tables.num_slots, DECODE_BLOCK_M)
+        return min(1 << max(tiles - 1, 0).bit_length(), most)
+
+    def batch(self, size: int, tiles: int) -> KernelLoraBatch:
+        """The work of a graph of `size` tokens (captured over it), launching `tiles` tiles
+        (`tiles_for`)."""
+        groups = TokenGroups(self.buf, self.capacity, self.tables.num_slots, DECODE_BLOCK_M, tiles)
         return KernelLoraBatch(self.tables, groups, self.rank_block, None)
 
     def fill(self, token_slots: Sequence[int]) -> None:
         """The next replay's tokens: token_slots[i], the slot of token i (NO_ADAPTER: the
         base's); the rows past them are no adapter's. Queued on the current stream."""
-        values, _, _ = pack_groups(token_slots, self.tables.num_slots, self.capacity)
+        values, _, _ = self._pack(token_slots)
         (dev,) = upload([host_ints(values, torch.int32)], self.buf.device)
         self.buf.copy_(dev, non_blocking=True)

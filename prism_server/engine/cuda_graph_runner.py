@@ -8,10 +8,11 @@ mapped and unmapped under a fixed virtual range), so the graphs stay valid while
 come and go.
 
 A base with LoRA adapters whose slots run the LoRA kernels (LoraSlots.kernels) has a second set
-of decode graphs, each captured the first time a step of its size has LoRA work: the same
-forward with the kernels' deltas over a static LoRA input (models.lora.LoraGraphInput: the
-step's tokens grouped by slot, NO_ADAPTER for the base's and the padded rows), refilled before
-each replay. Steps of the base's tokens alone keep replaying the graphs without LoRA work.
+of decode graphs, each captured the first time a step of its size and its count of LoRA tiles
+(rounded up to a power of 2) has LoRA work: the same forward with the kernels' deltas over a
+static LoRA input (models.lora.LoraGraphInput: the step's tokens grouped by slot, NO_ADAPTER
+for the base's and the padded rows), refilled before each replay. Steps of the base's tokens
+alone keep replaying the graphs without LoRA work.
 """
 
 from __future__ import annotations
@@ -129,7 +130,8 @@ class CudaGraphRunner:
             positions=torch.zeros(n, dtype=torch.long, device=device),
         )
         self.graphs: dict[int, _Graph] = {}
-        self.lora_graphs: dict[int, _Graph] = {}  # bs -> its graph with LoRA work
+        # (bs, tiles) -> its graph with LoRA work over `tiles` tiles (LoraGraphInput.tiles_for)
+        self.lora_graphs: dict[tuple[int, int], _Graph] = {}
         self._lora_slots: LoraSlots | None = None  # the slots the LoRA graphs read
 
     @property
@@ -145,8 +147,10 @@ class CudaGraphRunner:
         self.graphs.update(self._capture(self.batch_sizes, None))
         log.info("captured decode graphs for batch sizes %s", self.batch_sizes)
 
-    def _capture(self, sizes: Sequence[int], lora: LoraGraphInput | None) -> dict[int, _Graph]:
-        """Graphs of `sizes`, with the LoRA work of `lora` (None: none)."""
+    def _capture(
+        self, sizes: Sequence[int], lora: LoraGraphInput | None, tiles: int = 0
+    ) -> dict[int, _Graph]:
+        """Graphs of `sizes`, with the LoRA work of `lora` over `tiles` tiles (None: none)."""
         graphs = {}
         if lora is not None:
             lora.fill([])  # the warm-ups read no adapter's weights (some may be evicted)
@@ -160,7 +164,7 @@ class CudaGraphRunner:
                 null_rows = [SeqChunk(0, 1, [0])] * bs  # one-token sequences in the null block
                 md = AttentionMetadata.build(null_rows, self._block_size(), self.device)
                 attn.plan(md)
-                work = lora.batch(bs) if lora is not None else None
+                work = lora.batch(bs, tiles) if lora is not None else None
                 self._forward(bs, attn, work)  # warm-up
                 stream.synchronize()
                 graph = torch.cuda.CUDAGraph()
@@ -183,16 +187,18 @@ class CudaGraphRunner:
         LoRA work is the kernels')."""
         return slots.kernels
 
-    def _lora_graph(self, slots: LoraSlots, bs: int) -> _Graph:
-        """The graph of size bs with `slots`' LoRA work, captured now if it is not yet."""
+    def _lora_graph(self, slots: LoraSlots, bs: int, token_slots: Sequence[int]) -> _Graph:
+        """The graph of size bs with `slots`' LoRA work for these tokens' tiles, captured now
+        if it is not yet."""
         if self._lora_slots is not slots:  # (a base has one LoraSlots: made once)
             self.lora_graphs.clear()
             self.buffers.lora = slots.graph_input(self.max_batch_size)
             self._lora_slots = slots
-        if bs not in self.lora_graphs:
-            self.lora_graphs.update(self._capture([bs], self.buffers.lora))
-            log.info("captured the decode graph of batch size %d with LoRA work", bs)
-        return self.lora_graphs[bs]
+        key = (bs, self.buffers.lora.tiles_for(token_slots, bs))
+        if key not in self.lora_graphs:
+            self.lora_graphs[key] = self._capture([bs], self.buffers.lora, key[1])[bs]
+            log.info("captured the decode graph of batch size %d with LoRA work (%d tiles)", *key)
+        return self.lora_graphs[key]
 
     def _block_size(self) -> int:
         return self.kv_views[0].shape[2]
@@ -236,7 +242,7 @@ class CudaGraphRunner:
             g = self.graphs[size]
         else:
             slots, token_slots = lora
-            g = self._lora_graph(slots, size)
+            g = self._lora_graph(slots, size, token_slots)
             self.buffers.lora.fill(token_slots)
         self.buffers.input_ids[:b].copy_(input_ids)
         self.buffers.positions[:b].copy_(positions)

@@ -199,12 +199,12 @@ def lora_builds():
     for (name, k, shards), block_m, rank in itertools.product(
         (("qkv", 4096, 3), ("down", 14336, 1)), (16, 64), (16, 64)
     ):
-        const = dict(K=k, S=8, J=shards, R=rank, BLOCK_M=block_m,
+        const = dict(K=k, J=shards, R=rank, BLOCK_M=block_m,
                      BLOCK_K=triton_lora.BLOCK_K, DOT_F32=False)  # fmt: skip
         b = compile_for_hopper(shrink, LORA_TYPES, const, num_warps=4)
         assert re.search(r"\bw?mma\b|mma\.sync|wgmma\.mma_async", b.asm["ptx"]), name
         yield f"lora shrink {name} tiles of {block_m} rank {rank}", b
-        const = dict(S=8, J=shards, R=rank, BLOCK_M=block_m,
+        const = dict(J=shards, R=rank, BLOCK_M=block_m,
                      BLOCK_N=triton_lora.BLOCK_N, DOT_F32=False)  # fmt: skip
         b = compile_for_hopper(expand, LORA_TYPES, const, num_warps=4)
         assert re.search(r"\bw?mma\b|mma\.sync|wgmma\.mma_async", b.asm["ptx"]), name

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from models.kernels.triton_lora import pack_groups, shrink
+from models.kernels.triton_lora import max_tiles, pack_groups, shrink
 from models.layers.merged_linear import MergedLinear
 from models.lora import NO_ADAPTER, KernelLoraBatch, LoraSlots, TorchLoraBatch
 from tests.models.lora_cases import random_weights
@@ -112,7 +112,7 @@ def test_the_kernels_add_what_the_torch_gemms_add(dtype, step):
 def test_shrink_gives_each_token_its_slots_a_rows_product_split_over_k():
     """h's parts (K split in several) sum, for each token, to x @ A.T of its slot's shard rows;
     a slot of rank 0 on a shard and the rows past its rank are left alone."""
-    base = _Base(torch.float32)
+    base = _Base(torch.float32, hidden=640)  # two loop steps of K at least
     ker, _ = _slots(base, torch.float32)
     token_slots = [3, 1, N, 2, 2, 0, 1]
     batch = ker.batch(token_slots, CPU)
@@ -136,16 +136,32 @@ def test_shrink_gives_each_token_its_slots_a_rows_product_split_over_k():
                 assert torch.allclose(h[p, j, : r.stop - r.start], want, atol=1e-5)
 
 
-def test_the_groups_order_each_slots_tokens_and_list_the_slots_with_some():
-    values, lanes, most = pack_groups([2, N, 0, 2, 3, 0, 0], num_slots=5, capacity=9)
-    cap, s = 9, 5
+def test_the_groups_order_each_slots_tokens_and_list_their_tiles():
+    values, tiles, block_m = pack_groups([2, N, 0, 2, 3, 0, 0], num_slots=5, capacity=9)
+    cap = 9
     assert values[:cap] == [2, N, 0, 2, 3, 0, 0, N, N]  # the padded rows: no adapter's
     assert values[cap : cap + 6] == [2, 5, 6, 0, 3, 4]  # slot 0's, then 2's, then 3's
-    assert values[2 * cap : 2 * cap + s + 1] == [0, 3, 3, 5, 6, 6]
-    assert values[2 * cap + s + 1 :] == [0, 2, 3, N, N]
-    assert (lanes, most) == (3, 3)
+    # (slot, first place in the order, tokens) a tile; then none, up to the most 9 can have
+    assert values[2 * cap :] == [0, 0, 3, 2, 3, 2, 3, 5, 1] + [N, 0, 0] * (5 + 0 - 3)
+    assert (tiles, block_m) == (3, 16)
+    # tiles of at most block_m tokens: slot 1's five tokens in two, and the most 7 can have
+    values, tiles, _ = pack_groups([1, 1, 0, 1, 1, 1], num_slots=2, capacity=7, block_m=4)
+    assert values[14:] == [0, 0, 1, 1, 1, 4, 1, 5, 1] + [N, 0, 0] * (2 + 1 - 3)
+    assert tiles == 3 == max_tiles(7, 2, 4)
     with pytest.raises(ValueError, match="capacity"):
         pack_groups([0] * 4, num_slots=1, capacity=3)
+
+
+def test_a_graph_launches_a_power_of_2_of_tiles_at_least_its_steps():
+    base = _Base(torch.float32)
+    ker, _ = _slots(base, torch.float32)
+    graph_input = ker.graph_input(capacity=64)
+    assert graph_input.tiles_for([N, N], 2) == 1  # no adapter's token: one idle tile
+    assert graph_input.tiles_for([0, 0, 0], 4) == 1
+    assert graph_input.tiles_for([0, 1, 2, N, 3], 8) == 4
+    assert graph_input.tiles_for([0, 1, 2], 4) == 4
+    assert graph_input.tiles_for([0] * 17 + [1], 32) == 4  # 17 tokens of slot 0: two tiles
+    assert graph_input.tiles_for([0, 1, 2, 3, 4], 8) == 5  # 5 slots: what 8 tokens can have
 
 
 def test_a_graph_input_refilled_gives_each_replays_tokens_their_slots_deltas():
@@ -156,7 +172,7 @@ def test_a_graph_input_refilled_gives_each_replays_tokens_their_slots_deltas():
     base = _Base(torch.float32)
     ker, ref = _slots(base, torch.float32)
     graph_input = ker.graph_input(capacity=8)
-    batch = graph_input.batch(8)  # what a graph of 8 is captured over
+    batch = graph_input.batch(8, 4)  # what a graph of 8 over 4 tiles is captured over
     assert batch.touches(base.mlp) and batch.touches(base.self_attn)
     address = graph_input.buf.data_ptr()
     module = base.mlp.gate_up_proj

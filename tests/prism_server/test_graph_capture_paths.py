@@ -222,8 +222,10 @@ def test_decode_graphs_with_lora_work_are_captured_at_first_use_over_a_static_in
     no_cuda_graphs,
 ):
     """A base whose slots run the LoRA kernels (here under Triton's interpreter): its first
-    decode step with LoRA work captures the graph of its size with the kernels' work, once; a
-    step of the base alone replays the graph without; before each replay the static LoRA input
+    decode step with LoRA work captures the graph of its size with the kernels' work over its
+    tiles (rounded up to a power of 2), once; a step of the same size and tiles replays it, one
+    of fewer tiles captures its own; a step of the base alone replays the graph without; before
+    each replay the static LoRA input
     holds the step's slots (the padded rows none), and the captured forward over the static
     inputs, rerun (a replay), gives the logits of the eager forward with the torch GEMMs."""
     cfg, model = tiny_model()
@@ -249,7 +251,8 @@ def test_decode_graphs_with_lora_work_are_captured_at_first_use_over_a_static_in
                 ForwardContext(TorchPagedAttention(kv.layer_views, md)),
             )
         plain = runner.graphs[4]
-        steps = [[2, -1, 0], [0, 0, 2], [-1, -1, -1]]
+        steps = [[2, -1, 0], [0, 0, 2], [-1, -1, -1], [0, 0, -1]]
+        keys = [[(4, 2)]] * 3 + [[(4, 2), (4, 1)]]  # (size, tiles): slots 0 and 2, then 0
         for n, token_slots in enumerate(steps):
             chunks = [SeqChunk(len(p) + n, 1, t) for p, t in zip(prompts, tables)]
             md = AttentionMetadata.build(chunks, 16, CPU)
@@ -257,8 +260,8 @@ def test_decode_graphs_with_lora_work_are_captured_at_first_use_over_a_static_in
             pos = torch.tensor([c.num_computed for c in chunks])
             lora = (ker, token_slots) if set(token_slots) != {-1} else None
             runner.run(ids, pos, md, lora=lora)
-            assert list(runner.lora_graphs) == [4]  # captured at the first step, kept
-            g4 = runner.lora_graphs[4]
+            assert list(runner.lora_graphs) == keys[n]  # captured at their first step, kept
+            g4 = runner.lora_graphs[keys[n][-1]]
             if lora is None:
                 assert runner.buffers.lora.buf[:4].tolist() == steps[1] + [-1]  # left as it was
                 continue
