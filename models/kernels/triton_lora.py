@@ -112,6 +112,12 @@ def block_m_for(tokens: int) -> int:
     return min(64, max(16, _pow2(tokens)))
 
 
+def parts_block(parts: int, block_m: int, rank_block: int) -> int:
+    """The shrink's parts an expand program adds up a load: all of them (up to 16) for a
+    decode step's tiles of rank 16, fewer for larger tiles (at most 4096 values a load)."""
+    return max(1, min(_pow2(parts), 4096 // (block_m * rank_block)))
+
+
 def _splits(k: int, tiles: int, shards: int, device: torch.device) -> int:
     """The parts of K for a shrink of `tiles` token tiles at least: about two programs an SM,
     each part at least a loop step."""
@@ -180,7 +186,7 @@ def _build(interpret: bool):
     def expand_kernel(
         h_ptr, y_ptr, table_ptr, bounds_ptr, groups_ptr, cap, sy, st, parts,
         J: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        DOT_F32: tl.constexpr,
+        PB: tl.constexpr, DOT_F32: tl.constexpr,
     ):  # fmt: skip
         # program (tile i, shard j, n): y[t, row0_j + n * BLOCK_N + i] of the tokens t of tile
         # i. Each (token, row) is one program's: a token is in one tile, once
@@ -204,9 +210,17 @@ def _build(interpret: bool):
                 rm = r < rank
                 hm = pm[:, None] & rm[None, :]
                 h_at = h_ptr + (((start + pi)[:, None]) * J + j) * R + r[None, :]
+                # the parts PB at a time: one load each (not a chain of loads a part)
+                pp = tl.arange(0, PB)
                 h = tl.zeros([BLOCK_M, R], dtype=tl.float32)
-                for q in range(parts):
-                    h += tl.load(h_at + q * cap * J * R, mask=hm, other=0.0)
+                for q0 in range(0, parts, PB):
+                    qq = q0 + pp
+                    part = tl.load(
+                        h_at[None, :, :] + qq[:, None, None].to(tl.int64) * (cap * J * R),
+                        mask=(qq < parts)[:, None, None] & hm[None, :, :],
+                        other=0.0,
+                    )  # [PB, BLOCK_M, R]
+                    h += tl.sum(part, 0)
                 h = h.to(dt)  # rounded as the shrink's GEMM rounds its output
                 i = n * BLOCK_N + tl.arange(0, BLOCK_N)
                 im = i < rows
@@ -271,6 +285,7 @@ def expand(
     kernel[(groups.tiles, shards, -(-widest // BLOCK_N))](
         h, y, table, bounds, groups.buf, cap, y.stride(0), table.stride(0), parts,
         J=shards, R=rank_block, BLOCK_M=groups.block_m, BLOCK_N=BLOCK_N,
+        PB=parts_block(parts, groups.block_m, rank_block),
         DOT_F32=interpreting() or y.dtype == torch.float32, num_warps=4,
     )  # fmt: skip
     return y

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from models.kernels.triton_lora import max_tiles, pack_groups, shrink
+from models.kernels.triton_lora import expand, max_tiles, pack_groups, parts_block, shrink
 from models.layers.merged_linear import MergedLinear
 from models.lora import NO_ADAPTER, KernelLoraBatch, LoraSlots, TorchLoraBatch
 from tests.models.lora_cases import random_weights
@@ -134,6 +134,26 @@ def test_shrink_gives_each_token_its_slots_a_rows_product_split_over_k():
                 r = shards[shard].ranks
                 want = x[t] @ m.a[r].T
                 assert torch.allclose(h[p, j, : r.stop - r.start], want, atol=1e-5)
+
+
+def test_the_expand_adds_up_the_shrinks_parts_a_few_at_a_time():
+    """A prefill's tiles of 64 tokens add up the shrink's parts 4 a load: over several loads,
+    the same deltas as from the parts summed first."""
+    base = _Base(torch.float32)
+    ker, _ = _slots(base, torch.float32)
+    token_slots = [0] * 40 + [N, 1]
+    groups = ker.batch(token_slots, CPU).groups
+    i = ker.tables.index[id(base.self_attn.qkv_proj)]
+    shards, widest = ker.tables.shape[i]
+    table, bounds = ker.tables.table[i], ker.tables.bounds[i]
+    g = torch.Generator().manual_seed(7)
+    h = torch.randn(7, groups.capacity, shards, ker.rank_block, generator=g)
+    assert groups.block_m == 64 and parts_block(7, 64, ker.rank_block) == 4  # two loads
+    y = torch.randn(len(token_slots), base.self_attn.qkv_proj.out_features, generator=g)
+    got = expand(h, y.clone(), table, bounds, groups, widest)
+    want = expand(h.sum(0, keepdim=True), y.clone(), table, bounds, groups, widest)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(got, y)
 
 
 def test_the_groups_order_each_slots_tokens_and_list_their_tiles():
