@@ -165,7 +165,7 @@ if [ "$mode" = "--decode" ]; then
     files=
     for f in fused_ops_gpu sampling_gpu launch_ahead_gpu piecewise_graphs gpu_vs_cpu cuda_graphs \
       flashinfer_attention upload_gpu triton_ops_gpu triton_gemv_gpu triton_small_gemm_gpu \
-      fp8_gpu lora_gpu; do
+      fp8_gpu fp8_accuracy_gpu lora_gpu; do
       [ -f "tests/gpu/test_$f.py" ] && files="$files tests/gpu/test_$f.py"
     done
     timeout "${TESTS_TIMEOUT:-420}" python3 -m pytest -m gpu -q -rs -p no:cacheprovider --durations=8 \
