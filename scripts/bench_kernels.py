@@ -152,6 +152,7 @@ def main_gemv() -> None:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--runs", type=int, default=20)
     ap.add_argument("--fp8", action="store_true", help="FP8 weights (cuBLAS: torch._scaled_mm)")
+    ap.add_argument("--chain-configs", default="", help="tilings to run the whole chain under")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -245,6 +246,14 @@ def main_gemv() -> None:
         chain[f"gemv_{name}_ms"] = graph_ms(fused(tiling), args.runs)
     if uniform.block_n >= 2:  # the activation out of gate_up's GEMV (a gate row, its up row)
         chain["gemv_uniform_glu_ms"] = graph_ms(fused(tilings["uniform"], True), args.runs)
+    # each tiling of --chain-configs for every projection, as the engine runs them (the GLU
+    # where a program has two rows): the norms' prologues read x once a program, so a chain
+    # can favour more rows a program than the projections alone do
+    chain["tilings_ms"] = {}
+    for c in (GemvConfig.parse(t) for t in args.chain_configs.split()):
+        ms = graph_ms(fused(dict.fromkeys(SHAPES, c), c.block_n >= 2), args.runs)
+        chain["tilings_ms"][str(c)] = ms
+        print(f"  GEMV chain under {c} for every projection: {ms:.3f} ms")
     chain["best_configs"] = {k: str(v) for k, v in best.items()}
     chain["uniform_config"] = str(uniform)
     out["chain"] = chain
@@ -806,11 +815,11 @@ def lora_run(d: int, args, gbs: float) -> dict:
         "the step's tiles": (groups(tiles), {}),
         "every tile a batch can have": (groups(max_tiles(b, args.slots, DECODE_BLOCK_M)), {}),
     }
-    for v in args.splits.split():
+    for v in args.splits.replace(",", " ").split():
         variants[f"shrink parts <= {v}"] = (full, {"splits": int(v)})
-    for v in args.block_n.split():
+    for v in args.block_n.replace(",", " ").split():
         variants[f"expand tile {v}"] = (full, {"block_n": int(v)})
-    for v in args.block_k.split():
+    for v in args.block_k.replace(",", " ").split():
         variants[f"shrink step {v}"] = (full, {"block_k": int(v)})
     defaults = (triton_lora.MAX_SPLITS, triton_lora.BLOCK_N, triton_lora.BLOCK_K)
     try:
@@ -860,7 +869,7 @@ def main_lora() -> None:
     dev = torch.device("cuda")
     out: dict = {**gpu_start(dev), "batch": args.batch, "slots": args.slots, "runs": {}}
     gbs = out["hbm_gbs"]
-    for d in (int(v) for v in args.distinct.split()):
+    for d in (int(v) for v in args.distinct.replace(",", " ").split()):
         row = out["runs"][d] = lora_run(d, args, gbs)
         print(
             f"B={args.batch}, {d} distinct rank-{args.rank} adapters, {args.layers} layers: floor "

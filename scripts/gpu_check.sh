@@ -38,9 +38,11 @@
 #   fp8       the 8B shape with FP8 weights beside bf16 (bench_engine.py fp8): activation, decode
 #             TPOT at batch 1 and 16, prefill 1k and 8k, each against its floor or matmul rate
 #   gemv, smallgemm, attn   the kernel benchmark's parts (GEMV_CONFIGS, SMALL_GEMM_CONFIGS,
-#             ATTN_CONFIGS: the tilings tried; KERNELS_FP8=1: gemv and smallgemm over FP8 weights)
+#             ATTN_CONFIGS: the tilings tried; GEMV_CHAIN: tilings to run the whole GEMV chain
+#             under; KERNELS_FP8=1: gemv and smallgemm over FP8 weights)
 #   loraops   the LoRA kernels alone: a decode step's shrinks and expands, 1/8/32 adapters at
-#             batch 32, where the time goes and other tilings (LORAOPS_ARGS adds arguments)
+#             batch 32, where the time goes and other tilings (LORAOPS_ARGS adds arguments,
+#             lists with commas: "--distinct=1,32 --block-n=128,256")
 #   kernels   decode and prefill under each kernel table of KERNELS (JSON files of the kernel
 #             config form, docs/CONFIG.md; a process each, PRISM_KERNEL_CONFIG=FILE), beside the
 #             GPU's own table; default: prefill through fa3, and batch 1 without the GEMVs.
@@ -258,7 +260,8 @@ PY
   part fp8 && timeout "${FP8_TIMEOUT:-560}" python3 scripts/bench_engine.py fp8 \
     --json "$OUT/fp8.json" 2>&1 | tee "$OUT/fp8.log" | grep -E "^== |^   |\||Error"
   part gemv && timeout 200 python3 scripts/bench_kernels.py gemv ${KERNELS_FP8:+--fp8} \
-    ${GEMV_CONFIGS:+--configs "$GEMV_CONFIGS"} --json "$OUT/gemv.json" 2>&1 | tail -10
+    ${GEMV_CONFIGS:+--configs "$GEMV_CONFIGS"} ${GEMV_CHAIN:+--chain-configs "$GEMV_CHAIN"} \
+    --json "$OUT/gemv.json" 2>&1 | tail -16
   part attn && timeout 300 python3 scripts/bench_kernels.py attn \
     ${ATTN_CONFIGS:+--configs "$ATTN_CONFIGS"} --json "$OUT/decode_kernel.json" 2>&1 \
     | tee "$OUT/decode_kernel.log" | grep -E "^B=|Error|error"
