@@ -7,9 +7,8 @@ SmolLM2 misses it (emulated on the CPU: +3.6%, its weights alone +2.6%), so its 
 
 The weights come from the embedded models' packages, or from `.models/NAME.gguf` in the
 checkout (git-ignored): the GPU machine has neither package, and a call carries at most 64 MiB,
-so their GGUF files (94 and 245 MB) travel in parts there, e.g. `split -b 60M FILE
-.models/parts-1/NAME.gguf.` over several calls, joined with `cat .models/parts-*/NAME.gguf.* >
-.models/NAME.gguf` before the tests run."""
+so their GGUF files (94 and 245 MB) travel there in parts, one folder a call (`split -b 55M
+FILE .models/parts-N/NAME.gguf.`, carrying `.models/parts-N`), which the test joins."""
 
 from __future__ import annotations
 
@@ -51,10 +50,16 @@ def corpus() -> str:
 
 
 def gguf_file(name: str) -> Path:
+    """The model's GGUF file: its package's, else .models/NAME.gguf (joined from its parts)."""
     try:
         return embedded_gguf_path(name)
     except FileNotFoundError:
         path = CHECKOUT / ".models" / f"{name}.gguf"
+        parts = sorted(path.parent.glob(f"parts-*/{name}.gguf.*"), key=lambda p: p.name)
+        if not path.is_file() and parts:
+            with path.open("wb") as out:
+                for part in parts:
+                    out.write(part.read_bytes())
         if not path.is_file():
             pytest.skip(f"{name}: neither its package nor {path} here (see the module's head)")
         return path
