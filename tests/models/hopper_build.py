@@ -216,12 +216,14 @@ QUANT_TYPES = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}
 
 def quant_builds():
     """The per-token FP8 quantizer (fp8_quant) of Llama-3.1-8B's projection inputs (4096 and
-    14336 columns): the quotients correctly rounded, cast to E4M3 to nearest, saturating."""
+    14336 columns, each row in one block) and of a row wider than a block: the quotients
+    correctly rounded, cast to E4M3 to nearest, saturating."""
     fn = fp8_quant._build(False)
-    for k in (4096, 14336):
-        const = dict(K=k, BLOCK_K=fp8_quant.BLOCK_K, MIN_AMAX=fp8_quant.MIN_AMAX,
+    for k in (4096, 14336, 28672):
+        block, warps = fp8_quant.launch_shape(k)
+        const = dict(K=k, BLOCK_K=block, MIN_AMAX=fp8_quant.MIN_AMAX,
                      FP8_MAX=fp8_quant.FP8_MAX, OUT_F32=False)  # fmt: skip
-        b = compile_for_hopper(fn, QUANT_TYPES, const, num_warps=4)
+        b = compile_for_hopper(fn, QUANT_TYPES, const, num_warps=warps)
         ptx = b.asm["ptx"]
         assert "div.rn.f32" in ptx and re.search(r"cvt\.rn\.satfinite\.e4m3x2\.f32", ptx), k
         yield f"fp8 quantizer K={k}", b

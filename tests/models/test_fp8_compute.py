@@ -64,15 +64,20 @@ def dequantized(layer: Fp8Linear) -> torch.Tensor:
 # ---------------------------------------------------------------- torch._scaled_mm
 
 
-QUANT_CASES = [(6, 200, torch.bfloat16), (3, 3000, torch.bfloat16), (4, 4096, torch.float32)]
+QUANT_CASES = [
+    (6, 200, torch.bfloat16),
+    (3, 3000, torch.bfloat16),
+    (4, 4096, torch.float32),
+    (2, fp8_quant.MAX_K + 3000, torch.bfloat16),  # wider than a block: the loop's two reads
+]
 
 
 @pytest.mark.parametrize(("rows", "k", "dtype"), QUANT_CASES)
 def test_the_fused_quantizer_computes_torchs_scales_and_quotients(rows, k, dtype):
     """The one-kernel quantizer (models.kernels.fp8_quant, a GPU's) under the interpreter: each
-    token's scale and quotient bit for bit torch's, over rows wider than one loop step, an
-    all-zero row and an outlier; the cast (left out here: the interpreter's is wrong) rounds
-    them to torch's E4M3 bytes."""
+    token's scale and quotient bit for bit torch's, over rows held in one block and rows wider
+    than a block, an all-zero row and an outlier; the cast (left out here: the interpreter's is
+    wrong) rounds them to torch's E4M3 bytes."""
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, k, generator=g) * torch.logspace(-3, 1.5, rows)[:, None]
     x[1] = 0
