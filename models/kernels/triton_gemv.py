@@ -36,13 +36,16 @@ from models.kernels.triton_ops import _pow2, fp8_row_scale, interpreting
 @dataclass(frozen=True)
 class GemvConfig:
     """A GEMV's tiling: output rows a program, columns a loop step, warps, and the loop's
-    unrolling (the loads of that many steps issued together: more bytes in flight a thread)."""
+    unrolling (the loads of that many steps issued together: more bytes in flight a thread);
+    one_pass: a norm before the GEMV read in the GEMV's own loop, its 1 / rms scaling the sums
+    after it (as the small GEMMs do), instead of a first pass over the row a program."""
 
     # the best uniform tiling of Llama-3.1-8B's four projections on the H100 (docs/BENCHMARKS.md)
     block_n: int = 2
     block_k: int = 2048
     warps: int = 4
     unroll: int = 2
+    one_pass: bool = False
 
     def __post_init__(self):
         for name in ("block_n", "block_k"):
@@ -51,17 +54,20 @@ class GemvConfig:
                 raise ValueError(f"GEMV {name} {v}: a power of 2")
         if self.warps not in (1, 2, 4, 8, 16) or self.unroll < 1:
             raise ValueError(f"GEMV warps {self.warps} (1..16, a power of 2), unroll {self.unroll}")
+        if self.one_pass not in (False, True):
+            raise ValueError(f"GEMV one_pass {self.one_pass!r}: 0 or 1")
 
     @classmethod
     def parse(cls, text: str) -> GemvConfig:
-        """'BN:BK:WARPS:UNROLL' (or a prefix of it; the rest default)."""
+        """'BN:BK:WARPS:UNROLL[:ONE_PASS]' (or a prefix of it; the rest default)."""
         parts = [int(p) for p in text.replace(",", ":").split(":") if p]
-        if len(parts) > 4:
-            raise ValueError(f"GEMV config {text!r}: at most BN:BK:WARPS:UNROLL")
+        if len(parts) > 5:
+            raise ValueError(f"GEMV config {text!r}: at most BN:BK:WARPS:UNROLL:ONE_PASS")
         return cls(*parts)
 
     def __str__(self) -> str:
-        return f"{self.block_n}:{self.block_k}:{self.warps}:{self.unroll}"
+        one_pass = ":1" if self.one_pass else ""
+        return f"{self.block_n}:{self.block_k}:{self.warps}:{self.unroll}{one_pass}"
 
 
 PRO_NONE, PRO_NORM, PRO_SILU = 0, 1, 2
@@ -78,7 +84,7 @@ def _build(interpret: bool):
         w_ptr, x_ptr, h_ptr, nw_ptr, b_ptr, s_ptr, out_ptr, n, eps,
         K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         PRO: tl.constexpr, INTO: tl.constexpr, HAS_H: tl.constexpr, BIAS: tl.constexpr,
-        UNROLL: tl.constexpr, GLU: tl.constexpr, SCALE: tl.constexpr,
+        UNROLL: tl.constexpr, GLU: tl.constexpr, SCALE: tl.constexpr, ONE_PASS: tl.constexpr,
     ):  # fmt: skip
         # program i: out[rows] (op)= W[rows, :] @ x, rows = i * BLOCK_N + [0, BLOCK_N); with GLU
         # (W: gate rows, then n up rows), out[i * BLOCK_N / 2 + j] = silu(gate_j) * up_j, the
@@ -94,8 +100,8 @@ def _build(interpret: bool):
             rm = rows < n
         dt = out_ptr.dtype.element_ty
         kk0 = tl.arange(0, BLOCK_K)
-        if PRO == 1:  # the row's sum of squares, of src (+ h) in fp32
-            sq = tl.zeros([BLOCK_K], dtype=tl.float32)
+        sq = tl.zeros([BLOCK_K], dtype=tl.float32)  # the norm's: the row's squares, summed
+        if PRO == 1 and not ONE_PASS:  # the row's sum of squares, of src (+ h) in fp32
             for k0 in range(0, K, BLOCK_K):
                 kk = k0 + kk0
                 km = kk < K
@@ -113,7 +119,11 @@ def _build(interpret: bool):
                 if HAS_H:
                     s += tl.load(h_ptr + kk, mask=km, other=0.0).to(tl.float32)
                 nw = tl.load(nw_ptr + kk, mask=km, other=0.0).to(tl.float32)
-                xv = (s * inv * nw).to(dt).to(tl.float32)
+                if ONE_PASS:  # the row scaled by the norm's weight; 1 / rms after the sums
+                    sq += s * s
+                    xv = (s * nw).to(dt).to(tl.float32)
+                else:
+                    xv = (s * inv * nw).to(dt).to(tl.float32)
             elif PRO == 2:
                 g = tl.load(x_ptr + kk, mask=km, other=0.0).to(tl.float32)
                 u = tl.load(x_ptr + K + kk, mask=km, other=0.0).to(tl.float32)
@@ -126,6 +136,8 @@ def _build(interpret: bool):
             w = tl.load(w_at, mask=wm, other=0.0, eviction_policy="evict_first")
             acc += w.to(tl.float32) * xv[None, :]
         y = tl.sum(acc, 1)
+        if PRO == 1 and ONE_PASS:
+            y *= 1.0 / tl.sqrt(tl.sum(sq, 0) / K + eps)
         if SCALE:  # an FP8 weight's rows: their scales
             y *= tl.load(s_ptr + rows, mask=rm, other=0.0)
         if BIAS:
@@ -191,7 +203,8 @@ def gemv(
         scale if scale is not None else w, out, n, float(eps),
         K=k, BLOCK_N=c.block_n, BLOCK_K=block_k, PRO=pro, INTO=into is not None,
         HAS_H=h is not None, BIAS=bias is not None,
-        UNROLL=c.unroll, GLU=glu, SCALE=scale is not None, num_warps=c.warps, num_stages=1,
+        UNROLL=c.unroll, GLU=glu, SCALE=scale is not None, ONE_PASS=c.one_pass,
+        num_warps=c.warps, num_stages=1,
     )  # fmt: skip
     return out
 

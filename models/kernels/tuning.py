@@ -125,8 +125,8 @@ def _from_json(key: str, value):
             raise ValueError(f"{key}: {value!r}, want [warps, stages] or null")
         return tuple(value)
     if key == "gemv":
-        if not isinstance(value, list) or not 1 <= len(value) <= 4:
-            raise ValueError(f"{key}: {value!r}, want [BN, BK, WARPS, UNROLL] or null")
+        if not isinstance(value, list) or not 1 <= len(value) <= 5:
+            raise ValueError(f"{key}: {value!r}, want [BN, BK, WARPS, UNROLL(, ONE_PASS)] or null")
         if not all(_is_int(v) for v in value):
             raise ValueError(f"{key}: {value!r}, want integers")
         return GemvConfig(*value)

@@ -109,7 +109,7 @@ FP8 = {"w_ptr": "*fp8e4nv"}  # an FP8 linear's weight (its row scales: s_ptr)
 def gemv_builds():
     """A one-row layer's GEMVs (triton_gemv) for Llama-3.1-8B's shapes; one with a bias, of
     Qwen2's qkv; and gate_up making SiLU * up (GLU); each in bf16 and over FP8 weights with
-    their row scales."""
+    their row scales; qkv and gate_up again with the norm read in one pass (`one_pass`)."""
     fn = triton_gemv._build(False)
     c = triton_gemv.GemvConfig()
     pro_norm, pro_silu = triton_gemv.PRO_NORM, triton_gemv.PRO_SILU
@@ -120,11 +120,14 @@ def gemv_builds():
         ("down", 14336, pro_silu, False, False, False),
         ("qkv+bias", 3584, pro_norm, False, True, True),
         ("gate_up+glu", 4096, pro_norm, False, False, False),
+        ("qkv one pass", 4096, pro_norm, False, True, False),
+        ("gate_up+glu one pass", 4096, pro_norm, False, False, False),
     )
     for (name, k, pro, into, has_h, bias), fp8 in itertools.product(shapes, (False, True)):
-        glu = name.endswith("glu")
+        glu = "glu" in name
         const = dict(K=k, BLOCK_N=c.block_n, BLOCK_K=c.block_k, PRO=pro, INTO=into, HAS_H=has_h,
-                     BIAS=bias, UNROLL=c.unroll, GLU=glu, SCALE=fp8)  # fmt: skip
+                     BIAS=bias, UNROLL=c.unroll, GLU=glu, SCALE=fp8,
+                     ONE_PASS=name.endswith("one pass"))  # fmt: skip
         types = {**GEMV_TYPES, **FP8} if fp8 else GEMV_TYPES
         b = compile_for_hopper(fn, types, const, num_warps=c.warps, num_stages=1)
         ptx = b.asm["ptx"]

@@ -26,11 +26,13 @@ def linear(n: int, k: int, bias: bool, g: torch.Generator, dtype=torch.float32):
     return lin.to(dtype)
 
 
-# (rows, columns, bias, tiling): whole tiles, ragged rows and columns, a bias, one row a program
+# (rows, columns, bias, tiling): whole tiles, ragged rows and columns, a bias, one row a program,
+# the norm read in one pass
 SHAPES = [
     (64, 256, False, GemvConfig(8, 64)),
     (40, 200, True, GemvConfig(16, 128, 2, 1)),
     (7, 96, False, GemvConfig(1, 32, 1, 2)),
+    (40, 200, True, GemvConfig(16, 64, 2, 2, one_pass=True)),
 ]
 
 
@@ -76,6 +78,10 @@ def test_bf16_rounds_where_the_chain_rounds():
     want = gemv_reference(lin, x, norm=(nw, 1e-5), h=h)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    # in one pass the row scaled by the norm's weight is rounded, 1 / rms scales the sums
+    one_pass = GemvConfig(16, 128, one_pass=True)
+    got = gemv(lin, x, norm=(nw, 1e-5), h=h, config=one_pass)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
     sq = linear(512, 512, False, g, torch.bfloat16)
     got = gemv(sq, x, into=r.clone(), h=h, config=GemvConfig(16, 128))
     want = gemv_reference(sq, x, into=r.clone(), h=h)
@@ -91,7 +97,9 @@ def test_the_tiling_knob():
     assert GemvConfig.parse("16:256") == GemvConfig(16, 256, 4, 2)
     assert GemvConfig.parse("8:512:8:1") == GemvConfig(8, 512, 8, 1)
     assert str(GemvConfig(8, 512, 8, 1)) == "8:512:8:1"
-    for bad in ("12", "8:300", "8:512:3", "8:512:4:0", "1:2:4:1:5"):
+    assert GemvConfig.parse("8:512:8:1:1") == GemvConfig(8, 512, 8, 1, True)
+    assert str(GemvConfig(8, 512, 8, 1, True)) == "8:512:8:1:1"
+    for bad in ("12", "8:300", "8:512:3", "8:512:4:0", "1:2:4:1:5", "1:2:4:1:1:1"):
         with pytest.raises(ValueError, match="GEMV"):
             GemvConfig.parse(bad)
 

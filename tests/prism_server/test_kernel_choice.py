@@ -76,6 +76,8 @@ def test_an_override_goes_over_the_gpus_table(tmp_path):
     assert k.gemv == GemvConfig(16, 256) and k.piecewise_max_tokens == 2048
     assert k.fp8_scaled_mm_min_rows is None  # null: FP8 steps keep the dequantized weight
     assert k.small_gemm == SmallGemmConfig(16, 64, wide=SmallGemmConfig(32, 128))
+    k = load_kernel_config("NVIDIA H200", _override(tmp_path, {"gemv": [2, 2048, 4, 4, 1]}))
+    assert k.gemv == GemvConfig(2, 2048, 4, 4, one_pass=True)  # the norm read in one pass
     # the run may be named in an override too; unnamed settings keep the GPU's
     k = load_kernel_config("NVIDIA H200", _override(tmp_path, {"triton_stages": 1}, run=True))
     assert k == KernelConfig(small_gemm=None, triton_stages=1)
@@ -96,6 +98,7 @@ def test_an_override_goes_over_the_gpus_table(tmp_path):
         ({"triton_dense": "2:2"}, "triton_dense: '2:2'"),
         ({"gemv": [12, 256]}, "gemv: GEMV block_n 12: a power of 2"),
         ({"gemv": "2:2048"}, "gemv: '2:2048'"),
+        ({"gemv": [2, 2048, 4, 2, 2]}, "gemv: GEMV one_pass 2: 0 or 1"),
         ({"small_gemm": "8:64"}, "small_gemm: small GEMM block_n 8"),
         ({"small_gemm": "16:64/"}, "small_gemm: small GEMM config '16:64/'"),
         ({"small_gemm": 1}, "small_gemm: 1"),
