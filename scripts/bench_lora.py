@@ -72,13 +72,13 @@ def decode(engine: Engine, args, names: list[str], vocab: int) -> dict:
     """The base alone, then each count of distinct adapters, at the same batch."""
     b = args.batch
     prompts = [prompt(args.prompt, 100 + i, vocab) for i in range(b)]
-    most = [names[i % max(args.distinct)] for i in range(b)]
-    for models in ([BASE] * b, most):  # warm-up: both paths at the batch
+    mixes = {n: [names[i % n] for i in range(b)] for n in args.distinct}
+    # warm-up: each mix at the batch (a decode graph each count of LoRA tiles, captured now)
+    for models in ([BASE] * b, *mixes.values()):
         run_batch(engine, models, prompts, 4)
     out = {"batch": b, "base": run_batch(engine, [BASE] * b, prompts, args.tokens)}
     print(f"   base alone B={b}: TPOT {fmt(out['base']['tpot_ms'], ' ms')}", flush=True)
-    for n in args.distinct:
-        models = [names[i % n] for i in range(b)]
+    for n, models in mixes.items():
         r = run_batch(engine, models, prompts, args.tokens)
         out[f"distinct_{n}"] = r
         print(
