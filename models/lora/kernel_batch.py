@@ -12,7 +12,6 @@ and its tiles.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
 
 import torch
@@ -27,7 +26,7 @@ from models.kernels.triton_lora import (
     pack_groups,
     shrink,
 )
-from models.lora.batch import NO_ADAPTER, LoraBatch
+from models.lora.batch import LoraBatch
 from models.lora.tables import LoraTables
 
 
@@ -87,8 +86,7 @@ class LoraGraphInput:
         """The tiles a graph of `size` tokens launches for these tokens' LoRA work: a power of
         2 at least theirs (a graph each, few programs idle), at most what `size` tokens can
         have."""
-        counts = Counter(s for s in token_slots if s != NO_ADAPTER)
-        tiles = sum(-(-c // DECODE_BLOCK_M) for c in counts.values())
+        _, tiles, _ = self._pack(token_slots)  # (pack_groups' tiling, not a second count)
         most = max_tiles(size, self.tables.num_slots, DECODE_BLOCK_M)
         return min(1 << max(tiles - 1, 0).bit_length(), most)
 
