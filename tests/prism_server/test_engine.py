@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import json
-import threading
 
 import pytest
 
 from prism_server.config import EngineConfig, ModelSpec
-from prism_server.engine.commands import Call
 from prism_server.engine.engine import Engine
 from scheduler.request import FinishReason
 from scheduler.sampling_params import SamplingParams
@@ -63,27 +61,6 @@ def smol_engine(budget_pages: int, reserve_output_tokens: int | None = None, **s
 GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
 
 
-def generate_together(e: Engine, params: SamplingParams) -> list:
-    """e.generate of every prompt, the engine thread held (a Call waiting on a gate) until the
-    last request is queued: its steps see them all at once, so the pool runs short as the
-    preemption tests need, however a loaded machine schedules this thread and the engine's."""
-    gate, added, add = threading.Event(), [], e.add_request
-
-    def counting(*a, **k):
-        added.append(add(*a, **k))
-        if len(added) == len(prompts()):
-            gate.set()
-        return added[-1]
-
-    e.worker.send(Call(lambda: gate.wait(60)))
-    e.add_request = counting  # (generate queues its requests through it)
-    try:
-        return e.generate(SMOL, prompts(), params)
-    finally:
-        del e.add_request
-        gate.set()
-
-
 @pytest.fixture(scope="module")
 def sequential() -> list[list[int]]:
     with smol_engine(64) as e:
@@ -106,7 +83,7 @@ def test_batched_equals_sequential_under_preemption_and_chunked_prefill(sequenti
     # prefilled in chunks of at most 32 tokens. Greedy admission (no output reserved), so that
     # blocks run out mid-decode.
     with smol_engine(6, reserve_output_tokens=0, max_num_batched_tokens=32) as e:
-        outs = generate_together(e, GREEDY)
+        outs = e.generate(SMOL, prompts(), GREEDY)
         assert [o.token_ids for o in outs] == sequential
         assert e.model_snapshot(SMOL).num_preemptions > 0
         e.check_integrity()
@@ -123,7 +100,7 @@ def test_prompt_logprobs_are_the_same_in_chunks_and_under_preemption():
         whole = e.generate(SMOL, prompts(), params)
         e.check_integrity()
     with smol_engine(6, reserve_output_tokens=0, max_num_batched_tokens=32) as e:
-        chunked = generate_together(e, params)
+        chunked = e.generate(SMOL, prompts(), params)
         assert e.model_snapshot(SMOL).num_preemptions > 0
         e.check_integrity()
     for w, c in zip(whole, chunked):
