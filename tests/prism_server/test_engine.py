@@ -46,7 +46,10 @@ def prompts() -> list[str]:
 
 
 def smol_engine(budget_pages: int, reserve_output_tokens: int | None = None, **spec) -> Engine:
-    spec = ModelSpec(SMOL, SMOL, **spec)
+    # SLOs no step can miss: the arbitrator then admits in arrival order and never shortens a
+    # chunk, so how the steps go (and how often blocks run out) does not depend on the machine's
+    # speed (the default SLOs are multiples of the start-up profile, which a loaded machine skews)
+    spec = ModelSpec(SMOL, SMOL, **{"ttft_slo_ms": 1e9, "tpot_slo_ms": 1e9, **spec})
     return Engine(
         EngineConfig(
             models=(spec,),
