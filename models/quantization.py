@@ -5,8 +5,9 @@
     quantize_model(model)               # every projection of a meta-built model -> Fp8Linear
     checkpoint_fp8(config_json)         # does config.json say the weights already are FP8?
 
-A scale is the row's amax / 448 (E4M3's largest finite value), so every value of the row is
-representable and the largest lands on 448. Embeddings and the LM head are never quantized.
+A scale is the row's amax times 1 / 448 (448: E4M3's largest finite value), so every value of
+the row is representable and the largest lands on 448. Embeddings and the LM head are never
+quantized.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     step = max(1, _CHUNK_ELEMENTS // max(1, w.shape[1]))
     for lo in range(0, w.shape[0], step):
         rows = w[lo : lo + step].float()  # [n, K]
-        s = rows.abs().amax(dim=1) / FP8_MAX
+        s = rows.abs().amax(dim=1) * (1.0 / FP8_MAX)  # as the activations (every device alike)
         s = torch.where(s > 0, s, torch.ones_like(s))
         q[lo : lo + step] = (rows / s[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
         scale[lo : lo + step] = s
