@@ -16,7 +16,7 @@ from kvpool.pooled_buffer import PooledBuffer
 from kvpool.sharded_weights import ShardedHostCopy, ShardedWeights
 from kvpool.tensor_backend import TensorBackend
 from kvpool.virtual_buffer import VirtualBuffer
-from kvpool.weight_buffer import WeightBuffer, WeightLayout, WeightSlot
+from kvpool.weight_buffer import WeightBuffer, WeightLayout, WeightSlot, map_and_load
 
 __all__ = [
     "BlockAllocator",
@@ -46,4 +46,5 @@ __all__ = [
     "WeightBuffer",
     "WeightLayout",
     "WeightSlot",
+    "map_and_load",
 ]

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvpool.host_copy import Transfer
 from kvpool.page_pool import PagePool
 from kvpool.pooled_buffer import PooledBuffer
 
@@ -106,3 +107,17 @@ class WeightBuffer:
 
 def _view(flat: torch.Tensor, slot: WeightSlot) -> torch.Tensor:
     return flat[slot.offset : slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
+
+
+def map_and_load(buffer, host) -> Transfer | None:
+    """Back every page of `buffer` (a WeightBuffer, or a sharded model's ShardedWeights) and
+    start `host`'s copy of its bytes into them (its HostCopy, or ShardedHostCopy): the copy in
+    flight, or None (nothing mapped) when the pool has too few pages; a copy that cannot start
+    leaves the pages unmapped."""
+    if not buffer.map():
+        return None
+    try:
+        return host.load_async(buffer.bytes())
+    except BaseException:
+        buffer.unmap()
+        raise

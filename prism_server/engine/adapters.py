@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvpool import HostCopy, Transfer, WeightBuffer, WeightLayout
+from kvpool import HostCopy, Transfer, WeightBuffer, WeightLayout, map_and_load
 from models.lora import DEFAULT_MAX_RANK, NO_ADAPTER, LoraAdapter, LoraSlots, LoraWeights
 from scheduler.request import RequestStatus
 from scheduler.snapshot import AdapterSnapshot
@@ -179,13 +179,9 @@ class BaseAdapters:
                 return True
             if not a.buffer.can_map() and self.make_room is not None:
                 self.make_room(a.buffer.can_map)
-            if not a.buffer.map():
+            a.loading = map_and_load(a.buffer, a.host)
+            if a.loading is None:
                 return False
-            try:
-                a.loading = a.host.load_async(a.buffer.bytes())
-            except BaseException:
-                a.buffer.unmap()
-                raise
         if not a.loading.done():
             return None
         self._landed(a)

@@ -17,7 +17,7 @@ import time
 from collections import deque
 from concurrent.futures import Future
 
-from kvpool import HostCopy, PagedKV, ShardedKV, Transfer, WeightBuffer
+from kvpool import HostCopy, PagedKV, ShardedKV, Transfer, WeightBuffer, map_and_load
 from prism_server.engine.commands import TransitionRefused
 from scheduler.batch_scheduler import BatchScheduler
 from scheduler.request import Request
@@ -172,13 +172,9 @@ class ModelResidency:
             self._enter(Residency.RESIDENT)
         if self.residency is Residency.OFFLOADED:
             self._activation_started = time.perf_counter()
-            if not self.weights.map():
+            self._transfer = map_and_load(self.weights, self.host)
+            if self._transfer is None:
                 return False
-            try:
-                self._transfer = self.host.load_async(self.weights.bytes())
-            except BaseException:
-                self.weights.unmap()
-                raise
             self._enter(Residency.ACTIVATING)
         if self.residency is Residency.ACTIVATING and wait:
             self._land()

@@ -6,7 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvpool import CpuBackend, HostCopy, PagedKV, PagePool, WeightBuffer, WeightLayout
+from kvpool import (
+    CpuBackend,
+    HostCopy,
+    PagedKV,
+    PagePool,
+    WeightBuffer,
+    WeightLayout,
+    map_and_load,
+)
 from kvpool.kv_layout import KVLayout
 from kvpool.weight_buffer import ALIGN
 
@@ -110,6 +118,38 @@ def test_a_buffer_that_cannot_be_backed_maps_nothing():
     wb.check_integrity()
     wb.close()
     p.check_integrity()
+
+
+def test_map_and_load_maps_then_copies_or_leaves_nothing_mapped():
+    p = pool(4)
+    lay = WeightLayout.pack([("w", (3 * PAGE // 4,), torch.float32)])
+    src = WeightBuffer(p, "src/weights", lay)
+    assert src.map()
+    src.views()["w"].copy_(torch.arange(3 * PAGE // 4, dtype=torch.float32))
+    host = HostCopy(src.nbytes, torch.device("cpu"))
+    host.save(src.bytes())
+    wb = WeightBuffer(p, "m/weights", lay)
+    assert map_and_load(wb, host) is None  # 1 page free of the 3: nothing taken
+    assert p.pages_of("m/weights") == 0 and not wb.mapped
+    src.unmap()
+
+    class Broken:
+        def load_async(self, dst):
+            raise RuntimeError("the copy could not start")
+
+    with pytest.raises(RuntimeError, match="could not start"):
+        map_and_load(wb, Broken())
+    assert p.pages_of("m/weights") == 0 and p.num_available == 4  # its pages given back
+    transfer = map_and_load(wb, host)
+    assert transfer is not None and wb.mapped
+    transfer.wait()
+    assert torch.equal(wb.views()["w"], torch.arange(3 * PAGE // 4, dtype=torch.float32))
+    for b in (wb, src):
+        b.check_integrity()
+        b.close()
+    host.close()
+    p.check_integrity()
+    assert p.stats().owned == {}
 
 
 @pytest.mark.gpu
