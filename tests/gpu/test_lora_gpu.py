@@ -118,10 +118,12 @@ def test_the_kernels_add_what_the_torch_gemms_add(layer, step):
 
 def test_the_kernels_replay_in_a_graph_over_a_refilled_input(layer):
     """Each module's shrink and expand captured once for 64 tokens; replays over other steps'
-    slots (fewer tokens, the base's among them) give the torch GEMMs' deltas."""
+    slots (fewer tokens and tiles, the base's among them) give the torch GEMMs' deltas."""
     base, ker, ref = layer
     graph_input = ker.graph_input(capacity=64)
-    work = graph_input.batch(64)
+    steps = (STEPS["decode-64"], STEPS["decode-13"], [N] * 5, [7, 7, 0])
+    # the tiles of the step that has the most: the others replay it with tiles idle
+    work = graph_input.batch(64, max(graph_input.tiles_for(t, 64) for t in steps))
     modules = [m for m in base.modules() if isinstance(m, nn.Linear)]
     g = torch.Generator(device="cuda").manual_seed(3)
     xs = [torch.randn(64, m.in_features, generator=g, device="cuda").bfloat16() for m in modules]
@@ -137,7 +139,7 @@ def test_the_kernels_replay_in_a_graph_over_a_refilled_input(layer):
     with torch.cuda.graph(graph):
         for m, x, o in zip(modules, xs, outs):
             work.add(m, x, o)
-    for token_slots in (STEPS["decode-64"], STEPS["decode-13"], [N] * 5, [7, 7, 0]):
+    for token_slots in steps:
         graph_input.fill(token_slots)
         padded = token_slots + [N] * (64 - len(token_slots))
         for o, y in zip(outs, ys):
