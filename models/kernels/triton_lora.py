@@ -41,10 +41,11 @@ import torch
 from models.kernels.triton_ops import _pow2, interpreting, sm_count
 
 NO_SLOT = -1
-# the H100's best of those tried for a decode step of 32 tokens (bench_kernels.py lora): 128
-# rows an expand program (64: 2458 -> 2052 us a step at one adapter, 4633 -> 4058 at 32), 256
-# columns a shrink step (128: 2469 -> 2252 us at one adapter); K in 16 parts (4: 4020 us)
-BLOCK_N = 128  # expand: output rows a program
+# the H100's best of those tried for a decode step of 32 tokens (bench_kernels.py lora): 256
+# rows an expand program (128: 1583 / 2047 / 4970 us a step at 1 / 8 / 32 adapters, 256: 1534
+# / 1822 / 3829), 256 columns a shrink step (128: 2469 -> 2252 us at one adapter); K in up to
+# 16 parts (at most 4: 1619 -> 2420 us at one adapter, but 5000 -> 3873 at 32)
+BLOCK_N = 256  # expand: output rows a program
 BLOCK_K = 256  # shrink: columns of x a loop step
 MAX_SPLITS = 16  # shrink: most parts of K
 DECODE_BLOCK_M = 16  # a decode graph's tiles (tl.dot's least)
