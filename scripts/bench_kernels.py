@@ -607,9 +607,11 @@ def main_attn() -> None:
 OPS = ("norm", "act:silu", "act:gelu_tanh", "page", "sampling", "rope")
 DEFAULT_SHAPES = [
     *OPS,
+    "decode:64",
     "decode:128",
     "decode:256:window",
     "decode:256:window:softcap",
+    "fa2:64",
     "fa2:128",
     "fa2:128:window",
     "fa2:256:window",
