@@ -823,19 +823,23 @@ def lora_run(d: int, args, gbs: float) -> dict:
         variants[f"expand tile {v}"] = (full, {"block_n": int(v)})
     for v in args.block_k.replace(",", " ").split():
         variants[f"shrink step {v}"] = (full, {"block_k": int(v)})
-    defaults = (triton_lora.MAX_SPLITS, triton_lora.BLOCK_N, triton_lora.BLOCK_K)
+    for v in args.expand_blocks.replace(",", " ").split():
+        variants[f"expand {v} row blocks a program"] = (full, {"expand_blocks": int(v)})
+    names = ("MAX_SPLITS", "BLOCK_N", "BLOCK_K", "EXPAND_BLOCKS")
+    defaults = [getattr(triton_lora, k) for k in names]
     try:
         for name, (g, opts) in variants.items():
-            triton_lora.MAX_SPLITS = opts.pop("splits", defaults[0])
-            triton_lora.BLOCK_N = opts.pop("block_n", defaults[1])
-            triton_lora.BLOCK_K = opts.pop("block_k", defaults[2])
+            for k, default in zip(names, defaults):
+                key = "splits" if k == "MAX_SPLITS" else k.lower()
+                setattr(triton_lora, k, opts.pop(key, default))
             fn = chain(g, **opts)
             if not opts:  # the same deltas as the default
                 for a, w in zip(result(fn), want):
                     torch.testing.assert_close(a, w, rtol=2e-2, atol=2e-2)
             row[name] = graph_ms(fn, args.runs) * 1e3
     finally:
-        triton_lora.MAX_SPLITS, triton_lora.BLOCK_N, triton_lora.BLOCK_K = defaults
+        for k, default in zip(names, defaults):
+            setattr(triton_lora, k, default)
     return row
 
 
@@ -851,8 +855,8 @@ def main_lora() -> None:
     - shrink alone and expand alone (where the time goes);
     - a grid over the step's tiles exactly, and over every tile a batch can have (what idle
       programs cost);
-    - other splits of K in the shrink (`--splits`), its loop steps (`--block-k`) and output
-      tiles in the expand (`--block-n`).
+    - other splits of K in the shrink (`--splits`), its loop steps (`--block-k`), output
+      tiles in the expand (`--block-n`) and its tiles a program (`--expand-blocks`).
 
         python3 scripts/bench_kernels.py lora [--distinct "1 8 32"] [--batch 32]
     """
@@ -862,8 +866,9 @@ def main_lora() -> None:
     ap.add_argument("--slots", type=int, default=32)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--splits", default="4 1", help="most parts of K in the shrink, beside 16")
-    ap.add_argument("--block-n", default="128 256", help="expand tiles beside 64")
-    ap.add_argument("--block-k", default="", help="shrink loop steps beside 128")
+    ap.add_argument("--block-n", default="128 512", help="expand tiles beside the default")
+    ap.add_argument("--block-k", default="", help="shrink loop steps beside the default")
+    ap.add_argument("--expand-blocks", default="2 4", help="expand row blocks a program beside 1")
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--runs", type=int, default=20)
     ap.add_argument("--json", default=None)

@@ -45,7 +45,8 @@ NO_SLOT = -1
 # rows an expand program (128: 1583 / 2047 / 4970 us a step at 1 / 8 / 32 adapters, 256: 1534
 # / 1822 / 3829), 256 columns a shrink step (128: 2469 -> 2252 us at one adapter); K in up to
 # 16 parts (at most 4: 1619 -> 2420 us at one adapter, but 5000 -> 3873 at 32)
-BLOCK_N = 256  # expand: output rows a program
+BLOCK_N = 256  # expand: output rows a block
+EXPAND_BLOCKS = 1  # expand: blocks of BLOCK_N rows a program (its tile's sums loaded once)
 BLOCK_K = 256  # shrink: columns of x a loop step
 MAX_SPLITS = 16  # shrink: most parts of K
 DECODE_BLOCK_M = 16  # a decode graph's tiles (tl.dot's least)
@@ -187,10 +188,11 @@ def _build(interpret: bool):
     def expand_kernel(
         h_ptr, y_ptr, table_ptr, bounds_ptr, groups_ptr, cap, sy, st, parts,
         J: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        PB: tl.constexpr, DOT_F32: tl.constexpr,
+        NB: tl.constexpr, PB: tl.constexpr, DOT_F32: tl.constexpr,
     ):  # fmt: skip
-        # program (tile i, shard j, n): y[t, row0_j + n * BLOCK_N + i] of the tokens t of tile
-        # i. Each (token, row) is one program's: a token is in one tile, once
+        # program (tile i, shard j, n): y[t, row0_j + (n * NB + b) * BLOCK_N + i] of the tokens
+        # t of tile i, for its NB blocks b. Each (token, row) is one program's: a token is in
+        # one tile, once
         tile = groups_ptr + 2 * cap + 3 * tl.program_id(0)
         j = tl.program_id(1)
         n = tl.program_id(2)
@@ -201,7 +203,7 @@ def _build(interpret: bool):
             rank = tl.load(table_ptr + slot * st + 2 + 3 * j).to(tl.int32)
             row0 = tl.load(bounds_ptr + j)
             rows = tl.load(bounds_ptr + j + 1) - row0
-            if (rank > 0) & (n * BLOCK_N < rows):
+            if (rank > 0) & (n * NB * BLOCK_N < rows):
                 dt = y_ptr.dtype.element_ty
                 b_ptr = tl.load(table_ptr + slot * st + 1 + 3 * j).to(tl.pointer_type(dt))
                 pi = tl.arange(0, BLOCK_M)
@@ -223,22 +225,23 @@ def _build(interpret: bool):
                     )  # [PB, BLOCK_M, R]
                     h += tl.sum(part, 0)
                 h = h.to(dt)  # rounded as the shrink's GEMM rounds its output
-                i = n * BLOCK_N + tl.arange(0, BLOCK_N)
-                im = i < rows
-                bt = tl.load(
-                    b_ptr + i[None, :].to(tl.int64) * rank + r[:, None],
-                    mask=rm[:, None] & im[None, :],
-                    other=0.0,
-                )  # [R, BLOCK_N]: B's rows, transposed
-                if DOT_F32:
-                    d = tl.dot(h.to(tl.float32), bt.to(tl.float32), input_precision="ieee")
-                else:
-                    d = tl.dot(h, bt)
-                ym = pm[:, None] & im[None, :]
-                y_at = y_ptr + tok[:, None] * sy + (row0 + i)[None, :]
-                yv = tl.load(y_at, mask=ym, other=0.0)
-                out = yv.to(tl.float32) + d.to(dt).to(tl.float32)  # rounded as torch's add_
-                tl.store(y_at, out.to(dt), mask=ym)
+                for b in range(NB):
+                    i = (n * NB + b) * BLOCK_N + tl.arange(0, BLOCK_N)
+                    im = i < rows
+                    bt = tl.load(
+                        b_ptr + i[None, :].to(tl.int64) * rank + r[:, None],
+                        mask=rm[:, None] & im[None, :],
+                        other=0.0,
+                    )  # [R, BLOCK_N]: B's rows, transposed
+                    if DOT_F32:
+                        d = tl.dot(h.to(tl.float32), bt.to(tl.float32), input_precision="ieee")
+                    else:
+                        d = tl.dot(h, bt)
+                    ym = pm[:, None] & im[None, :]
+                    y_at = y_ptr + tok[:, None] * sy + (row0 + i)[None, :]
+                    yv = tl.load(y_at, mask=ym, other=0.0)
+                    out = yv.to(tl.float32) + d.to(dt).to(tl.float32)  # rounded as torch's add_
+                    tl.store(y_at, out.to(dt), mask=ym)
 
     return shrink_kernel, expand_kernel
 
@@ -283,9 +286,11 @@ def expand(
     parts, cap, shards, rank_block = h.shape
     assert cap == groups.capacity and y.stride(1) == 1 and bounds.numel() >= shards + 1
     _, kernel = _build(interpreting())
-    kernel[(groups.tiles, shards, -(-widest // BLOCK_N))](
+    blocks = -(-widest // BLOCK_N)
+    nb = min(EXPAND_BLOCKS, blocks)
+    kernel[(groups.tiles, shards, -(-blocks // nb))](
         h, y, table, bounds, groups.buf, cap, y.stride(0), table.stride(0), parts,
-        J=shards, R=rank_block, BLOCK_M=groups.block_m, BLOCK_N=BLOCK_N,
+        J=shards, R=rank_block, BLOCK_M=groups.block_m, BLOCK_N=BLOCK_N, NB=nb,
         PB=parts_block(parts, groups.block_m, rank_block),
         DOT_F32=interpreting() or y.dtype == torch.float32, num_warps=4,
     )  # fmt: skip

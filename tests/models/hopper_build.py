@@ -208,7 +208,8 @@ def lora_builds():
         assert re.search(r"\bw?mma\b|mma\.sync|wgmma\.mma_async", b.asm["ptx"]), name
         yield f"lora shrink {name} tiles of {block_m} rank {rank}", b
         const = dict(J=shards, R=rank, BLOCK_M=block_m, BLOCK_N=triton_lora.BLOCK_N,
-                     PB=triton_lora.parts_block(16, block_m, rank), DOT_F32=False)  # fmt: skip
+                     NB=triton_lora.EXPAND_BLOCKS, PB=triton_lora.parts_block(16, block_m, rank),
+                     DOT_F32=False)  # fmt: skip
         b = compile_for_hopper(expand, LORA_TYPES, const, num_warps=4)
         assert re.search(r"\bw?mma\b|mma\.sync|wgmma\.mma_async", b.asm["ptx"]), name
         yield f"lora expand {name} tiles of {block_m} rank {rank}", b

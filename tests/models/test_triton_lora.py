@@ -109,6 +109,17 @@ def test_the_kernels_add_what_the_torch_gemms_add(dtype, step):
     assert adapted >= 3
 
 
+@pytest.mark.parametrize("blocks", [1, 2, 3])
+def test_an_expand_program_may_cover_several_blocks_of_rows(monkeypatch, blocks):
+    """Expand programs of 1, 2 or 3 blocks of 16 rows (the last ones part-filled, or past a
+    shard's rows) give the deltas of the torch GEMMs."""
+    from models.kernels import triton_lora
+
+    monkeypatch.setattr(triton_lora, "BLOCK_N", 16)
+    monkeypatch.setattr(triton_lora, "EXPAND_BLOCKS", blocks)
+    test_the_kernels_add_what_the_torch_gemms_add(torch.float32, "prefill")
+
+
 def test_shrink_gives_each_token_its_slots_a_rows_product_split_over_k():
     """h's parts (K split in several) sum, for each token, to x @ A.T of its slot's shard rows;
     a slot of rank 0 on a shard and the rows past its rank are left alone."""
