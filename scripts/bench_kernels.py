@@ -825,21 +825,21 @@ def lora_run(d: int, args, gbs: float) -> dict:
         variants[f"shrink step {v}"] = (full, {"block_k": int(v)})
     for v in args.expand_blocks.replace(",", " ").split():
         variants[f"expand {v} row blocks a program"] = (full, {"expand_blocks": int(v)})
-    names = ("MAX_SPLITS", "BLOCK_N", "BLOCK_K", "EXPAND_BLOCKS")
-    defaults = [getattr(triton_lora, k) for k in names]
+    knobs = {"splits": "MAX_SPLITS", "block_n": "BLOCK_N", "block_k": "BLOCK_K",
+             "expand_blocks": "EXPAND_BLOCKS"}  # fmt: skip
+    defaults = {key: getattr(triton_lora, name) for key, name in knobs.items()}
     try:
         for name, (g, opts) in variants.items():
-            for k, default in zip(names, defaults):
-                key = "splits" if k == "MAX_SPLITS" else k.lower()
-                setattr(triton_lora, k, opts.pop(key, default))
+            for key, knob in knobs.items():
+                setattr(triton_lora, knob, opts.pop(key, defaults[key]))
             fn = chain(g, **opts)
             if not opts:  # the same deltas as the default
                 for a, w in zip(result(fn), want):
                     torch.testing.assert_close(a, w, rtol=2e-2, atol=2e-2)
             row[name] = graph_ms(fn, args.runs) * 1e3
     finally:
-        for k, default in zip(names, defaults):
-            setattr(triton_lora, k, default)
+        for key, knob in knobs.items():
+            setattr(triton_lora, knob, defaults[key])
     return row
 
 
@@ -856,7 +856,7 @@ def main_lora() -> None:
     - a grid over the step's tiles exactly, and over every tile a batch can have (what idle
       programs cost);
     - other splits of K in the shrink (`--splits`), its loop steps (`--block-k`), output
-      tiles in the expand (`--block-n`) and its tiles a program (`--expand-blocks`).
+      rows a block in the expand (`--block-n`) and its blocks a program (`--expand-blocks`).
 
         python3 scripts/bench_kernels.py lora [--distinct "1 8 32"] [--batch 32]
     """
