@@ -148,7 +148,7 @@ def registry(engine: Engine, args, dirs: list[Path], vocab: int) -> dict:
     rss = rss_bytes()
     t = time.perf_counter()
     futures = [
-        engine.start_load_adapter(n, str(dirs[i % len(dirs)]), BASE) for i, n in enumerate(names)
+        engine.adapters.start_load(n, str(dirs[i % len(dirs)]), BASE) for i, n in enumerate(names)
     ]
     for f in futures:
         f.result(timeout=3600)
@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> dict:
         with Engine(engine_config(args)) as engine:
             names = [f"d{i}" for i in range(len(dirs))]
             for n, d in zip(names, dirs):
-                engine.start_load_adapter(n, str(d), BASE).result()
+                engine.adapters.start_load(n, str(d), BASE).result()
             print("== decode", flush=True)
             results["decode"] = decode(engine, args, names, vocab)
             print("== activation", flush=True)

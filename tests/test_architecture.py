@@ -1,5 +1,6 @@
 """The layers hold: import-linter's contracts (pyproject.toml), and the decision layer imports and
-tests without torch; no file of the four packages grows past MAX_LINES."""
+tests without torch; no file of the four packages grows past MAX_LINES (the engine's hubs past
+HUB_LINES)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("prism_server", "kvpool", "models", "scheduler")
 MAX_LINES = 500  # a file this long holds more than one job: split it by job
+# the engine thread's two hubs stay small: the facade routes, the device worker actuates
+HUB_LINES = {"prism_server/engine/engine.py": 300, "prism_server/engine/device_worker.py": 350}
 
 # Run first in a fresh interpreter: any import of these raises, as if they were not installed.
 BLOCK = textwrap.dedent(
@@ -59,8 +62,8 @@ def test_no_file_of_the_packages_is_over_max_lines():
         for f in files
         if not f.is_relative_to(kernels)
     }
-    over = {f: n for f, n in counts.items() if n > MAX_LINES}
-    assert not over, f"over {MAX_LINES} lines: {over}"
+    over = {f: n for f, n in counts.items() if n > HUB_LINES.get(f, MAX_LINES)}
+    assert not over, f"over {MAX_LINES} lines ({HUB_LINES} for the hubs): {over}"
 
 
 def test_the_blocker_works():

@@ -6,10 +6,8 @@ commands. `generate` is the synchronous convenience API."""
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import queue
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -18,33 +16,26 @@ from pathlib import Path
 
 import torch
 
-from kvpool import PagePool
-from models.lora import AdapterError  # (raised to the frontend: a bad adapter)
+from models.lora import AdapterError  # noqa: F401 (the frontend's: a bad adapter)
 from prism_server import envs
 from prism_server.completion import Completion
 from prism_server.config import EngineConfig, ModelSpec
 from prism_server.engine import gpu_setup
+from prism_server.engine.adapter_registry import AdapterRegistry
 from prism_server.engine.commands import (
     Abort,
     Activate,
     Evict,
     Load,
-    LoadAdapter,
     Partition,
     RemoveModel,
     Submit,
     TransitionRefused,
-    UnloadAdapter,
 )
 from prism_server.engine.control_loop import ControlLoop, PlanView
 from prism_server.engine.device_worker import DeviceWorker
 from prism_server.engine.loading import Loaded, LoadSettings
-from prism_server.engine.memory_budget import (
-    check_host_budget,
-    make_backend,
-    pool_budget,
-    weight_bytes,
-)
+from prism_server.engine.memory_budget import check_host_budget, device_pool, weight_bytes
 from prism_server.engine.routing import Routes, device_list
 from prism_server.served_model import ModelFailed, ModelNotFound, ServedModel
 from scheduler.policy import policy
@@ -74,19 +65,9 @@ class Engine:
         # control plane on any machine
         self._workers: list[DeviceWorker] = []
         for i, device in enumerate(devices):
-            budget = pool_budget(config, device)
-            # On a GPU the pool creates every handle now (creating is the slow driver call) and
-            # keeps them; on the host it creates them on demand.
-            precreate = budget // config.page_bytes if device.type == "cuda" else 0
-            pool = PagePool(
-                make_backend(device, config.memory_backend),
-                config.page_bytes,
-                budget,
-                precreate,
-            )
             name = str(self.device) if config.devices == 1 else f"{self.device.type}:{i}"
             w = DeviceWorker(
-                pool,
+                device_pool(config, device),
                 self.policy,
                 name=name,
                 trace=Path(config.step_trace) if config.step_trace else None,
@@ -102,11 +83,7 @@ class Engine:
         self.served: dict[str, ServedModel] = {}  # config order, failed models included
         self._ids = itertools.count()
         self._settings = LoadSettings.of(config, self.policy, self.device)
-        # LoRA adapters: each one's base (kept after an unload: a late abort finds its model),
-        # and the loads under way (a second ask for one joins the first)
-        self._bases: dict[str, str] = {}
-        self._adapter_loads: dict[str, Future] = {}
-        self._adapter_lock = threading.Lock()
+        self.adapters = AdapterRegistry(config, self.served, self._routes)  # LoRA adapters
         # the base models first: an adapter is placed beside its base
         for spec in sorted(config.models, key=lambda s: s.is_adapter):
             try:
@@ -151,7 +128,7 @@ class Engine:
         if spec.name in self.served:
             raise ValueError(f"a model named {spec.name!r} is already loaded")
         if spec.is_adapter:
-            return self.start_load_adapter(spec.name, spec.adapter, spec.base, spec).result()
+            return self.adapters.start_load(spec.name, spec.adapter, spec.base, spec).result()
         dev, shards = self._routes.place(
             spec, lambda n: self.model_snapshot(n).weight_bytes, weight_bytes(spec, self.device)
         )
@@ -163,103 +140,6 @@ class Engine:
         self._routes.where[spec.name] = dev
         self.served[spec.name] = served = loaded.served(spec, dev.name)
         return served
-
-    # ---- LoRA adapters ---------------------------------------------------------------------------
-    def start_load_adapter(
-        self, name: str, path: str, base: str | None = None, spec: ModelSpec | None = None
-    ) -> Future:
-        """Load the LoRA adapter in directory `path` as model `name`, served by the steps of
-        `base` (None: the base its adapter_config.json names, or the only base model);
-        thread-safe, returns at once. The future -> its ServedModel, or AdapterError (a bad
-        adapter: nothing served is disturbed), ValueError (a name taken)."""
-        with self._adapter_lock:
-            pending = self._adapter_loads.get(name)
-            if pending is not None:
-                return pending  # (the same name asked twice at once: one load)
-            if name in self.served:
-                raise ValueError(f"a model named {name!r} is already loaded")
-            base = base or self._adapter_base(name, path)
-            served_base = self.served.get(base)
-            if served_base is None or served_base.spec.is_adapter:
-                raise AdapterError(f"adapter {name}: its base {base!r} is not a served model")
-            if served_base.failed:
-                raise AdapterError(f"adapter {name}: its base {base!r} failed to load")
-            if served_base.spec.tensor_parallel > 1:
-                raise AdapterError(
-                    f"adapter {name}: its base {base!r} is split over devices "
-                    "(tensor_parallel > 1), which adapters do not run on"
-                )
-            spec = spec or ModelSpec(name, base=base, adapter=str(path))
-            cfg = self.config
-            cmd = LoadAdapter(base, name, str(path), cfg.max_lora_rank, cfg.max_loras)
-            out: Future = Future()
-            self._adapter_loads[name] = out
-
-        def loaded(done: Future) -> None:  # (on the engine thread)
-            with self._adapter_lock:
-                self._adapter_loads.pop(name, None)
-                e = done.exception()
-                if e is None:
-                    self._bases[name] = base
-                    self.served[name] = replace(served_base, spec=spec)
-            if e is None:
-                log.info("adapter %s of %s loaded from %s", name, base, path)
-                out.set_result(self.served[name])
-            else:
-                out.set_exception(e)
-
-        cmd.done.add_done_callback(loaded)
-        self._routes.send(base, cmd)
-        return out
-
-    def start_unload_adapter(self, name: str) -> Future:
-        """Stop serving adapter `name`: new requests for it get 404 at once, those accepted
-        finish; thread-safe, returns at once. The future resolves once it is gone (its pages
-        and host copy freed). ModelNotFound if no such adapter."""
-        with self._adapter_lock:
-            served = self.served.get(name)
-            if served is None or not served.spec.is_adapter:
-                raise ModelNotFound(name)
-            del self.served[name]
-        cmd = UnloadAdapter(served.spec.base, name)
-        self._routes.send(served.spec.base, cmd)
-        return cmd.done
-
-    def find_adapter(self, name: str) -> Path | None:
-        """The directory of an adapter called `name` in lora_dirs (<dir>/<name> with an
-        adapter_config.json), or None."""
-        if not name or "/" in name or "\\" in name or name in (".", ".."):
-            return None
-        for d in self.config.lora_dirs:
-            path = Path(d).expanduser() / name
-            if (path / "adapter_config.json").is_file():
-                return path
-        return None
-
-    def _adapter_base(self, name: str, path: str) -> str:
-        """The base of an adapter loaded at run time: the served base model its config's
-        base_model_name_or_path names (by name, or its source's path), else the only one."""
-        bases = {n: s for n, s in self.served.items() if not s.spec.is_adapter and not s.failed}
-        try:
-            cfg = json.loads((Path(path).expanduser() / "adapter_config.json").read_text())
-            named = str(cfg.get("base_model_name_or_path") or "")
-        except (OSError, ValueError, AttributeError):
-            named = ""  # read_adapter names the problem
-        if named:
-            for n, s in bases.items():
-                src = s.spec.source
-                if named in (n, src) or Path(named).name in (n, Path(src).name):
-                    return n
-        if len(bases) == 1:
-            return next(iter(bases))
-        raise AdapterError(
-            f"adapter {name}: which base model it adapts is not known (its "
-            f"base_model_name_or_path is {named!r}; served: {sorted(bases)}); name it"
-        )
-
-    def _device_model(self, name: str) -> str:
-        """The model of the device worker that serves `name` (an adapter's base)."""
-        return self._bases.get(name, name)
 
     # ---- the frontend's side ---------------------------------------------------------------------
     def model(self, name: str) -> ServedModel:
@@ -318,7 +198,7 @@ class Engine:
         return self.submit(served, ids, params, sink)
 
     def abort(self, model: str, request_id: str) -> None:
-        model = self._device_model(model)
+        model = self.adapters.device_model(model)
         self._routes.send(model, Abort(model, request_id))
 
     def activate(self, name: str) -> float:

@@ -1,5 +1,5 @@
-"""What memory a device gives the page pool (weights and KV): the backend that provides it, and
-the budget (free memory minus a reserve by default)."""
+"""What memory a device gives the page pool (weights and KV): the backend that provides it,
+the budget (free memory minus a reserve by default), and the pool of that budget."""
 
 from __future__ import annotations
 
@@ -8,7 +8,14 @@ import os
 
 import torch
 
-from kvpool import CpuBackend, CudaBackend, MemoryBackend, TensorBackend, WeightLayout
+from kvpool import (
+    CpuBackend,
+    CudaBackend,
+    MemoryBackend,
+    PagePool,
+    TensorBackend,
+    WeightLayout,
+)
 from models.embedded import resolve_source
 from models.layers.causal_lm import weight_bytes as model_weight_bytes
 from models.loader import ModelSource, meta_model, read_config
@@ -90,6 +97,16 @@ def pool_budget(config, device: torch.device) -> int:
     if config.devices > 1 and device.type == "cuda":
         return min(kv + weights, default_pool_budget(device))
     return kv + weights
+
+
+def device_pool(config, device: torch.device) -> PagePool:
+    """The page pool of one device, of pool_budget's size. On a GPU it creates every handle
+    now (creating is the slow driver call) and keeps them; on the host it creates them on
+    demand."""
+    budget = pool_budget(config, device)
+    precreate = budget // config.page_bytes if device.type == "cuda" else 0
+    backend = make_backend(device, config.memory_backend)
+    return PagePool(backend, config.page_bytes, budget, precreate)
 
 
 def host_budget(config) -> int:

@@ -67,7 +67,7 @@ class AdminRoutes:
                 code="invalid_adapter",
             )
         try:
-            done = self.engine.start_load_adapter(name, path, body.get("base"))
+            done = self.engine.adapters.start_load(name, path, body.get("base"))
             await asyncio.shield(asyncio.wrap_future(done))
         except (AdapterError, ValueError) as e:
             raise serving.bad_adapter(e) from None
@@ -82,7 +82,7 @@ class AdminRoutes:
         body = await _body(request, required=("lora_name",), optional=("lora_int_id",))
         name = body["lora_name"]
         try:
-            done = self.engine.start_unload_adapter(name)
+            done = self.engine.adapters.start_unload(name)
         except ModelNotFound:
             raise APIError(
                 404,

@@ -109,12 +109,12 @@ async def resolve(engine: Engine, name: str) -> ServedModel:
     try:
         return lookup(engine, name)
     except APIError as e:
-        path = engine.find_adapter(name) if e.status == 404 else None
+        path = engine.adapters.find(name) if e.status == 404 else None
         if path is None:
             raise
     try:
         # shielded: a client that goes away does not cancel the load other requests may wait on
-        await asyncio.shield(asyncio.wrap_future(engine.start_load_adapter(name, str(path))))
+        await asyncio.shield(asyncio.wrap_future(engine.adapters.start_load(name, str(path))))
     except AdapterError as e:
         raise APIError(400, str(e), param="model", code="invalid_adapter") from None
     except ValueError:  # loaded meanwhile by another request

@@ -196,7 +196,7 @@ def test_unloading_lets_the_requests_in_flight_finish_and_frees_the_adapter(made
         while not c.token_ids:  # it runs
             time.sleep(0.005)
         stale = e.model("sql")  # a handle looked up before the unload (a request in flight)
-        gone: Future = e.start_unload_adapter("sql")
+        gone: Future = e.adapters.start_unload("sql")
         with pytest.raises(ModelNotFound):  # new requests: 404 at once
             e.model("sql")
         done.get(timeout=60)
@@ -212,7 +212,7 @@ def test_unloading_lets_the_requests_in_flight_finish_and_frees_the_adapter(made
         out = late.get(timeout=30)
         assert out.finished and out.error == "the adapter sql is not loaded"
         # loaded again at run time, under its old name: the same tokens
-        e.start_load_adapter("sql", made[1]["sql"]).result(timeout=30)
+        e.adapters.start_load("sql", made[1]["sql"]).result(timeout=30)
         (again,) = run(e, [("sql", PROMPTS["sql"])])
         assert again.token_ids == ref["sql"]
         owners_whole(e)

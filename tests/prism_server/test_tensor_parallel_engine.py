@@ -85,7 +85,7 @@ def test_an_adapter_of_a_split_model_is_refused_and_the_model_serves_on(tmp_path
     path = _save_hf_dir(tmp_path, _tiny_hf_llama())
     with _engine(path, 2, 2) as e:
         with pytest.raises(AdapterError, match="split over devices"):
-            e.start_load_adapter("a", str(tmp_path / "a"), "m").result()
+            e.adapters.start_load("a", str(tmp_path / "a"), "m").result()
         assert "a" not in e.served
         assert len(e.generate("m", PROMPTS[:1], PARAMS)[0].token_ids) == 12
         e.check_integrity()

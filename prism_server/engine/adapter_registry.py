@@ -1,0 +1,128 @@
+"""The engine's LoRA adapters as served models: loads and unloads at run time (LoadAdapter and
+UnloadAdapter commands to the base's device), the lora_dirs resolver, and each adapter's base.
+Thread-safe: the frontend, admin calls and the engine thread's callbacks meet here."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from concurrent.futures import Future
+from dataclasses import replace
+from pathlib import Path
+
+from models.lora import AdapterError
+from prism_server.config import EngineConfig, ModelSpec
+from prism_server.engine.commands import LoadAdapter, UnloadAdapter
+from prism_server.engine.routing import Routes
+from prism_server.served_model import ModelNotFound, ServedModel
+
+log = logging.getLogger(__name__)
+
+
+class AdapterRegistry:
+    def __init__(self, config: EngineConfig, served: dict[str, ServedModel], routes: Routes):
+        """served: the engine's served models (an adapter is added once loaded, removed at its
+        unload); routes: where each base is served."""
+        self.config, self.served, self.routes = config, served, routes
+        # each adapter's base (kept after an unload: a late abort finds its model), and the
+        # loads under way (a second ask for one joins the first)
+        self._bases: dict[str, str] = {}
+        self._loads: dict[str, Future] = {}
+        self._lock = threading.Lock()
+
+    def start_load(
+        self, name: str, path: str, base: str | None = None, spec: ModelSpec | None = None
+    ) -> Future:
+        """Load the LoRA adapter in directory `path` as model `name`, served by the steps of
+        `base` (None: the base its adapter_config.json names, or the only base model); returns
+        at once. The future -> its ServedModel, or AdapterError (a bad adapter: nothing served
+        is disturbed), ValueError (a name taken)."""
+        with self._lock:
+            pending = self._loads.get(name)
+            if pending is not None:
+                return pending  # (the same name asked twice at once: one load)
+            if name in self.served:
+                raise ValueError(f"a model named {name!r} is already loaded")
+            base = base or self._base_of(name, path)
+            served_base = self.served.get(base)
+            if served_base is None or served_base.spec.is_adapter:
+                raise AdapterError(f"adapter {name}: its base {base!r} is not a served model")
+            if served_base.failed:
+                raise AdapterError(f"adapter {name}: its base {base!r} failed to load")
+            if served_base.spec.tensor_parallel > 1:
+                raise AdapterError(
+                    f"adapter {name}: its base {base!r} is split over devices "
+                    "(tensor_parallel > 1), which adapters do not run on"
+                )
+            spec = spec or ModelSpec(name, base=base, adapter=str(path))
+            cfg = self.config
+            cmd = LoadAdapter(base, name, str(path), cfg.max_lora_rank, cfg.max_loras)
+            out: Future = Future()
+            self._loads[name] = out
+
+        def loaded(done: Future) -> None:  # (on the engine thread)
+            with self._lock:
+                self._loads.pop(name, None)
+                e = done.exception()
+                if e is None:
+                    self._bases[name] = base
+                    self.served[name] = replace(served_base, spec=spec)
+            if e is None:
+                log.info("adapter %s of %s loaded from %s", name, base, path)
+                out.set_result(self.served[name])
+            else:
+                out.set_exception(e)
+
+        cmd.done.add_done_callback(loaded)
+        self.routes.send(base, cmd)
+        return out
+
+    def start_unload(self, name: str) -> Future:
+        """Stop serving adapter `name`: new requests for it get 404 at once, those accepted
+        finish; returns at once. The future resolves once it is gone (its pages and host copy
+        freed). ModelNotFound if no such adapter."""
+        with self._lock:
+            served = self.served.get(name)
+            if served is None or not served.spec.is_adapter:
+                raise ModelNotFound(name)
+            del self.served[name]
+        cmd = UnloadAdapter(served.spec.base, name)
+        self.routes.send(served.spec.base, cmd)
+        return cmd.done
+
+    def find(self, name: str) -> Path | None:
+        """The directory of an adapter called `name` in lora_dirs (<dir>/<name> with an
+        adapter_config.json), or None."""
+        if not name or "/" in name or "\\" in name or name in (".", ".."):
+            return None
+        for d in self.config.lora_dirs:
+            path = Path(d).expanduser() / name
+            if (path / "adapter_config.json").is_file():
+                return path
+        return None
+
+    def device_model(self, name: str) -> str:
+        """The model whose device worker serves `name`: an adapter's base, else `name`."""
+        return self._bases.get(name, name)
+
+    def _base_of(self, name: str, path: str) -> str:
+        """The base of an adapter loaded at run time: the served base model its config's
+        base_model_name_or_path names (by name, or its source's path), else the only one."""
+        bases = {n: s for n, s in self.served.items() if not s.spec.is_adapter and not s.failed}
+        try:
+            cfg = json.loads((Path(path).expanduser() / "adapter_config.json").read_text())
+            named = str(cfg.get("base_model_name_or_path") or "")
+        except (OSError, ValueError, AttributeError):
+            named = ""  # read_adapter names the problem
+        if named:
+            for n, s in bases.items():
+                src = s.spec.source
+                if named in (n, src) or Path(named).name in (n, Path(src).name):
+                    return n
+        if len(bases) == 1:
+            return next(iter(bases))
+        raise AdapterError(
+            f"adapter {name}: which base model it adapts is not known (its "
+            f"base_model_name_or_path is {named!r}; served: {sorted(bases)}); name it"
+        )
