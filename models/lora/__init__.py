@@ -12,7 +12,13 @@ decode graphs take them over a static input (LoraSlots.graph_input); on the CPU 
 per slot (TorchLoraBatch).
 """
 
-from models.lora.adapter import DEFAULT_MAX_RANK, SUPPORTED_TARGETS, AdapterError, read_adapter
+from models.lora.adapter import (
+    DEFAULT_MAX_RANK,
+    SUPPORTED_TARGETS,
+    AdapterError,
+    read_adapter,
+    read_adapter_config,
+)
 from models.lora.batch import NO_ADAPTER, LoraBatch, TorchLoraBatch
 from models.lora.kernel_batch import KernelLoraBatch, LoraGraphInput
 from models.lora.slots import LoraSlots
@@ -36,4 +42,5 @@ __all__ = [
     "TorchLoraBatch",
     "lora_targets",
     "read_adapter",
+    "read_adapter_config",
 ]

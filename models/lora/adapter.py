@@ -69,7 +69,7 @@ def read_adapter(
             f"adapter {name}: its base is split over devices (tensor parallelism), which "
             "adapters do not run on"
         )
-    config = _read_config(path, name)
+    config = read_adapter_config(path, name)
     targets = lora_targets(base)
     _check_config(config, name, max_rank, targets)
     tensors = _read_tensors(path, name)
@@ -106,7 +106,10 @@ def activation_dtype(base: nn.Module) -> torch.dtype:
     return next((p.dtype for p in base.parameters() if p.dtype in floats), torch.float32)
 
 
-def _read_config(path: Path, name: str) -> dict:
+def read_adapter_config(path: str | Path, name: str) -> dict:
+    """The adapter_config.json of the adapter in directory `path`, as a dict; AdapterError
+    naming the problem (no such directory, no config, not a JSON object)."""
+    path = Path(path).expanduser()
     if not path.is_dir():
         raise AdapterError(f"adapter {name}: {path} is not a directory")
     file = path / CONFIG_FILE

@@ -4,14 +4,13 @@ Thread-safe: the frontend, admin calls and the engine thread's callbacks meet he
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 from concurrent.futures import Future
 from dataclasses import replace
 from pathlib import Path
 
-from models.lora import AdapterError
+from models.lora import AdapterError, read_adapter_config
 from prism_server.config import EngineConfig, ModelSpec
 from prism_server.engine.commands import LoadAdapter, UnloadAdapter
 from prism_server.engine.routing import Routes
@@ -110,11 +109,7 @@ class AdapterRegistry:
         """The base of an adapter loaded at run time: the served base model its config's
         base_model_name_or_path names (by name, or its source's path), else the only one."""
         bases = {n: s for n, s in self.served.items() if not s.spec.is_adapter and not s.failed}
-        try:
-            cfg = json.loads((Path(path).expanduser() / "adapter_config.json").read_text())
-            named = str(cfg.get("base_model_name_or_path") or "")
-        except (OSError, ValueError, AttributeError):
-            named = ""  # read_adapter names the problem
+        named = str(read_adapter_config(path, name).get("base_model_name_or_path") or "")
         if named:
             for n, s in bases.items():
                 src = s.spec.source

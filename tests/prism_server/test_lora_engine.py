@@ -18,13 +18,14 @@ import pytest
 from kvpool.host_copy import _copy_thread as copier
 from models.attention.base import ForwardContext
 from models.layers.fp8_linear import Fp8Linear
+from models.lora import AdapterError
 from prism_server.completion import Completion
 from prism_server.config import EngineConfig, ModelSpec
 from prism_server.engine.commands import Call
 from prism_server.engine.engine import Engine
 from prism_server.served_model import ModelNotFound
 from scheduler.sampling_params import SamplingParams
-from tests.prism_server.lora_setup import SPECS, make_set, solo_tokens
+from tests.prism_server.lora_setup import SPECS, edited, make_set, solo_tokens
 
 PAGE = 64 << 10
 NEW = 8
@@ -215,6 +216,29 @@ def test_unloading_lets_the_requests_in_flight_finish_and_frees_the_adapter(made
         e.adapters.start_load("sql", made[1]["sql"]).result(timeout=30)
         (again,) = run(e, [("sql", PROMPTS["sql"])])
         assert again.token_ids == ref["sql"]
+        owners_whole(e)
+
+
+def test_a_run_time_adapter_finds_its_base_among_several_by_its_config(made, tmp_path):
+    """Its config's base_model_name_or_path names a served base (by its source's path, or by
+    name); a directory that is not there, or a config naming none of them, gets a clear error
+    naming the problem, before anything is sent to a device."""
+    base, dirs, _ = made
+    specs = (ModelSpec("base", str(base), block_size=4), ModelSpec("other", "dummy:tiny-llama"))
+    cfg = EngineConfig(models=specs, device="cpu", page_bytes=PAGE, kv_budget_bytes=64 * PAGE)
+    with Engine(cfg) as e:
+        by_path = edited(dirs["sql"], tmp_path / "by-path", {"base_model_name_or_path": str(base)})
+        assert e.adapters.start_load("a", str(by_path)).result(timeout=30).spec.base == "base"
+        by_name = edited(dirs["sql"], tmp_path / "by-name", {"base_model_name_or_path": "base"})
+        assert e.adapters.start_load("b", str(by_name)).result(timeout=30).spec.base == "base"
+        (got,) = run(e, [("b", PROMPTS["sql"])])
+        assert got.token_ids == made[2]["sql"]
+        with pytest.raises(AdapterError, match="is not a directory"):
+            e.adapters.start_load("lost", str(tmp_path / "nowhere"))
+        stray = edited(dirs["sql"], tmp_path / "stray", {"base_model_name_or_path": "llama-70b"})
+        with pytest.raises(AdapterError, match="which base model it adapts is not known"):
+            e.adapters.start_load("stray", str(stray))
+        assert {"lost", "stray"}.isdisjoint(e.served)
         owners_whole(e)
 
 
