@@ -123,7 +123,7 @@ def rate(r: float | None) -> str:
     return "-" if r is None else f"{r:.2f}"
 
 
-COLUMNS = (  # short: the table fits a terminal of 100 columns without folding a figure
+COLUMNS = (  # short: all of them take about 115 terminal columns (fewer: NARROW)
     "model",
     "state",
     "weights",
@@ -140,6 +140,39 @@ COLUMNS = (  # short: the table fits a terminal of 100 columns without folding a
 )
 
 
+# what a narrow terminal leaves out, first to last: the model, its state, memory, queues and
+# SLOs stay
+NARROW = (("prefix",), ("act", "evict"), ("req/s",), ("KV free",))
+
+
+def device_table(title: str, columns: list[str], rows: list[list[str]]) -> Table:
+    """A device's table of `columns` (of COLUMNS) over the rows' cells."""
+    t = Table(
+        title=title,
+        title_justify="left",
+        # no rules between the columns: 13 fit in 120 terminal columns
+        box=box.SIMPLE_HEAD,
+        collapse_padding=True,
+        pad_edge=False,
+    )
+    for c in columns:
+        if c == "model":  # a long name folds, whole
+            t.add_column(c, overflow="fold")
+        else:
+            t.add_column(c, justify="left" if c == "state" else "right")
+    keep = [COLUMNS.index(c) for c in columns]
+    for row in rows:
+        style = STATE_STYLE.get(row[1].split("\n")[0], "")
+        cells = [Text(row[i], style=style) if i == 1 else row[i] for i in keep]
+        t.add_row(*cells)
+    return t
+
+
+def _natural_width(t: Table) -> int:
+    """The columns `t` takes unfolded."""
+    return Console(width=1 << 12).measure(t).maximum
+
+
 def event_line(e: dict, now: float) -> str:
     ago = f"{max(now - e['time'], 0.0):6.1f} s ago"
     if e["kind"] == "residency":
@@ -148,32 +181,27 @@ def event_line(e: dict, now: float) -> str:
     return f"{ago}  {e['pages']} pages {e['giver']} -> {taker} ({e['reason']})"
 
 
-def render(doc: dict, events: int = 8):
+def render(doc: dict, events: int = 8, width: int | None = None):
+    """width: the terminal's columns; a narrow one leaves out NARROW's columns, first to last,
+    until the table fits, so that every figure shown stays whole (None: every column)."""
     rates = (doc.get("plan") or {}).get("rates", {})
     parts = []
     for dev in doc["devices"]:
         pool = dev["pool"]
         page = pool["page_bytes"]
-        t = Table(
-            title=(
-                f"{dev['device']}  policy {dev['policy']}  pool {size(pool['owned_pages'] * page)}"
-                f" used, {size(pool['free_pages'] * page)} free of "
-                f"{size(pool['capacity_pages'] * page)}"
-            ),
-            title_justify="left",
-            # no rules between the columns: 13 fit in 120 terminal columns
-            box=box.SIMPLE_HEAD,
-            collapse_padding=True,
-            pad_edge=False,
+        title = (
+            f"{dev['device']}  policy {dev['policy']}  pool {size(pool['owned_pages'] * page)}"
+            f" used, {size(pool['free_pages'] * page)} free of "
+            f"{size(pool['capacity_pages'] * page)}"
         )
-        for c in COLUMNS:
-            if c == "model":  # a long name folds, whole
-                t.add_column(c, overflow="fold")
-            else:
-                t.add_column(c, justify="left" if c == "state" else "right")
-        for row in model_rows(dev, rates):
-            style = STATE_STYLE.get(row[1].split("\n")[0], "")
-            t.add_row(row[0], Text(row[1], style=style), *row[2:])
+        rows = model_rows(dev, rates)
+        shown = list(COLUMNS)
+        t = device_table(title, shown, rows)
+        for drop in NARROW:
+            if width is None or _natural_width(t) <= width:
+                break
+            shown = [c for c in shown if c not in drop]
+            t = device_table(title, shown, rows)
         parts.append(t)
     for f in doc.get("failed", []):
         parts.append(Text(f"{f['name']}: failed to load: {f['error']}", style="red"))
@@ -195,14 +223,14 @@ def run(args: argparse.Namespace, console: Console | None = None) -> int:
         print(json.dumps(doc, indent=1))
         return 0
     if not args.watch:
-        console.print(render(doc))
+        console.print(render(doc, width=console.width))
         return 0
     try:
-        with Live(render(doc), console=console, refresh_per_second=4) as live:
+        with Live(render(doc, width=console.width), console=console, refresh_per_second=4) as live:
             while True:
                 time.sleep(args.interval)
                 try:
-                    live.update(render(fetch(args.url, args.api_key)))
+                    live.update(render(fetch(args.url, args.api_key), width=console.width))
                 except (urllib.error.URLError, OSError, ValueError) as e:
                     live.update(Text(f"cannot read {args.url}/v1/status: {e}", style="red"))
     except KeyboardInterrupt:

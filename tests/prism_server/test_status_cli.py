@@ -296,9 +296,15 @@ def test_each_adapter_is_a_row_of_its_bases_status(lora_docs):
 def test_the_table_has_each_adapter_under_its_base(lora_docs, width):
     doc = lora_docs["busy"][0]
     console = Console(record=True, width=width, color_system=None)
-    console.print(status_cli.render(doc))
-    lines = console.export_text().splitlines()
+    console.print(status_cli.render(doc, width=width))
+    text = console.export_text()
+    lines = text.splitlines()
     assert max(len(line.rstrip()) for line in lines) <= width
+    assert "…" not in text  # a narrow terminal leaves columns out, never cuts a figure
+    header = next(line for line in lines if line.lstrip().startswith("model"))
+    for kept in ("state", "weights", "KV used", "run", "wait", "TTFT 1m", "TPOT 1m"):
+        assert kept in header
+    assert ("prefix" in header) == (width >= 120)
     starts = [i for i, line in enumerate(lines) if line.startswith((" base", " └─"))]
     firsts = [lines[i].split()[0] for i in starts]
     assert firsts[0] == "base" and all(f.startswith("└─") for f in firsts[1:]), firsts
