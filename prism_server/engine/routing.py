@@ -21,6 +21,7 @@ from prism_server.engine.commands import (
     Detach,
     Evict,
     Migrate,
+    Publish,
     Submit,
     TransitionRefused,
 )
@@ -84,14 +85,26 @@ class Routes:
                 self.where[model].send(cmd)
 
     def transition(self, cmd: Activate | Evict) -> Future:
-        """Send an admin transition to its model's device (not while the model moves); -> its
-        future."""
+        """Send an admin transition to its model's device (not while the model moves); -> a
+        future of its outcome, done once the device has published a snapshot taken after it:
+        a model list or status read after it shows the state it reached."""
         with self._lock:
             if cmd.model in self._moving:
                 raise TransitionRefused(f"`{cmd.model}` is moving to another device; retry")
             dev = self.where[cmd.model]
+        out: Future = Future()
+
+        def published(done: Future) -> None:  # (on the engine thread)
+            if done.exception() is not None:
+                out.set_exception(done.exception())
+                return
+            pub = Publish()
+            pub.done.add_done_callback(lambda _: out.set_result(done.result()))
+            dev.send(pub)
+
+        cmd.done.add_done_callback(published)
         dev.send(cmd)
-        return cmd.done
+        return out
 
     def move(
         self, served: dict[str, ServedModel], name: str, device: str, settings: LoadSettings

@@ -562,3 +562,28 @@ def test_an_idle_model_reports_no_deferred_requests():
         assert {k: missed for k, _, missed in snap.slo_met}["ttft"] == 1  # it was late
         assert snap.num_deferred == 0
         e.check_integrity()
+
+
+def test_a_transition_answers_once_the_published_state_shows_it(monkeypatch):
+    """A busy device publishes its snapshot every _PUBLISH_S at most (here: never on its own);
+    still, once an evict or an activate has answered, the published snapshot (what /v1/models
+    and /v1/status read) shows the state it reached."""
+    from prism_server.engine import device_worker
+
+    with Engine(_roomy()) as e:
+        long = SamplingParams(max_tokens=1900, temperature=0, ignore_eos=True)
+        _, q = _stream_into(e, "a", PROMPTS[:1], long)  # keeps the device stepping
+        _until(lambda: e.model_snapshot("a").num_running == 1, "never ran")
+        monkeypatch.setattr(device_worker, "_PUBLISH_S", 3600.0)
+
+        def published(name: str) -> str:
+            return next(m for m in e.snapshots()[0].models if m.name == name).residency.value
+
+        e.evict("b")
+        assert published("b") == "offloaded"
+        e.activate("b")
+        assert published("b") == "resident"
+        assert e.model_snapshot("a").num_running == 1  # (the device was busy all along)
+        monkeypatch.setattr(device_worker, "_PUBLISH_S", 0.005)
+        assert q.get(timeout=120) == "length"
+        e.check_integrity()
