@@ -32,7 +32,14 @@ from models.layers.fp8_linear import Fp8Linear
 from models.layers.rms_norm import RMSNorm
 from models.layers.rotary_embedding import RotaryEmbedding
 from models.presets import get_preset, list_presets
-from models.quantization import check_quantization, checkpoint_fp8, quantize_fp8, quantize_model
+from models.quantization import (
+    check_quantization,
+    checkpoint_block,
+    checkpoint_fp8,
+    per_channel,
+    quantize_fp8,
+    quantize_model,
+)
 from models.registry import get_model_class
 from models.safetensors_files import iter_safetensors, safetensors_files
 from models.tokenizer import BOS, EOS, PAD, ByteTokenizer, load_tokenizer
@@ -123,8 +130,9 @@ def load_model(
             "quantization = 'fp8'"
         )
     model = _empty_model(config, dtype, device, place, quantization)
-    files = safetensors_files(path)
-    model.load_weights(iter_safetensors(files, desc=f"loading {source.name}"))
+    weights = iter_safetensors(safetensors_files(path), desc=f"loading {source.name}")
+    block = checkpoint_block(hf_config) if fp8_checkpoint else None
+    model.load_weights(weights if block is None else per_channel(weights, block))
     return LoadedModel(_finish(model), load_tokenizer(path), config, source.name)
 
 

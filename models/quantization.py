@@ -4,13 +4,19 @@
     w ~= dequantize_fp8(q, scale, dtype)  # q * scale[:, None]; relative error <= 2**-4 a value
     quantize_model(model)               # every projection of a meta-built model -> Fp8Linear
     checkpoint_fp8(config_json)         # does config.json say the weights already are FP8?
+    checkpoint_block(config_json)       # the blocks of its weight scales (None: per row/tensor)
+    per_channel(tensors, block)         # a block-scaled checkpoint's tensors, requantized by row
 
 A scale is the row's amax times 1 / 448 (448: E4M3's largest finite value), so every value of
 the row is representable and the largest lands on 448. Embeddings and the LM head are never
-quantized.
+quantized. A checkpoint with block-wise scales (e.g. 128 x 128, as Qwen3's and DeepSeek's FP8
+releases) is requantized per row at load: each weight dequantized with its blocks' scales,
+then quantized as above (a second rounding: at most 2**-4 of a value more).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -62,7 +68,7 @@ def expand_scale(scale: torch.Tensor, rows: int, what: str) -> torch.Tensor:
         return s
     raise ValueError(
         f"{what}: weight scale of shape {tuple(scale.shape)} is neither per-tensor nor "
-        f"per-output-channel of {rows} rows (block-wise scales are not supported)"
+        f"per-output-channel of {rows} rows (block-wise scales: config.json must name their blocks)"
     )
 
 
@@ -92,11 +98,7 @@ def checkpoint_fp8(hf_config: dict) -> bool:
         raise ValueError("quantization_config must be an object")
     method = qc.get("quant_method")
     if method == "fp8":
-        if qc.get("weight_block_size") is not None:
-            raise ValueError(
-                "quantization_config: block-wise FP8 scales (weight_block_size "
-                f"{qc['weight_block_size']}) are not supported; per-tensor or per-channel only"
-            )
+        checkpoint_block(hf_config)  # a block size that is one
         return True
     if method == "compressed-tensors":
         _check_compressed_tensors(qc)
@@ -107,6 +109,85 @@ def checkpoint_fp8(hf_config: dict) -> bool:
     )
 
 
+def checkpoint_block(hf_config: dict) -> tuple[int, int] | None:
+    """The [rows, columns] of the weight scales' blocks of a block-wise FP8 checkpoint (vLLM's
+    `fp8` with weight_block_size, compressed-tensors' `block` strategy with block_structure);
+    None for per-tensor or per-channel scales. A ValueError for a block that is not two
+    positive integers."""
+    qc = hf_config.get("quantization_config") or {}
+    if qc.get("quant_method") == "fp8":
+        block = qc.get("weight_block_size")
+    else:
+        groups = (qc.get("config_groups") or {}).values()
+        block = next(
+            (g["weights"].get("block_structure") for g in groups
+             if ((g or {}).get("weights") or {}).get("strategy") == "block"),
+            None,
+        )  # fmt: skip
+    if block is None:
+        return None
+    if (
+        not isinstance(block, list | tuple)
+        or len(block) != 2
+        or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)
+    ):
+        raise ValueError(f"quantization_config: FP8 weight blocks {block!r} are not [rows, cols]")
+    return int(block[0]), int(block[1])
+
+
+def per_channel(
+    tensors: Iterable[tuple[str, torch.Tensor]], block: tuple[int, int]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """A block-wise FP8 checkpoint's (name, tensor) pairs as a per-channel one's: each FP8
+    `X.weight` [N, K] with its block scales (`X.weight_scale_inv` or `X.weight_scale`,
+    [ceil(N / rows), ceil(K / cols)], w = q * scale by block) becomes `X.weight` requantized
+    by row and `X.weight_scale` [N]; the other tensors pass as they are. A weight or scale
+    whose partner never comes, or scales of the wrong shape: a ValueError naming it."""
+    weights: dict[str, torch.Tensor] = {}  # prefix -> an FP8 weight waiting for its scales
+    scales: dict[str, tuple[str, torch.Tensor]] = {}  # prefix -> (name, block scales)
+    for name, t in tensors:
+        prefix, _, leaf = name.rpartition(".")
+        if leaf == "weight" and t.dtype == FP8_DTYPE:
+            weights[prefix] = t
+        elif leaf in ("weight_scale_inv", "weight_scale") and t.dim() == 2:
+            scales[prefix] = (name, t)
+        else:
+            yield name, t
+            continue
+        if prefix in weights and prefix in scales:
+            q, (sname, s) = weights.pop(prefix), scales.pop(prefix)
+            yield from zip((f"{prefix}.weight", f"{prefix}.weight_scale"),
+                           requantize_blocks(q, s, block, sname))  # fmt: skip
+    if weights:
+        prefix = next(iter(weights))
+        raise ValueError(f"{prefix}.weight: an FP8 weight with no block scales in the checkpoint")
+    if scales:
+        name = next(iter(scales.values()))[0]
+        raise ValueError(f"{name}: block scales with no FP8 weight in the checkpoint")
+
+
+@torch.no_grad()
+def requantize_blocks(
+    q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], what: str = "weight scale"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """An FP8 weight q [N, K] with scales by block (scale [ceil(N / rows), ceil(K / cols)]) ->
+    quantize_fp8 of its dequantized values: (q [N, K] float8_e4m3fn, scale [N] float32)."""
+    (n, k), (rows, cols) = q.shape, block
+    want = (-(-n // rows), -(-k // cols))
+    if tuple(scale.shape) != want:
+        raise ValueError(
+            f"{what}: block scales of shape {tuple(scale.shape)}, want {want} for a weight of "
+            f"[{n} x {k}] in blocks of [{rows} x {cols}]"
+        )
+    out = torch.empty_like(q)
+    row_scale = torch.empty(n, dtype=torch.float32, device=q.device)
+    s = scale.float().repeat_interleave(cols, dim=1)[:, :k]  # [N / rows, K]
+    for i, lo in enumerate(range(0, n, rows)):  # a row of blocks at a time (bounded memory)
+        w = q[lo : lo + rows].float() * s[i]
+        out[lo : lo + rows], row_scale[lo : lo + rows] = quantize_fp8(w)
+    return out, row_scale
+
+
 def _check_compressed_tensors(qc: dict) -> None:
     groups = qc.get("config_groups") or {}
     if not groups:
@@ -114,11 +195,11 @@ def _check_compressed_tensors(qc: dict) -> None:
     for gname, group in groups.items():
         w = (group or {}).get("weights") or {}
         kind = (w.get("type"), w.get("num_bits"), w.get("strategy"))
-        if kind[:2] != ("float", 8) or kind[2] not in ("tensor", "channel"):
+        if kind[:2] != ("float", 8) or kind[2] not in ("tensor", "channel", "block"):
             raise ValueError(
                 f"quantization_config (compressed-tensors) group {gname!r}: weights of type "
                 f"{kind[0]!r}, {kind[1]} bits, strategy {kind[2]!r} are not supported; FP8 "
-                "(type float, 8 bits) with tensor or channel strategy only"
+                "(type float, 8 bits) with tensor, channel or block strategy only"
             )
         if w.get("symmetric") is False:
             raise ValueError(

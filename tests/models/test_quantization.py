@@ -21,10 +21,12 @@ from models.layers.merged_linear import MergedLinear
 from models.loader import LoadedModel, load_model, meta_model
 from models.presets import get_preset
 from models.quantization import (
+    checkpoint_block,
     checkpoint_fp8,
     dequantize_fp8,
     expand_scale,
     quantize_fp8,
+    requantize_blocks,
 )
 from models.tokenizer import ByteTokenizer
 
@@ -47,6 +49,28 @@ TINY = dict(
     eos_token_id=2,
 )
 PROMPT = [5, 17, 200, 3, 99, 42, 7, 250, 11, 64, 1, 180]
+BLOCK = (16, 48)  # the block-wise checkpoints' scale blocks: ragged over TINY's 64 columns
+
+
+def _block_quantize(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] in FP8 with a scale a block (as a block-wise checkpoint holds it): (q [N, K],
+    scale [ceil(N / rows), ceil(K / cols)])."""
+    (n, k), (rows, cols) = w.shape, block
+    q = torch.empty(n, k, dtype=FP8_DTYPE)
+    scale = torch.empty(-(-n // rows), -(-k // cols))
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            part = w[i * rows : (i + 1) * rows, j * cols : (j + 1) * cols].float()
+            s = part.abs().amax().clamp(min=1e-12) / 448.0
+            q[i * rows : (i + 1) * rows, j * cols : (j + 1) * cols] = (part / s).to(FP8_DTYPE)
+            scale[i, j] = s
+    return q, scale
+
+
+def _block_dequantize(q: torch.Tensor, scale: torch.Tensor, block) -> torch.Tensor:
+    (n, k), (rows, cols) = q.shape, block
+    full = scale.repeat_interleave(rows, 0)[:n].repeat_interleave(cols, 1)[:, :k]
+    return q.float() * full
 
 
 def _check_round_trip(w: torch.Tensor) -> tuple[float, float]:
@@ -216,24 +240,32 @@ def _fp8_checkpoint(src: Path, dst: Path, method: str, per: str) -> Path:
         if not (name.endswith(".weight") and layer in PROJECTIONS):
             quantized[name] = dequantized[name] = w
             continue
-        if per == "tensor":  # one scale for the tensor
+        prefix = name.removesuffix(".weight")
+        scale_name = f"{prefix}.weight_scale"
+        if per == "block":  # a scale a block of BLOCK (vLLM's name for it: weight_scale_inv)
+            q, stored = _block_quantize(w, BLOCK)
+            scale_name += "_inv" if method == "fp8" else ""
+            dequantized[name] = _block_dequantize(q, stored, BLOCK)
+        elif per == "tensor":  # one scale for the tensor
             scale = w.abs().amax() / 448.0
             q = (w / scale).clamp(-448, 448).to(FP8_DTYPE)
             stored = scale.reshape(()) if method == "fp8" else scale.reshape(1)
         else:
             q, scale = quantize_fp8(w)
             stored = scale[:, None]  # [N, 1]
-        prefix = name.removesuffix(".weight")
         quantized[name] = q
-        quantized[f"{prefix}.weight_scale"] = stored.float()
+        quantized[scale_name] = stored.float()
         quantized[f"{prefix}.input_scale"] = torch.tensor(0.02)  # unused: per-token at run time
-        dequantized[name] = (q.float() * stored.float().reshape(-1, 1)).contiguous()
+        if per != "block":
+            dequantized[name] = (q.float() * stored.float().reshape(-1, 1)).contiguous()
     save_file(quantized, dst / "model.safetensors")
     save_file(dequantized, ref / "model.safetensors")
     config = json.loads((src / "config.json").read_text())
     json.dump(config, (ref / "config.json").open("w"))
     if method == "fp8":
         config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "static"}
+        if per == "block":
+            config["quantization_config"]["weight_block_size"] = list(BLOCK)
     else:
         config["quantization_config"] = {
             "quant_method": "compressed-tensors",
@@ -250,6 +282,9 @@ def _fp8_checkpoint(src: Path, dst: Path, method: str, per: str) -> Path:
             "ignore": ["lm_head"],
             "quantization_status": "compressed",
         }  # fmt: skip
+        if per == "block":
+            group = config["quantization_config"]["config_groups"]["group_0"]["weights"]
+            group["block_structure"] = list(BLOCK)
     json.dump(config, (dst / "config.json").open("w"))
     for d in (dst, ref):
         ByteTokenizer(TINY["vocab_size"]).save_pretrained(d)
@@ -281,6 +316,62 @@ def test_fp8_checkpoints_load_as_they_are(tmp_path, method, per, bias):
     torch.testing.assert_close(
         _paged_logits(lm, PROMPT), _paged_logits(ref, PROMPT), rtol=1e-4, atol=1e-4
     )
+
+
+def test_requantizing_blocks_by_row_adds_at_most_one_rounding():
+    """A weight whose rows span 2**-6 .. 2**2 in size, with a column block 8 times larger in
+    each (and ragged edge blocks): its values requantized by row are within E4M3's bound of
+    the block-wise ones (one more rounding)."""
+    torch.manual_seed(0)
+    w = torch.randn(40, 100) * torch.logspace(-3, 1, 40, base=4.0)[:, None]
+    w[:, 48:96] *= 8.0  # a column block of larger values in every row
+    q, scale = _block_quantize(w, BLOCK)
+    exact = _block_dequantize(q, scale, BLOCK)
+    q2, row_scale = requantize_blocks(q, scale, BLOCK)
+    assert q2.dtype == FP8_DTYPE and row_scale.shape == (40,)
+    back = dequantize_fp8(q2, row_scale, torch.float32)
+    bound = torch.maximum(REL_BOUND * exact.abs(), SUBNORMAL_ABS * row_scale[:, None])
+    assert ((back - exact).abs() <= bound * (1 + 1e-6)).all()
+    # the row's largest magnitude lands on 448, as quantize_fp8 puts it
+    torch.testing.assert_close(back.abs().amax(1), exact.abs().amax(1), rtol=1e-6, atol=0)
+    wrong = r"x.weight_scale_inv: block scales of shape \(3, 2\), want \(3, 3\)"
+    with pytest.raises(ValueError, match=wrong):
+        requantize_blocks(q, scale[:, :2], BLOCK, "x.weight_scale_inv")
+
+
+@pytest.mark.parametrize("method", ["fp8", "compressed-tensors"])
+def test_block_wise_fp8_checkpoints_load_requantized_by_row(tmp_path, method):
+    src = _tiny_hf_dir(tmp_path / "src", bias=method == "fp8")
+    ckpt = _fp8_checkpoint(src, tmp_path / "fp8", method, "block")
+    config = json.loads((ckpt / "config.json").read_text())
+    assert checkpoint_fp8(config) and checkpoint_block(config) == BLOCK
+    lm = load_model(str(ckpt), quantization="fp8")
+    stored = load_file(ckpt / "model.safetensors")
+    suffix = "_inv" if method == "fp8" else ""
+    down = lm.model.model.layers[1].mlp.down_proj
+    q, s = requantize_blocks(
+        stored["model.layers.1.mlp.down_proj.weight"],
+        stored[f"model.layers.1.mlp.down_proj.weight_scale{suffix}"],
+        BLOCK,
+    )
+    assert down.weight.view(torch.uint8).equal(q.view(torch.uint8))
+    assert down.weight_scale.equal(s)
+    ref = load_model(str(ckpt / "reference"))  # float32: the block-wise values dequantized
+    got, want = _paged_logits(lm, PROMPT), _paged_logits(ref, PROMPT)
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
+    assert (got - want).abs().max() < 0.05 * want.abs().max()
+
+
+def test_bad_block_wise_checkpoints_are_refused_naming_the_tensor(tmp_path):
+    src = _tiny_hf_dir(tmp_path / "src")
+    ckpt = _fp8_checkpoint(src, tmp_path / "fp8", "fp8", "block")
+    scale = "model.layers.0.self_attn.k_proj.weight_scale_inv"
+    _edit(ckpt, tensors=lambda t: t.update({scale: t[scale][:, :1].contiguous()}))
+    with pytest.raises(ValueError, match=f"{scale}: block scales of shape \\(2, 1\\), want"):
+        load_model(str(ckpt), quantization="fp8")
+    _edit(ckpt, tensors=lambda t: t.pop(scale))
+    with pytest.raises(ValueError, match="k_proj.weight: an FP8 weight with no block scales"):
+        load_model(str(ckpt), quantization="fp8")
 
 
 def test_a_plain_checkpoint_quantizes_at_load_to_what_prism_quantizes(tmp_path):
@@ -321,7 +412,10 @@ def test_bad_fp8_checkpoints_are_refused_with_the_reason(tmp_path):
         load_model(str(ckpt), quantization="fp8")
     _edit(ckpt, config=lambda c: c["quantization_config"].update(
         quant_method="fp8", weight_block_size=[128, 128]))  # fmt: skip
-    with pytest.raises(ValueError, match="block-wise FP8 scales"):
+    with pytest.raises(ValueError, match="an FP8 weight with no block scales"):
+        load_model(str(ckpt), quantization="fp8")  # its scales are one a tensor
+    _edit(ckpt, config=lambda c: c["quantization_config"].update(weight_block_size=[128]))
+    with pytest.raises(ValueError, match=r"FP8 weight blocks \[128\] are not \[rows, cols\]"):
         load_model(str(ckpt), quantization="fp8")
 
     ct = _fp8_checkpoint(src, tmp_path / "ct", "compressed-tensors", "channel")
