@@ -14,6 +14,7 @@ reads no environment): where GGUF conversions are cached, whether fused kernels 
 from __future__ import annotations
 
 import json
+import logging
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -47,6 +48,8 @@ from models.tokenizer import BOS, EOS, PAD, ByteTokenizer, load_tokenizer
 SourceKind = Literal["hf", "gguf", "dummy"]
 DUMMY_STD = 0.02
 _GGUF_MAGIC = b"GGUF"
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -132,6 +135,8 @@ def load_model(
     model = _empty_model(config, dtype, device, place, quantization)
     weights = iter_safetensors(safetensors_files(path), desc=f"loading {source.name}")
     block = checkpoint_block(hf_config) if fp8_checkpoint else None
+    if block is not None:
+        log.info("%s: FP8 weights in blocks of %s, requantized with a scale a row", path, block)
     model.load_weights(weights if block is None else per_channel(weights, block))
     return LoadedModel(_finish(model), load_tokenizer(path), config, source.name)
 

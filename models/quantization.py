@@ -11,7 +11,8 @@ A scale is the row's amax times 1 / 448 (448: E4M3's largest finite value), so e
 the row is representable and the largest lands on 448. Embeddings and the LM head are never
 quantized. A checkpoint with block-wise scales (e.g. 128 x 128, as Qwen3's and DeepSeek's FP8
 releases) is requantized per row at load: each weight dequantized with its blocks' scales,
-then quantized as above (a second rounding: at most 2**-4 of a value more).
+then quantized as above (a second rounding: at most 2**-4 of a value more; in perplexity about
+one more per-row quantization, docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
