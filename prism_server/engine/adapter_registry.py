@@ -24,10 +24,12 @@ class AdapterRegistry:
         """served: the engine's served models (an adapter is added once loaded, removed at its
         unload); routes: where each base is served."""
         self.config, self.served, self.routes = config, served, routes
-        # each adapter's base (kept after an unload: a late abort finds its model), and the
-        # loads under way (a second ask for one joins the first)
+        # each adapter's base (kept after an unload: a late abort finds its model), the loads
+        # under way (a second ask for one joins the first), and the unloads (a load of the
+        # name waits for its unload: the device holds the adapter until its requests end)
         self._bases: dict[str, str] = {}
         self._loads: dict[str, Future] = {}
+        self._unloads: dict[str, Future] = {}
         self._lock = threading.Lock()
 
     def start_load(
@@ -59,6 +61,7 @@ class AdapterRegistry:
             cmd = LoadAdapter(base, name, str(path), cfg.max_lora_rank, cfg.max_loras)
             out: Future = Future()
             self._loads[name] = out
+            unloading = self._unloads.get(name)
 
         def loaded(done: Future) -> None:  # (on the engine thread)
             with self._lock:
@@ -74,19 +77,30 @@ class AdapterRegistry:
                 out.set_exception(e)
 
         cmd.done.add_done_callback(loaded)
-        self.routes.send(base, cmd)
+        if unloading is None:
+            self.routes.send(base, cmd)
+        else:  # sent once the unload is done (at once if it is: not under the lock)
+            unloading.add_done_callback(lambda _: self.routes.send(base, cmd))
         return out
 
     def start_unload(self, name: str) -> Future:
         """Stop serving adapter `name`: new requests for it get 404 at once, those accepted
         finish; returns at once. The future resolves once it is gone (its pages and host copy
-        freed). ModelNotFound if no such adapter."""
+        freed). ModelNotFound if no such adapter. A load of the name meanwhile waits for it."""
         with self._lock:
             served = self.served.get(name)
             if served is None or not served.spec.is_adapter:
                 raise ModelNotFound(name)
             del self.served[name]
-        cmd = UnloadAdapter(served.spec.base, name)
+            cmd = UnloadAdapter(served.spec.base, name)
+            self._unloads[name] = cmd.done
+
+        def unloaded(done: Future) -> None:  # (on the engine thread)
+            with self._lock:
+                if self._unloads.get(name) is done:
+                    del self._unloads[name]
+
+        cmd.done.add_done_callback(unloaded)
         self.routes.send(served.spec.base, cmd)
         return cmd.done
 

@@ -219,6 +219,35 @@ def test_unloading_lets_the_requests_in_flight_finish_and_frees_the_adapter(made
         owners_whole(e)
 
 
+def test_a_load_while_its_name_is_unloading_waits_for_the_unload(made, steps_ahead):
+    """Unload an adapter with a request in flight, and load it again at once (a request that
+    finds it in lora_dirs does so): the load waits for the unload to finish, then serves."""
+    ref = made[2]
+    long = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    with Engine(config(made)) as e:
+        (before,) = run(e, [("sql", PROMPTS["sql"])])
+        done: queue.SimpleQueue = queue.SimpleQueue()
+        c = Completion(PROMPTS["sql"], arrival_time=time.monotonic())
+
+        def sink(o):
+            c.add(o, time.monotonic())
+            if o.finished:
+                done.put(None)
+
+        e.add_request("sql", PROMPTS["sql"], long, sink)
+        while not c.token_ids:  # it runs
+            time.sleep(0.005)
+        gone = e.adapters.start_unload("sql")
+        back = e.adapters.start_load("sql", made[1]["sql"])
+        assert back.result(timeout=60).name == "sql"
+        assert gone.done() and gone.exception() is None
+        done.get(timeout=60)
+        assert c.error is None and len(c.token_ids) == 40
+        (again,) = run(e, [("sql", PROMPTS["sql"])])
+        assert again.token_ids == before.token_ids == ref["sql"]
+        owners_whole(e)
+
+
 def test_a_run_time_adapter_finds_its_base_among_several_by_its_config(made, tmp_path):
     """Its config's base_model_name_or_path names a served base (by its source's path, or by
     name); a directory that is not there, or a config naming none of them, gets a clear error
