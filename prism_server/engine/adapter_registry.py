@@ -12,7 +12,7 @@ from pathlib import Path
 
 from models.lora import AdapterError, read_adapter_config
 from prism_server.config import EngineConfig, ModelSpec
-from prism_server.engine.commands import LoadAdapter, UnloadAdapter
+from prism_server.engine.commands import LoadAdapter, Submit, UnloadAdapter
 from prism_server.engine.routing import Routes
 from prism_server.served_model import ModelNotFound, ServedModel
 
@@ -94,6 +94,8 @@ class AdapterRegistry:
             del self.served[name]
             cmd = UnloadAdapter(served.spec.base, name)
             self._unloads[name] = cmd.done
+            # sent under the lock, as requests are (`submit`): one sent before it finishes
+            self.routes.send(served.spec.base, cmd)
 
         def unloaded(done: Future) -> None:  # (on the engine thread)
             with self._lock:
@@ -101,8 +103,17 @@ class AdapterRegistry:
                     del self._unloads[name]
 
         cmd.done.add_done_callback(unloaded)
-        self.routes.send(served.spec.base, cmd)
         return cmd.done
+
+    def submit(self, name: str, cmd: Submit) -> None:
+        """Send a request of adapter `name` to its base's device, unless the adapter is no
+        longer served (ModelNotFound: unloaded since the request looked it up). Under the lock
+        an unload takes, so a request either reaches the device before the unload (and
+        finishes: the adapter stays until its requests end) or is refused here."""
+        with self._lock:
+            if name not in self.served:
+                raise ModelNotFound(name)
+            self.routes.send(cmd.model, cmd)
 
     def find(self, name: str) -> Path | None:
         """The directory of an adapter called `name` in lora_dirs (<dir>/<name> with an

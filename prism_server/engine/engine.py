@@ -170,7 +170,7 @@ class Engine:
         arrival_time: float | None = None,
     ) -> Request:
         """Queues a request already checked by `served.check` (thread-safe). Its id is new and
-        internal: never a client's."""
+        internal: never a client's. ModelNotFound for an adapter unloaded since its lookup."""
         rid = f"r{next(self._ids)}"
         arrival = time.monotonic() if arrival_time is None else arrival_time
         adapter = served.name if served.spec.is_adapter else None
@@ -179,8 +179,10 @@ class Engine:
             spec = served.spec
             req.ttft_slo = spec.ttft_slo_ms / 1e3 if spec.ttft_slo_ms else None
             req.tpot_slo = spec.tpot_slo_ms / 1e3 if spec.tpot_slo_ms else None
-        model = served.spec.base if adapter is not None else served.name
-        self._routes.send(model, Submit(model, req))
+        if adapter is None:
+            self._routes.send(served.name, Submit(served.name, req))
+        else:  # ModelNotFound if it was unloaded since its lookup
+            self.adapters.submit(adapter, Submit(served.spec.base, req))
         return req
 
     def add_request(

@@ -190,7 +190,10 @@ def submit_choices(
         for p_i, ids in enumerate(prompts):
             for j in range(req.n):
                 params = req.sampling_params(max_tokens[p_i], logprobs, index=j, grammar=grammar)
-                stream = frontend.submit(served, ids, params)
+                try:
+                    stream = frontend.submit(served, ids, params)
+                except ModelNotFound:  # an adapter unloaded since its lookup
+                    raise not_found(served.name) from None
                 stream.response_id = response_id
                 if len(prompts) * req.n > 1:
                     stream.index = p_i * req.n + j

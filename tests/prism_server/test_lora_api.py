@@ -226,3 +226,24 @@ def test_a_bad_adapter_in_lora_dirs_gets_400_on_first_use(server):
     assert "unknown target module 'qkv_linear'" in r.json()["error"]["message"]
     r = httpx.post(f"{server.url}/v1/completions", json={**BODY, "model": "absent"}, timeout=60)
     assert r.status_code == 404
+
+
+def test_an_adapter_unloaded_after_a_requests_lookup_gives_it_404(server, setting, monkeypatch):
+    """The adapter goes between the request's lookup and its submission (here: unloaded as the
+    engine is asked to queue it): a 404 in the error envelope, and the server serves on."""
+    e, dirs = server.engine, setting[1]
+    e.adapters.start_load("gone-soon", str(dirs["sql"]), "base").result(timeout=30)
+    submit = e.submit
+
+    def unload_first(served, *args, **kw):
+        if served.name == "gone-soon":
+            e.adapters.start_unload("gone-soon").result(timeout=30)
+        return submit(served, *args, **kw)
+
+    monkeypatch.setattr(e, "submit", unload_first)
+    r = httpx.post(f"{server.url}/v1/completions", json={**BODY, "model": "gone-soon"}, timeout=60)
+    assert r.status_code == 404, r.text
+    assert r.json()["error"]["code"] == "model_not_found"
+    monkeypatch.undo()
+    r = httpx.post(f"{server.url}/v1/completions", json={**BODY, "model": "sql"}, timeout=60)
+    assert r.status_code == 200

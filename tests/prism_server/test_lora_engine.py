@@ -206,12 +206,10 @@ def test_unloading_lets_the_requests_in_flight_finish_and_frees_the_adapter(made
         owned = owners_whole(e)
         assert "sql" not in {a.name for a in e.worker.snapshot_now().model("base").adapters}
         assert owned.get("sql/weights", 0) == 0
-        # a request that was looked up before the unload and submitted after: it ends with
-        # the reason, never silently dropped
-        late: queue.SimpleQueue = queue.SimpleQueue()
-        e.submit(stale, PROMPTS["sql"], GREEDY, late.put)
-        out = late.get(timeout=30)
-        assert out.finished and out.error == "the adapter sql is not loaded"
+        # a request that was looked up before the unload and submitted after: refused at
+        # once (the frontend's 404), never sent to a device that no longer has its adapter
+        with pytest.raises(ModelNotFound):
+            e.submit(stale, PROMPTS["sql"], GREEDY, lambda out: None)
         # loaded again at run time, under its old name: the same tokens
         e.adapters.start_load("sql", made[1]["sql"]).result(timeout=30)
         (again,) = run(e, [("sql", PROMPTS["sql"])])
