@@ -142,7 +142,7 @@ class OpenAIRoutes:
         tool_format = served.tool_format if req.calls_tools else None
         grammar = await serving.compile_grammar(served, req, tool_format, served.thinks)
         rid = serving.response_id(request, "chatcmpl")
-        choices = serving.submit_choices(
+        choices = await serving.submit_choices(
             self.frontend, served, [ids], [max_tokens], req, req.num_logprobs, grammar, rid
         )
         fmt = LogprobFormatter(served.tokenizer)
@@ -170,7 +170,7 @@ class OpenAIRoutes:
         max_tokens = [serving.check(served, len(p), req.requested_max_tokens) for p in prompts]
         grammar = await serving.compile_grammar(served, req)
         rid = serving.response_id(request, "cmpl")
-        choices = serving.submit_choices(
+        choices = await serving.submit_choices(
             self.frontend, served, prompts, max_tokens, req, req.logprobs, grammar, rid
         )
         fmt = LogprobFormatter(served.tokenizer)

@@ -167,7 +167,19 @@ class Choice:
     completion: Completion
 
 
-def submit_choices(
+async def submit_choices(frontend: Frontend, served: ServedModel, *args) -> list[Choice]:
+    """`_submit_choices`; for an adapter unloaded since its lookup that lora_dirs holds, loaded
+    again (`resolve`) and submitted once more, as a request arriving now would be."""
+    try:
+        return _submit_choices(frontend, served, *args)
+    except APIError as e:
+        engine = frontend.engine
+        if e.status != 404 or not served.spec.is_adapter or not engine.adapters.find(served.name):
+            raise
+    return _submit_choices(frontend, await resolve(engine, served.name), *args)
+
+
+def _submit_choices(
     frontend: Frontend,
     served: ServedModel,
     prompts: list[list[int]],

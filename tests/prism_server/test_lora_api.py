@@ -247,3 +247,26 @@ def test_an_adapter_unloaded_after_a_requests_lookup_gives_it_404(server, settin
     monkeypatch.undo()
     r = httpx.post(f"{server.url}/v1/completions", json={**BODY, "model": "sql"}, timeout=60)
     assert r.status_code == 200
+
+
+def test_an_adapter_of_lora_dirs_unloaded_after_a_requests_lookup_is_loaded_again(
+    server, monkeypatch
+):
+    """As above, for an adapter that lora_dirs holds: the request finds it there again, as a
+    request arriving then would, and is served with the adapter's tokens."""
+    e = server.engine
+    r = httpx.post(f"{server.url}/v1/completions", json={**BODY, "model": "kv"}, timeout=60)
+    assert r.status_code == 200, r.text  # loaded from lora_dirs on first use
+    want = r.json()["choices"][0]["text"]
+    submit, unloads = e.submit, []
+
+    def unload_first(served, *args, **kw):
+        if served.name == "kv" and not unloads:
+            unloads.append(e.adapters.start_unload("kv").result(timeout=30))
+        return submit(served, *args, **kw)
+
+    monkeypatch.setattr(e, "submit", unload_first)
+    r = httpx.post(f"{server.url}/v1/completions", json={**BODY, "model": "kv"}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert unloads and r.json()["choices"][0]["text"] == want
+    assert "kv" in e.served
