@@ -56,6 +56,13 @@ class WeightLayout:
     def num_pages(self, page_bytes: int) -> int:
         return max(1, -(-self.nbytes // page_bytes))
 
+    def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """name -> a tensor of the slot's shape and dtype over `flat`'s bytes (uint8, at least
+        nbytes of them): the layout over any buffer (a host copy, say)."""
+        if flat.dtype != torch.uint8 or flat.numel() < self.nbytes:
+            raise ValueError(f"a layout of {self.nbytes} bytes over {flat.numel()} {flat.dtype}")
+        return {s.name: _view(flat, s) for s in self.slots}
+
 
 class WeightBuffer:
     def __init__(self, pool: PagePool, owner: str, layout: WeightLayout, reclaim: bool = True):
@@ -95,7 +102,7 @@ class WeightBuffer:
 
     def views(self) -> dict[str, torch.Tensor]:
         """name -> a tensor of the slot's shape and dtype over its bytes (zero-copy)."""
-        return {s.name: _view(self._flat, s) for s in self.layout.slots}
+        return self.layout.views(self._flat)
 
     def check_integrity(self) -> None:
         self.pages.check_integrity()

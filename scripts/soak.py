@@ -6,8 +6,11 @@ greedy output of the same request run alone) or was cancelled by its client, tha
 leaked, that RSS stayed flat, and that nothing was logged at ERROR. It prints the figures.
 
     .venv/bin/python scripts/soak.py [--minutes 5] [--clients 12] [--embedded]
+        [--evict-churn] [--lora-churn]
 
-Chaos is a list of actions run every few seconds (`Soak.chaos`); model eviction plugs in there.
+Chaos is a list of actions run every few seconds (`Soak.chaos`): admin evicts (`--evict-churn`);
+LoRA adapters unloaded and loaded again through the admin API while requests for them run, with
+more adapters than slots and some found in lora_dirs on first use (`--lora-churn`).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import logging
 import random
 import statistics
 import sys
+import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -30,6 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from models.lora.synthetic import write_adapters  # noqa: E402
 from prism_server.config import EngineConfig, ModelSpec  # noqa: E402
 from prism_server.engine.engine import Engine  # noqa: E402
 from prism_server.engine.memory_budget import weight_pool_bytes  # noqa: E402
@@ -78,7 +83,13 @@ class SoakConfig:
     # and a random model is evicted through the admin API every `evict_every_s`
     evict_churn: bool = False
     evict_every_s: float = 1.0
+    # LoRA churn: ADAPTERS of tiny-0 (two in the config, the rest found in lora_dirs), two
+    # slots; one is unloaded or loaded again through the admin API every `evict_every_s`
+    lora_churn: bool = False
     seed: int = 0
+
+
+ADAPTERS = ("ad-0", "ad-1", "ad-2", "ad-3")
 
 
 @dataclass
@@ -95,6 +106,8 @@ class SoakReport:
     activations: int = 0
     evictions: int = 0
     admin_evicts: int = 0
+    adapter_unloads: int = 0
+    adapter_loads: int = 0
     integrity: str = "ok"
 
     @property
@@ -134,7 +147,8 @@ class SoakReport:
                 f"churn: {self.preemptions} preemptions, {self.pages_acquired} pages mapped, "
                 f"{self.pages_released} unmapped, {self.pages_reclaimed} taken from another model",
                 f"residency: {self.activations} activations, {self.evictions} evictions "
-                f"({self.admin_evicts} through the admin API)",
+                f"({self.admin_evicts} through the admin API); adapters: "
+                f"{self.adapter_unloads} unloads, {self.adapter_loads} loads",
                 f"leaked blocks: {self.leaked_blocks}; integrity: {self.integrity}",
                 f"RSS MiB: start {self.rss_mib[0]:.0f}, end {self.rss_mib[-1]:.0f}, "
                 f"growth after warm-up {self.rss_growth_mib:+.1f}",
@@ -160,6 +174,13 @@ class Soak:
         ]
         if cfg.embedded:
             specs.append(ModelSpec("smollm2-135m", "smollm2-135m", max_cached_pages=1))
+        lora: dict = {}
+        if cfg.lora_churn:
+            self._adapter_dir = tempfile.TemporaryDirectory(prefix="soak-adapters-")
+            root = Path(self._adapter_dir.name)
+            write_adapters(root, "tiny-llama", ADAPTERS, rank=8, seed=cfg.seed)
+            specs += [ModelSpec(n, base="tiny-0", adapter=str(root / n)) for n in ADAPTERS[:2]]
+            lora = {"max_loras": 2, "lora_dirs": (str(root),)}
         page = cfg.page_bytes if not cfg.embedded else 4 << 20
         kv = (cfg.budget_pages + 1) * page
         budget = {"kv_budget_bytes": kv}
@@ -167,11 +188,14 @@ class Soak:
             w = weight_pool_bytes(specs[0], torch.device("cpu"), page)
             budget = {"pool_budget_bytes": kv + 2 * w}
         self.engine = Engine(
-            EngineConfig(models=tuple(specs), device="cpu", page_bytes=page, **budget)
+            EngineConfig(models=tuple(specs), device="cpu", page_bytes=page, **budget, **lora)
         )
-        self.models = [s.name for s in specs]
+        self.models = [s.name for s in specs if not s.is_adapter]
+        self.models += list(ADAPTERS) if cfg.lora_churn else []
         self.chaos: list = [self._admin_evict] if cfg.evict_churn else []  # run every so often
-        self.chaos_every_s = cfg.evict_every_s if cfg.evict_churn else 3.0
+        self.chaos += [self._adapter_churn] if cfg.lora_churn else []
+        churn = cfg.evict_churn or cfg.lora_churn
+        self.chaos_every_s = cfg.evict_every_s if churn else 3.0
         self.chaos_rng = random.Random(cfg.seed + 1)
         self.report = SoakReport()
 
@@ -180,6 +204,22 @@ class Soak:
         r = httpx.post(f"{self.url}/v1/models/{name}/evict", json={}, timeout=60)
         assert r.status_code in (200, 409), r.text
         self.report.admin_evicts += r.status_code == 200
+
+    def _adapter_churn(self) -> None:
+        """Unload a served adapter (its requests in flight finish first), or load one that is
+        not (a request may have found it in lora_dirs meanwhile: then 400, already served)."""
+        name = self.chaos_rng.choice(ADAPTERS)
+        if name in self.engine.served:
+            r = httpx.post(f"{self.url}/v1/unload_lora_adapter", json={"lora_name": name},
+                           timeout=120)  # fmt: skip
+            assert r.status_code in (200, 404), r.text
+            self.report.adapter_unloads += r.status_code == 200
+        else:
+            path = str(Path(self._adapter_dir.name) / name)
+            body = {"lora_name": name, "lora_path": path}
+            r = httpx.post(f"{self.url}/v1/load_lora_adapter", json=body, timeout=120)
+            assert r.status_code == 200 or "already served" in r.text, r.text
+            self.report.adapter_loads += r.status_code == 200
 
     def _start_server(self) -> None:
         self.server = serve_in_thread(self.engine)
@@ -206,6 +246,10 @@ class Soak:
             try:
                 async with session.post(f"{self.url}/v1/completions", json=body) as r:
                     o.status = r.status
+                    if r.status != 200:  # (a status past 200 fails the soak: it says why)
+                        o.text = (await r.text())[:300]
+                        self.report.errors.append(f"{o.model}: HTTP {r.status}: {o.text}")
+                        continue
                     if not o.stream:
                         if drop_after is not None:  # vanish before the answer
                             await asyncio.sleep(rng.random() * 0.2)
@@ -262,6 +306,10 @@ class Soak:
 
     def _verify(self) -> None:
         r = self.report
+        for name in ADAPTERS if self.cfg.lora_churn else ():  # every adapter back, for its refs
+            if name not in self.engine.served:
+                path = str(Path(self._adapter_dir.name) / name)
+                self.engine.adapters.start_load(name, path, "tiny-0").result(timeout=120)
         refs: dict[tuple[str, int, int], str] = {}
         for o in r.outcomes:
             if o.status != 200 or o.disconnected:
@@ -300,6 +348,8 @@ class Soak:
                 self.server.close()  # and the engine
             else:
                 self.engine.close()
+            if self.cfg.lora_churn:
+                self._adapter_dir.cleanup()
         return self.report
 
 
@@ -314,19 +364,26 @@ def main() -> None:
         action="store_true",
         help="a pool for two of the three tiny models, and random admin evicts every second",
     )
+    ap.add_argument(
+        "--lora-churn",
+        action="store_true",
+        help="four adapters of one model in two slots, one unloaded or loaded every second",
+    )
     args = ap.parse_args()
     cfg = SoakConfig(
         seconds=args.minutes * 60,
         clients=args.clients,
         embedded=args.embedded,
         evict_churn=args.evict_churn,
+        lora_churn=args.lora_churn,
         seed=args.seed,
     )
     t = time.monotonic()
     report = Soak(cfg).run()
     print(
         f"# soak: {args.minutes} min, {args.clients} clients, models "
-        f"{3 + args.embedded}, budget {cfg.budget_pages} pages, "
+        f"{3 + args.embedded}{' + 4 adapters' if args.lora_churn else ''}, budget "
+        f"{cfg.budget_pages} pages, "
         f"wall {time.monotonic() - t:.0f} s"
     )
     print(report.summary())

@@ -91,44 +91,47 @@ class BaseAdapters:
 
     # ---- registering ----------------------------------------------------------------------------
     def add(self, adapter: LoraAdapter, pool: PagePool, device: torch.device, on_device: bool):
-        """Place `adapter` in `pool` (owner `<name>/weights`) and keep its host copy; its pages
-        stay mapped only while its base is on the device (`on_device`). MemoryError if the pool
-        cannot give the pages (after make_room)."""
+        """Place `adapter` in `pool` (owner `<name>/weights`): its host copy written from its
+        tensors, then its pages mapped and loaded now if its base is on the device
+        (`on_device`) and the pool gives them (after make_room); else it waits offloaded, as
+        after an eviction, and its first request activates it. MemoryError if the pool could
+        never hold it."""
         name = adapter.name
         if name in self.by_name:
             raise ValueError(f"adapter {name!r} is already loaded")
-        buffers: list[WeightBuffer] = []
-
-        def place(tensors):
-            wb = WeightBuffer(pool, f"{name}/weights", WeightLayout.pack(tensors))
-            buffers.append(wb)
-            if not wb.can_map() and self.make_room is not None:
-                self.make_room(wb.can_map)
-            if not wb.map():
-                raise MemoryError(
-                    f"the page pool has no room for the {wb.nbytes} bytes of adapter {name} "
-                    f"({wb.num_pages} pages); raise pool_budget_bytes"
-                )
-            return wb.views()
-
+        wb = WeightBuffer(pool, f"{name}/weights", WeightLayout.pack(adapter.weights.layout()))
         host = None
         try:
-            weights = adapter.place(place)
-            (wb,) = buffers
+            if wb.num_pages > pool.capacity:
+                raise MemoryError(
+                    f"adapter {name} takes {wb.num_pages} pages of {wb.nbytes} bytes: more than "
+                    f"the page pool's {pool.capacity}; raise pool_budget_bytes"
+                )
             host = HostCopy(wb.nbytes, device)
-            host.save(wb.bytes())
+            staged = wb.layout.views(host.data)
+            for n, t in adapter.weights.named_tensors():
+                staged[n].copy_(t)
+            a = ServedAdapter(name, str(adapter.path), adapter.rank,
+                              adapter.weights.over(wb.views()), wb, host)  # fmt: skip
+            if on_device:
+                if not wb.can_map() and self.make_room is not None:
+                    self.make_room(wb.can_map)
+                loading = map_and_load(wb, host)
+                if loading is not None:
+                    try:
+                        loading.wait()
+                    except BaseException:
+                        wb.unmap()
+                        raise
         except BaseException:
-            for wb in buffers:
-                wb.close()
+            wb.close()
             if host is not None:
                 host.close()
             raise
-        a = ServedAdapter(name, str(adapter.path), adapter.rank, weights, wb, host)
         a.last_used = time.monotonic()
-        if not on_device:
-            wb.unmap()
         self.by_name[name] = a
-        log.info("adapter %s (rank %d, %d bytes) loaded", name, adapter.rank, wb.nbytes)
+        log.info("adapter %s (rank %d, %d bytes) loaded%s", name, adapter.rank, wb.nbytes,
+                 "" if a.resident else ", offloaded until its first request")  # fmt: skip
         return a
 
     def remove(self, name: str) -> None:

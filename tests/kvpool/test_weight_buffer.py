@@ -152,6 +152,29 @@ def test_map_and_load_maps_then_copies_or_leaves_nothing_mapped():
     assert p.stats().owned == {}
 
 
+def test_a_host_copy_written_through_the_layout_loads_as_the_tensors():
+    """A host copy filled through the layout's views (no device buffer mapped to make it) lands
+    in the buffer as each tensor; a buffer too small for the layout is refused."""
+    p = pool(4)
+    lay = WeightLayout.pack((n, s, d) for n, s, d in SPECS)
+    tensors = {n: torch.randn(s).to(d) for n, s, d in SPECS}
+    host = HostCopy(lay.nbytes, torch.device("cpu"))
+    for name, view in lay.views(host.data).items():
+        view.copy_(tensors[name])
+    wb = WeightBuffer(p, "m/weights", lay)
+    assert p.pages_of("m/weights") == 0  # nothing mapped until now
+    map_and_load(wb, host).wait()
+    for name, t in wb.views().items():
+        assert t.dtype == tensors[name].dtype and torch.equal(t, tensors[name]), name
+    with pytest.raises(ValueError, match="over 16 torch.uint8"):
+        lay.views(torch.zeros(16, dtype=torch.uint8))
+    wb.check_integrity()
+    wb.close()
+    host.close()
+    p.check_integrity()
+    assert p.stats().owned == {}
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_activation_copies_on_a_side_stream():

@@ -356,6 +356,42 @@ def test_an_adapter_short_of_pages_takes_them_from_an_idle_model(made):
         owners_whole(e)
 
 
+def test_an_adapter_loaded_into_a_full_pool_waits_offloaded_for_its_first_request(made, tmp_path):
+    """No page to be had (every adapter evicted, the rest of the pool held): a run-time load
+    still succeeds, the adapter registered offloaded (its host copy made from its tensors);
+    once pages are free its first request activates it and gets its tokens."""
+    import torch
+
+    from kvpool import WeightBuffer, WeightLayout
+
+    ref = made[2]
+    with Engine(config(made)) as e:
+        w = e.worker
+        for _ in SPECS:
+            assert w.call(lambda: w.memory.evict_idle_adapter(None))
+        layout = WeightLayout.pack([("w", (e.pool.num_available * PAGE - 4096,), torch.uint8)])
+
+        def fill():
+            wb = WeightBuffer(e.pool, "filler/weights", layout, reclaim=False)
+            assert wb.map() and e.pool.num_available == 0
+            return wb
+
+        filler = w.call(fill)
+        try:
+            extra = edited(made[1]["sql"], tmp_path / "extra")
+            assert e.adapters.start_load("extra", str(extra)).result(timeout=30).name == "extra"
+            snap = w.snapshot_now().model("base")
+            got = next(a for a in snap.adapters if a.name == "extra")
+            assert not got.resident and got.weight_pages == 0 and got.activations == 0
+        finally:
+            w.call(lambda: (filler.unmap(), filler.close()))
+        (c,) = run(e, [("extra", PROMPTS["sql"])])
+        assert c.error is None and c.token_ids == ref["sql"]
+        got = next(a for a in w.snapshot_now().model("base").adapters if a.name == "extra")
+        assert got.resident and got.activations == 1
+        owners_whole(e)
+
+
 class _GraphsTakingLora:
     """A GPU runner's decode graphs, stood in for on the CPU (where a base's slots run the torch
     GEMMs, not the kernels a real graph captures): a "replay" runs the step eagerly with the
