@@ -30,3 +30,17 @@ def test_short_soak_with_eviction_churn_loses_nothing_and_leaks_nothing():
     assert not report.errors, report.errors[:3]
     assert report.leaked_blocks == 0 and report.integrity == "ok"
     assert report.ok, report.summary()
+
+
+def test_short_soak_with_lora_churn_loses_nothing_and_leaks_nothing():
+    """Four adapters of one model in two slots (two found in lora_dirs on first use), one
+    unloaded or loaded again every second while requests for them run."""
+    report = Soak(SoakConfig(seconds=15, clients=10, seed=5, lora_churn=True)).run()
+    print(report.summary())
+    assert report.completed > 50
+    assert report.adapter_unloads >= 5  # it did churn (the resolver loads them back)
+    assert any(o.model.startswith("ad-") for o in report.outcomes if o.status == 200)
+    assert not report.wrong, report.wrong[:3]
+    assert not report.errors, report.errors[:3]
+    assert report.leaked_blocks == 0 and report.integrity == "ok"
+    assert report.ok, report.summary()
