@@ -6,7 +6,9 @@ not compile, or a malformed request, gets 400 with the envelope."""
 from __future__ import annotations
 
 import json
+import queue
 import re
+import time
 
 import httpx
 import jsonschema
@@ -16,6 +18,9 @@ import torch
 from models.loader import ModelSource, model_dir
 from models.tokenizer import load_tokenizer
 from prism_server import envs
+from prism_server.completion import Completion
+from prism_server.config import EngineConfig, ModelSpec
+from prism_server.engine.engine import Engine
 from prism_server.grammar import Grammars, GrammarSpec, Guides
 from prism_server.served_model import RequestRejected
 from scheduler.request import Request
@@ -241,3 +246,54 @@ def test_the_openai_client_and_langchain_get_objects_that_validate(server):
         schema = {"title": name, "description": f"the {name} answer", **SCHEMAS[name]}
         out = llm.with_structured_output(schema, method="json_schema").invoke(Q[0]["content"])
         jsonschema.validate(out, SCHEMAS[name])
+
+
+def test_constrained_requests_preempted_and_recomputed_keep_their_grammars():
+    """Four JSON-schema requests at once in KV room for about two: requests are preempted
+    (their KV freed, their tokens recomputed on resume) while their matchers keep their state;
+    each output is the one it gets alone, and valid."""
+    spec = ModelSpec(CHAT, CHAT, block_size=16, max_model_len=512)
+    cfg = EngineConfig(models=(spec,), device="cpu", page_bytes=1 << 20,
+                       kv_budget_bytes=12 << 20, reserve_output_tokens=0)  # fmt: skip
+    with Engine(cfg) as e:
+        served = e.model(CHAT)
+        names = ["nested", "enum", "array", "nested"]
+        params = [
+            SamplingParams(
+                max_tokens=60,
+                temperature=0,
+                grammar=served.compile_grammar(GrammarSpec("json_schema", json.dumps(SCHEMAS[n]))),
+            )
+            for n in names
+        ]
+        prompts = [
+            served.encode_chat([{"role": "user", "content": f"{i}: a city, as JSON."}], True)
+            for i in range(len(names))
+        ]
+        alone = [e.generate(CHAT, [p], sp)[0] for p, sp in zip(prompts, params)]
+        before = e.model_snapshot(CHAT).num_preemptions
+        together = _generate_all(e, prompts, params)
+        assert e.model_snapshot(CHAT).num_preemptions > before  # it did preempt
+        for n, a, t in zip(names, alone, together):
+            assert t.token_ids == a.token_ids
+            jsonschema.validate(json.loads(t.text), SCHEMAS[n])
+        e.check_integrity()
+
+
+def _generate_all(e, prompts, params):
+    """The prompts at once, each with its own sampling parameters; waits for all."""
+    done: queue.SimpleQueue = queue.SimpleQueue()
+    out = []
+    for p, sp in zip(prompts, params):
+        c = Completion(p, arrival_time=time.monotonic())
+
+        def sink(o, c=c):
+            c.add(o, time.monotonic())
+            if o.finished:
+                done.put(None)
+
+        e.add_request(CHAT, p, sp, sink)
+        out.append(c)
+    for _ in out:
+        done.get(timeout=300)
+    return out
