@@ -12,7 +12,7 @@ from pathlib import Path
 
 from models.lora import AdapterError, read_adapter_config
 from prism_server.config import EngineConfig, ModelSpec
-from prism_server.engine.commands import LoadAdapter, Submit, UnloadAdapter
+from prism_server.engine.commands import LoadAdapter, Publish, Submit, UnloadAdapter
 from prism_server.engine.routing import Routes
 from prism_server.served_model import ModelNotFound, ServedModel
 
@@ -69,12 +69,15 @@ class AdapterRegistry:
                 e = done.exception()
                 if e is None:
                     self._bases[name] = base
-                    self.served[name] = replace(served_base, spec=spec)
-            if e is None:
-                log.info("adapter %s of %s loaded from %s", name, base, path)
-                out.set_result(self.served[name])
-            else:
+                    self.served[name] = got = replace(served_base, spec=spec)
+            if e is not None:
                 out.set_exception(e)
+                return
+            log.info("adapter %s of %s loaded from %s", name, base, path)
+            # answered once a snapshot shows it (a model list read then has its state)
+            pub = Publish()
+            pub.done.add_done_callback(lambda _: out.set_result(got))
+            self.routes.send(base, pub)
 
         cmd.done.add_done_callback(loaded)
         if unloading is None:

@@ -246,6 +246,30 @@ def test_a_load_while_its_name_is_unloading_waits_for_the_unload(made, steps_ahe
         owners_whole(e)
 
 
+def test_a_loaded_adapter_is_in_the_published_snapshot_when_its_load_answers(
+    made, tmp_path, monkeypatch
+):
+    """A busy device publishes every _PUBLISH_S at most (here: never on its own): a load
+    answers once the published snapshot (what /v1/models reads) has the adapter."""
+    from prism_server.engine import device_worker
+
+    long = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+    with Engine(config(made)) as e:
+        done: queue.SimpleQueue = queue.SimpleQueue()
+        e.add_request("base", PROMPTS[None], long, lambda o: o.finished and done.put(o))
+        while e.model_snapshot("base").num_running == 0:  # the device steps it
+            time.sleep(0.005)
+        monkeypatch.setattr(device_worker, "_PUBLISH_S", 3600.0)
+        extra = edited(made[1]["sql"], tmp_path / "extra")
+        e.adapters.start_load("extra", str(extra)).result(timeout=30)
+        published = e.snapshots()[0].model("base")
+        assert "extra" in {a.name for a in published.adapters}
+        assert published.num_running == 1  # (the device was busy all along)
+        monkeypatch.setattr(device_worker, "_PUBLISH_S", 0.005)
+        assert done.get(timeout=120).error is None
+        owners_whole(e)
+
+
 def test_a_run_time_adapter_finds_its_base_among_several_by_its_config(made, tmp_path):
     """Its config's base_model_name_or_path names a served base (by its source's path, or by
     name); a directory that is not there, or a config naming none of them, gets a clear error
