@@ -86,6 +86,7 @@ class SoakConfig:
     # LoRA churn: ADAPTERS of tiny-0 (two in the config, the rest found in lora_dirs), two
     # slots; one is unloaded or loaded again through the admin API every `evict_every_s`
     lora_churn: bool = False
+    devices: int = 1  # emulated devices, each its pool (of the budget above) and engine thread
     seed: int = 0
 
 
@@ -188,7 +189,14 @@ class Soak:
             w = weight_pool_bytes(specs[0], torch.device("cpu"), page)
             budget = {"pool_budget_bytes": kv + 2 * w}
         self.engine = Engine(
-            EngineConfig(models=tuple(specs), device="cpu", page_bytes=page, **budget, **lora)
+            EngineConfig(
+                models=tuple(specs),
+                device="cpu",
+                page_bytes=page,
+                devices=cfg.devices,
+                **budget,
+                **lora,
+            )  # fmt: skip
         )
         self.models = [s.name for s in specs if not s.is_adapter]
         self.models += list(ADAPTERS) if cfg.lora_churn else []
@@ -320,11 +328,12 @@ class Soak:
                 refs[key] = self.engine.generate(o.model, [PROMPTS[o.prompt]], params)[0].text
             if o.text != refs[key] or o.finish_reason != "length":
                 r.wrong.append(f"{key}: got {o.text!r} ({o.finish_reason}), want {refs[key]!r}")
-        pool = self.engine.pool
+        pools = [w.pool for w in self.engine.workers]
         models = [m for w in self.engine.workers for m in w.snapshot_now().models]
         r.preemptions = sum(m.num_preemptions for m in models)
-        r.pages_acquired, r.pages_released = pool.acquired_total, pool.released_total
-        r.pages_reclaimed = pool.reclaimed_total
+        r.pages_acquired = sum(p.acquired_total for p in pools)
+        r.pages_released = sum(p.released_total for p in pools)
+        r.pages_reclaimed = sum(p.reclaimed_total for p in pools)
         r.leaked_blocks = sum(m.kv_blocks_held for m in models)
         r.activations = sum(m.activations for m in models)
         r.evictions = sum(m.evictions for m in models)
@@ -359,6 +368,7 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=12)
     ap.add_argument("--embedded", action="store_true", help="add SmolLM2 to the tiny models")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--devices", type=int, default=1, help="emulated devices the models share")
     ap.add_argument(
         "--evict-churn",
         action="store_true",
@@ -376,6 +386,7 @@ def main() -> None:
         embedded=args.embedded,
         evict_churn=args.evict_churn,
         lora_churn=args.lora_churn,
+        devices=args.devices,
         seed=args.seed,
     )
     t = time.monotonic()
@@ -383,7 +394,7 @@ def main() -> None:
     print(
         f"# soak: {args.minutes} min, {args.clients} clients, models "
         f"{3 + args.embedded}{' + 4 adapters' if args.lora_churn else ''}, budget "
-        f"{cfg.budget_pages} pages, "
+        f"{cfg.budget_pages} pages, {args.devices} device(s), "
         f"wall {time.monotonic() - t:.0f} s"
     )
     print(report.summary())
