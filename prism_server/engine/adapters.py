@@ -203,12 +203,19 @@ class BaseAdapters:
             raise
         a.activations += 1
 
-    def prepare(self, wanted: Iterable[str], running: set[str], now: float) -> set[str]:
+    def prepare(
+        self, wanted: Iterable[str], running: set[str], now: float, head: str | None = ""
+    ) -> set[str]:
         """Make the adapters `wanted` (in order: the running requests' first) ready to run:
         resident and in a slot. A slot is taken from an adapter no running request has
         (`running`: those some has), one not wanted first. -> the ready ones (an adapter whose
-        pages the pool cannot give now, or with no slot left, waits)."""
+        pages the pool cannot give now, or with no slot left, waits). head: while the base is
+        blocked on memory with nothing running, the adapter of the first request in line
+        (None: the base's own): then only it is made ready, so that the pages its KV needs go
+        to it, not to adapters of requests behind it ("": not blocked)."""
         want = [n for n in dict.fromkeys(wanted) if n in self.by_name]
+        if head != "":
+            want = [n for n in want if n in running or n == head]
         ready: set[str] = set()
         self.short_of_pages = False
         for name in want:

@@ -166,6 +166,19 @@ class DeviceMemory:
         log.info("evicted adapter %s of %s for room", a.name, m.name)
         return True
 
+    def evict_parked_adapter(self, m: ModelWorker) -> bool:
+        """Evict m's least recently used adapter whose requests all wait, but for the first
+        request's in line (m is blocked on memory: without this, adapters activated for
+        requests that wait could hold the pages its KV needs, nothing running to free any);
+        False if there is none."""
+        parked = m.parked_adapters()
+        if not parked:
+            return False
+        pages = m.evict_adapter(parked[0].name)
+        self.pool.record_move(parked[0].name, m.name, pages, "evict")
+        log.info("evicted adapter %s of %s for its blocked work", parked[0].name, m.name)
+        return True
+
     def make_resident(self, m: ModelWorker, now: float, wait: bool = False) -> bool:
         """Start m's activation, evicting idle models if the pool needs their pages; False if
         it cannot have them now. wait: return once it serves. A model split over devices has
@@ -261,6 +274,8 @@ class DeviceMemory:
         if short and self.pool.available_to(m.name):
             return  # the page it waits for is on those devices, not here
         if self.evict_idle_adapter(m.name):  # the cheapest pages first: one move per step
+            return
+        if self.evict_parked_adapter(m):  # then its own adapters whose requests all wait
             return
         if self.make_room(lambda: False, now, resort.keep, m.name, 1, resort.stalled):
             if self.taker is None:  # the pages it freed are its own until it runs: the model

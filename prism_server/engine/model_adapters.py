@@ -31,6 +31,7 @@ class ModelAdapters:
         # its LoRA adapters (None until the first is loaded): their requests are its own,
         # tagged with the adapter's name (Request.adapter)
         self.adapters: BaseAdapters | None = None
+        self._starving = False  # blocked on memory with nothing running, since the last step
 
     def _accept_adapter(self, req: Request) -> bool:
         """Counts a new request of an adapter; False (the request ended with the reason) if the
@@ -56,14 +57,32 @@ class ModelAdapters:
         mine = self.requests
         order = list(s.waiting) if admit is None else [mine[i] for i in admit if i in mine]
         wanted = [*running, *(r.adapter for r in order if r.adapter is not None)]
+        # blocked on memory with nothing running (until something runs): the adapter of the
+        # first request in line (FCFS, whatever the pick) alone is made ready, so that the pages
+        # its KV needs are not taken by adapters of requests behind it (parked_adapters)
+        self._starving = not s.running and (s.blocked or self._starving)
         if not wanted:
             return admit
-        ready = self.adapters.prepare(wanted, running, now)
+        head = self._head() if self._starving else ""
+        ready = self.adapters.prepare(wanted, running, now, head)
         if running - ready:  # never: a running request's adapter keeps its pages and slot
             raise RuntimeError(f"adapters of running requests not ready: {sorted(running - ready)}")
         if all(r.adapter is None or r.adapter in ready for r in order):
             return admit
         return [r.request_id for r in order if r.adapter is None or r.adapter in ready]
+
+    def parked_adapters(self) -> list:
+        """Its resident adapters whose requests all wait (none runs), but for the adapter of
+        the first request in line, least recently used first: pages its blocked work may take
+        (they come back by a copy at their requests' turn)."""
+        if not self.adapters:
+            return []
+        running = {r.adapter for r in self.scheduler.running if r.adapter is not None}
+        return [a for a in self.adapters.idle(running) if a.name != self._head()]
+
+    def _head(self) -> str | None:
+        """The adapter of the first request waiting (None: the base's own, or none)."""
+        return next((r.adapter for r in self.scheduler.waiting), None)
 
     def busy_adapters(self) -> set[str]:
         """The adapters some request of this model runs with or waits for."""

@@ -8,6 +8,7 @@ test ends with the pool's and every model's integrity checked, owner by owner.""
 from __future__ import annotations
 
 import queue
+import random
 import threading
 import time
 from concurrent.futures import Future
@@ -19,6 +20,7 @@ from kvpool.host_copy import _copy_thread as copier
 from models.attention.base import ForwardContext
 from models.layers.fp8_linear import Fp8Linear
 from models.lora import AdapterError
+from models.lora.synthetic import write_adapters
 from prism_server.completion import Completion
 from prism_server.config import EngineConfig, ModelSpec
 from prism_server.engine.commands import Call
@@ -413,6 +415,28 @@ def test_an_adapter_loaded_into_a_full_pool_waits_offloaded_for_its_first_reques
         assert c.error is None and c.token_ids == ref["sql"]
         got = next(a for a in w.snapshot_now().model("base").adapters if a.name == "extra")
         assert got.resident and got.activations == 1
+        owners_whole(e)
+
+
+def test_adapters_waiting_in_a_tight_pool_never_starve_the_first_request(tmp_path):
+    """A pool with room for the base, about two adapters and little KV; 40 requests over four
+    adapters (two slots) and the base at once. Adapters made resident for requests that wait
+    could hold the pages the first request's KV needs, nothing running to free any (seen:
+    every request waiting for good). Each request must end, with its tokens alone."""
+    names = ["ad-0", "ad-1", "ad-2", "ad-3"]
+    write_adapters(tmp_path, "tiny-llama", names, rank=8, seed=0)
+    base = ModelSpec("base", "dummy:tiny-llama", block_size=4, max_num_batched_tokens=64)
+    specs = (base, *(ModelSpec(n, base="base", adapter=str(tmp_path / n)) for n in names))
+    cfg = EngineConfig(models=specs, device="cpu", page_bytes=PAGE, max_loras=2,
+                       kv_budget_bytes=3 * PAGE)  # fmt: skip
+    rng = random.Random(0)
+    jobs = [(rng.choice([*names, None]), rng.randrange(1, 90)) for _ in range(40)]
+    prompts = {n: [(7 * n + 3 * i) % 500 + 3 for i in range(n)] for _, n in jobs}
+    with Engine(cfg) as e:
+        alone = {j: run(e, [(j[0], prompts[j[1]])])[0].token_ids for j in set(jobs)}
+        together = run(e, [(a, prompts[n]) for a, n in jobs])
+        for j, c in zip(jobs, together):
+            assert c.error is None and c.token_ids == alone[j], j
         owners_whole(e)
 
 
