@@ -47,7 +47,7 @@ class TorchPagedAttention:
         self._slot_block = md.slot_mapping // bs
         self._slot_off = md.slot_mapping % bs
         self._decode = md.is_decode_only
-        self._masks: dict[int | None, torch.Tensor | None] = {}
+        self._masks: dict[int | str | None, torch.Tensor | None] = {}
 
     def _write(self, cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         # cache[block, :, offset] is [T, 2, Hkv, D]: K and V of each new token in one write
@@ -66,6 +66,14 @@ class TorchPagedAttention:
                 kv_pos = torch.arange(max(lens), device=device)
                 self._masks[window] = _window_mask(pos, kv_pos, md.seq_lens.long(), window)
         return self._masks[window]
+
+    def _past_end(self, max_len: int, device) -> torch.Tensor:
+        """[B, 1, max_len, 1] bool: the positions past each sequence's end (built once)."""
+        if "past" not in self._masks:
+            kv_pos = torch.arange(max_len, device=device).view(1, -1)
+            past = kv_pos >= self.md.seq_lens.long().view(-1, 1)
+            self._masks["past"] = past.view(past.shape[0], 1, max_len, 1)
+        return self._masks["past"]
 
     def _gather(self, cache: torch.Tensor, tables: torch.Tensor, max_len: int):
         """tables: [B, nb] -> K, V as [B, Hkv, max_len, D]."""
@@ -87,6 +95,12 @@ class TorchPagedAttention:
             max_len = max(md.seq_lens_cpu)
             nb = -(-max_len // md.block_size)
             kc, vc = self._gather(cache, md.block_tables[:, :nb], max_len)
+            if len(set(md.seq_lens_cpu)) > 1:
+                # a shorter sequence's positions past its end hold whatever its pages held
+                # before (another model's weights, say): masked, yet a NaN there would still
+                # reach the sums (0 * NaN), so they are zeroed
+                past = self._past_end(max_len, q.device)
+                kc, vc = kc.masked_fill(past, 0), vc.masked_fill(past, 0)
             mask = self._decode_mask(spec.sliding_window, q.device)
             out = _attend(q.unsqueeze(2), kc.to(q.dtype), vc.to(q.dtype), mask, spec)
             return out.squeeze(2)

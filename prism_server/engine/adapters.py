@@ -108,6 +108,7 @@ class BaseAdapters:
                     f"the page pool's {pool.capacity}; raise pool_budget_bytes"
                 )
             host = HostCopy(wb.nbytes, device)
+            host.data.zero_()  # (the alignment gaps too: its pages' bytes all known)
             staged = wb.layout.views(host.data)
             for n, t in adapter.weights.named_tensors():
                 staged[n].copy_(t)
