@@ -6,7 +6,7 @@ greedy output of the same request run alone) or was cancelled by its client, tha
 leaked, that RSS stayed flat, and that nothing was logged at ERROR. It prints the figures.
 
     .venv/bin/python scripts/soak.py [--minutes 5] [--clients 12] [--embedded]
-        [--evict-churn] [--lora-churn]
+        [--evict-churn] [--lora-churn] [--devices N] [--fp8]
 
 Chaos is a list of actions run every few seconds (`Soak.chaos`): admin evicts (`--evict-churn`);
 LoRA adapters unloaded and loaded again through the admin API while requests for them run, with
@@ -87,6 +87,7 @@ class SoakConfig:
     # slots; one is unloaded or loaded again through the admin API every `evict_every_s`
     lora_churn: bool = False
     devices: int = 1  # emulated devices, each its pool (of the budget above) and engine thread
+    fp8: bool = False  # the tiny models' weights in FP8 (quantized at load)
     seed: int = 0
 
 
@@ -170,6 +171,7 @@ class Soak:
                 block_size=4,
                 max_cached_pages=2,
                 max_num_batched_tokens=64,
+                quantization="fp8" if cfg.fp8 else None,
             )
             for i in range(3)
         ]
@@ -369,6 +371,7 @@ def main() -> None:
     ap.add_argument("--embedded", action="store_true", help="add SmolLM2 to the tiny models")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--devices", type=int, default=1, help="emulated devices the models share")
+    ap.add_argument("--fp8", action="store_true", help="the tiny models' weights in FP8")
     ap.add_argument(
         "--evict-churn",
         action="store_true",
@@ -387,6 +390,7 @@ def main() -> None:
         evict_churn=args.evict_churn,
         lora_churn=args.lora_churn,
         devices=args.devices,
+        fp8=args.fp8,
         seed=args.seed,
     )
     t = time.monotonic()

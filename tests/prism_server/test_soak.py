@@ -34,8 +34,8 @@ def test_short_soak_with_eviction_churn_loses_nothing_and_leaks_nothing():
 
 def test_short_soak_with_lora_churn_loses_nothing_and_leaks_nothing():
     """Four adapters of one model in two slots (two found in lora_dirs on first use), one
-    unloaded or loaded again every second while requests for them run."""
-    report = Soak(SoakConfig(seconds=15, clients=10, seed=5, lora_churn=True)).run()
+    unloaded or loaded again every second while requests for them run; the models in FP8."""
+    report = Soak(SoakConfig(seconds=15, clients=10, seed=5, lora_churn=True, fp8=True)).run()
     print(report.summary())
     assert report.completed > 50
     assert report.adapter_unloads >= 5  # it did churn (the resolver loads them back)
