@@ -6,7 +6,7 @@ from kvpool.backend import MemoryBackend, PhysicalHandle, Reservation
 from kvpool.block_allocator import BlockAllocator, PageMapper
 from kvpool.cpu_backend import CpuBackend
 from kvpool.cuda_backend import CudaBackend, CudaDriverError
-from kvpool.host_copy import HostCopy, Transfer
+from kvpool.host_copy import HostBudget, HostCopy, Transfer
 from kvpool.kv_cache import KVCache
 from kvpool.kv_layout import KVLayout
 from kvpool.mirrored_pages import MirroredPages
@@ -23,6 +23,7 @@ __all__ = [
     "CpuBackend",
     "CudaBackend",
     "CudaDriverError",
+    "HostBudget",
     "HostCopy",
     "Transfer",
     "KVCache",

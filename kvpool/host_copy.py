@@ -12,6 +12,7 @@ once with a Transfer, so the engine thread keeps stepping other models while the
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -55,6 +56,29 @@ class Transfer:
             torch.cuda.current_stream().wait_event(self._event)
         elif self._future is not None:
             self._future.result()
+
+
+class HostBudget:
+    """The bytes of host copies a process may hold, counted (thread-safe): `take` refuses what
+    would pass the budget (MemoryError naming it), `give` returns what a copy freed."""
+
+    def __init__(self, budget: int, used: int = 0):
+        self.budget, self.used = budget, used
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int, what: str) -> None:
+        with self._lock:
+            if self.used + nbytes > self.budget:
+                raise MemoryError(
+                    f"the host copy of {what} ({nbytes / 2**20:.1f} MiB) does not fit the host "
+                    f"budget: {self.used / 2**30:.2f} of {self.budget / 2**30:.2f} GiB in use "
+                    "(host_budget_bytes; unload an adapter, or raise it)"
+                )
+            self.used += nbytes
+
+    def give(self, nbytes: int) -> None:
+        with self._lock:
+            self.used -= nbytes
 
 
 class HostCopy:

@@ -10,6 +10,7 @@ from concurrent.futures import Future
 from dataclasses import replace
 from pathlib import Path
 
+from kvpool import HostBudget
 from models.lora import AdapterError, read_adapter_config
 from prism_server.config import EngineConfig, ModelSpec
 from prism_server.engine.commands import LoadAdapter, Publish, Submit, UnloadAdapter
@@ -20,10 +21,17 @@ log = logging.getLogger(__name__)
 
 
 class AdapterRegistry:
-    def __init__(self, config: EngineConfig, served: dict[str, ServedModel], routes: Routes):
+    def __init__(
+        self,
+        config: EngineConfig,
+        served: dict[str, ServedModel],
+        routes: Routes,
+        host: HostBudget | None = None,
+    ):
         """served: the engine's served models (an adapter is added once loaded, removed at its
-        unload); routes: where each base is served."""
-        self.config, self.served, self.routes = config, served, routes
+        unload); routes: where each base is served; host: what the adapters' host copies take
+        from (None: unbounded)."""
+        self.config, self.served, self.routes, self.host = config, served, routes, host
         # each adapter's base (kept after an unload: a late abort finds its model), the loads
         # under way (a second ask for one joins the first), and the unloads (a load of the
         # name waits for its unload: the device holds the adapter until its requests end)
@@ -58,7 +66,7 @@ class AdapterRegistry:
                 )
             spec = spec or ModelSpec(name, base=base, adapter=str(path))
             cfg = self.config
-            cmd = LoadAdapter(base, name, str(path), cfg.max_lora_rank, cfg.max_loras)
+            cmd = LoadAdapter(base, name, str(path), cfg.max_lora_rank, cfg.max_loras, self.host)
             out: Future = Future()
             self._loads[name] = out
             unloading = self._unloads.get(name)

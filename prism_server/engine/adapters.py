@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvpool import HostCopy, Transfer, WeightBuffer, WeightLayout, map_and_load
+from kvpool import HostBudget, HostCopy, Transfer, WeightBuffer, WeightLayout, map_and_load
 from models.lora import DEFAULT_MAX_RANK, NO_ADAPTER, LoraAdapter, LoraSlots, LoraWeights
 from scheduler.request import RequestStatus
 from scheduler.snapshot import AdapterSnapshot
@@ -59,6 +59,7 @@ class ServedAdapter:
     evictions: int = 0
     # an unload waiting for its requests to finish (resolved once it is gone)
     unloading: list[Future] = field(default_factory=list)
+    budget: HostBudget | None = None  # what its host copy took its bytes from
 
     @property
     def resident(self) -> bool:
@@ -90,34 +91,44 @@ class BaseAdapters:
         return len(self.by_name)
 
     # ---- registering ----------------------------------------------------------------------------
-    def add(self, adapter: LoraAdapter, pool: PagePool, device: torch.device, on_device: bool):
+    def add(
+        self,
+        adapter: LoraAdapter,
+        pool: PagePool,
+        device: torch.device,
+        on_device: bool,
+        host: HostBudget | None = None,
+    ):
         """Place `adapter` in `pool` (owner `<name>/weights`): its host copy written from its
-        tensors, then its pages mapped and loaded now if its base is on the device
-        (`on_device`) and the pool gives them (after make_room); else it waits offloaded, as
-        after an eviction, and its first request activates it. MemoryError if the pool could
-        never hold it."""
+        tensors (its bytes taken from `host`), then its pages mapped and loaded now if its base
+        is on the device (`on_device`) and the pool gives them (after make_room); else it waits
+        offloaded, as after an eviction, and its first request activates it. MemoryError if
+        the pool could never hold it, or the host budget cannot now."""
         name = adapter.name
         if name in self.by_name:
             raise ValueError(f"adapter {name!r} is already loaded")
         wb = WeightBuffer(pool, f"{name}/weights", WeightLayout.pack(adapter.weights.layout()))
-        host = None
+        copy, taken = None, False
         try:
             if wb.num_pages > pool.capacity:
                 raise MemoryError(
                     f"adapter {name} takes {wb.num_pages} pages of {wb.nbytes} bytes: more than "
                     f"the page pool's {pool.capacity}; raise pool_budget_bytes"
                 )
-            host = HostCopy(wb.nbytes, device)
-            host.data.zero_()  # (the alignment gaps too: its pages' bytes all known)
-            staged = wb.layout.views(host.data)
+            if host is not None:
+                host.take(wb.nbytes, f"adapter {name}")
+                taken = True
+            copy = HostCopy(wb.nbytes, device)
+            copy.data.zero_()  # (the alignment gaps too: its pages' bytes all known)
+            staged = wb.layout.views(copy.data)
             for n, t in adapter.weights.named_tensors():
                 staged[n].copy_(t)
-            a = ServedAdapter(name, str(adapter.path), adapter.rank,
-                              adapter.weights.over(wb.views()), wb, host)  # fmt: skip
+            views = adapter.weights.over(wb.views())
+            a = ServedAdapter(name, str(adapter.path), adapter.rank, views, wb, copy, budget=host)
             if on_device:
                 if not wb.can_map() and self.make_room is not None:
                     self.make_room(wb.can_map)
-                loading = map_and_load(wb, host)
+                loading = map_and_load(wb, copy)
                 if loading is not None:
                     try:
                         loading.wait()
@@ -126,8 +137,10 @@ class BaseAdapters:
                         raise
         except BaseException:
             wb.close()
-            if host is not None:
-                host.close()
+            if copy is not None:
+                copy.close()
+            if taken:
+                host.give(wb.nbytes)
             raise
         a.last_used = time.monotonic()
         self.by_name[name] = a
@@ -143,6 +156,8 @@ class BaseAdapters:
             self.slots.clear(a.slot)
         a.buffer.close()
         a.host.close()
+        if a.budget is not None:
+            a.budget.give(a.buffer.nbytes)
         for done in a.unloading:
             if not done.done():
                 done.set_result(None)

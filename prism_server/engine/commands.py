@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from scheduler.request import Request
 
 if TYPE_CHECKING:
-    from kvpool import HostCopy, PagePool
+    from kvpool import HostBudget, HostCopy, PagePool
     from prism_server.config import ModelSpec
     from prism_server.engine.device_worker import DeviceWorker
     from prism_server.engine.loading import LoadSettings
@@ -103,6 +103,7 @@ class LoadAdapter:
     path: str
     max_rank: int
     num_slots: int
+    host: HostBudget | None = None  # what its host copy takes from (MemoryError past it)
     done: Future = field(default_factory=Future)
 
 

@@ -94,7 +94,7 @@ def load_adapter(w: DeviceWorker, cmd: LoadAdapter) -> int:
             m.runner.model, cmd.num_slots, make_room=room, max_rank=cmd.max_rank
         )
         m.runner.lora = m.adapters
-    m.adapters.add(adapter, w.pool, w.device, on_device=m.residency.on_device)
+    m.adapters.add(adapter, w.pool, w.device, on_device=m.residency.on_device, host=cmd.host)
     return adapter.rank
 
 

@@ -58,7 +58,7 @@ class Engine:
         kernels = envs.kernel_config(self.device)  # the GPU's table, then PRISM_KERNEL_CONFIG
         for d in devices:  # MissingPackage: cannot run here
             gpu_setup.report(d, config.memory_backend, kernels, config.enforce_eager)
-        check_host_budget(config, self.device)
+        self.host_budget = check_host_budget(config, self.device)  # adapters take from it
         self.policy = policy(config.policy)
         # one page pool and one engine thread per device: each GPU of devices (cuda:0 ..), or
         # several emulated CPU devices (each its own pool and thread), for the multi-device
@@ -83,7 +83,7 @@ class Engine:
         self.served: dict[str, ServedModel] = {}  # config order, failed models included
         self._ids = itertools.count()
         self._settings = LoadSettings.of(config, self.policy, self.device)
-        self.adapters = AdapterRegistry(config, self.served, self._routes)  # LoRA adapters
+        self.adapters = AdapterRegistry(config, self.served, self._routes, self.host_budget)
         # the base models first: an adapter is placed beside its base
         for spec in sorted(config.models, key=lambda s: s.is_adapter):
             try:

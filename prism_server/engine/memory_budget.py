@@ -11,6 +11,7 @@ import torch
 from kvpool import (
     CpuBackend,
     CudaBackend,
+    HostBudget,
     MemoryBackend,
     PagePool,
     TensorBackend,
@@ -115,9 +116,10 @@ def host_budget(config) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
 
 
-def check_host_budget(config, device: torch.device) -> None:
+def check_host_budget(config, device: torch.device) -> HostBudget:
     """Every model keeps a host copy of its weights: refuse, listing models and sizes, a config
-    whose copies do not fit the host budget."""
+    whose copies do not fit the host budget; -> the budget with those copies taken (adapters
+    take theirs as they load)."""
     sizes = {}
     for s in config.models:
         try:
@@ -131,3 +133,4 @@ def check_host_budget(config, device: torch.device) -> None:
             f"the host copies of the models' weights need {sum(sizes.values()) / 2**30:.2f} GiB "
             f"but host_budget_bytes allows {budget / 2**30:.2f} GiB ({listing})"
         )
+    return HostBudget(budget, used=sum(sizes.values()))

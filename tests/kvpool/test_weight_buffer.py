@@ -8,6 +8,7 @@ import torch
 
 from kvpool import (
     CpuBackend,
+    HostBudget,
     HostCopy,
     PagedKV,
     PagePool,
@@ -231,3 +232,15 @@ def test_a_split_copy_that_fails_is_waited_for_whole_before_its_pages_may_go():
         b.check_integrity()
         b.close()
     p.check_integrity()
+
+
+def test_the_host_budget_counts_copies_and_refuses_past_it():
+    budget = HostBudget(100 << 20, used=60 << 20)
+    budget.take(30 << 20, "adapter a")
+    with pytest.raises(MemoryError, match=r"adapter b \(20.0 MiB\) does not fit.*0.09 of 0.10"):
+        budget.take(20 << 20, "adapter b")
+    assert budget.used == 90 << 20  # nothing taken by the refusal
+    budget.give(30 << 20)
+    budget.take(20 << 20, "adapter b")
+    budget.give(20 << 20)
+    assert budget.used == 60 << 20  # every byte given back

@@ -270,3 +270,39 @@ def test_an_adapter_of_lora_dirs_unloaded_after_a_requests_lookup_is_loaded_agai
     assert r.status_code == 200, r.text
     assert unloads and r.json()["choices"][0]["text"] == want
     assert "kv" in e.served
+
+
+def test_an_adapter_past_the_host_budget_gets_503_and_the_base_serves_on(setting):
+    """A host budget with no room beside the base's copy: a load gets 503 (the envelope's
+    insufficient_memory), a request that finds its adapter in lora_dirs too, and nothing
+    else changes."""
+    import torch
+
+    from prism_server.engine.memory_budget import weight_bytes
+
+    dirs = setting[1]
+    base = setting[0].engine.served["base"].spec
+    cfg = EngineConfig(
+        models=(base,),
+        device="cpu",
+        page_bytes=PAGE,
+        kv_budget_bytes=64 * PAGE,
+        host_budget_bytes=weight_bytes(base, torch.device("cpu")) + 1024,
+        lora_dirs=setting[0].engine.config.lora_dirs,
+    )
+    server = serve_in_thread(Engine(cfg))
+    try:
+        body = {"lora_name": "sql", "lora_path": str(dirs["sql"])}
+        r = httpx.post(f"{server.url}/v1/load_lora_adapter", json=body, timeout=60)
+        assert r.status_code == 503, r.text
+        err = r.json()["error"]
+        assert err["code"] == "insufficient_memory" and "host budget" in err["message"]
+        r = httpx.post(f"{server.url}/v1/completions", json={**BODY, "model": "kv"}, timeout=60)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "insufficient_memory"
+        r = httpx.post(f"{server.url}/v1/completions", json={**BODY, "model": "base"}, timeout=60)
+        assert r.status_code == 200
+        ids = [m["id"] for m in httpx.get(f"{server.url}/v1/models").json()["data"]]
+        assert ids == ["base"]
+        server.engine.check_integrity()
+    finally:
+        server.close()

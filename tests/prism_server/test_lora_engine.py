@@ -272,6 +272,32 @@ def test_a_loaded_adapter_is_in_the_published_snapshot_when_its_load_answers(
         owners_whole(e)
 
 
+def test_adapters_take_their_host_copies_from_the_host_budget(made):
+    """Each adapter's host copy takes its bytes from host_budget_bytes: a load past it is
+    refused (MemoryError: the API's 503) with nothing placed, and an unload gives them back."""
+    base, dirs, _ = made
+    spec = ModelSpec("base", str(base), block_size=4)
+    kw = dict(device="cpu", page_bytes=PAGE, kv_budget_bytes=64 * PAGE)
+    with Engine(EngineConfig(models=(spec,), **kw)) as e:
+        models = e.host_budget.used
+        e.adapters.start_load("sql", str(dirs["sql"])).result(timeout=30)
+        one = e.host_budget.used - models
+    assert models > 0 and one > 0
+    cfg = EngineConfig(models=(spec,), host_budget_bytes=models + one + one // 2, **kw)
+    with Engine(cfg) as e:
+        e.adapters.start_load("sql", str(dirs["sql"])).result(timeout=30)
+        before = e.pool.stats().owned
+        with pytest.raises(MemoryError, match="adapter kv .* does not fit the host budget"):
+            e.adapters.start_load("kv", str(dirs["sql"])).result(timeout=30)
+        assert "kv" not in e.served and e.pool.stats().owned == before
+        e.adapters.start_unload("sql").result(timeout=30)
+        assert e.host_budget.used == models
+        e.adapters.start_load("kv", str(dirs["sql"])).result(timeout=30)
+        (c,) = run(e, [("kv", PROMPTS["sql"])])
+        assert c.token_ids == made[2]["sql"]
+        owners_whole(e)
+
+
 def test_a_run_time_adapter_finds_its_base_among_several_by_its_config(made, tmp_path):
     """Its config's base_model_name_or_path names a served base (by its source's path, or by
     name); a directory that is not there, or a config naming none of them, gets a clear error
