@@ -167,10 +167,10 @@ class DeviceMemory:
         return True
 
     def evict_parked_adapter(self, m: ModelWorker) -> bool:
-        """Evict m's least recently used adapter whose requests all wait, but for the first
-        request's in line (m is blocked on memory: without this, adapters activated for
-        requests that wait could hold the pages its KV needs, nothing running to free any);
-        False if there is none."""
+        """m blocked on memory with nothing running: evict its least recently used resident
+        adapter but for the first request's in line (else adapters activated for requests
+        that wait could hold the pages that request's KV needs, nothing running to free
+        any); False if there is none (or something of m runs)."""
         parked = m.parked_adapters()
         if not parked:
             return False

@@ -72,13 +72,13 @@ class ModelAdapters:
         return [r.request_id for r in order if r.adapter is None or r.adapter in ready]
 
     def parked_adapters(self) -> list:
-        """Its resident adapters whose requests all wait (none runs), but for the adapter of
-        the first request in line, least recently used first: pages its blocked work may take
-        (they come back by a copy at their requests' turn)."""
-        if not self.adapters:
+        """While nothing of it runs: its resident adapters (their requests all wait) but for
+        the first request's in line, least recently used first: pages its blocked work may
+        take (they come back by a copy at their requests' turn). Empty while something runs
+        (its requests end and free pages)."""
+        if not self.adapters or self.scheduler.running:
             return []
-        running = {r.adapter for r in self.scheduler.running if r.adapter is not None}
-        return [a for a in self.adapters.idle(running) if a.name != self._head()]
+        return [a for a in self.adapters.idle(set()) if a.name != self._head()]
 
     def _head(self) -> str | None:
         """The adapter of the first request waiting (None: the base's own, or none)."""
