@@ -76,6 +76,23 @@ def run(e: Engine, requests: list[tuple[str | None, list[int]]]) -> list[Complet
     return out
 
 
+def running(e: Engine, adapter: str, params: SamplingParams):
+    """A request of `adapter` (its PROMPTS prompt) submitted and running: (its Completion, a
+    queue that gets None once it ends)."""
+    done: queue.SimpleQueue = queue.SimpleQueue()
+    c = Completion(PROMPTS[adapter], arrival_time=time.monotonic())
+
+    def sink(o):
+        c.add(o, time.monotonic())
+        if o.finished:
+            done.put(None)
+
+    e.add_request(adapter, PROMPTS[adapter], params, sink)
+    while not c.token_ids:  # it runs
+        time.sleep(0.005)
+    return c, done
+
+
 def owners_whole(e: Engine) -> dict[str, int]:
     """The pool's and each model's integrity, and every adapter's pages as its snapshot says;
     -> the pool's pages per owner."""
@@ -187,17 +204,7 @@ def test_unloading_lets_the_requests_in_flight_finish_and_frees_the_adapter(made
     ref = made[2]
     long = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     with Engine(config(made)) as e:
-        done: queue.SimpleQueue = queue.SimpleQueue()
-        c = Completion(PROMPTS["sql"], arrival_time=time.monotonic())
-
-        def sink(o):
-            c.add(o, time.monotonic())
-            if o.finished:
-                done.put(None)
-
-        e.add_request("sql", PROMPTS["sql"], long, sink)
-        while not c.token_ids:  # it runs
-            time.sleep(0.005)
+        c, done = running(e, "sql", long)
         stale = e.model("sql")  # a handle looked up before the unload (a request in flight)
         gone: Future = e.adapters.start_unload("sql")
         with pytest.raises(ModelNotFound):  # new requests: 404 at once
@@ -226,17 +233,7 @@ def test_a_load_while_its_name_is_unloading_waits_for_the_unload(made, steps_ahe
     long = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     with Engine(config(made)) as e:
         (before,) = run(e, [("sql", PROMPTS["sql"])])
-        done: queue.SimpleQueue = queue.SimpleQueue()
-        c = Completion(PROMPTS["sql"], arrival_time=time.monotonic())
-
-        def sink(o):
-            c.add(o, time.monotonic())
-            if o.finished:
-                done.put(None)
-
-        e.add_request("sql", PROMPTS["sql"], long, sink)
-        while not c.token_ids:  # it runs
-            time.sleep(0.005)
+        c, done = running(e, "sql", long)
         gone = e.adapters.start_unload("sql")
         back = e.adapters.start_load("sql", made[1]["sql"])
         assert back.result(timeout=60).name == "sql"
