@@ -13,7 +13,7 @@ from pathlib import Path
 from kvpool import HostBudget
 from models.lora import AdapterError, read_adapter_config
 from prism_server.config import EngineConfig, ModelSpec
-from prism_server.engine.commands import LoadAdapter, Publish, Submit, UnloadAdapter
+from prism_server.engine.commands import LoadAdapter, Submit, UnloadAdapter
 from prism_server.engine.routing import Routes
 from prism_server.served_model import ModelNotFound, ServedModel
 
@@ -83,9 +83,7 @@ class AdapterRegistry:
                 return
             log.info("adapter %s of %s loaded from %s", name, base, path)
             # answered once a snapshot shows it (a model list read then has its state)
-            pub = Publish()
-            pub.done.add_done_callback(lambda _: out.set_result(got))
-            self.routes.send(base, pub)
+            self.routes.after_publish(base, lambda: out.set_result(got))
 
         cmd.done.add_done_callback(loaded)
         if unloading is None:

@@ -84,6 +84,13 @@ class Routes:
             elif model in self.where:
                 self.where[model].send(cmd)
 
+    def after_publish(self, model: str, then: Callable[[], None]) -> None:
+        """Have model's device publish a snapshot (taken after every command sent before), then
+        call then() (on its thread): a model list or status read after sees those commands."""
+        pub = Publish()
+        pub.done.add_done_callback(lambda _: then())
+        self.send(model, pub)
+
     def transition(self, cmd: Activate | Evict) -> Future:
         """Send an admin transition to its model's device (not while the model moves); -> a
         future of its outcome, done once the device has published a snapshot taken after it:
@@ -98,9 +105,7 @@ class Routes:
             if done.exception() is not None:
                 out.set_exception(done.exception())
                 return
-            pub = Publish()
-            pub.done.add_done_callback(lambda _: out.set_result(done.result()))
-            dev.send(pub)
+            self.after_publish(cmd.model, lambda: out.set_result(done.result()))
 
         cmd.done.add_done_callback(published)
         dev.send(cmd)
