@@ -93,6 +93,27 @@ def running(e: Engine, adapter: str, params: SamplingParams):
     return c, done
 
 
+def fill_the_pool(e: Engine):
+    """Every adapter evicted (each needs a page again), then every free page of the pool held
+    by a filler buffer that takes nobody's; -> the filler (unmap and close it on the engine
+    thread to give its pages back)."""
+    import torch
+
+    from kvpool import WeightBuffer, WeightLayout
+
+    w = e.worker
+    for _ in SPECS:
+        assert w.call(lambda: w.memory.evict_idle_adapter(None))
+    layout = WeightLayout.pack([("w", (e.pool.num_available * PAGE - 4096,), torch.uint8)])
+
+    def fill():
+        wb = WeightBuffer(e.pool, "filler/weights", layout, reclaim=False)
+        assert wb.map() and e.pool.num_available == 0
+        return wb
+
+    return w.call(fill)
+
+
 def owners_whole(e: Engine) -> dict[str, int]:
     """The pool's and each model's integrity, and every adapter's pages as its snapshot says;
     -> the pool's pages per owner."""
@@ -370,10 +391,6 @@ def test_adapters_from_a_config_file_and_flags(tmp_path):
 def test_an_adapter_short_of_pages_takes_them_from_an_idle_model(made):
     """The pool full (an idle model resident, the rest taken): an adapter's request evicts
     the idle model for its adapter's page (the balloon's order), and runs with its tokens."""
-    import torch
-
-    from kvpool import WeightBuffer, WeightLayout
-
     ref = made[2]
     cfg = config(made)
     other = ModelSpec("other", "dummy:tiny-llama", block_size=4)
@@ -381,17 +398,7 @@ def test_an_adapter_short_of_pages_takes_them_from_an_idle_model(made):
     with Engine(cfg) as e:
         run(e, [(None, PROMPTS[None])])
         w = e.worker
-        for _ in SPECS:  # every adapter evicted: each needs a page again
-            assert w.call(lambda: w.memory.evict_idle_adapter(None))
-        free = e.pool.num_available
-        layout = WeightLayout.pack([("w", (free * PAGE - 4096,), torch.uint8)])
-
-        def fill():
-            wb = WeightBuffer(e.pool, "filler/weights", layout, reclaim=False)
-            assert wb.map() and e.pool.num_available == 0
-            return wb
-
-        filler = w.call(fill)
+        filler = fill_the_pool(e)
         try:
             (c,) = run(e, [("sql", PROMPTS["sql"])])
             assert c.error is None and c.token_ids == ref["sql"]
@@ -409,23 +416,10 @@ def test_an_adapter_loaded_into_a_full_pool_waits_offloaded_for_its_first_reques
     """No page to be had (every adapter evicted, the rest of the pool held): a run-time load
     still succeeds, the adapter registered offloaded (its host copy made from its tensors);
     once pages are free its first request activates it and gets its tokens."""
-    import torch
-
-    from kvpool import WeightBuffer, WeightLayout
-
     ref = made[2]
     with Engine(config(made)) as e:
         w = e.worker
-        for _ in SPECS:
-            assert w.call(lambda: w.memory.evict_idle_adapter(None))
-        layout = WeightLayout.pack([("w", (e.pool.num_available * PAGE - 4096,), torch.uint8)])
-
-        def fill():
-            wb = WeightBuffer(e.pool, "filler/weights", layout, reclaim=False)
-            assert wb.map() and e.pool.num_available == 0
-            return wb
-
-        filler = w.call(fill)
+        filler = fill_the_pool(e)
         try:
             extra = edited(made[1]["sql"], tmp_path / "extra")
             assert e.adapters.start_load("extra", str(extra)).result(timeout=30).name == "extra"
