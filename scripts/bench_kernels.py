@@ -435,6 +435,18 @@ def main_smallgemm() -> None:
             lambda name, i, x: small_gemm(layers[name][i], x, SmallGemmConfig()), inputs, L
         )
         a_ms = graph_ms(auto, args.runs)
+        swap_ms = None
+        if args.fp8:  # _scaled_mm with its operands swapped (y.T = W @ x.T)
+            fp8s = [lin for ls in layers.values() for lin in ls]
+            for lin in fp8s:
+                lin.swap_max_rows = m
+            got = [t.clone() for t in cublas()]
+            for a, b in zip(got, want):
+                rel = float((a.float() - b.float()).norm() / b.float().norm())
+                assert rel < 2e-2, f"the swapped _scaled_mm chain is {rel:.3g} off the usual one"
+            swap_ms = graph_ms(cublas, args.runs)
+            for lin in fp8s:
+                lin.swap_max_rows = 0
         # 4. the fused layers: the norms, adds and activation inside the small GEMMs
         fused_ms = {}
         for c in (SmallGemmConfig(), uniform):
@@ -448,12 +460,13 @@ def main_smallgemm() -> None:
         f_ms = fused_ms[str(SmallGemmConfig())]
         per["chain"] = {"floor_ms": floor, "cublas_ms": c_ms, "small_ms": s_ms, "default_ms": a_ms,
                         "fused_ms": fused_ms, "uniform_config": str(uniform),
-                        "layers": L}  # fmt: skip
+                        "swapped_ms": swap_ms, "layers": L}  # fmt: skip
         out["rows"][m] = per
         print(
             f"M={m} chain of {L} layers without attention ({weight_bytes / 1e9:.2f} GB): "
             f"floor {floor:.3f} ms, cuBLAS {c_ms:.3f} ms, small GEMMs ({uniform}) {s_ms:.3f} ms "
             f"(x{s_ms / c_ms:.3f} cuBLAS's), the default tiling {a_ms:.3f} ms (x{a_ms / c_ms:.3f})"
+            + (f", _scaled_mm swapped {swap_ms:.3f} ms (x{swap_ms / c_ms:.3f})" if swap_ms else "")
         )
         print(
             f"M={m} fused layers (the ops inside the small GEMMs): the default tiling "

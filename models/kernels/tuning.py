@@ -50,6 +50,8 @@ class KernelConfig:
       every step elsewhere, the dequantized weight (None: always). Decode graphs whose layers
       run the GEMVs or small GEMMs above read the FP8 weights there instead, whatever this
       says.
+    - fp8_swap_max_rows: an FP8 model's steps of at most this many rows that run
+      torch._scaled_mm run it with its operands swapped (models.layers.fp8_linear; 0: none).
     - fp8_small_gemm: an FP8 model's decode graphs of 2 to 16 sequences run the small GEMMs
       above too (False: its projections' own path, torch._scaled_mm). One-row graphs run the
       GEMVs either way."""
@@ -66,6 +68,7 @@ class KernelConfig:
     small_gemm: SmallGemmConfig | None = SmallGemmConfig()
     piecewise_max_tokens: int = 1024
     fp8_scaled_mm_min_rows: int | None = 1
+    fp8_swap_max_rows: int = 0
     fp8_small_gemm: bool = False
 
     def __post_init__(self):
@@ -80,6 +83,7 @@ class KernelConfig:
             ("triton_stages", 1),
             ("triton_waves", 1),
             ("piecewise_max_tokens", 8),
+            ("fp8_swap_max_rows", 0),
         ):
             v = getattr(self, key)
             if not _is_int(v) or v < least:

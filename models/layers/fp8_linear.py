@@ -8,7 +8,9 @@ matmul is one function, `fp8_linear`, which takes one of two paths:
   scales [T, 1]) and torch._scaled_mm's FP8 GEMM with row-wise scales on both sides: the
   tensor cores' FP8 rate, the weight read once at 1 byte a value. A layer takes it for steps
   of at least `scaled_mm_min_rows` rows, set by `use_scaled_mm` where it runs (a CUDA device
-  of compute capability 8.9 or more, bf16, K and N multiples of 16);
+  of compute capability 8.9 or more, bf16, K and N multiples of 16); for steps of at most
+  `swap_max_rows` rows with the operands swapped (y.T = W @ x.T: the GEMM's tall tiles over
+  the weight's rows, not over a few tokens);
 - the dequantized weight: exact (every E4M3 value is a bf16/fp16/fp32 value) and slow on a
   GPU (the weight read, a bf16 copy written and read again); every other step, and always
   off a GPU.
@@ -36,13 +38,15 @@ def fp8_linear(
     scale: torch.Tensor,
     bias: torch.Tensor | None,
     scaled_mm_min_rows: int | None = None,
+    swap_max_rows: int = 0,
 ) -> torch.Tensor:
     """x [T, K] (compute dtype) @ (weight [N, K] fp8 * scale [N, 1]).T (+ bias) -> [T, N] in x's
     dtype: `fp8_scaled_mm` for at least scaled_mm_min_rows rows of bf16 (the caller knows it
-    runs: `scaled_mm_takes`), else the dequantized weight's linear."""
+    runs: `scaled_mm_takes`; its operands swapped for at most swap_max_rows rows), else the
+    dequantized weight's linear."""
     rows = x.shape[0]
     if scaled_mm_min_rows is not None and rows >= scaled_mm_min_rows and x.dtype == torch.bfloat16:
-        return fp8_scaled_mm(x, weight, scale, bias)
+        return fp8_scaled_mm(x, weight, scale, bias, swap=rows <= swap_max_rows)
     return fp8_dequant_linear(x, weight, scale, bias)
 
 
@@ -70,19 +74,51 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def fp8_scaled_mm(
-    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    swap: bool = False,
 ) -> torch.Tensor:
     """fp8_linear through torch._scaled_mm: x quantized per token (`quantize_rows`), the FP8
     product summed in fp32 and scaled by both rows' scales, the bias added, in x's dtype. A
     token's rounding adds at most 2**-4 of each |x| (E4M3's step) to the dequantized path's
-    error. On a GPU: bf16 x, K and N multiples of 16 (`scaled_mm_takes`)."""
+    error. On a GPU: bf16 x, K and N multiples of 16 (`scaled_mm_takes`).
+
+    swap: computed as y.T = weight @ xq.T, the weight's N rows the GEMM's M side (the side its
+    tiles are tall on) and the few tokens, padded to a multiple of 16, the narrow side; the
+    same products and sums in another order."""
     # on a GPU one Triton kernel, elsewhere torch's three passes (the same numerics)
     fused = x.is_cuda and x.stride(1) == 1 and triton_runs_on(x.device)
     xq, xs = fp8_quant.quantize_rows(x) if fused else quantize_rows(x)
+    if swap:
+        return _scaled_mm_swapped(xq, xs, weight, scale, bias, x.dtype)
     # weight.t(): [K, N] column-major, the layout _scaled_mm takes for its second operand
     return torch._scaled_mm(
         xq, weight.t(), scale_a=xs, scale_b=scale[None, :], bias=bias, out_dtype=x.dtype
     )
+
+
+def _scaled_mm_swapped(
+    xq: torch.Tensor,
+    xs: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """fp8_scaled_mm's product with the operands swapped: [T, N] in dtype, contiguous."""
+    t = xq.shape[0]
+    pad = -t % 16  # _scaled_mm's dimensions are multiples of 16
+    if pad:  # zero tokens (E4M3's zero byte), scale 1
+        xq = torch.cat([xq.view(torch.uint8), xq.new_zeros(pad, xq.shape[1], dtype=torch.uint8)])
+        xq, xs = xq.view(FP8_DTYPE), torch.cat([xs, xs.new_ones(pad, 1)])
+    # xq.t(): [K, T] column-major (the second operand's layout); scales [N, 1] and [1, T]
+    yt = torch._scaled_mm(
+        weight, xq.t(), scale_a=scale[:, None], scale_b=xs.reshape(1, -1), out_dtype=dtype
+    )
+    y = yt[:, :t].t().contiguous()
+    return y if bias is None else y.add_(bias)
 
 
 @functools.cache
@@ -101,15 +137,19 @@ def scaled_mm_takes(layer: Fp8Linear, runs: bool) -> bool:
     return runs and layer.compute_dtype == torch.bfloat16 and n % 16 == 0 and k % 16 == 0
 
 
-def use_scaled_mm(model: nn.Module, device: torch.device, min_rows: int | None) -> int:
+def use_scaled_mm(
+    model: nn.Module, device: torch.device, min_rows: int | None, swap_max_rows: int = 0
+) -> int:
     """Sets each Fp8Linear of model on `device` to run fp8_scaled_mm for steps of at least
-    min_rows rows (None: never) where it can (`scaled_mm_takes`), the dequantized path
-    otherwise; the layers that take it. Decided once here, so that a step asks no device."""
+    min_rows rows (None: never) where it can (`scaled_mm_takes`), its operands swapped for
+    steps of at most swap_max_rows rows, the dequantized path otherwise; the layers that take
+    it. Decided once here, so that a step asks no device."""
     runs = min_rows is not None and scaled_mm_runs(device)
     taken = 0
     for m in model.modules():
         if isinstance(m, Fp8Linear):
             m.scaled_mm_min_rows = min_rows if scaled_mm_takes(m, runs) else None
+            m.swap_max_rows = swap_max_rows
             taken += m.scaled_mm_min_rows is not None
     return taken
 
@@ -118,9 +158,11 @@ class Fp8Linear(nn.Module):
     """An FP8 linear of `in_features` -> `out_features`; `shards` (HF projection name -> rows,
     in stacking order) when it is a merged projection (q/k/v, gate/up): the loader writes each
     HF tensor (and its scale) into shard_rows(shard). scaled_mm_min_rows: the fewest rows of a
-    step that runs torch._scaled_mm (None: none; `use_scaled_mm` sets it)."""
+    step that runs torch._scaled_mm (None: none; `use_scaled_mm` sets it), swap_max_rows the
+    most rows of a step that runs it with its operands swapped."""
 
     scaled_mm_min_rows: int | None = None
+    swap_max_rows: int = 0
 
     def __init__(
         self,
@@ -173,7 +215,10 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in_features] -> [T, out_features]
-        return fp8_linear(x, self.weight, self.weight_scale, self.bias, self.scaled_mm_min_rows)
+        return fp8_linear(
+            x, self.weight, self.weight_scale, self.bias, self.scaled_mm_min_rows,
+            self.swap_max_rows,
+        )  # fmt: skip
 
     def extra_repr(self) -> str:
         s = f"in_features={self.in_features}, out_features={self.out_features}, fp8 e4m3"

@@ -188,7 +188,7 @@ class ModelRunner:
         self.device = device
         # an FP8 model's larger steps through _scaled_mm where it runs (before any capture)
         kernels = resources.kernels if resources is not None else DEFAULT_KERNELS
-        if use_scaled_mm(model, device, kernels.fp8_scaled_mm_min_rows):
+        if use_scaled_mm(model, device, kernels.fp8_scaled_mm_min_rows, kernels.fp8_swap_max_rows):
             log.info(
                 "%s: FP8 projections run torch._scaled_mm for steps of %d rows or more",
                 device, kernels.fp8_scaled_mm_min_rows,

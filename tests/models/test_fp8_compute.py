@@ -141,25 +141,46 @@ def test_fp8_linear_takes_scaled_mm_from_its_threshold(monkeypatch):
     calls = []
     real = fl.fp8_scaled_mm
 
-    def counting(x, *a):
-        calls.append(x.shape[0])
-        return real(x, *a)
+    def counting(x, *a, swap=False):
+        calls.append((x.shape[0], swap))
+        return real(x, *a, swap=swap)
 
     monkeypatch.setattr(fl, "fp8_scaled_mm", counting)
     g = torch.Generator().manual_seed(1)
     layer = fp8_layer(32, 64, True, g)
     w, s, b = layer.weight, layer.weight_scale, layer.bias
-    for rows, min_rows, scaled in ((3, 4, False), (4, 4, True), (9, 4, True), (9, None, False)):
+    for rows, min_rows, swap_max, how in (
+        (3, 4, 0, None), (4, 4, 0, False), (9, 4, 0, False), (9, None, 16, None),
+        (9, 1, 16, True), (16, 1, 16, True), (17, 1, 16, False),
+    ):  # fmt: skip
         x = torch.randn(rows, 64, generator=g).bfloat16()
         calls.clear()
-        got = fp8_linear(x, w, s, b, min_rows)
-        want = real(x, w, s, b) if scaled else fp8_dequant_linear(x, w, s, b)
-        assert calls == ([rows] if scaled else []) and got.equal(want), (rows, min_rows)
+        got = fp8_linear(x, w, s, b, min_rows, swap_max)
+        want = fp8_dequant_linear(x, w, s, b) if how is None else real(x, w, s, b, swap=how)
+        assert calls == ([] if how is None else [(rows, how)]), (rows, min_rows, swap_max)
+        assert got.equal(want), (rows, min_rows, swap_max)
     # float32 activations: the row-wise FP8 kernels write bf16 only, so the dequantized path
     calls.clear()
     x = torch.randn(9, 64, generator=g)
     assert fp8_linear(x, w, s, b.float(), 1).equal(fp8_dequant_linear(x, w, s, b.float()))
     assert calls == []
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16, 17])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_swapped_scaled_mm_is_the_same_product(rows, bias):
+    """y.T = W @ x.T (the few tokens padded to 16, the narrow side): the same products as
+    _scaled_mm's usual order, summed in another order, so within bf16's rounding of the
+    output (a bias is added after that rounding: a second one); contiguous [T, N]."""
+    g = torch.Generator().manual_seed(rows)
+    layer = fp8_layer(48, 64, bias, g)
+    w, s, b = layer.weight, layer.weight_scale, layer.bias
+    x = torch.randn(rows, 64, generator=g).bfloat16()
+    got = fl.fp8_scaled_mm(x, w, s, b, swap=True)
+    want = fl.fp8_scaled_mm(x, w, s, b)
+    assert got.shape == (rows, 48) and got.is_contiguous() and got.dtype == torch.bfloat16
+    top = float(want.float().abs().max())
+    torch.testing.assert_close(got, want, rtol=2**-7, atol=top * 2**-8 if bias else 1e-6)
 
 
 def test_use_scaled_mm_decides_once_per_layer(monkeypatch):
@@ -184,15 +205,22 @@ def test_use_scaled_mm_decides_once_per_layer(monkeypatch):
     assert not scaled_mm_takes(fp8_layer(32, 40, False, g), runs=True)  # K of 40
     assert not scaled_mm_takes(fp8_layer(24, 64, False, g), runs=True)  # N of 24
     assert not scaled_mm_takes(fp8_layer(32, 64, False, g, torch.float16), runs=True)
-    # a model's steps: 16 rows and more through _scaled_mm, fewer through the dequantized path
-    use_scaled_mm(lm.model, cuda, 16)
+    # a model's steps: 16 rows and more through _scaled_mm (swapped up to 24 rows), fewer
+    # through the dequantized path
+    use_scaled_mm(lm.model, cuda, 16, 24)
+    assert all(m.swap_max_rows == 24 for m in layers)
     calls = []
     real = fl.fp8_scaled_mm
-    monkeypatch.setattr(fl, "fp8_scaled_mm", lambda x, *a: calls.append(len(x)) or real(x, *a))
+
+    def counting(x, *a, swap=False):
+        calls.append((len(x), swap))
+        return real(x, *a, swap=swap)
+
+    monkeypatch.setattr(fl, "fp8_scaled_mm", counting)
     o_proj = lm.model.model.layers[0].self_attn.o_proj
     for rows in (15, 16, 40):
         o_proj(torch.randn(rows, o_proj.in_features, generator=g).bfloat16())
-    assert calls == [16, 40]
+    assert calls == [(16, True), (40, False)]
 
 
 # ---------------------------------------------------------------- Triton GEMVs, small GEMMs
