@@ -104,26 +104,31 @@ def test_the_fused_quantizer_gives_torchs_bytes(k):
 @needs_fp8_mm
 @pytest.mark.parametrize("bias", [False, True])
 def test_scaled_mm_is_the_float64_product_within_its_bound(bias):
-    """fp8_scaled_mm at the 8B's qkv shape against the float64 product of x and the dequantized
-    weight: within E4M3's rounding of each token's values (2**-4 of each |x_k w_k|, 2**-10 of
-    the token's scale times |w_k| below E4M3's normal range) plus the output's bf16 rounding
-    (2**-8 of it: fp32 sums rounded once) and the fp32 sums' own."""
+    """fp8_scaled_mm at the 8B's qkv shape (its operands swapped too, for a few rows) against
+    the float64 product of x and the dequantized weight: within E4M3's rounding of each
+    token's values (2**-4 of each |x_k w_k|, 2**-10 of the token's scale times |w_k| below
+    E4M3's normal range) plus the output's bf16 rounding (2**-8 of it: fp32 sums rounded
+    once) and the fp32 sums' own."""
     assert scaled_mm_runs(torch.device("cuda"))
     g = torch.Generator(device="cuda").manual_seed(0)
     layer = fp8_layer(6144, HIDDEN, g, bias)
     w = layer.weight.double() * layer.weight_scale.double()[:, None]
-    for rows in (1, 16, 300, 1024):
+    for rows, swap in ((1, False), (16, False), (300, False), (1024, False), (1, True),
+                       (5, True), (16, True), (17, True)):  # fmt: skip
         x = torch.randn(rows, HIDDEN, device="cuda", generator=g).bfloat16()
-        got = fp8_scaled_mm(x, layer.weight, layer.weight_scale, layer.bias)
+        got = fp8_scaled_mm(x, layer.weight, layer.weight_scale, layer.bias, swap=swap)
         assert got.dtype == torch.bfloat16 and got.shape == (rows, 6144)
+        assert got.is_contiguous()
         _, xs = quantize_rows(x)
         b = layer.bias.double() if bias else 0.0
         exact = x.double() @ w.T + b
         mags = x.double().abs() @ w.abs().T
         bound = 2**-4 * mags + 2**-10 * xs.double() * w.abs().sum(1) + 2**-8 * exact.abs()
         bound += 1e-5 * mags + 1e-3
+        if swap and bias:  # the bias added after the product's rounding: a second one
+            bound += 2**-8 * (exact - b).abs()
         err = (got.double() - exact).abs()
-        assert (err <= bound).all(), (rows, float((err / bound).max()))
+        assert (err <= bound).all(), (rows, swap, float((err / bound).max()))
         # E4M3's rounding of Gaussian tokens (amax / 448 a step, the small values subnormal):
         # 2.6% of the product's norm at this width, as the CPU's kernel gives it
         assert (err.norm() / exact.norm()) < 4e-2
