@@ -37,6 +37,7 @@
 #   peer      the gpt-fast-style decode of the same model at batch 1 and 16 (bench_peer.py)
 #   fp8       the 8B shape with FP8 weights beside bf16 (bench_engine.py fp8): activation, decode
 #             TPOT at batch 1 and 16, prefill 1k and 8k, each against its floor or matmul rate
+#             (FP8_SIDES: of "bf16 fp8 fp8-swap", the last FP8 with its small steps' GEMMs swapped)
 #   gemv, smallgemm, attn   the kernel benchmark's parts (GEMV_CONFIGS, SMALL_GEMM_CONFIGS,
 #             ATTN_CONFIGS: the tilings tried; GEMV_CHAIN: tilings to run the whole GEMV chain
 #             under; KERNELS_FP8=1: gemv and smallgemm over FP8 weights)
@@ -258,7 +259,7 @@ PY
   part host && timeout 150 python3 scripts/bench_engine.py host --json "$OUT/host.json" \
     2>&1 | grep -v "^prism_server" | tail -60
   part fp8 && timeout "${FP8_TIMEOUT:-560}" python3 scripts/bench_engine.py fp8 \
-    --json "$OUT/fp8.json" 2>&1 | tee "$OUT/fp8.log" | grep -E "^== |^   |\||Error"
+    ${FP8_SIDES:+--sides "$FP8_SIDES"} --json "$OUT/fp8.json" 2>&1 | tee "$OUT/fp8.log" | grep -E "^== |^   |\||Error"
   part gemv && timeout 200 python3 scripts/bench_kernels.py gemv ${KERNELS_FP8:+--fp8} \
     ${GEMV_CONFIGS:+--configs "$GEMV_CONFIGS"} ${GEMV_CHAIN:+--chain-configs "$GEMV_CHAIN"} \
     --json "$OUT/gemv.json" 2>&1 | tail -16
