@@ -57,6 +57,7 @@ def gpu_start(dev) -> dict:
 
 
 from models.attention.base import LayerAttention  # noqa: E402
+from models.kernels import triton_gemv  # noqa: E402
 from models.kernels.triton_gemv import GemvConfig, gemv  # noqa: E402
 from models.kernels.triton_ops import TritonDecodeKernel  # noqa: E402
 from models.kernels.triton_small_gemm import SmallGemmConfig, prenorm, small_gemm  # noqa: E402
@@ -254,6 +255,20 @@ def main_gemv() -> None:
         ms = graph_ms(fused(dict.fromkeys(SHAPES, c), c.block_n >= 2), args.runs)
         chain["tilings_ms"][str(c)] = ms
         print(f"  GEMV chain under {c} for every projection: {ms:.3f} ms")
+    if args.fp8:  # E4M3 loads of 8 values (x's layout) beside 16, every tiling tried
+        chain["fp8_load_8_ms"] = {}
+        for c in {uniform, *(GemvConfig.parse(t) for t in args.chain_configs.split())}:
+            triton_gemv.FP8_LOAD = 8
+            try:
+                run = fused(dict.fromkeys(SHAPES, c), c.block_n >= 2)
+                for a, b in zip([t.clone() for t in run()], want):
+                    rel = float((a.float() - b.float()).norm() / b.float().norm())
+                    assert rel < 0.1, f"the GEMV chain of 8-value loads is {rel:.3g} off"
+                ms = graph_ms(run, args.runs)
+            finally:
+                triton_gemv.FP8_LOAD = 16
+            chain["fp8_load_8_ms"][str(c)] = ms
+            print(f"  GEMV chain under {c}, E4M3 loads of 8 values: {ms:.3f} ms")
     chain["best_configs"] = {k: str(v) for k, v in best.items()}
     chain["uniform_config"] = str(uniform)
     out["chain"] = chain

@@ -71,6 +71,10 @@ class GemvConfig:
 
 
 PRO_NONE, PRO_NORM, PRO_SILU = 0, 1, 2
+# E4M3 values an FP8 weight's load reads (16: 16 bytes a load, the widest; 8: a thread's weight
+# values in the layout of its 8 bf16 of x, so x needs no pass through shared memory a loop
+# step). Being measured: bench_kernels.py gemv --fp8 times the chain under both.
+FP8_LOAD = 16
 
 
 @functools.cache
@@ -85,6 +89,7 @@ def _build(interpret: bool):
         K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         PRO: tl.constexpr, INTO: tl.constexpr, HAS_H: tl.constexpr, BIAS: tl.constexpr,
         UNROLL: tl.constexpr, GLU: tl.constexpr, SCALE: tl.constexpr, ONE_PASS: tl.constexpr,
+        WVEC: tl.constexpr,
     ):  # fmt: skip
         # program i: out[rows] (op)= W[rows, :] @ x, rows = i * BLOCK_N + [0, BLOCK_N); with GLU
         # (W: gate rows, then n up rows), out[i * BLOCK_N / 2 + j] = silu(gate_j) * up_j, the
@@ -132,7 +137,11 @@ def _build(interpret: bool):
                 xv = tl.load(x_ptr + kk, mask=km, other=0.0).to(tl.float32)
             wm = rm[:, None] & km[None, :]
             # W is read once a step: the first lines the L2 evicts (the rows of x stay)
-            w_at = w_ptr + rows[:, None].to(tl.int64) * K + kk[None, :]
+            if WVEC:  # the weight's loads WVEC values wide (a thread's x values' layout)
+                kw = k0 + (kk0 // WVEC) * WVEC + kk0 % WVEC
+                w_at = w_ptr + rows[:, None].to(tl.int64) * K + kw[None, :]
+            else:
+                w_at = w_ptr + rows[:, None].to(tl.int64) * K + kk[None, :]
             w = tl.load(w_at, mask=wm, other=0.0, eviction_policy="evict_first")
             acc += w.to(tl.float32) * xv[None, :]
         y = tl.sum(acc, 1)
@@ -204,6 +213,7 @@ def gemv(
         K=k, BLOCK_N=c.block_n, BLOCK_K=block_k, PRO=pro, INTO=into is not None,
         HAS_H=h is not None, BIAS=bias is not None,
         UNROLL=c.unroll, GLU=glu, SCALE=scale is not None, ONE_PASS=c.one_pass,
+        WVEC=FP8_LOAD if scale is not None and FP8_LOAD < 16 else 0,
         num_warps=c.warps, num_stages=1,
     )  # fmt: skip
     return out

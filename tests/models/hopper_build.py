@@ -123,21 +123,23 @@ def gemv_builds():
         ("qkv one pass", 4096, pro_norm, False, True, False),
         ("gate_up+glu one pass", 4096, pro_norm, False, False, False),
     )
-    for (name, k, pro, into, has_h, bias), fp8 in itertools.product(shapes, (False, True)):
+    kinds = ((False, 0), (True, 0), (True, 8))  # (FP8, WVEC): bf16, E4M3 loads of 16 and 8
+    for (name, k, pro, into, has_h, bias), (fp8, wvec) in itertools.product(shapes, kinds):
         glu = "glu" in name
         const = dict(K=k, BLOCK_N=c.block_n, BLOCK_K=c.block_k, PRO=pro, INTO=into, HAS_H=has_h,
                      BIAS=bias, UNROLL=c.unroll, GLU=glu, SCALE=fp8,
-                     ONE_PASS=name.endswith("one pass"))  # fmt: skip
+                     ONE_PASS=name.endswith("one pass"), WVEC=wvec)  # fmt: skip
         types = {**GEMV_TYPES, **FP8} if fp8 else GEMV_TYPES
         b = compile_for_hopper(fn, types, const, num_warps=c.warps, num_stages=1)
         ptx = b.asm["ptx"]
         assert "griddepcontrol" not in ptx and "cp.async.bulk.prefetch" not in ptx, name
-        # W read 16 bytes a load, the first lines the L2 evicts
-        assert re.search(r"ld\.global\.L1::evict_first\.L2::cache_hint\.v4", ptx), name
+        # W read 16 bytes a load (8 with WVEC 8), the first lines the L2 evicts
+        width = "v2" if wvec == 8 else "v4"
+        assert re.search(rf"ld\.global\.L1::evict_first\.L2::cache_hint\.{width}", ptx), name
         assert "createpolicy.fractional.L2::evict_first" in ptx, name
         if fp8:  # E4M3 widened in registers (cvt), never a bf16 copy of W in memory
             assert "e4m3" in ptx, name
-        yield f"gemv {name}" + (" fp8" if fp8 else ""), b
+        yield f"gemv {name}" + (f" fp8 (loads of {wvec or 16})" if fp8 else ""), b
 
 
 SMALL_GEMM_TYPES = {

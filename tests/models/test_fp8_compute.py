@@ -11,7 +11,7 @@ import torch
 
 from models.attention.base import AttentionMetadata, ForwardContext, SeqChunk
 from models.attention.torch_paged import TorchPagedAttention
-from models.kernels import fp8_quant, fused_decode
+from models.kernels import fp8_quant, fused_decode, triton_gemv
 from models.kernels.fused_decode import StepOps
 from models.kernels.triton_gemv import GemvConfig, gemv, gemv_reference
 from models.kernels.triton_small_gemm import (
@@ -231,9 +231,12 @@ GEMV_KINDS = ["plain", "norm+h", "silu", "into+h", "norm+glu"]
 
 @pytest.mark.parametrize("kind", GEMV_KINDS)
 @pytest.mark.parametrize("bias", [False, True])
-def test_the_fp8_gemv_is_the_dequantized_chain(kind, bias):
+@pytest.mark.parametrize("load", [16, 8])
+def test_the_fp8_gemv_is_the_dequantized_chain(kind, bias, load, monkeypatch):
     """Each kind of GEMV over an FP8 weight (float32 compute: exact products under the
-    interpreter) against the reference over the dequantized weight, a ragged tile."""
+    interpreter) against the reference over the dequantized weight, a ragged tile; its weight
+    loads of 16 or 8 values (triton_gemv.FP8_LOAD: the same columns in another grouping)."""
+    monkeypatch.setattr(triton_gemv, "FP8_LOAD", load)
     g = torch.Generator().manual_seed(len(kind) + bias)
     n, k = 40, 200
     glu, into = kind.endswith("glu"), kind.startswith("into")
