@@ -47,7 +47,8 @@ class TorchPagedAttention:
         self._slot_block = md.slot_mapping // bs
         self._slot_off = md.slot_mapping % bs
         self._decode = md.is_decode_only
-        self._masks: dict[int | str | None, torch.Tensor | None] = {}
+        self._masks: dict[int | None, torch.Tensor | None] = {}
+        self._past: torch.Tensor | None = None  # _past_end's, built once
 
     def _write(self, cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         # cache[block, :, offset] is [T, 2, Hkv, D]: K and V of each new token in one write
@@ -69,11 +70,11 @@ class TorchPagedAttention:
 
     def _past_end(self, max_len: int, device) -> torch.Tensor:
         """[B, 1, max_len, 1] bool: the positions past each sequence's end (built once)."""
-        if "past" not in self._masks:
+        if self._past is None:
             kv_pos = torch.arange(max_len, device=device).view(1, -1)
             past = kv_pos >= self.md.seq_lens.long().view(-1, 1)
-            self._masks["past"] = past.view(past.shape[0], 1, max_len, 1)
-        return self._masks["past"]
+            self._past = past.view(past.shape[0], 1, max_len, 1)
+        return self._past
 
     def _gather(self, cache: torch.Tensor, tables: torch.Tensor, max_len: int):
         """tables: [B, nb] -> K, V as [B, Hkv, max_len, D]."""
