@@ -161,9 +161,7 @@ class DeviceMemory:
         if not idle:
             return False
         a, m = min(idle, key=lambda am: am[0].last_used)
-        pages = m.evict_adapter(a.name)
-        self.pool.record_move(a.name, taker, pages, "evict")
-        log.info("evicted adapter %s of %s for room", a.name, m.name)
+        self._evict_adapter(m, a.name, taker, "room")
         return True
 
     def evict_parked_adapter(self, m: ModelWorker) -> bool:
@@ -174,10 +172,14 @@ class DeviceMemory:
         parked = m.parked_adapters()
         if not parked:
             return False
-        pages = m.evict_adapter(parked[0].name)
-        self.pool.record_move(parked[0].name, m.name, pages, "evict")
-        log.info("evicted adapter %s of %s for its blocked work", parked[0].name, m.name)
+        self._evict_adapter(m, parked[0].name, m.name, "its blocked work")
         return True
+
+    def _evict_adapter(self, m: ModelWorker, name: str, taker: str | None, why: str) -> None:
+        """Evict m's adapter `name`, its pages to `taker` (recorded as a move)."""
+        pages = m.evict_adapter(name)
+        self.pool.record_move(name, taker, pages, "evict")
+        log.info("evicted adapter %s of %s for %s", name, m.name, why)
 
     def make_resident(self, m: ModelWorker, now: float, wait: bool = False) -> bool:
         """Start m's activation, evicting idle models if the pool needs their pages; False if
