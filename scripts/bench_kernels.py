@@ -251,13 +251,14 @@ def main_gemv() -> None:
     # where a program has two rows): the norms' prologues read x once a program, so a chain
     # can favour more rows a program than the projections alone do
     chain["tilings_ms"] = {}
-    for c in (GemvConfig.parse(t) for t in args.chain_configs.split()):
+    chain_tilings = [GemvConfig.parse(t) for t in args.chain_configs.split()]
+    for c in chain_tilings:
         ms = graph_ms(fused(dict.fromkeys(SHAPES, c), c.block_n >= 2), args.runs)
         chain["tilings_ms"][str(c)] = ms
         print(f"  GEMV chain under {c} for every projection: {ms:.3f} ms")
     if args.fp8:  # E4M3 loads of 8 values (x's layout) beside 16, every tiling tried
         chain["fp8_load_8_ms"] = {}
-        for c in {uniform, *(GemvConfig.parse(t) for t in args.chain_configs.split())}:
+        for c in dict.fromkeys([uniform, *chain_tilings]):
             triton_gemv.FP8_LOAD = 8
             try:
                 run = fused(dict.fromkeys(SHAPES, c), c.block_n >= 2)
