@@ -65,12 +65,6 @@ def unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, head_dim // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def permute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
-    """llama.cpp's permutation itself (used to write test GGUFs as llama.cpp does)."""
-    head_dim = w.shape[0] // n_head
-    return w.reshape(n_head, 2, head_dim // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
 @dataclass(frozen=True)
 class GgufTensorMap:
     """Names and layout fixes for the tensors of one GGUF file."""

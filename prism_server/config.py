@@ -216,11 +216,6 @@ class EngineConfig:
                     "(tensor_parallel > 1), which adapters do not run on"
                 )
 
-    @property
-    def base_models(self) -> tuple[ModelSpec, ...]:
-        """The configured models that are not adapters."""
-        return tuple(m for m in self.models if not m.is_adapter)
-
     def torch_device(self) -> torch.device:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -196,9 +196,6 @@ class _Fleet:
     def max_kvpr(self) -> float:
         return max(self.table(), default=0.0)
 
-    def unserved(self, models: Iterable[ModelDemand]) -> int:
-        return sum(1 for m in models if m.name not in self.spots)
-
     def unserved_demand(self, models: Iterable[ModelDemand]) -> float:
         return math.fsum(m.demand for m in models if m.name not in self.spots)
 

@@ -59,11 +59,6 @@ class RowsWriter:
         self.slots, self.block_size = slots, block_size
         self._at: KVSlots | None = None
 
-    @staticmethod
-    def from_slots(slots: torch.Tensor, block_size: int) -> RowsWriter:
-        """slots: [T] int64, block * block_size + offset of each token."""
-        return RowsWriter(slots, block_size)
-
     @property
     def at(self) -> KVSlots:
         if self._at is None:  # only the unfused store needs them (two kernels a step)

@@ -187,17 +187,6 @@ def _log_uniform(rng: random.Random, lo: int, hi: int) -> int:
     return max(lo, min(hi, round(math.exp(rng.uniform(math.log(lo), math.log(hi))))))
 
 
-def idle_fraction(rows: Sequence[Row], models: Sequence[str], bucket_s: float) -> float:
-    """Mean over time buckets of the fraction of models with no request in the bucket."""
-    if not rows:
-        return 1.0
-    n = int(max(r.arrival_s for r in rows) // bucket_s) + 1
-    busy = [set() for _ in range(n)]
-    for r in rows:
-        busy[int(r.arrival_s // bucket_s)].add(r.model)
-    return sum(1 - len(b) / len(models) for b in busy) / n
-
-
 # ---- activity statistics on the trace's own time ----------------------------------------------
 def active_sets(
     rows: Sequence[Row],

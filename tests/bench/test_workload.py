@@ -16,7 +16,6 @@ from prism_server.bench.workload import (
     bursty_groups,
     clamp_lengths,
     from_azure,
-    idle_fraction,
     read_csv,
     resample_lengths,
     scale_rate,
@@ -73,7 +72,7 @@ def test_bursty_groups_are_bursty_shifting_and_mostly_idle():
     groups = [{r.model for r in rows if k * 600 <= r.arrival_s < (k + 1) * 600} for k in range(6)]
     assert all(len(g) <= 4 for g in groups)  # 35% of 12 active at a time
     assert len(set().union(*groups)) > 4  # the group shifts
-    assert 0.5 <= idle_fraction(rows, models, 600) <= 0.77
+    assert 0.5 <= activity(rows, models, window_s=600).idle_mean <= 0.77
     assert rows == bursty_groups(models, 3600, 5.0, 6, cv=2.0, seed=1)  # deterministic
 
 

@@ -140,7 +140,7 @@ def test_the_table_decode_graph_tables_are_refilled_and_padded_rows_reset():
     """A batch of three, then one of two in the same graph: the live rows carry the step's
     tables, lengths and slots; the row that fell out reads and writes the null block only."""
     caches = [torch.zeros(64, 2, 16, 2, 16)]
-    writer = functools.partial(RowsWriter.from_slots, block_size=16)
+    writer = functools.partial(RowsWriter, block_size=16)
     attn = TableDecodeGraphAttention(None, caches, 4, 6, writer)
     assert not attn.fits(AttentionMetadata.build([SeqChunk(6 * 16, 1, [1] * 7)], 16, CPU))
     three = [SeqChunk(40, 1, [5, 6, 7]), SeqChunk(3, 1, [9]), SeqChunk(70, 1, [1, 2, 3, 4, 8])]

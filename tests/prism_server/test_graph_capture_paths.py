@@ -66,7 +66,7 @@ def no_cuda_graphs(monkeypatch):
 
 def table_runner(model, kv, kernel, sizes, **kw) -> CudaGraphRunner:
     """Decode graphs of `sizes` (at most 8 blocks a sequence) over a table decode `kernel`."""
-    writer = functools.partial(RowsWriter.from_slots, block_size=16)
+    writer = functools.partial(RowsWriter, block_size=16)
     return CudaGraphRunner(
         model,
         kv.layer_views,

@@ -382,7 +382,6 @@ def test_adapters_from_a_config_file_and_flags(tmp_path):
     sql = args.models[1]
     assert (sql.base, sql.adapter, sql.is_adapter) == ("llama8b", "/adapters/sql", True)
     assert args.engine.max_loras == 4 and args.engine.lora_dirs == ("/adapters",)
-    assert [m.name for m in args.engine.base_models] == ["llama8b"]
     flags = ["b=dummy:tiny-llama", "chat,base=b,adapter=/adapters/chat"]
     args = load_server_args(None, flags)
     assert args.models[1] == ModelSpec("chat", base="b", adapter="/adapters/chat")
