@@ -53,7 +53,8 @@ def write_kv(cache: torch.Tensor, at: KVSlots, k: torch.Tensor, v: torch.Tensor)
 
 class RowsWriter:
     """K/V writes as one indexed store (decode steps: capturable, the slots may come from a
-    graph's static buffer). Takes the layer's rope too where Triton runs (`fuses_rope`)."""
+    graph's static buffer). Takes the layer's rope too where Triton runs (`fuses_rope`).
+    slots: [T] int64, block * block_size + offset of each token."""
 
     def __init__(self, slots: torch.Tensor, block_size: int):
         self.slots, self.block_size = slots, block_size
