@@ -1,11 +1,12 @@
 """Turns one step's sampled tokens into request updates and output deltas: stop conditions,
-incremental text, stop strings (held back until they cannot be the start of a stop string). A
-request's final output carries its account: where its time went, its preemptions."""
+incremental text, stop strings (held back until they cannot be the start of a stop string; each
+token's logprob held back with its text, so that a delta's logprobs are those of its text's
+tokens). A request's final output carries its account: where its time went, its preemptions."""
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prism_server.engine import wait_causes
 from prism_server.engine.detokenizer import IncrementalDetokenizer, find_stop
@@ -17,6 +18,8 @@ class _Text:
     detok: IncrementalDetokenizer
     text: str = ""
     emitted: int = 0  # characters of `text` already sent
+    # logprobs not sent yet, each with the length of `text` that sends it
+    held: list[tuple[TokenLogprob, int]] = field(default_factory=list)
 
 
 class OutputProcessor:
@@ -72,8 +75,10 @@ class OutputProcessor:
         if reason is not None:
             new += st.detok.flush()
         st.text += new
+        if logprob is not None:  # a token of no text yet goes out with the next text
+            st.held.append((logprob, len(st.text) + (0 if new else 1)))
         stops = req.params.stop
-        if stops:
+        if stops and req.num_output_tokens >= req.params.min_tokens:  # none looked for before
             hit = find_stop(st.text, len(new), stops)
             if hit is not None:
                 i, s = hit
@@ -82,6 +87,9 @@ class OutputProcessor:
         hold = 0 if reason or not stops else max(len(s) for s in stops) - 1
         upto = max(st.emitted, len(st.text) - hold)
         delta, st.emitted = st.text[st.emitted : upto], upto
+        n = len(st.held) if reason else sum(1 for _, end in st.held if end <= upto)
+        logprobs = [lp for lp, _ in st.held[:n]] if n else None
+        del st.held[:n]
         if reason is not None:
             req.finish_reason = reason
             del self._texts[req.request_id]
@@ -90,7 +98,7 @@ class OutputProcessor:
             request_id=req.request_id,
             new_token_ids=[tok],
             new_text=delta,
-            logprobs=[logprob] if logprob is not None else None,
+            logprobs=logprobs,
             finished=reason is not None,
             finish_reason=reason,
             num_prompt_tokens=req.num_prompt_tokens,

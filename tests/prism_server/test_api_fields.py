@@ -173,6 +173,30 @@ def test_echo_with_logprobs_scores_the_prompt_as_generation_scores_its_tokens(se
     assert got[0]["token_logprobs"][1:-1] == pytest.approx(lp["token_logprobs"][1:-1], abs=1e-3)
 
 
+def _chunks(server, path: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", server.url + path, json={**body, "stream": True}, timeout=120) as r:
+        assert r.status_code == 200
+        return [json.loads(x[6:])["choices"] for x in r.iter_lines() if x.startswith("data: {")]
+
+
+def test_streamed_logprobs_are_the_tokens_of_each_chunks_text(server):
+    """Text held back (a stop string may begin there) keeps its tokens' logprobs with it: the
+    streamed offsets and tokens are the whole answer's, and each chunk's tokens make its text."""
+    body = {"model": "gemma3-270m", "prompt": "1, 2, 3,", "max_tokens": 12, "temperature": 0}
+    body |= {"logprobs": 1, "stop": ["8, 9, 10"]}
+    whole = _cmpl(server, **body)["logprobs"]
+    chunks = [c for cs in _chunks(server, "/v1/completions", body) for c in cs]
+    lps = [c["logprobs"] for c in chunks if c["logprobs"]]
+    assert sum((lp["text_offset"] for lp in lps), []) == whole["text_offset"]
+    assert sum((lp["tokens"] for lp in lps), []) == whole["tokens"]
+    for c in chunks[:-1]:
+        assert "".join(c["logprobs"]["tokens"] if c["logprobs"] else []) == c["text"]
+    chat = {"model": CHAT, "messages": Q, "max_tokens": 12, "temperature": 0, "logprobs": True}
+    for cs in _chunks(server, "/v1/chat/completions", {**chat, "stop": ["Paris"]}):
+        for c in cs:  # no chunk of logprobs without text
+            assert bool(c["logprobs"]) <= bool(c["delta"].get("content")) or c["finish_reason"]
+
+
 @pytest.mark.parametrize("model", [CHAT, "gemma3-270m"])
 def test_logprob_bytes_are_each_tokens_raw_bytes(server, model):
     from prism_server.serving.protocol import token_bytes

@@ -4,6 +4,9 @@ import pytest
 
 from models.tokenizer import ByteTokenizer
 from prism_server.engine.detokenizer import IncrementalDetokenizer, find_stop
+from prism_server.engine.output_processor import OutputProcessor
+from scheduler.request import FinishReason, Request, TokenLogprob
+from scheduler.sampling_params import SamplingParams
 
 
 class WindowOnly:
@@ -30,3 +33,44 @@ def test_find_stop_reports_the_earliest_stop_the_new_text_completed():
     assert find_stop("hello world", 5, ("wor", "o w")) == (4, "o w")
     assert find_stop("hello world", 2, ("hello",)) is None  # completed earlier, not now
     assert find_stop("abc", 1, ("x",)) is None
+
+
+def _stream(text: str, stop=(), min_tokens: int = 0):
+    """Each token of `text` through OutputProcessor, as the engine feeds it: -> (the request,
+    its deltas)."""
+    tok = ByteTokenizer(vocab_size=300)
+    ids = tok(text, add_special_tokens=False).input_ids
+    params = SamplingParams(
+        max_tokens=len(ids), stop=tuple(stop), min_tokens=min_tokens, ignore_eos=True, logprobs=0
+    )
+    req = Request("r", [65, 66], params, frozenset(), 0.0)
+    proc = OutputProcessor(tok, max_model_len=1 << 20)
+    outs = []
+    for t in ids:
+        reason, visible = proc.accept(req, t)
+        outs.append(proc.render(req, t, TokenLogprob(t, -0.5, []), reason, visible))
+        if outs[-1].finished:
+            break
+    return tok, req, outs
+
+
+@pytest.mark.parametrize("stop", [(), ("zz",), ("café —",)])
+def test_each_deltas_logprobs_are_the_tokens_of_its_text(stop):
+    tok, req, outs = _stream("naïve café — 東京 done", stop)
+    sent = [lp.token_id for o in outs for lp in o.logprobs or []]
+    assert sent == req.output_token_ids  # every token's logprob, once, in order
+    for o in outs[:-1]:  # before the end: a delta's text is exactly its tokens' text
+        ids = [lp.token_id for lp in o.logprobs or []]
+        assert tok.decode(ids) == o.new_text and bool(ids) == bool(o.new_text)
+
+
+def test_min_tokens_holds_back_stop_strings_as_it_holds_eos():
+    text = "ab stop cd stop ef"
+    _, _, outs = _stream(text, stop=("stop",))
+    assert "".join(o.new_text for o in outs) == "ab "
+    # (a stop string the min_tokens-th token completes counts, as in vLLM)
+    _, _, outs = _stream(text, stop=("stop",), min_tokens=len("ab stop"))
+    assert "".join(o.new_text for o in outs) == "ab "
+    _, _, outs = _stream(text, stop=("stop",), min_tokens=len("ab stop") + 1)
+    assert "".join(o.new_text for o in outs) == "ab stop cd "
+    assert outs[-1].finish_reason == FinishReason.STOP

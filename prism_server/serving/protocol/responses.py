@@ -316,6 +316,7 @@ class CompletionShapes(_Shapes):
         self.echo, self.n = echo, n
         self.bos_added = bos_added or [False] * len(echo)
         self._echoed: set[int] = set()  # streamed choices whose echo went out
+        self._offset: dict[int, int] = {}  # a streamed choice's next token's text_offset
 
     def prompt_of(self, index: int) -> int:
         return index // self.n
@@ -345,8 +346,12 @@ class CompletionShapes(_Shapes):
         echo = "" if index in self._echoed else self.echo[index // self.n]
         lp = None
         if self.logprobs and (out.logprobs or echo):
-            offset = len(self.echo[index // self.n]) + len(c.text) - len(out.new_text)
-            lp = self._logprobs(index, c, out.logprobs or [], offset)
+            # the offsets as `whole` gives them: each token's text after the one before
+            lps = out.logprobs or []
+            offset = self._offset.get(index, len(self.echo[index // self.n]))
+            lp = self._logprobs(index, c, lps, offset)
+            tokens = lp["tokens"][len(lp["tokens"]) - len(lps) :]
+            self._offset[index] = offset + sum(map(len, tokens))
         self._echoed.add(index)
         return {
             "index": index,
