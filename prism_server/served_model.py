@@ -129,10 +129,14 @@ class ServedModel:
         add_generation_prompt: bool = True,
         tool_defs: list[dict] | None = None,
         with_tools: bool = False,
+        continue_final_message: bool = False,
+        template_kwargs: dict | None = None,
     ) -> list[int]:
-        """The chat template applied (with the generation prompt) and tokenized. with_tools: the
-        prompt has tools (`tool_defs`, None when they may not be called) or tool calls in its
-        history, so the template must know them (400 for a model whose template does not)."""
+        """The chat template applied (with the generation prompt, or continuing the last
+        message) and tokenized. with_tools: the prompt has tools (`tool_defs`, None when they
+        may not be called) or tool calls in its history, so the template must know them (400
+        for a model whose template does not); template_kwargs: more variables for the template
+        (vLLM's chat_template_kwargs, e.g. Qwen3's enable_thinking)."""
         if not self.has_chat_template:
             raise RequestRejected(
                 f"The model `{self.name}` has no chat template; use /v1/completions for it.",
@@ -153,7 +157,9 @@ class ServedModel:
                 tools=tool_defs,
                 chat_template=template,
                 add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
                 tokenize=False,
+                **(template_kwargs or {}),
             )
         except Exception as e:  # jinja errors: roles the template refuses, etc.
             raise RequestRejected(
@@ -176,9 +182,16 @@ class ServedModel:
                 raise RequestRejected(f"Token id {t} is not in [0, {self.vocab_size}).", param)
 
     # ---- limits ---------------------------------------------------------------------------------
-    def check(self, num_prompt_tokens: int, max_tokens: int | None) -> int:
+    def check(
+        self,
+        num_prompt_tokens: int,
+        max_tokens: int | None,
+        fields: tuple[str, str] = ("prompt", "max_tokens"),
+    ) -> int:
         """The number of tokens to generate (`max_tokens`, or as many as fit when None), or
-        RequestRejected if a request of this size can never run on this model."""
+        RequestRejected if a request of this size can never run on this model. fields: the
+        request's names of the prompt and of max_tokens, which an error names."""
+        prompt, most = fields
         if num_prompt_tokens < 1:
             raise RequestRejected("The prompt is empty.", "prompt")
         room = self.max_model_len - num_prompt_tokens
@@ -189,13 +202,13 @@ class ServedModel:
             raise ContextLengthExceeded(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, "
                 f"you requested {num_prompt_tokens + asked} tokens ({num_prompt_tokens} in the "
-                f"messages, {asked} in the completion). Please reduce the length.",
-                "max_tokens" if asked > self.max_model_len else "messages",
+                f"{prompt}, {asked} in the completion). Please reduce the length.",
+                most if asked > self.max_model_len else prompt,
             )
         if num_prompt_tokens + max_tokens > self.max_kv_tokens:
             raise ContextLengthExceeded(
                 f"{num_prompt_tokens + max_tokens} tokens do not fit in the KV cache this model "
                 f"can address ({self.max_kv_tokens} tokens).",
-                "max_tokens",
+                most,
             )
         return max_tokens

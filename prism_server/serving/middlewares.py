@@ -127,6 +127,10 @@ def middlewares(
                     "invalid_request_error",
                     "host_not_allowed",
                 )
+        return await handler(request)
+
+    @web.middleware
+    async def media(request: web.Request, handler):  # after auth: no 415 before a 401
         if request.method == "POST" and request.content_type != "application/json":
             return error_response(
                 415,
@@ -156,7 +160,8 @@ def middlewares(
                 )
         return await handler(request)
 
-    return [access, errors, guard, auth] if access_log else [errors, guard, auth]
+    inner = [errors, guard, auth, media]
+    return [access, *inner] if access_log else inner
 
 
 def _log_access(request: web.Request, status: int, seconds: float) -> None:
@@ -195,6 +200,8 @@ def _as_response(request: web.Request, e: Exception) -> web.StreamResponse:
         type_ = "invalid_request_error" if e.status < 500 else "server_error"
         code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
         message = e.reason if e.status != 404 else f"No route for {request.method} {request.path}."
-        return error_response(e.status, message, type_, code.get(e.status))
+        allow = e.headers.get("Allow")  # a 405's methods
+        headers = {"Allow": allow} if allow else None
+        return error_response(e.status, message, type_, code.get(e.status), headers)
     log.exception("internal error on %s %s", request.method, request.path, exc_info=e)
     return error_response(500, "Internal server error.", "server_error")

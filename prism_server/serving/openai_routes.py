@@ -91,13 +91,18 @@ class OpenAIRoutes:
         req = await serving.parse(request, TokenizeRequest)
         served = serving.lookup(self.engine, req.model)
         if req.messages is not None:
-            chat = ChatCompletionRequest.model_construct(messages=req.messages, tools=req.tools)
+            chat = req.chat()
             messages, tool_defs = chat.chat_messages(), chat.tool_defs()
             special = bool(req.add_special_tokens)
 
             def encode() -> list[int]:
                 ids = served.encode_chat(
-                    messages, req.add_generation_prompt, tool_defs, chat.uses_tools
+                    messages,
+                    chat.add_generation_prompt,
+                    tool_defs,
+                    chat.uses_tools,
+                    chat.continue_final_message,
+                    chat.chat_template_kwargs,
                 )
                 if special and served.tokenizer.bos_token_id is not None:
                     ids = [served.tokenizer.bos_token_id, *ids]
@@ -136,9 +141,16 @@ class OpenAIRoutes:
         served = await serving.resolve(self.engine, req.model)
         messages = req.chat_messages()
         ids = await serving.off_loop(
-            lambda: served.encode_chat(messages, True, req.tool_defs(), req.uses_tools)
+            lambda: served.encode_chat(
+                messages,
+                req.add_generation_prompt,
+                req.tool_defs(),
+                req.uses_tools,
+                req.continue_final_message,
+                req.chat_template_kwargs,
+            )
         )
-        max_tokens = serving.check(served, len(ids), req.requested_max_tokens)
+        max_tokens = serving.check(served, len(ids), req)
         tool_format = served.tool_format if req.calls_tools else None
         grammar = await serving.compile_grammar(served, req, tool_format, served.thinks)
         rid = serving.response_id(request, "chatcmpl")
@@ -167,7 +179,7 @@ class OpenAIRoutes:
         else:
             encode = served.encode
         prompts = await serving.off_loop(lambda: [encode(p) for p in raw])
-        max_tokens = [serving.check(served, len(p), req.requested_max_tokens) for p in prompts]
+        max_tokens = [serving.check(served, len(p), req) for p in prompts]
         grammar = await serving.compile_grammar(served, req)
         rid = serving.response_id(request, "cmpl")
         choices = await serving.submit_choices(

@@ -32,6 +32,8 @@ async def read_json(request: web.Request) -> dict:
         raise
     except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as e:
         raise APIError(400, f"The request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise APIError(400, "The request body is nested too deeply.") from None
     if not isinstance(body, dict):
         raise APIError(400, "The request body must be a JSON object.")
     bad = _invalid_text(body)
@@ -145,9 +147,11 @@ async def compile_grammar(served: ServedModel, req, *args):
     return None if spec is None else await off_loop(lambda: served.compile_grammar(spec))
 
 
-def check(served: ServedModel, prompt_len: int, max_tokens: int | None) -> int:
+def check(served: ServedModel, prompt_len: int, req) -> int:
+    """ServedModel.check for a chat or completions request, its error naming the request's
+    fields."""
     try:
-        return served.check(prompt_len, max_tokens)
+        return served.check(prompt_len, req.requested_max_tokens, req.length_fields)
     except RequestRejected as e:
         raise rejected(e) from None
 
@@ -305,8 +309,13 @@ async def _send_stream(sse: SSEWriter, req, choices, shapes, prompt_tokens: int,
         await sse.send(e.body())
         await sse.done()
         return
+    pairs = [(c.index, c.completion) for c in choices]
+
+    def so_far() -> dict | None:  # vLLM's continuous usage: every chunk's usage until now
+        return shapes.usage(prompt_tokens, pairs) if req.continuous_usage else None
+
     for first in shapes.first([c.index for c in choices]):
-        await sse.send(shapes.chunk([first]))
+        await sse.send(shapes.chunk([first], so_far()))
     remaining = len(choices)
     while remaining:
         c, out = await merged.get()
@@ -319,8 +328,7 @@ async def _send_stream(sse: SSEWriter, req, choices, shapes, prompt_tokens: int,
         if out.new_text or out.finished or out.logprobs:
             delta = shapes.delta(c.index, c.completion, out)
             if delta is not None:
-                await sse.send(shapes.chunk([delta]))
+                await sse.send(shapes.chunk([delta], so_far()))
     if req.include_usage:
-        pairs = [(c.index, c.completion) for c in choices]
         await sse.send(shapes.chunk([], shapes.usage(prompt_tokens, pairs)))
     await sse.done()

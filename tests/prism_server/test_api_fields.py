@@ -197,6 +197,36 @@ def test_streamed_logprobs_are_the_tokens_of_each_chunks_text(server):
             assert bool(c["logprobs"]) <= bool(c["delta"].get("content")) or c["finish_reason"]
 
 
+def test_continuous_usage_counts_each_chunks_tokens_so_far(server):
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    body = {"model": CHAT, "messages": Q, "max_tokens": 6, "ignore_eos": True}
+    with httpx.stream(
+        "POST",
+        server.url + "/v1/chat/completions",
+        json={**body, "stream": True, "stream_options": options},
+        timeout=120,
+    ) as r:
+        chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    assert all("usage" in c for c in chunks) and counts == sorted(counts)
+    assert counts[-1] == 6 and chunks[-1]["choices"] == []
+
+
+def test_developer_messages_are_system_messages_and_a_last_message_can_be_continued(server):
+    as_system = [{"role": "system", "content": "Answer in French."}, *Q]
+    as_developer = [{"role": "developer", "content": "Answer in French."}, *Q]
+    a = chat(server, messages=as_system, max_tokens=8)["choices"][0]["message"]["content"]
+    b = chat(server, messages=as_developer, max_tokens=8)["choices"][0]["message"]["content"]
+    assert a == b
+    start = [*Q, {"role": "assistant", "content": "The capital of France is"}]
+    fields = {"add_generation_prompt": False, "continue_final_message": True}
+    ids = post(server, "/tokenize", {"model": CHAT, "messages": start, **fields}).json()
+    ends = post(server, "/tokenize", {"model": CHAT, "prompt": " is"}).json()["tokens"]
+    assert ids["tokens"][-len(ends) :] == ends  # no end of turn after the open message
+    text = chat(server, messages=start, max_tokens=4, **fields)["choices"][0]["message"]
+    assert "Paris" in text["content"]
+
+
 @pytest.mark.parametrize("model", [CHAT, "gemma3-270m"])
 def test_logprob_bytes_are_each_tokens_raw_bytes(server, model):
     from prism_server.serving.protocol import token_bytes

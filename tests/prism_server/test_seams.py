@@ -229,10 +229,13 @@ def test_one_length_check_gives_the_room_and_names_the_field():
     assert served(max_kv_tokens=64).check(10, None) == 54  # as many as the context allows
     with pytest.raises(ContextLengthExceeded, match="maximum context length is 64") as e:
         s.check(60, 10)
-    assert e.value.param == "messages" and e.value.code == "context_length_exceeded"
+    assert e.value.param == "prompt" and e.value.code == "context_length_exceeded"
+    with pytest.raises(ContextLengthExceeded, match="60 in the messages") as e:
+        s.check(60, 10, ("messages", "max_completion_tokens"))
+    assert e.value.param == "messages"
     with pytest.raises(ContextLengthExceeded) as e:
-        s.check(10, 100)
-    assert e.value.param == "max_tokens"
+        s.check(10, 100, ("messages", "max_completion_tokens"))
+    assert e.value.param == "max_completion_tokens"
     with pytest.raises(ContextLengthExceeded, match="KV cache"):
         s.check(40, 20)  # within the context, beyond what the KV can hold
     with pytest.raises(RequestRejected, match="prompt is empty"):

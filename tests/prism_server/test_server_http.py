@@ -56,6 +56,23 @@ def assert_envelope(r: httpx.Response, status: int, code: str | None = None) -> 
         ({**CHAT, "stop": ["x"] * 100}, "stop"),
         ({**CHAT, "top_logprobs": 50, "logprobs": True}, "top_logprobs"),
         ({**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
+        # wrong JSON types are refused, not coerced
+        ({**CHAT, "temperature": "0.5"}, "temperature"),
+        ({**CHAT, "n": "2"}, "n"),
+        ({**CHAT, "max_tokens": True}, "max_tokens"),
+        ({**CHAT, "stream": "yes"}, "stream"),
+        ({**CHAT, "stop": [1, 2]}, "stop"),
+        (json.dumps({**CHAT, "temperature": float("nan")}).encode(), "temperature"),
+        (b'{"model": "m", "x": ' + b"[" * 5000 + b"]" * 5000 + b"}", None),  # nested too deep
+        # known fields that would need what Prism does not do
+        ({**CHAT, "store": True}, "store"),
+        ({**CHAT, "service_tier": "flex"}, "service_tier"),
+        ({**CHAT, "reasoning_effort": "high"}, "reasoning_effort"),
+        ({**CHAT, "use_beam_search": True}, "use_beam_search"),
+        ({**CHAT, "response_format": {"type": "json_object", "schema": {}}}, "response_format"),
+        ({**CHAT, "continue_final_message": True}, "continue_final_message"),
+        ({**CHAT, "chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
+        ({**CHAT, "stream": True, "stream_options": {"include_obfuscation": True}}, "stream_opt"),
     ],
 )
 def test_bad_requests_get_400_with_the_envelope(server, body, param):
@@ -71,7 +88,8 @@ def test_context_length_unknown_model_and_unknown_route(server):
     assert err["message"] == "The model `gpt-9` does not exist."
     assert_envelope(httpx.get(server.url + "/v1/models/gpt-9"), 404, "model_not_found")
     assert_envelope(httpx.get(server.url + "/v2/nothing"), 404)
-    assert_envelope(httpx.get(server.url + "/v1/chat/completions"), 405)
+    r = httpx.get(server.url + "/v1/chat/completions")
+    assert_envelope(r, 405) and "POST" in r.headers["Allow"]
     bad_ids = {"model": SMOL, "prompt": [10**9], "max_tokens": 2}
     assert_envelope(post(server.url, bad_ids, "/v1/completions"), 400)
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
@@ -82,23 +100,32 @@ def test_request_id_is_honoured(server):
     assert r.headers["X-Request-Id"] == "abc-123" and r.json()["id"] == "abc-123"
 
 
-def test_unknown_fields_are_ignored(server):
-    r = post(
-        server.url,
-        {
-            **CHAT,
-            "frobnicate": True,
-            "logit_bias": {"5": 1},
-            "messages": [{"role": "user", "content": "Hi", "extra": 1}],
-        },
+def test_unknown_fields_are_refused_and_null_is_a_fields_default(server):
+    err = assert_envelope(post(server.url, {**CHAT, "frobnicate": True}), 400)
+    assert err["param"] == "frobnicate"
+    assert err["message"] == "Unrecognized request argument supplied: frobnicate"
+    cmpl = {"model": SMOL, "prompt": "Hi", "max_tokens": 2, "top_logprobs": 2}
+    assert (
+        assert_envelope(post(server.url, cmpl, "/v1/completions"), 400)["param"] == "top_logprobs"
     )
-    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] is not None
+    bools = {**cmpl, "top_logprobs": None, "prompt": [True]}
+    err = assert_envelope(post(server.url, bools, "/v1/completions"), 400)
+    assert err["message"].startswith("prompt: Input should be a string, a list of strings")
+    nulls = dict.fromkeys(["n", "stream", "logprobs", "frequency_penalty", "min_tokens", "seed"])
+    echoed = {"role": "assistant", "content": "Hello", "refusal": None, "annotations": []}
+    messages = [*CHAT["messages"], echoed, {"role": "user", "content": "Hi", "extra": 1}]
+    fields = {"user": "u", "store": False, "service_tier": "auto", "metadata": None}
+    r = post(server.url, {**CHAT, **nulls, **fields, "messages": messages})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 1  # n: null is n: 1
 
 
 def sse_events(r: httpx.Response) -> list:
-    """Every event of a stream, parsed; checks the framing on the way."""
+    """Every event of a stream, parsed; checks the framing on the way (a comment line, the
+    keep-alive of a slow first token, is no event)."""
     events, buf = [], []
     for line in r.iter_lines():
+        if line.startswith(":") and not buf:
+            continue
         if line:
             buf.append(line)
             continue
@@ -246,6 +273,15 @@ def test_api_key_is_required_except_for_health(tiny):
     assert httpx.get(tiny.url + "/health").status_code == 200
     ok = post(tiny.url, body, "/v1/completions", headers={"Authorization": "Bearer sekret"})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+    text = {"Content-Type": "text/plain"}
+    r = httpx.post(tiny.url + "/v1/completions", content=b"x", headers=text)
+    assert_envelope(r, 401)  # who asks comes first, then what was sent
+    r = httpx.post(
+        tiny.url + "/v1/completions",
+        content=b"x",
+        headers={**text, "Authorization": "Bearer sekret"},
+    )
+    assert_envelope(r, 415)
 
 
 def test_full_queue_answers_503_with_retry_after(tiny):

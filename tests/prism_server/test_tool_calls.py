@@ -149,6 +149,23 @@ def test_a_template_without_tools_refuses_them():
     assert served.encode_chat(Q)  # without tools it still serves
 
 
+def test_template_arguments_reach_the_template():
+    """chat_template_kwargs are the template's variables (Qwen3's enable_thinking is one);
+    continue_final_message leaves the last message open instead of starting a new turn."""
+    tok = load_tokenizer(model_dir(ModelSource.parse(CHAT), envs.gguf_cache_dir()))
+    tok.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m.content }}<|im_end|>{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>{% if think %}<think>{% endif %}{% endif %}"
+    )
+    served = ServedModel(ModelSpec(CHAT, CHAT), tokenizer=tok)
+    text = lambda ids: tok.decode(ids)  # noqa: E731
+    assert text(served.encode_chat(Q)).endswith("<|im_end|><|im_start|>")
+    assert text(served.encode_chat(Q, template_kwargs={"think": True})).endswith("<think>")
+    more = [*Q, {"role": "assistant", "content": "The capital is"}]
+    ids = served.encode_chat(more, add_generation_prompt=False, continue_final_message=True)
+    assert text(ids).endswith("The capital is")
+
+
 # ---- over HTTP ---------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_required_returns_a_call_whose_arguments_validate_streamed_or_not(server):

@@ -1,5 +1,11 @@
-"""OpenAI request models: fields in the order of the OpenAI reference (unknown fields ignored),
-the field combinations OpenAI refuses, and the conversion into internal sampling parameters."""
+"""OpenAI request models: fields in the order of the OpenAI reference, then vLLM's extensions;
+the field combinations OpenAI refuses, and the conversion into internal sampling parameters.
+
+A body is read as OpenAI reads it: a null field is its default, a value of the wrong JSON type
+is refused (no "2" for 2), and so is a field this server does not know (OpenAI's
+"Unrecognized request argument"). Fields it knows but does not honour are refused when set to
+anything but their no-op value (`check`). Messages and tools keep fields they do not use: a
+client sends back the assistant messages it was given, with their extra fields."""
 
 from __future__ import annotations
 
@@ -7,7 +13,7 @@ import dataclasses
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from prism_server.grammar import GrammarSpec
 from prism_server.serving.protocol.responses import APIError
@@ -15,21 +21,43 @@ from scheduler.sampling_params import SamplingParams
 
 MAX_N = 16
 MAX_STOP = 16
+_JSON_SCHEMA_KEYS = {"name", "description", "schema", "strict"}
+# apply_chat_template's own arguments, which chat_template_kwargs may not pass again
+_TEMPLATE_ARGUMENTS = {
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation",
+    "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+}  # fmt: skip
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class _Body(BaseModel):
+    """A request body's top level: unknown fields refused, a null field is its default."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_defaults(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
+
+
+class StreamOptions(_Body):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: the usage so far in every chunk
+    include_obfuscation: bool = False  # OpenAI's padding of chunks: not sent
 
 
 class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
     type: str
     text: str | None = None
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -40,13 +68,15 @@ class ChatMessage(BaseModel):
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
         for part in self.content:
-            if part.type != "text" or part.text is None:
+            if part.type != "text":
                 raise ValueError(f"content parts of type {part.type!r} are not supported")
+            if part.text is None:
+                raise ValueError("a content part of type 'text' needs its text")
         return "".join(p.text for p in self.content)
 
 
 class FunctionDef(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     description: str | None = None
     parameters: dict[str, Any] | None = None
@@ -57,15 +87,13 @@ class FunctionDef(BaseModel):
 
 
 class Tool(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
     type: Literal["function"]
     function: FunctionDef
 
 
-class _SamplingFields(BaseModel):
+class _SamplingFields(_Body):
     """Fields shared by chat and completions requests (OpenAI's, then vLLM's extensions)."""
-
-    model_config = ConfigDict(extra="ignore")
 
     model: str
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
@@ -79,6 +107,11 @@ class _SamplingFields(BaseModel):
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     user: str | None = None
+    safety_identifier: str | None = None  # like user: for the provider's abuse monitoring
+    prompt_cache_key: str | None = None  # a routing hint; the prefix cache needs none
+    store: bool = False  # refused when true (nothing is stored), and so is metadata
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None  # auto and default: the one tier
     # extensions (vLLM names)
     top_k: int | None = Field(None, ge=-1)
     min_tokens: int = Field(0, ge=0)
@@ -89,6 +122,7 @@ class _SamplingFields(BaseModel):
     logit_bias: dict[str, float] | None = None  # OpenAI's: token id (as a string) -> bias
     repetition_penalty: float | None = Field(None, gt=0, le=2)
     min_p: float | None = Field(None, ge=0, le=1)
+    use_beam_search: bool = False
     # Accepted by OpenAI-shaped clients but not honoured (yet): refused with 400 when set to
     # anything but their no-op value, never dropped in silence. See `check`.
     priority: int = 0
@@ -132,6 +166,11 @@ class _SamplingFields(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        """The usage so far in every chunk (vLLM's continuous_usage_stats, with include_usage)."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
+
     def check(self) -> None:
         """Field combinations OpenAI refuses (after each field has validated on its own), and
         fields Prism does not honour set to something that would need it."""
@@ -140,6 +179,13 @@ class _SamplingFields(BaseModel):
                 400, "stream_options is only allowed when stream is true.", param="stream_options"
             )
         unsupported = {
+            "store": self.store,
+            "metadata": bool(self.metadata),
+            "service_tier": self.service_tier not in (None, "auto", "default"),
+            "use_beam_search": self.use_beam_search,
+            "stream_options.include_obfuscation": bool(
+                self.stream_options and self.stream_options.include_obfuscation
+            ),
             "functions": bool(self.functions),
             "function_call": self.function_call not in (None, "none"),
             "prediction": self.prediction is not None,
@@ -163,6 +209,13 @@ class _SamplingFields(BaseModel):
         rf = self.response_format
         if rf is not None:
             kind = rf.get("type")
+            extra = _unknown_format_field(rf)
+            if extra is not None and kind in ("text", "json_object", "json_schema"):
+                raise APIError(
+                    400,
+                    f"response_format of type {kind} takes no field `{extra}`.",
+                    param="response_format",
+                )
             if kind == "json_object":
                 specs.append(GrammarSpec("json"))
             elif kind == "json_schema":
@@ -247,6 +300,19 @@ class _SamplingFields(BaseModel):
             raise APIError(400, str(e)) from None
 
 
+def _unknown_format_field(rf: dict[str, Any]) -> str | None:
+    """The first field of response_format that its type does not take (json_schema.x: one
+    inside json_schema), or None."""
+    kind = rf.get("type")
+    allowed = {"type", "json_schema"} if kind == "json_schema" else {"type"}
+    js = rf.get("json_schema")
+    inner = js if kind == "json_schema" and isinstance(js, dict) else {}
+    return next(
+        (k for k in rf if k not in allowed),
+        next((f"json_schema.{k}" for k in inner if k not in _JSON_SCHEMA_KEYS), None),
+    )
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
@@ -255,13 +321,45 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[Tool] | None = Field(None, max_length=128)
     tool_choice: str | dict[str, Any] | None = None  # none, auto, required, or a function
     parallel_tool_calls: bool | None = None
+    reasoning_effort: str | None = None  # refused: for OpenAI's reasoning models
+    verbosity: str | None = None  # refused likewise
+    # vLLM's chat extensions
+    echo: bool = False  # refused when true
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the last (assistant) message continued
+    chat_template_kwargs: dict[str, Any] | None = None  # more variables for the template
 
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
+    @property
+    def length_fields(self) -> tuple[str, str]:
+        """The names of the prompt and of the output's bound, as this request sent them."""
+        return "messages", "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
+
     def check(self) -> None:
         super().check()
+        for name in ("reasoning_effort", "verbosity", "echo"):
+            if getattr(self, name):
+                raise APIError(400, f"{name} is not supported by this server.", param=name)
+        if self.continue_final_message and (
+            self.add_generation_prompt or self.messages[-1].role != "assistant"
+        ):
+            raise APIError(
+                400,
+                "continue_final_message continues a last assistant message, with "
+                "add_generation_prompt false.",
+                param="continue_final_message",
+            )
+        taken = sorted((self.chat_template_kwargs or {}).keys() & _TEMPLATE_ARGUMENTS)
+        if taken:
+            raise APIError(
+                400,
+                f"chat_template_kwargs may not set `{taken[0]}`, an argument of the template "
+                "call itself.",
+                param="chat_template_kwargs",
+            )
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(
                 400, "top_logprobs is only allowed when logprobs is true.", param="top_logprobs"
@@ -348,8 +446,9 @@ class ChatCompletionRequest(_SamplingFields):
         with their arguments as objects; a tool result with its call's id."""
         out: list[dict[str, Any]] = []
         for i, m in enumerate(self.messages):
+            role = "system" if m.role == "developer" else m.role  # OpenAI's new name for it
             try:
-                msg: dict[str, Any] = {"role": m.role, "content": m.text()}
+                msg: dict[str, Any] = {"role": role, "content": m.text()}
             except ValueError as e:
                 raise APIError(400, str(e), param=f"messages.{i}.content") from None
             if m.tool_calls:
@@ -427,6 +526,10 @@ class CompletionRequest(_SamplingFields):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
+    @property
+    def length_fields(self) -> tuple[str, str]:
+        return "prompt", "max_tokens"
+
     def sampling_params(self, max_tokens: int, logprobs: int | None, index: int = 0, grammar=None):
         """With echo and logprobs, the prompt's logprobs too."""
         p = super().sampling_params(max_tokens, logprobs, index, grammar)
@@ -443,25 +546,36 @@ class CompletionRequest(_SamplingFields):
         return list(p)
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_Body):
     """vLLM's /tokenize: a prompt, or chat messages through the model's template."""
 
-    model_config = ConfigDict(extra="ignore")
     model: str
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     tools: list[Tool] | None = None  # with messages: the tools the template describes
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 
     def check(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise APIError(400, "Give either prompt or messages.", param="prompt")
 
+    def chat(self) -> ChatCompletionRequest:
+        """The messages as a chat request's (the same template arguments, checked alike)."""
+        fields = ("messages", "tools", "add_generation_prompt", "continue_final_message")
+        chat = ChatCompletionRequest.model_construct(
+            model=self.model,
+            chat_template_kwargs=self.chat_template_kwargs,
+            **{f: getattr(self, f) for f in fields},
+        )
+        chat.check()
+        return chat
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+
+class DetokenizeRequest(_Body):
     model: str
     tokens: list[int]
 

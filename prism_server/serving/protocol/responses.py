@@ -46,10 +46,48 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | N
 
 
 def validation_error(e: ValidationError) -> APIError:
-    err = e.errors()[0]
-    param = ".".join(str(p) for p in err["loc"]) or None
-    msg = err["msg"].removeprefix("Value error, ")
+    """A request body's first invalid field as a 400: its path (`messages.0.content`) as the
+    param; where the field may take several types, what it takes."""
+    errors = e.errors()
+    err = errors[0]
+    path, tags = _field_path(err["loc"]), []
+    for x in errors:  # a union's members, each a failed try at the same field
+        loc = x["loc"]
+        if len(loc) > len(path) and _field_path(loc) == path and loc[len(path)] not in tags:
+            tags.append(loc[len(path)])
+    param = ".".join(map(str, path)) or None
+    if err["type"] == "extra_forbidden":
+        return APIError(400, f"Unrecognized request argument supplied: {param}", param=param)
+    if tags:
+        names = [_TYPE_NAMES.get(t, str(t)) for t in tags]
+        alternatives = ", ".join(names[:-1]) + " or " if len(names) > 1 else ""
+        msg = f"Input should be {alternatives}{names[-1]}"
+    else:
+        msg = err["msg"].removeprefix("Value error, ")
     return APIError(400, f"{param}: {msg}" if param else msg, param=param)
+
+
+_TYPE_NAMES = {
+    "str": "a string",
+    "list[str]": "a list of strings",
+    "list[int]": "a list of token ids",
+    "list[list[int]]": "a list of token-id lists",
+    "list[ContentPart]": "a list of content parts",
+    "dict[str,any]": "an object",
+    "dict": "an object",
+    "int": "an integer",
+    "float": "a number",
+    "bool": "a boolean",
+}
+
+
+def _field_path(loc: tuple) -> tuple:
+    """loc up to its first union member's tag (pydantic names the member it tried: `str`,
+    `list[int]`, `function-after[...]`): the field's own path."""
+    for i, p in enumerate(loc):
+        if isinstance(p, str) and (p in _TYPE_NAMES or not p.isidentifier() or p[0].isupper()):
+            return loc[:i]
+    return tuple(loc)
 
 
 def now() -> int:
