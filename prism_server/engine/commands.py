@@ -65,7 +65,8 @@ class Detach:
 @dataclass(frozen=True)
 class Migrate:
     """Build a model detached from another device here, from its host copy (its history
-    carried over), and serve it here. `done` -> None, or the error (it is not here)."""
+    carried over), and serve it here. `done` -> its max_kv_tokens here, or the error (it is not
+    here)."""
 
     spec: ModelSpec
     settings: LoadSettings
@@ -86,6 +87,15 @@ class RemoveModel:
 class Partition:
     """The static policy: split the pool's room beside the weights into equal, fixed KV quotas
     for this device's models (MemoryError: no room). `done` -> {model: its max_kv_tokens}."""
+
+    done: Future = field(default_factory=Future)
+
+
+@dataclass(frozen=True)
+class KVReach:
+    """How long a sequence each model of this device can ever hold: its KV's pages, the pool's
+    but for its own weights and those of the pinned models, which never leave (every Load and
+    Migrate caps them so). `done` -> {model: its max_kv_tokens}."""
 
     done: Future = field(default_factory=Future)
 
@@ -213,6 +223,7 @@ Command = (
     | LoadAdapter
     | UnloadAdapter
     | Partition
+    | KVReach
     | Activate
     | Evict
     | PlanEvict

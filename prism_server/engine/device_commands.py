@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from models.lora import read_adapter
@@ -17,6 +18,7 @@ from prism_server.engine.commands import (
     CheckIntegrity,
     Detach,
     Evict,
+    KVReach,
     Load,
     LoadAdapter,
     MakeFree,
@@ -51,7 +53,8 @@ def load(w: DeviceWorker, cmd: Load) -> Loaded:
         raise ValueError(f"a model named {cmd.spec.name!r} is already on {w.device}")
     worker, loaded = build_worker(cmd.spec, w, cmd.settings, cmd.shards)
     w.add(worker)
-    return loaded
+    limit_reach(w)
+    return replace(loaded, max_kv_tokens=worker.max_kv_tokens)
 
 
 def detach(w: DeviceWorker, cmd: Detach) -> tuple[ModelWorker, object] | None:
@@ -73,8 +76,26 @@ def detach(w: DeviceWorker, cmd: Detach) -> tuple[ModelWorker, object] | None:
     return m, m.leave_device()
 
 
-def migrate(w: DeviceWorker, cmd: Migrate) -> None:
-    w.add(build_worker(cmd.spec, w, cmd.settings, moved=(cmd.old, cmd.host))[0])
+def migrate(w: DeviceWorker, cmd: Migrate) -> int:
+    worker = build_worker(cmd.spec, w, cmd.settings, moved=(cmd.old, cmd.host))[0]
+    w.add(worker)
+    limit_reach(w)
+    return worker.max_kv_tokens
+
+
+def limit_reach(w: DeviceWorker) -> None:
+    """Each model's KV capped at the pages it can ever map here: the pool's but for its own
+    weights and the other pinned models' (they never leave), so that a request longer than that
+    is refused when it comes (ServedModel.check) rather than waiting for pages that never come."""
+    pinned = {n: m.weights.num_pages for n, m in w.models.items() if m.pinned and m.weights}
+    for m in w.models.values():
+        others = sum(p for n, p in pinned.items() if n != m.name)
+        if others and m.weights is not None and not m.shard_devices:
+            m.kv.allocator.set_quota(max(0, w.pool.capacity - m.weights.num_pages - others))
+
+
+def kv_reach(w: DeviceWorker, cmd: KVReach) -> dict[str, int]:
+    return {n: m.max_kv_tokens for n, m in w.models.items()}
 
 
 def load_adapter(w: DeviceWorker, cmd: LoadAdapter) -> int:
@@ -185,6 +206,7 @@ HANDLERS = {
     LoadAdapter: load_adapter,
     UnloadAdapter: unload_adapter,
     Partition: partition,
+    KVReach: kv_reach,
     Activate: activate,
     Evict: evict,
     PlanEvict: plan_evict,

@@ -26,6 +26,7 @@ from prism_server.engine.commands import (
     Abort,
     Activate,
     Evict,
+    KVReach,
     Load,
     Partition,
     RemoveModel,
@@ -94,9 +95,9 @@ class Engine:
                     raise
                 log.error("model %s failed to load: %s", spec.name, e)
                 self.served[spec.name] = ServedModel(spec, error=f"{type(e).__name__}: {e}")
-        for dev in self._workers if self.policy.all_resident else ():
+        for dev in self._workers:
             try:  # static: the KV room beside the weights in fixed equal quotas, never reclaimed
-                max_kv = dev.execute(Partition())
+                max_kv = dev.execute(Partition() if self.policy.all_resident else KVReach())
             except MemoryError:
                 self.close()
                 raise

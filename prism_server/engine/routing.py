@@ -129,18 +129,18 @@ class Routes:
             if src in (None, dst) or name in self._moving:
                 return False
             self._moving[name] = []
-        home, lost = src, None
+        home, lost, reach = src, None, was.max_kv_tokens
         try:
             moved = src.execute(Detach(name, dst.name, dst.pool))
             if moved is None:
                 return False
             try:
-                dst.execute(Migrate(was.spec, settings, *moved))
+                reach = dst.execute(Migrate(was.spec, settings, *moved))
                 home = dst
             except Exception:
                 log.exception("moving %s to %s failed: it stays on %s", name, dst.name, src.name)
                 try:
-                    src.execute(Migrate(was.spec, settings, *moved))
+                    reach = src.execute(Migrate(was.spec, settings, *moved))
                 except Exception as e:
                     log.exception("model %s was lost moving to another device", name)
                     lost = f"{type(e).__name__}: {e}"
@@ -152,7 +152,7 @@ class Routes:
                 if lost is not None:
                     served[name] = replace(was, error=lost)
                 elif home is not src:
-                    served[name] = replace(was, device=home.name)
+                    served[name] = replace(was, device=home.name, max_kv_tokens=reach)
                 held = self._moving.pop(name)
                 if lost is None:
                     for cmd in held:

@@ -9,6 +9,7 @@ import json
 import queue
 import threading
 import time
+from dataclasses import replace
 
 import aiohttp
 import httpx
@@ -18,6 +19,7 @@ from prism_server.config import EngineConfig, ModelSpec
 from prism_server.engine.commands import Call, TransitionRefused
 from prism_server.engine.engine import Engine
 from prism_server.engine.memory_budget import weight_pool_bytes
+from prism_server.served_model import ContextLengthExceeded
 from prism_server.serving.app import serve_in_thread
 from scheduler.sampling_params import SamplingParams
 from scheduler.snapshot import Residency
@@ -68,6 +70,21 @@ def test_models_load_in_config_order_while_they_fit():
         by = {m.name: m for m in snap.models}
         assert by["c"].weight_pages == 0 and by["a"].weight_pages > 0
         assert snap.pool.owned == sum(m.weight_pages + m.kv_pages for m in snap.models)
+        e.check_integrity()
+
+
+def test_a_pinned_models_weights_are_out_of_the_others_reach():
+    """The pages a pinned model's weights hold never come back: a request longer than what
+    the rest of the pool holds is refused when it comes, one that fits it runs to the end."""
+    with Engine(two_at_a_time(pinned="a")) as e:
+        reach = {n: e.model(n).max_kv_tokens for n in NAMES}
+        assert reach["b"] == reach["c"] < reach["a"]  # a: the pool but its own weights
+        prompt = list(range(5, 25))
+        fits = SamplingParams(max_tokens=reach["c"] - len(prompt), temperature=0, ignore_eos=True)
+        with pytest.raises(ContextLengthExceeded):
+            e.generate("c", [prompt], replace(fits, max_tokens=fits.max_tokens + 1))
+        (done,) = e.generate("c", [prompt], fits)
+        assert len(done.token_ids) == fits.max_tokens and states(e)["a"] == "resident"
         e.check_integrity()
 
 
