@@ -36,21 +36,33 @@ class AdapterRegistry:
         # under way (a second ask for one joins the first), and the unloads (a load of the
         # name waits for its unload: the device holds the adapter until its requests end)
         self._bases: dict[str, str] = {}
-        self._loads: dict[str, Future] = {}
+        self._loads: dict[str, tuple[Future, str, str]] = {}  # name -> (its future, path, base)
         self._unloads: dict[str, Future] = {}
         self._lock = threading.Lock()
 
     def start_load(
-        self, name: str, path: str, base: str | None = None, spec: ModelSpec | None = None
+        self,
+        name: str,
+        path: str,
+        base: str | None = None,
+        spec: ModelSpec | None = None,
+        join_any: bool = False,
     ) -> Future:
         """Load the LoRA adapter in directory `path` as model `name`, served by the steps of
         `base` (None: the base its adapter_config.json names, or the only base model); returns
         at once. The future -> its ServedModel, or AdapterError (a bad adapter: nothing served
-        is disturbed), ValueError (a name taken)."""
+        is disturbed), ValueError (a name taken, or being loaded from another path or for
+        another base; join_any: a load of the name under way is joined whatever it loads, as a
+        request naming the adapter wants)."""
         with self._lock:
             pending = self._loads.get(name)
-            if pending is not None:
-                return pending  # (the same name asked twice at once: one load)
+            if pending is not None:  # the same name asked twice at once: one load
+                out, was_path, was_base = pending
+                if join_any or (was_path, was_base) == (str(path), base or was_base):
+                    return out
+                raise ValueError(
+                    f"adapter {name!r} is being loaded from {was_path} for {was_base!r}"
+                )
             if name in self.served:
                 raise ValueError(f"a model named {name!r} is already loaded")
             base = base or self._base_of(name, path)
@@ -68,7 +80,7 @@ class AdapterRegistry:
             cfg = self.config
             cmd = LoadAdapter(base, name, str(path), cfg.max_lora_rank, cfg.max_loras, self.host)
             out: Future = Future()
-            self._loads[name] = out
+            self._loads[name] = (out, str(path), base)
             unloading = self._unloads.get(name)
 
         def loaded(done: Future) -> None:  # (on the engine thread)
@@ -101,6 +113,10 @@ class AdapterRegistry:
             if served is None or not served.spec.is_adapter:
                 raise ModelNotFound(name)
             del self.served[name]
+            if served.failed:  # it never reached a device: nothing there to free
+                gone: Future = Future()
+                gone.set_result(None)
+                return gone
             cmd = UnloadAdapter(served.spec.base, name)
             self._unloads[name] = cmd.done
             # sent under the lock, as requests are (`submit`): one sent before it finishes

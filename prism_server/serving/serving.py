@@ -116,7 +116,8 @@ async def resolve(engine: Engine, name: str) -> ServedModel:
             raise
     try:
         # shielded: a client that goes away does not cancel the load other requests may wait on
-        await asyncio.shield(asyncio.wrap_future(engine.adapters.start_load(name, str(path))))
+        loading = engine.adapters.start_load(name, str(path), join_any=True)
+        await asyncio.shield(asyncio.wrap_future(loading))
     except AdapterError as e:
         raise APIError(400, str(e), param="model", code="invalid_adapter") from None
     except ValueError:  # loaded meanwhile by another request

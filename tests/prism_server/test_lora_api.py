@@ -8,6 +8,7 @@ disturbed. The pool's integrity is checked owner by owner after every test."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import aiohttp
 import httpx
@@ -303,6 +304,58 @@ def test_an_adapter_past_the_host_budget_gets_503_and_the_base_serves_on(setting
         assert r.status_code == 200
         ids = [m["id"] for m in httpx.get(f"{server.url}/v1/models").json()["data"]]
         assert ids == ["base"]
+        server.engine.check_integrity()
+    finally:
+        server.close()
+
+
+def test_loads_of_one_name_at_once_join_only_when_they_load_the_same(server, setting):
+    """Two loads of a name under way at once are one load if they name the same directory
+    and base; another directory is refused, not told it was loaded."""
+    dirs, adapters = setting[1], server.engine.adapters
+    first = adapters.start_load("dup", str(dirs["chat"]))
+    assert adapters.start_load("dup", str(dirs["chat"]), "base") is first
+    with pytest.raises(ValueError, match="being loaded from"):
+        adapters.start_load("dup", str(dirs["sql"]))
+    assert first.result(timeout=60).spec.adapter == str(dirs["chat"])
+    r = httpx.post(f"{server.url}/v1/completions", json={**BODY, "model": "dup"}, timeout=60)
+    assert r.status_code == 200
+    adapters.start_unload("dup").result(timeout=60)
+
+
+def test_an_adapter_that_failed_to_load_unloads_at_once(setting, tmp_path):
+    """Its own directory gone, or its base failed: nothing of it is on a device, so its unload
+    answers at once, and the name can be loaded again."""
+    import torch
+
+    from prism_server.engine.memory_budget import weight_pool_bytes
+
+    dirs = setting[1]
+    base = setting[0].engine.served["base"].spec
+    pinned = replace(base, pinned=True)
+    specs = (
+        pinned,
+        ModelSpec("broken", base.source, block_size=4),  # no room beside the pinned one
+        ModelSpec("gone", base="base", adapter=str(tmp_path / "nothing")),
+        ModelSpec("orphan", base="broken", adapter=str(dirs["sql"])),
+    )
+    room = weight_pool_bytes(base, torch.device("cpu"), PAGE) + 16 * PAGE
+    cfg = EngineConfig(models=specs, device="cpu", page_bytes=PAGE, pool_budget_bytes=room)
+    server = serve_in_thread(Engine(cfg, strict=False))  # as the server starts: failures listed
+    try:
+        url = server.url
+        cards = {m["id"]: m["status"] for m in httpx.get(f"{url}/v1/models").json()["data"]}
+        assert cards["gone"] == cards["orphan"] == cards["broken"] == "failed"
+        for name in ("gone", "orphan"):
+            r = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": name}, timeout=10)
+            assert r.status_code == 200, r.text
+        ids = [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]]
+        assert "gone" not in ids and "orphan" not in ids
+        body = {"lora_name": "orphan", "lora_path": str(dirs["sql"]), "base": "base"}
+        r = httpx.post(f"{url}/v1/load_lora_adapter", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        r = httpx.post(f"{url}/v1/completions", json={**BODY, "model": "orphan"}, timeout=60)
+        assert r.status_code == 200
         server.engine.check_integrity()
     finally:
         server.close()
