@@ -157,9 +157,15 @@ def _single(spec, dev, settings, placed: _Placement, hosts: list) -> tuple[Model
             )
         return evicted
 
+    pinned = {n: m.weights.num_pages for n, m in dev.models.items() if m.pinned and m.weights}
+    beside = (  # pages that never come back
+        f", {sum(pinned.values())} of them the weights of pinned {', '.join(pinned)}"
+        if pinned
+        else ""
+    )
     short = (
-        f"the page pool ({pool.capacity} pages of {pool.page_bytes} bytes) cannot hold the "
-        f"{{nbytes}} bytes of {spec.name}'s weights; raise pool_budget_bytes"
+        f"the page pool ({pool.capacity} pages of {pool.page_bytes} bytes{beside}) cannot hold "
+        f"the {{nbytes}} bytes of {spec.name}'s weights; raise pool_budget_bytes"
     )
     dtype = spec.torch_dtype(dev.device)
     loaded = load_model(

@@ -346,6 +346,7 @@ def test_an_adapter_that_failed_to_load_unloads_at_once(setting, tmp_path):
         url = server.url
         cards = {m["id"]: m["status"] for m in httpx.get(f"{url}/v1/models").json()["data"]}
         assert cards["gone"] == cards["orphan"] == cards["broken"] == "failed"
+        assert "the weights of pinned base" in server.engine.served["broken"].error
         for name in ("gone", "orphan"):
             r = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": name}, timeout=10)
             assert r.status_code == 200, r.text
