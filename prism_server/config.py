@@ -35,7 +35,7 @@ class ModelSpec:
     tpot_slo_ms: float | None = None  # time-per-output-token target
     pinned: bool = False  # always resident (never evicted)
     keep_alive_s: float | None = None  # evict after this long idle (None: only under pressure)
-    max_wait_s: float = 120.0  # a request whose model cannot be made ready by then: 503
+    max_wait_s: float = 120.0  # a request with no first token by then: 503
     # an evict lets running requests finish for this long, then requeues the rest (0: at once)
     drain_timeout_s: float = 5.0
     max_queued_requests: int = 256  # accepted but not started; beyond it: 503

@@ -259,7 +259,8 @@ async def _first_output(choices: list[Choice], idle) -> None:
         waited = time.monotonic() - stream.arrival
         if waited >= limit:
             raise overloaded(
-                f"`{stream.model}` could not be made ready within {limit:g} s; retry later."
+                f"`{stream.model}` gave no first token within {limit:g} s (the server is busy "
+                "or moving models); retry later."
             )
         waiters = [asyncio.ensure_future(c.stream.ready.wait()) for c in choices]
         try:
