@@ -1,18 +1,14 @@
 """The OpenAI wire protocol. Nothing else in the server knows the JSON shapes.
 
 requests.py   request models (fields in the order of the OpenAI reference), their checks, and
-              their conversion into `SamplingParams`
+              their conversion into `SamplingParams`; chat_requests.py: chat's and /tokenize's
 responses.py  the error envelope, whole responses and stream chunks, usage, logprobs
 """
 
 from __future__ import annotations
 
-from prism_server.serving.protocol.requests import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    TokenizeRequest,
-)
+from prism_server.serving.protocol.chat_requests import ChatCompletionRequest, TokenizeRequest
+from prism_server.serving.protocol.requests import CompletionRequest, DetokenizeRequest
 from prism_server.serving.protocol.responses import (
     APIError,
     ChatShapes,
