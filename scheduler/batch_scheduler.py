@@ -112,6 +112,14 @@ class BatchScheduler:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.config.block_size)
 
+    def blocks_to_start(self, req: Request) -> int:
+        """The free blocks `req` needs to start now: its tokens' and its first output's, or
+        under a reserve (reserve_output_tokens) its prompt's and reserved output's beside what
+        the running requests still reserve (admission's own test)."""
+        if self.config.reserve_output_tokens:
+            return self._reserved() + self._future_blocks(req)
+        return max(self.blocks_needed(req.num_tokens + 1) - len(req.block_table), 0)
+
     def fits(self, num_tokens: int) -> bool:
         """Whether a request of num_tokens could ever hold its KV (all pages mapped)."""
         return self.blocks_needed(num_tokens) <= self.blocks.capacity_blocks

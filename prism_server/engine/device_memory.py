@@ -242,7 +242,7 @@ class DeviceMemory:
         first = next((r for r in waiting if r.first_scheduled_time is None), None)
         if first is None and waiting:  # a preempted request's recompute
             first = waiting[0]
-        blocks = m.scheduler.blocks_needed(first.num_tokens + 1) if first is not None else 1
+        blocks = m.scheduler.blocks_to_start(first) if first is not None else 1
         offloaded = m.residency is Residency.OFFLOADED
         return balloon.pages_needed(
             blocks, a.num_free_blocks, a.bpp, m.weights.num_pages if offloaded else 0
@@ -266,15 +266,16 @@ class DeviceMemory:
         resort = self.policy.last_resort(state, self.starved, self.taker, now)
         if resort is None:
             return
-        short = [  # a split model: its shards' devices whose pools have no page free
+        wanted = max(self._pages_needed(m), 1)
+        short = [  # a split model: its shards' devices whose pools have not the pages it needs
             d
             for d, c in zip(m.shard_devices, m.kv.caches[1:])
-            if not c.pages.pool.available_to(m.name)
+            if c.pages.pool.available_to(m.name) < wanted
         ]
         for device in short:
-            self._ask_for_room(device, 1, m.name, now)
-        if short and self.pool.available_to(m.name):
-            return  # the page it waits for is on those devices, not here
+            self._ask_for_room(device, wanted, m.name, now)
+        if short and self.pool.available_to(m.name) >= wanted:
+            return  # the pages it waits for are on those devices, not here
         if self.evict_idle_adapter(m.name):  # the cheapest pages first: one move per step
             return
         if self.evict_parked_adapter(m):  # then its own adapters whose requests all wait

@@ -133,6 +133,32 @@ def test_a_split_model_under_the_control_loop_beside_models_that_move(tmp_path):
         e.check_integrity()
 
 
+def test_a_split_model_short_on_its_other_device_gets_idle_models_evicted_there():
+    """Each device holds two idle models' weights and a shard of the split one, the second one
+    a single page free: the split model's request needs more there, so that device evicts an
+    idle model for it (not the lead device, whose pages are not what it waits for)."""
+    import threading
+
+    tiny = [ModelSpec(n, "dummy:tiny-llama", block_size=4, seed=i) for i, n in enumerate("abcd")]
+    split = ModelSpec("t", "dummy:tiny-llama", block_size=4, tensor_parallel=2)
+    cfg = EngineConfig(
+        models=(*tiny, split), device="cpu", devices=2, page_bytes=PAGE, pool_budget_bytes=27 * PAGE
+    )
+    with Engine(cfg) as e:
+        lead = e.served["t"].device
+        other = next(w for w in e.workers if w.name != lead)
+        assert other.pool.num_available <= 1  # (the set-up: its last page)
+        params = SamplingParams(max_tokens=186, temperature=0, ignore_eos=True)
+        out: list = []
+        run = threading.Thread(target=lambda: out.extend(e.generate("t", [[5] * 179], params)))
+        run.start()
+        run.join(timeout=60)
+        assert out and len(out[0].token_ids) == 186
+        residency = {m.name: m.residency.value for m in other.snapshot_now().models}
+        assert "offloaded" in residency.values()  # an idle model there made the room
+        e.check_integrity()
+
+
 @pytest.mark.parametrize("policy", ["static", "swap"])
 def test_the_baselines_serve_a_split_model(tmp_path, policy):
     """Static partitions (every model resident, a KV quota each) and time-sharing swaps (the

@@ -159,3 +159,24 @@ def test_reserving_the_output_admits_only_what_can_finish_without_preemption():
             assert most == 4  # 4 x 32 tokens fill the pool exactly
         kv.check_integrity()
         assert not kv.used
+
+
+def test_blocks_to_start_is_what_admission_asks_for():
+    """The balloon asks the pool for what the scheduler's admission will test: without a
+    reserve a request's tokens and one more (its first output's, so that it does not stop at
+    once), with one its reserved output beside what the running requests still reserve."""
+    for reserve, want in ((0, 3), (64, 8)):  # 8 + 1 tokens: 3 blocks; 8 + 24: 8
+        s, _ = make(pages=8, reserve_output_tokens=reserve)
+        s.add(Request("a", list(range(1, 9)), SamplingParams(max_tokens=24), frozenset(), 0))
+        assert s.blocks_to_start(s.waiting[0]) == want
+        run_step(s)
+        s.add(Request("b", list(range(1, 9)), SamplingParams(max_tokens=24), frozenset(), 0))
+        held = 8 - len(s.running[0].block_table) if reserve else 0  # a's output to come
+        assert s.blocks_to_start(s.waiting[0]) == want + held
+        tight = want - (1 if reserve else 2)  # (without a reserve: 8 tokens prefill in 2)
+        for blocks, starts in ((tight, False), (want, True)):
+            s, kv = make(pages=blocks, blocks_per_page=1, reserve_output_tokens=reserve)
+            s.add(Request("c", list(range(1, 9)), SamplingParams(max_tokens=24), frozenset(), 0))
+            assert s.blocks_to_start(s.waiting[0]) == want
+            assert bool(s.schedule(now=1.0)) is starts
+            kv.check_integrity()
