@@ -157,7 +157,7 @@ class OpenAIRoutes:
         choices = await serving.submit_choices(
             self.frontend, served, [ids], [max_tokens], req, req.num_logprobs, grammar, rid
         )
-        fmt = LogprobFormatter(served.tokenizer)
+        fmt = LogprobFormatter(served.tokenizer, req.skip_special_tokens)
         shapes = ChatShapes(
             rid,
             req.model,
@@ -185,7 +185,7 @@ class OpenAIRoutes:
         choices = await serving.submit_choices(
             self.frontend, served, prompts, max_tokens, req, req.logprobs, grammar, rid
         )
-        fmt = LogprobFormatter(served.tokenizer)
+        fmt = LogprobFormatter(served.tokenizer, req.skip_special_tokens)
         # echo: the prompt as sent (text as it came, token ids decoded; no BOS added)
         echo = [(p if isinstance(p, str) else served.decode(p)) if req.echo else "" for p in raw]
         bos = served.tokenizer.bos_token_id

@@ -74,3 +74,19 @@ def test_min_tokens_holds_back_stop_strings_as_it_holds_eos():
     _, _, outs = _stream(text, stop=("stop",), min_tokens=len("ab stop") + 1)
     assert "".join(o.new_text for o in outs) == "ab stop cd "
     assert outs[-1].finish_reason == FinishReason.STOP
+
+
+def test_text_offsets_count_the_text_a_skipped_special_token_leaves_out():
+    from prism_server.serving.protocol import LogprobFormatter
+
+    tok = ByteTokenizer(vocab_size=300)
+    ids = tok("hi", add_special_tokens=False).input_ids
+    lps = [TokenLogprob(i, -1.0, []) for i in [*ids, 0, *ids]]  # 0: <pad>, a special token
+    text = tok.decode([*ids, 0, *ids], skip_special_tokens=True)
+    fmt = LogprobFormatter(tok)
+    got = fmt.completion(lps, 0)
+    assert text == "hihi" and got["tokens"][2] == "<pad>"
+    assert got["text_offset"] == [0, 1, 2, 2, 3]  # the pad's: where the next text starts
+    assert fmt.text_length(lps) == len(text)
+    kept = LogprobFormatter(tok, skip_special=False)
+    assert kept.completion(lps, 0)["text_offset"][-1] == len(tok.decode([*ids, 0, ids[0]]))

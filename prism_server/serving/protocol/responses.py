@@ -111,10 +111,13 @@ def finish_reason(reason: FinishReason | None) -> str | None:
 
 
 class LogprobFormatter:
-    """Token logprobs in chat form ({"content": [...]}) or completions form (parallel lists)."""
+    """Token logprobs in chat form ({"content": [...]}) or completions form (parallel lists).
+    skip_special: the text leaves special tokens out (the request's skip_special_tokens), so
+    their text_offset takes no room."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, skip_special: bool = True):
         self.tokenizer = tokenizer
+        self._no_text = set(getattr(tokenizer, "all_special_ids", ())) if skip_special else set()
 
     def _tok(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
@@ -131,6 +134,10 @@ class LogprobFormatter:
             ]
         }
 
+    def text_length(self, lps: list[TokenLogprob]) -> int:
+        """The characters these tokens take in the text, as `completion` counts them."""
+        return sum(0 if x.token_id in self._no_text else len(self._tok(x.token_id)) for x in lps)
+
     def completion(
         self, lps: list[TokenLogprob | int], text_offset: int, then: dict | None = None
     ) -> dict[str, Any]:
@@ -139,9 +146,10 @@ class LogprobFormatter:
         tokens, offsets = [], []
         for x in lps:
             offsets.append(text_offset)
-            s = self._tok(x if isinstance(x, int) else x.token_id)
+            tid = x if isinstance(x, int) else x.token_id
+            s = self._tok(tid)
             tokens.append(s)
-            text_offset += len(s)
+            text_offset += 0 if tid in self._no_text else len(s)
         out = {
             "tokens": tokens,
             "token_logprobs": [None if isinstance(x, int) else x.logprob for x in lps],
@@ -388,8 +396,7 @@ class CompletionShapes(_Shapes):
             lps = out.logprobs or []
             offset = self._offset.get(index, len(self.echo[index // self.n]))
             lp = self._logprobs(index, c, lps, offset)
-            tokens = lp["tokens"][len(lp["tokens"]) - len(lps) :]
-            self._offset[index] = offset + sum(map(len, tokens))
+            self._offset[index] = offset + self.fmt.text_length(lps)
         self._echoed.add(index)
         return {
             "index": index,
