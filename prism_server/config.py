@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Literal
 
@@ -12,6 +13,7 @@ from models.quantization import check_quantization
 from scheduler.batch_scheduler import SchedulerConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
 @dataclass(frozen=True)
@@ -79,10 +81,17 @@ class ModelSpec:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive")
         for name in ("ttft_slo_ms", "tpot_slo_ms", "keep_alive_s", "max_wait_s"):
-            if getattr(self, name) is not None and getattr(self, name) <= 0:
+            if getattr(self, name) is not None and not getattr(self, name) > 0:  # NaN too
                 raise ValueError(f"{name} must be positive")
-        if self.drain_timeout_s < 0:
+        if not self.drain_timeout_s >= 0:
             raise ValueError("drain_timeout_s must be >= 0")
+        if self.max_cached_pages < 0:
+            raise ValueError("max_cached_pages must be >= 0")
+        if self.pinned and self.keep_alive_s is not None:
+            raise ValueError(
+                f"model {self.name}: a pinned model is never evicted, so keep_alive_s does not "
+                "apply; set one or the other"
+            )
         check_quantization(self.quantization)
         if self.quantization is not None and self.tensor_parallel > 1:
             raise ValueError(
@@ -102,6 +111,11 @@ class ModelSpec:
     def scheduler_config(
         self, model_limit: int, reserve_output_tokens: int = 0, prefix_caching: bool = False
     ) -> SchedulerConfig:
+        if self.max_model_len is not None and self.max_model_len > model_limit:
+            raise ValueError(
+                f"model {self.name}: max_model_len {self.max_model_len} is past the "
+                f"{model_limit} positions the model has"
+            )
         return SchedulerConfig(
             reserve_output_tokens=reserve_output_tokens,
             enable_prefix_caching=prefix_caching,
@@ -175,16 +189,27 @@ class EngineConfig:
             raise ValueError(f"model names must be unique; repeated: {sorted(dup)}")
         if self.page_bytes <= 0:
             raise ValueError("page_bytes must be positive")
+        for name in ("pool_budget_bytes", "kv_budget_bytes", "host_budget_bytes"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")
+        if not _DEVICE.fullmatch(self.device):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        wide = max((m for m in self.models), key=lambda m: m.tensor_parallel, default=None)
+        if wide is not None and wide.tensor_parallel > self.devices:
+            raise ValueError(
+                f"model {wide.name}: tensor_parallel = {wide.tensor_parallel}, but the engine "
+                f"has {self.devices} device(s) (set devices)"
+            )
         if self.pool_budget_bytes is not None and self.kv_budget_bytes is not None:
             raise ValueError("set pool_budget_bytes or kv_budget_bytes, not both")
         if self.reserve_output_tokens is not None and self.reserve_output_tokens < 0:
             raise ValueError("reserve_output_tokens must be >= 0")
-        if self.profile_budget_s is not None and self.profile_budget_s < 0:
+        if self.profile_budget_s is not None and not self.profile_budget_s >= 0:
             raise ValueError("profile_budget_s must be >= 0")
         if self.devices < 1:
             raise ValueError("devices must be at least 1")
-        if self.plan_interval_s <= 0:
-            raise ValueError("plan_interval_s must be positive")
+        if not 0 < self.plan_interval_s < float("inf"):
+            raise ValueError("plan_interval_s must be a positive number of seconds")
         if self.memory_backend not in ("vmm", "tensor"):
             raise ValueError(f"memory_backend must be vmm or tensor, got {self.memory_backend!r}")
         if self.cpu_threads is not None and self.cpu_threads < 1:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -57,7 +58,9 @@ class ServerArgs:
             raise ValueError("api_key must not be empty")
         if self.max_queued_requests < 1:
             raise ValueError("max_queued_requests must be positive")
-        if self.shutdown_timeout_s < 0:
+        if self.max_request_bytes < 1:
+            raise ValueError("max_request_bytes must be positive")
+        if not self.shutdown_timeout_s >= 0:
             raise ValueError("shutdown_timeout_s must not be negative")
         if self.allowed_hosts is not None and any(not h for h in self.allowed_hosts):
             raise ValueError("allowed_hosts must not hold empty names")
@@ -120,6 +123,12 @@ def _read(path: str, origin: str, loads, decode_error: type[Exception], kind: st
         return loads(Path(path).read_text())
     except FileNotFoundError:
         raise ConfigError(f"{origin}: no such file") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{origin}: a directory, not a file") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{origin}: not UTF-8 text") from None
+    except OSError as e:
+        raise ConfigError(f"{origin}: cannot be read: {e.strerror or e}") from None
     except decode_error as e:
         raise ConfigError(f"{origin}: not valid {kind}: {e}") from None
 
@@ -137,7 +146,12 @@ def load_server_args(
             data.setdefault("engine", {})
             if not isinstance(data["engine"], dict):
                 raise ConfigError(f"{origin}: engine must be a table")
+            if "models" in data["engine"]:
+                raise ConfigError(f"{origin}: give the models as [[models]] or [[engine.models]]")
             data["engine"]["models"] = data.pop("models")
+        engine = data.get("engine")
+        if isinstance(engine, dict) and engine.get("models") == []:
+            raise ConfigError(f"{origin}: models is empty (leave it out to serve the defaults)")
     for k, v in overrides.items():
         if v is not None:
             data[k] = v
@@ -150,6 +164,24 @@ def load_server_args(
     if not args.models:
         args = replace(args, engine=replace(args.engine, models=DEFAULT_MODELS))
     return args
+
+
+def check_listen(args: ServerArgs) -> None:
+    """That the server can listen where it is told to and write its request log, before the
+    models load (ConfigError otherwise)."""
+    where = f"{args.host}:{args.port}"
+    try:
+        family = socket.getaddrinfo(args.host, args.port, type=socket.SOCK_STREAM)[0][0]
+        with socket.create_server((args.host, args.port), family=family):
+            pass
+    except OSError as e:
+        raise ConfigError(f"cannot listen on {where}: {e.strerror or e}") from None
+    if args.request_log:
+        try:
+            with open(args.request_log, "a"):
+                pass
+        except OSError as e:
+            raise ConfigError(f"request_log {args.request_log}: {e.strerror or e}") from None
 
 
 def apply_slo_file(args: ServerArgs, path: str) -> ServerArgs:

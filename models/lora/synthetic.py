@@ -73,15 +73,21 @@ def write_adapters(
 
 
 def names_arg(text: str) -> list[str]:
-    """'ft000,ft001' or 'ft{000..099}' (a zero-padded range) -> the names."""
+    """'ft000,ft001' or 'ft{000..099}' (a zero-padded range) -> the names (each a directory
+    name: no path separators)."""
     out: list[str] = []
     for part in (p.strip() for p in text.split(",")):
         if "{" in part and ".." in part and part.endswith("}"):
             prefix, span = part[:-1].split("{", 1)
             lo, hi = span.split("..")
+            if not (lo.isdigit() and hi.isdigit() and int(lo) <= int(hi)):
+                raise ValueError(f"expected a range {{low..high}} of whole numbers: {part!r}")
             out += [f"{prefix}{i:0{len(lo)}d}" for i in range(int(lo), int(hi) + 1)]
         elif part:
             out.append(part)
+    bad = [n for n in out if "/" in n or "\\" in n or n in (".", "..")]
+    if bad:
+        raise ValueError(f"adapter names are directory names, not paths: {bad[0]!r}")
     if not out or len(set(out)) != len(out):
         raise ValueError(f"expected distinct adapter names: {text!r}")
     return out

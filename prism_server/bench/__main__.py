@@ -29,6 +29,42 @@ def _workload_flag(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _positive(kind: type):
+    """An argparse type: a number of `kind` above zero (NaN is not)."""
+
+    def parse(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number: {text!r}") from None
+        if not v > 0:
+            raise argparse.ArgumentTypeError(f"expected a positive number: {text!r}")
+        return v
+
+    return parse
+
+
+_pos_int, _pos_float = _positive(int), _positive(float)
+
+
+def _count(text: str) -> int:
+    """An argparse type: a whole number, zero or more."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number: {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected zero or more: {text!r}")
+    return v
+
+
+def _fraction(text: str) -> float:
+    v = _pos_float(text)
+    if v > 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1]: {text!r}")
+    return v
+
+
 def _floats(text: str) -> list[float]:
     try:
         vals = [float(x) for x in text.split(",") if x.strip()]
@@ -36,7 +72,7 @@ def _floats(text: str) -> list[float]:
         raise argparse.ArgumentTypeError(
             f"expected numbers separated by commas: {text!r}"
         ) from None
-    if not vals or any(v <= 0 for v in vals):
+    if not vals or any(not v > 0 for v in vals):
         raise argparse.ArgumentTypeError("expected positive numbers")
     return vals
 
@@ -57,25 +93,30 @@ def _slo_flags(p: argparse.ArgumentParser) -> None:
         help="fixed SLOs, the same for every model (e.g. 1.5,0.08; no standalone run)",
     )
     g.add_argument("--slo-file", help="JSON: model -> {ttft_s, tpot_s} (no standalone run)")
-    p.add_argument("--k", type=float, default=5.0, help="SLO = k x standalone p99")
-    p.add_argument("--standalone-requests", type=int, default=10)
+    p.add_argument("--k", type=_pos_float, default=5.0, help="SLO = k x standalone p99")
+    p.add_argument("--standalone-requests", type=_pos_int, default=10)
     p.add_argument(
-        "--standalone-max-output", type=int, default=64, help="output cap while measuring alone"
+        "--standalone-max-output",
+        type=_pos_int,
+        default=64,
+        help="output cap while measuring alone",
     )
 
 
 def _server_flags(p: argparse.ArgumentParser) -> None:
     """What the servers a sweep starts and its runs share."""
-    p.add_argument("--target", type=float, default=0.99, help="joint SLO attainment to keep")
+    p.add_argument("--target", type=_fraction, default=0.99, help="joint SLO attainment to keep")
     p.add_argument(
-        "--budget-s", type=float, help="wall-clock limit: runs that would end past it are skipped"
+        "--budget-s",
+        type=_pos_float,
+        help="wall-clock limit: runs that would end past it are skipped",
     )
     p.add_argument(
         "--stop-early",
         action="store_true",
         help="end a run once more requests missed their SLOs than the target allows",
     )
-    p.add_argument("--sample-interval", type=float, default=0.25, help="status poll, seconds")
+    p.add_argument("--sample-interval", type=_pos_float, default=0.25, help="status poll, seconds")
     p.add_argument("--startup-timeout", type=float, default=900.0)
     p.add_argument("--settle", type=float, default=1.0, help="quiet seconds between runs")
     p.add_argument("--no-plots", action="store_true")
@@ -101,9 +142,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r = sub.add_parser("run", help="replay a workload against a running server")
     r.add_argument("--url", default="http://127.0.0.1:8000", help="the server to measure")
     _workload_flag(r)
-    r.add_argument("--rate-scale", type=float, default=1.0, help="replay at this x the rate")
-    r.add_argument("--ttft-slo-ms", type=float, default=1000.0)
-    r.add_argument("--tpot-slo-ms", type=float, default=100.0)
+    r.add_argument("--rate-scale", type=_pos_float, default=1.0, help="replay at this x the rate")
+    r.add_argument("--ttft-slo-ms", type=_pos_float, default=1000.0)
+    r.add_argument("--tpot-slo-ms", type=_pos_float, default=100.0)
     r.add_argument("--slo-file", help="JSON: model -> {ttft_s, tpot_s} (overrides the flags)")
     r.add_argument("--api-key")
     r.add_argument("--json", help="write the report (and every request's record) here")
@@ -112,9 +153,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s = sub.add_parser("standalone", help="each model alone: p99 TTFT / TPOT and SLOs")
     s.add_argument("--url", default="http://127.0.0.1:8000")
     _workload_flag(s)
-    s.add_argument("--requests", type=int, default=10, help="per model, after a warm-up")
-    s.add_argument("--k", type=float, default=5.0, help="SLO = k x the standalone p99")
-    s.add_argument("--max-output", type=int, default=64, help="output cap while measuring")
+    s.add_argument("--requests", type=_pos_int, default=10, help="per model, after a warm-up")
+    s.add_argument("--k", type=_pos_float, default=5.0, help="SLO = k x the standalone p99")
+    s.add_argument("--max-output", type=_pos_int, default=64, help="output cap while measuring")
     s.add_argument("--api-key")
     s.add_argument("--out", help="write {standalone, slos} JSON here")
 
@@ -126,8 +167,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--policies", default="prism,static,swap", help="comma-separated (default: all three)"
     )
     w.add_argument("--scales", type=_floats, default=[1.0, 2.0, 4.0], help="e.g. 0.5,1,2,4")
-    w.add_argument("--refine", type=int, default=0, help="bisection steps after the scales")
-    w.add_argument("--keep-going", type=int, default=0, help="scales tried after a failure")
+    w.add_argument("--refine", type=_count, default=0, help="bisection steps after the scales")
+    w.add_argument("--keep-going", type=_count, default=0, help="scales tried after a failure")
     w.add_argument(
         "--static-subset",
         help="static serves part of the fleet: `auto` (the busiest models that fit its pool, "
@@ -143,9 +184,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument(
         "--policies", default="prism,static,swap", help="comma-separated (default: all three)"
     )
-    c.add_argument("--scale", type=float, default=1.0, help="each run at this x the rate")
-    c.add_argument("--start", type=int, default=1, help="the first number of models")
-    c.add_argument("--step", type=int, default=1, help="models added each time")
+    c.add_argument("--scale", type=_pos_float, default=1.0, help="each run at this x the rate")
+    c.add_argument("--start", type=_pos_int, default=1, help="the first number of models")
+    c.add_argument("--step", type=_pos_int, default=1, help="models added each time")
     _slo_flags(c)
     _server_flags(c)
 
@@ -186,11 +227,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _slo_file(path: str) -> dict[str, dict]:
-    data = json.loads(Path(path).read_text())
-    data = data.get("slos", data)
+    """{model: {ttft_s, tpot_s}} (or that under "slos"), each a positive number of seconds."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON: {e}") from None
+    data = data.get("slos", data) if isinstance(data, dict) else data
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected an object of model -> {{ttft_s, tpot_s}}")
     for model, s in data.items():
-        if not {"ttft_s", "tpot_s"} <= set(s):
-            raise ValueError(f"{path}: {model} needs ttft_s and tpot_s")
+        ok = isinstance(s, dict) and all(
+            isinstance(s.get(k), (int, float)) and s[k] > 0 for k in ("ttft_s", "tpot_s")
+        )
+        if not ok:
+            raise ValueError(f"{path}: {model} needs ttft_s and tpot_s, positive seconds")
     return data
 
 
@@ -221,6 +271,10 @@ def _run(args) -> int:
         Path(args.json).write_text(json.dumps(rep, indent=2))
     if args.markdown:
         Path(args.markdown).write_text(table + "\n")
+    failed = [r.error for r in results if r.error is not None]
+    if results and len(failed) == len(results):  # no measurement: say why, and fail
+        print(f"error: every request failed, the first with: {failed[0]}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -261,6 +315,10 @@ def _policies(text: str) -> list[str]:
 def _sweep_config(args, rows, **more):
     from prism_server.bench.sweep import SweepConfig
 
+    owned = ("--policy", "--port", "--host", "--config", "--slo-file", "--request-log", "serve")
+    for a in args.server_arg:
+        if a.split("=", 1)[0] in owned:
+            raise ValueError(f"--server-arg {a}: the sweep sets it itself, for each run")
     return SweepConfig(
         workload=args.workload,
         out=args.out,

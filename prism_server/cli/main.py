@@ -184,7 +184,7 @@ def generate(args: argparse.Namespace) -> int:
 
 def serve(args: argparse.Namespace) -> int:
     from prism_server import logs
-    from prism_server.server_args import ConfigError, load_server_args
+    from prism_server.server_args import ConfigError, check_listen, load_server_args
     from prism_server.serving.app import serve as serve_app
 
     logs.configure(args.log_format or "text")
@@ -214,6 +214,7 @@ def serve(args: argparse.Namespace) -> int:
         if args.lora_dirs:
             eng = replace(sargs.engine, lora_dirs=tuple(args.lora_dirs))
             sargs = replace(sargs, engine=eng)
+        check_listen(sargs)
         engine = Engine(sargs.engine, strict=False)  # a broken model must not stop the rest
     except (ConfigError, ValueError, FileNotFoundError, MissingPackage) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -282,8 +283,22 @@ def make_adapters(args: argparse.Namespace) -> int:
     return 0
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line; serve's flags may come before `serve` and after it alike (both
+    count: the command word only says which command), another command's only after it."""
+    parser = _parser()
+    given = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(given)
+    if args.command == "serve":
+        i = given.index("serve")
+        args = parser.parse_args(given[:i] + given[i + 1 :])
+    elif args.command is not None and given[0] != args.command:
+        parser.error(f"the flags before `{args.command}` are serve's; give its own after it")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = parse_args(argv)
     if args.command == "generate":
         return generate(args)
     if args.command == "bench":

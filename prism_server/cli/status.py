@@ -36,8 +36,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", default="http://127.0.0.1:8000", help="the server (default: local)")
     p.add_argument("--api-key", help="the server's API key, if it has one")
     p.add_argument("--watch", action="store_true", help="redraw every second until Ctrl-C")
-    p.add_argument("--interval", type=float, default=1.0, help="--watch period in seconds")
+    p.add_argument(
+        "--interval", type=_period, default=1.0, help="--watch period in seconds (above 0)"
+    )
     p.add_argument("--json", action="store_true", help="print the status document as JSON")
+
+
+def _period(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds: {text!r}") from None
+    if not 0 < v < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected seconds above 0: {text!r}")
+    return v
 
 
 def fetch(url: str, api_key: str | None = None, timeout: float = 10.0) -> dict:
@@ -45,7 +57,10 @@ def fetch(url: str, api_key: str | None = None, timeout: float = 10.0) -> dict:
     if api_key:
         req.add_header("Authorization", f"Bearer {api_key}")
     with urllib.request.urlopen(req, timeout=timeout) as r:
-        return json.load(r)
+        doc = json.load(r)
+    if not isinstance(doc, dict) or doc.get("object") != "status" or "devices" not in doc:
+        raise ValueError("the answer is not a Prism server's status")
+    return doc
 
 
 def size(n: float) -> str:

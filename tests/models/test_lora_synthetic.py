@@ -20,6 +20,12 @@ def test_names_as_a_list_or_a_range():
     assert names_arg("ft{008..011},x") == ["ft008", "ft009", "ft010", "ft011", "x"]
     with pytest.raises(ValueError, match="distinct"):
         names_arg("a,a")
+    for bad in ("../escape", "a/b", ".."):  # each is a directory of --out, never elsewhere
+        with pytest.raises(ValueError, match="not paths"):
+            names_arg(bad)
+    for bad in ("ft{05..02}", "a{1..}"):
+        with pytest.raises(ValueError, match="range"):
+            names_arg(bad)
 
 
 def test_made_adapters_read_back_against_their_base(tmp_path, capsys):
