@@ -239,7 +239,9 @@ def _moved(spec, dev, settings, placed: _Placement, old: ModelWorker, host: Host
     place = placed.placer(dev.pool, f"{spec.name}/weights", short)
     model = empty_model(model0.config, dtype, dev.device, place, spec.quantization)
     host.retarget(dev.device)
+    start = time.perf_counter()
     host.load(placed.buffers[0].bytes())
+    took = time.perf_counter() - start
     sched, tok = old.scheduler.config, old.outputs.tokenizer
     worker = _worker(
         spec,
@@ -254,6 +256,7 @@ def _moved(spec, dev, settings, placed: _Placement, old: ModelWorker, host: Host
         profile=False,  # its latency model comes with its history (inherit)
     )
     worker.inherit(old)
+    worker.count_activation(took)  # (its weights came in from the host copy, as they do then)
     return worker, _loaded(worker, model0.config, tok, sched, [])
 
 

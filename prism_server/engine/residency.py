@@ -191,15 +191,20 @@ class ModelResidency:
             self._fail_waiters(e)
             raise
         took = time.perf_counter() - self._activation_started
+        self.count_activation(took)
+        self.last_used = time.monotonic()
+        self.evicted_for = None
+        self._enter(Residency.RESIDENT)
+        log.info("activated %s in %.3f s", self.name, took)
+
+    def count_activation(self, took: float) -> None:
+        """One more activation of `took` seconds: its weights copied in from the host copy (an
+        activation's copy, or a move's to this device)."""
         self.activations += 1
         self.activation_seconds += took
         self.last_activation_s = took
         self.activation_buckets[bisect.bisect_left(ACTIVATION_BUCKETS, took)] += 1
         self.bytes_activated += self.weights.nbytes
-        self.last_used = time.monotonic()
-        self.evicted_for = None
-        self._enter(Residency.RESIDENT)
-        log.info("activated %s in %.3f s", self.name, took)
 
     def leave_device(self) -> HostCopy:
         """An offloaded model with no request gives back everything it holds on its device (its

@@ -103,7 +103,9 @@ def test_an_offloaded_model_moves_to_another_device_and_serves_the_same_tokens_t
         src, dst = e.served["a"].device, _other(e, "a")
         requests = e.model_snapshot("a").requests_total
         _offload_for_room(e, "a")
+        activations = e.model_snapshot("a").activations
         assert e.migrate("a", dst)
+        assert e.model_snapshot("a").activations == activations + 1  # its weights came in
         assert e.served["a"].device == dst
         where = {s.device: {m.name for m in s.models} for s in e.snapshots()}
         assert "a" in where[dst] and "a" not in where[src]
