@@ -194,7 +194,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be positive")
         if not _DEVICE.fullmatch(self.device):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
-        wide = max((m for m in self.models), key=lambda m: m.tensor_parallel, default=None)
+        wide = max(self.models, key=lambda m: m.tensor_parallel, default=None)
         if wide is not None and wide.tensor_parallel > self.devices:
             raise ValueError(
                 f"model {wide.name}: tensor_parallel = {wide.tensor_parallel}, but the engine "

@@ -33,7 +33,7 @@ from prism_server.engine.commands import (
     TransitionRefused,
     UnloadAdapter,
 )
-from prism_server.engine.loading import Loaded, build_worker
+from prism_server.engine.loading import Loaded, build_worker, pinned_weight_pages
 from prism_server.engine.model_worker import ModelWorker
 from scheduler.policy import static_quota
 from scheduler.snapshot import Residency
@@ -87,7 +87,7 @@ def limit_reach(w: DeviceWorker) -> None:
     """Each model's KV capped at the pages it can ever map here: the pool's but for its own
     weights and the other pinned models' (they never leave), so that a request longer than that
     is refused when it comes (ServedModel.check) rather than waiting for pages that never come."""
-    pinned = {n: m.weights.num_pages for n, m in w.models.items() if m.pinned and m.weights}
+    pinned = pinned_weight_pages(w)
     for m in w.models.values():
         others = sum(p for n, p in pinned.items() if n != m.name)
         if others and m.weights is not None and not m.shard_devices:

@@ -266,7 +266,8 @@ class DeviceMemory:
         resort = self.policy.last_resort(state, self.starved, self.taker, now)
         if resort is None:
             return
-        wanted = max(self._pages_needed(m), 1)
+        needed = self._pages_needed(m)  # (unchanged below: each move returns at once)
+        wanted = max(needed, 1)
         short = [  # a split model: its shards' devices whose pools have not the pages it needs
             d
             for d, c in zip(m.shard_devices, m.kv.caches[1:])
@@ -285,7 +286,7 @@ class DeviceMemory:
                 self.taker = m.name  # evicted (stalled too) must not take them straight back
             return
         others = [o for o in serving if o is not m and o not in starved]
-        need = max(self._pages_needed(m) - self.pool.available_to(m.name), 0)
+        need = max(needed - self.pool.available_to(m.name), 0)
         got = preempt_one(others if resort.new_work else [], f"{m.name}'s new work", need)
         if got is not None:
             owner, freed = got

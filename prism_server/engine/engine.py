@@ -96,7 +96,7 @@ class Engine:
                 log.error("model %s failed to load: %s", spec.name, e)
                 self.served[spec.name] = ServedModel(spec, error=f"{type(e).__name__}: {e}")
         for dev in self._workers:
-            try:  # static: the KV room beside the weights in fixed equal quotas, never reclaimed
+            try:  # each model's reach (static: the room beside the weights in equal, fixed quotas)
                 max_kv = dev.execute(Partition() if self.policy.all_resident else KVReach())
             except MemoryError:
                 self.close()

@@ -145,6 +145,11 @@ def build_worker(
     return worker, loaded
 
 
+def pinned_weight_pages(dev) -> dict[str, int]:
+    """The weight pages of dev's pinned models: pages that never come back to its pool."""
+    return {n: m.weights.num_pages for n, m in dev.models.items() if m.pinned and m.weights}
+
+
 def _single(spec, dev, settings, placed: _Placement, hosts: list) -> tuple[ModelWorker, Loaded]:
     pool = dev.pool
 
@@ -157,7 +162,7 @@ def _single(spec, dev, settings, placed: _Placement, hosts: list) -> tuple[Model
             )
         return evicted
 
-    pinned = {n: m.weights.num_pages for n, m in dev.models.items() if m.pinned and m.weights}
+    pinned = pinned_weight_pages(dev)
     beside = (  # pages that never come back
         f", {sum(pinned.values())} of them the weights of pinned {', '.join(pinned)}"
         if pinned

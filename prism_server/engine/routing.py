@@ -51,12 +51,7 @@ class Routes:
         most KV room beside the weights, config order breaking ties; and, for a model split
         over spec.tensor_parallel devices, the devices after it (its other shards').
         weight_of(name): a placed model's weight bytes."""
-        workers = self.workers
-        if spec.tensor_parallel > len(workers):
-            raise ValueError(
-                f"{spec.name}: tensor_parallel = {spec.tensor_parallel}, but the engine has "
-                f"{len(workers)} device(s) (set devices)"
-            )
+        workers = self.workers  # (EngineConfig checked that a split model's devices exist)
         dev = workers[0]
         if len(workers) > 1:
             cap = {w.name: w.pool.capacity * w.pool.page_bytes for w in workers}
@@ -140,7 +135,7 @@ class Routes:
             except Exception:
                 log.exception("moving %s to %s failed: it stays on %s", name, dst.name, src.name)
                 try:
-                    reach = src.execute(Migrate(was.spec, settings, *moved))
+                    src.execute(Migrate(was.spec, settings, *moved))
                 except Exception as e:
                     log.exception("model %s was lost moving to another device", name)
                     lost = f"{type(e).__name__}: {e}"

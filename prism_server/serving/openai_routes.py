@@ -92,18 +92,11 @@ class OpenAIRoutes:
         served = serving.lookup(self.engine, req.model)
         if req.messages is not None:
             chat = req.chat()
-            messages, tool_defs = chat.chat_messages(), chat.tool_defs()
+            messages = chat.chat_messages()
             special = bool(req.add_special_tokens)
 
             def encode() -> list[int]:
-                ids = served.encode_chat(
-                    messages,
-                    chat.add_generation_prompt,
-                    tool_defs,
-                    chat.uses_tools,
-                    chat.continue_final_message,
-                    chat.chat_template_kwargs,
-                )
+                ids = _encode_chat(served, chat, messages)
                 if special and served.tokenizer.bos_token_id is not None:
                     ids = [served.tokenizer.bos_token_id, *ids]
                 return ids
@@ -140,16 +133,7 @@ class OpenAIRoutes:
         req = await serving.parse(request, ChatCompletionRequest)
         served = await serving.resolve(self.engine, req.model)
         messages = req.chat_messages()
-        ids = await serving.off_loop(
-            lambda: served.encode_chat(
-                messages,
-                req.add_generation_prompt,
-                req.tool_defs(),
-                req.uses_tools,
-                req.continue_final_message,
-                req.chat_template_kwargs,
-            )
-        )
+        ids = await serving.off_loop(lambda: _encode_chat(served, req, messages))
         max_tokens = serving.check(served, len(ids), req)
         tool_format = served.tool_format if req.calls_tools else None
         grammar = await serving.compile_grammar(served, req, tool_format, served.thinks)
@@ -194,3 +178,16 @@ class OpenAIRoutes:
             rid, req.model, fmt, req.logprobs is not None, echo, req.n, bos_added
         )
         return await serving.respond(request, req, choices, shapes, sum(map(len, prompts)))
+
+
+def _encode_chat(served, chat: ChatCompletionRequest, messages: list[dict]) -> list[int]:
+    """A chat's prompt tokens: its messages (`chat.chat_messages()`) through the model's
+    template with the chat's tools and template arguments (takes a while: off the loop)."""
+    return served.encode_chat(
+        messages,
+        chat.add_generation_prompt,
+        chat.tool_defs(),
+        chat.uses_tools,
+        chat.continue_final_message,
+        chat.chat_template_kwargs,
+    )

@@ -13,15 +13,19 @@ from prism_server.grammar import GrammarSpec
 from prism_server.serving.protocol.requests import Body, SamplingFields
 from prism_server.serving.protocol.responses import APIError
 
+# messages and tools: types as strict as a body's; fields they do not use are ignored (a client
+# sends back the assistant messages it was given, with their extra fields)
+_KEEPS_EXTRA = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
 
 class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+    model_config = _KEEPS_EXTRA
     type: str
     text: str | None = None
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+    model_config = _KEEPS_EXTRA
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -40,7 +44,7 @@ class ChatMessage(BaseModel):
 
 
 class FunctionDef(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+    model_config = _KEEPS_EXTRA
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     description: str | None = None
     parameters: dict[str, Any] | None = None
@@ -51,7 +55,7 @@ class FunctionDef(BaseModel):
 
 
 class Tool(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+    model_config = _KEEPS_EXTRA
     type: Literal["function"]
     function: FunctionDef
 
